@@ -1,0 +1,204 @@
+"""Run arguments with the Hugging Face scripts' names, parsed from the command line or one .json/.yaml file.
+
+Every flag has a default that works: `python -m spmdlm.launch` with no data flags trains GPT-2 tiny on the embedded
+corpus (the Python standard library) with the QUICKSTART settings below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ArgumentError(ValueError):
+    """A flag value that cannot work, with the fix in the message."""
+
+
+def _field(default, help: str, **kw):
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunArgs:
+    # -- model ---------------------------------------------------------------------------------------------------
+    model_type: str = _field("gpt2", "gpt2 (t5 once it lands); a value naming no architecture defers to the config")
+    config_name: str | None = _field(None, "preset name in models/, a JSON file, or an HF config directory")
+    model_name_or_path: str | None = _field(None, "initialise from a transformers checkpoint directory")
+    tokenizer_name: str | None = _field(None, "a tokenizer.json file or an HF tokenizer directory; default: train one")
+    vocab_size: int | None = _field(None, "vocabulary of a tokenizer trained here (default: the config's)")
+    dtype: str = _field("float32", "compute dtype: float32 or bfloat16 (parameters and optimizer stay float32)")
+    cache_dir: str | None = _field(None, "where tokenized data is cached (default ~/.cache/spmdlm)")
+    # -- data ----------------------------------------------------------------------------------------------------
+    train_file: str | None = _field(None, "txt/json/jsonl/csv files, comma-separated, globs allowed")
+    validation_file: str | None = _field(None, "held-out files; default: a hash split of the training documents")
+    validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
+    block_size: int | None = _field(None, "CLM example length (default: min(1024, n_positions))")
+    max_seq_length: int | None = _field(None, "encoder length for MLM/T5/BART (default: the model's maximum)")
+    max_train_samples: int | None = _field(None, "cap on training examples (after chunking)")
+    max_eval_samples: int | None = _field(None, "cap on evaluation examples (after chunking)")
+    overwrite_cache: bool = _field(False, "re-tokenize even when a cache exists")
+    # -- run control ---------------------------------------------------------------------------------------------
+    output_dir: str = _field("runs/gpt2-tiny-stdlib", "where checkpoints, logs, metrics and the export go")
+    overwrite_output_dir: bool = _field(False, "start afresh in a non-empty output dir instead of refusing")
+    do_train: bool | None = _field(None, "train (default: on unless only --do_eval is given)")
+    do_eval: bool | None = _field(None, "evaluate (default: on unless only --do_train is given)")
+    num_train_epochs: float = _field(3.0, "epochs, fractions allowed; --max_steps wins")
+    max_steps: int = _field(-1, "total optimizer steps; -1 = from epochs")
+    per_device_train_batch_size: int = _field(8, "examples per batch-axis device per micro-step")
+    per_device_eval_batch_size: int = _field(8, "examples per batch-axis device in evaluation")
+    gradient_accumulation_steps: int = _field(1, "micro-steps per optimizer step")
+    logging_steps: int = _field(500, "log train metrics every N steps")
+    eval_steps: int | None = _field(None, "evaluate every N steps (default: --logging_steps)")
+    save_steps: int = _field(500, "checkpoint every N steps")
+    save_total_limit: int | None = _field(None, "keep at most N checkpoints")
+    seed: int = _field(42, "seed for init, shuffling, objectives and dropout")
+    # -- optimisation --------------------------------------------------------------------------------------------
+    learning_rate: float = _field(5e-5, "peak learning rate")
+    weight_decay: float = _field(0.0, "decoupled weight decay (not on biases and norm scales)")
+    adam_beta1: float = _field(0.9, "AdamW beta1")
+    adam_beta2: float = _field(0.999, "AdamW beta2")
+    adam_epsilon: float = _field(1e-8, "AdamW epsilon")
+    adafactor: bool = _field(False, "Adafactor (factored second moments) instead of AdamW")
+    max_grad_norm: float = _field(1.0, "clip gradients to this global norm; 0 = off")
+    warmup_steps: int = _field(0, "linear warmup steps")
+    lr_scheduler_type: str = _field("linear", "linear | cosine | constant")
+    gradient_checkpointing: bool = _field(False, "recompute each block in the backward pass (remat)")
+    z_loss: float = _field(0.0, "T5X z-loss coefficient (log-partition regulariser) for bf16 stability")
+    # -- mesh and hosts ------------------------------------------------------------------------------------------
+    mesh: str = _field("data=-1", "device mesh, e.g. data=8 or data=2,fsdp=2,tensor=2; one axis may be -1")
+    coordinator_address: str | None = _field(None, "multi-host: host:port of process 0")
+    num_processes: int | None = _field(None, "multi-host: number of processes")
+    process_id: int | None = _field(None, "multi-host: this process's index")
+    # -- output --------------------------------------------------------------------------------------------------
+    export_hf: bool = _field(True, "export to OUTPUT_DIR/hf in transformers format at the end")
+    push_to_hub: bool = _field(False, "upload to the Hugging Face Hub (needs network)")
+    hub_model_id: str | None = _field(None, "Hub repository name")
+    hub_token: str | None = _field(None, "Hub token")
+    # accepted for command-line compatibility with the HF scripts; they change nothing here
+    use_fast_tokenizer: bool = _field(True, "accepted for compatibility (tokenizers are always fast)")
+    preprocessing_num_workers: int | None = _field(None, "accepted for compatibility (tokenization is parallel)")
+    keep_linebreaks: bool = _field(True, "accepted for compatibility (documents are whole lines)")
+    dataset_name: str | None = _field(None, "not supported: there is no Hub access; use --train_file")
+    dataset_config_name: str | None = _field(None, "not supported: there is no Hub access; use --train_file")
+    token: str | None = _field(None, "accepted for compatibility")
+    trust_remote_code: bool = _field(False, "accepted for compatibility")
+
+    def replace(self, **changes) -> "RunArgs":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def uses_embedded_corpus(self) -> bool:
+        return self.train_file is None and self.model_name_or_path is None
+
+    @property
+    def training(self) -> bool:
+        return self.do_train is not False and not (self.do_eval and self.do_train is None)
+
+    @property
+    def evaluating(self) -> bool:
+        return self.do_eval is not False and not (self.do_train and self.do_eval is None)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("hub_token"), out.pop("token")  # never write secrets to disk
+        return out
+
+
+# The embedded quickstart: sized to finish on a 2-core CPU in a few minutes. Used for every flag the user did not
+# give when training on the embedded corpus.
+QUICKSTART = dict(
+    config_name="gpt2-tiny", block_size=128, per_device_train_batch_size=4, per_device_eval_batch_size=8,
+    learning_rate=2e-3, warmup_steps=30, weight_decay=0.01, adam_beta2=0.98, max_steps=400, logging_steps=20,
+    eval_steps=100, save_steps=100, max_eval_samples=256, lr_scheduler_type="cosine",
+)
+
+_BOOL_TRUE, _BOOL_FALSE = {"true", "1", "yes", "y", "on"}, {"false", "0", "no", "n", "off"}
+
+
+def _to_bool(text: str) -> bool:
+    if text.lower() in _BOOL_TRUE:
+        return True
+    if text.lower() in _BOOL_FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _base_type(tp):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m spmdlm.launch",
+        description="Pretrain GPT-2 (and T5, RoBERTa, BART as they land) on a device mesh. "
+                    "Flags follow the Hugging Face Flax scripts; one .json/.yaml file of flags also works.",
+    )
+    hints = typing.get_type_hints(RunArgs)
+    for f in dataclasses.fields(RunArgs):
+        tp = _base_type(hints[f.name])
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if tp is bool:
+            # Both `--flag` and `--flag true/false` like HfArgumentParser; `--no_flag` turns it off.
+            parser.add_argument(f"--{f.name}", type=_to_bool, nargs="?", const=True, default=argparse.SUPPRESS,
+                                help=help_text)
+            parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(f"--{f.name}", type=tp, default=argparse.SUPPRESS, help=help_text)
+    return parser
+
+
+def _read_args_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ArgumentError(f"argument file {path} does not exist")
+    text = path.read_text()
+    values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(values, dict):
+        raise ArgumentError(f"argument file {path} must hold a mapping of flag names to values")
+    known = {f.name for f in dataclasses.fields(RunArgs)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ArgumentError(f"argument file {path}: unknown keys {', '.join(unknown)}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
+    """-> (args, names given explicitly). A lone .json/.yaml argument is read as a file of flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and Path(argv[0]).suffix in (".json", ".yaml", ".yml"):
+        given = _read_args_file(Path(argv[0]))
+    else:
+        given = vars(build_parser().parse_args(argv))
+    args = RunArgs(**given)
+    if args.uses_embedded_corpus:
+        args = args.replace(**{k: v for k, v in QUICKSTART.items() if k not in given})
+    return validate(args), set(given)
+
+
+def validate(args: RunArgs) -> RunArgs:
+    if args.dataset_name or args.dataset_config_name:
+        raise ArgumentError("--dataset_name needs the Hugging Face Hub, which spmdlm does not use; "
+                            "download the data yourself and pass --train_file (and --validation_file)")
+    if args.dtype not in ("float32", "bfloat16"):
+        raise ArgumentError(f"--dtype {args.dtype!r} is not supported; use float32 or bfloat16")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "logging_steps", "save_steps"):
+        if getattr(args, name) < 1:
+            raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.eval_steps is None:
+        args = args.replace(eval_steps=args.logging_steps)
+    elif args.eval_steps < 1:
+        raise ArgumentError(f"--eval_steps must be at least 1, got {args.eval_steps}")
+    if not 0 <= args.validation_split_percentage < 100:
+        raise ArgumentError("--validation_split_percentage must be in [0, 100)")
+    if args.num_train_epochs <= 0 and args.max_steps <= 0:
+        raise ArgumentError("--num_train_epochs must be positive (or set --max_steps)")
+    return args

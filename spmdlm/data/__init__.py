@@ -1,0 +1,1 @@
+"""Data: corpus readers, tokenizers, pure-numpy objectives and the Grain pipeline."""

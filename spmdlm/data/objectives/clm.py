@@ -1,0 +1,27 @@
+"""Causal LM (GPT-2): a record of block_size + 1 tokens gives inputs x[:-1] and next-token targets x[1:]."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalLM:
+    block_size: int
+
+    @property
+    def record_length(self) -> int:
+        # One extra token so every one of the block_size positions has a target: no per-block tail loss.
+        return self.block_size + 1
+
+    def __call__(self, record: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+        del rng  # CLM needs no randomness
+        if record.shape != (self.record_length,):
+            raise ValueError(f"CLM record has shape {record.shape}, expected ({self.record_length},)")
+        record = record.astype(np.int32, copy=False)
+        return {"input_ids": record[:-1], "labels": record[1:]}
+
+    def example_spec(self):
+        return {"input_ids": ((self.block_size,), np.int32), "labels": ((self.block_size,), np.int32)}

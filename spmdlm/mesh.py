@@ -1,0 +1,152 @@
+"""Device mesh from `--mesh data=8,fsdp=-1,tensor=1`, and the one logical-axis rule table.
+
+The mesh always has the three axes ("data", "fsdp", "tensor") in that order (unnamed ones get size 1), so every
+rule below is valid on every mesh and a PartitionSpec never names a missing axis.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the batch is split over both: fsdp is data parallelism with sharded weights
+
+# Logical axis name -> mesh axis (or axes). Parameters and activations use separate names so that e.g. the hidden
+# size of a weight can be fsdp-sharded while activations keep it whole.
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),  # fused heads*head_dim output of q/k/v, input of the attention output projection
+    ("kv", None),
+    ("qkv", None),  # the 3 of GPT-2's fused c_attn
+    ("norm", None),
+    ("positions", None),
+    ("relpos_buckets", None),
+    # activations
+    ("batch", BATCH_AXES),
+    ("length", None),
+    ("act_embed", None),
+    ("act_mlp", "tensor"),
+    ("act_heads", "tensor"),
+    ("act_vocab", "tensor"),
+)
+_RULES = dict(LOGICAL_RULES)
+
+
+class MeshError(ValueError):
+    """A --mesh value that cannot describe this machine's devices."""
+
+
+def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
+    """'data=2,fsdp=-1' -> {'data': 2, 'fsdp': 4, 'tensor': 1} for 8 devices, with one-line errors."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = re.fullmatch(r"(\w+)\s*=\s*(-?\d+)", part)
+        if not m:
+            raise MeshError(f"--mesh: cannot read {part!r}; write axis=size pairs such as 'data=2,fsdp=4'")
+        name, size = m.group(1), int(m.group(2))
+        if name not in MESH_AXES:
+            raise MeshError(f"--mesh: unknown axis {name!r}; the axes are {', '.join(MESH_AXES)}")
+        if name in sizes:
+            raise MeshError(f"--mesh: axis {name!r} is given twice")
+        if size == 0 or size < -1:
+            raise MeshError(f"--mesh: {name}={size} is not a size; use a positive number or -1 for 'the rest'")
+        sizes[name] = size
+    if not sizes:
+        raise MeshError("--mesh is empty; give e.g. 'data=-1' to use every device for data parallelism")
+    wildcards = [n for n, s in sizes.items() if s == -1]
+    if len(wildcards) > 1:
+        raise MeshError(f"--mesh: only one axis may be -1, got {', '.join(wildcards)}")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if wildcards:
+        if device_count % fixed:
+            raise MeshError(f"--mesh {spec!r}: {device_count} devices are not divisible by the fixed axes' {fixed}")
+        sizes[wildcards[0]] = device_count // fixed
+    elif fixed != device_count:
+        raise MeshError(
+            f"--mesh {spec!r} needs {fixed} devices but {device_count} are available; "
+            f"make the sizes multiply to {device_count} or use -1 for one axis"
+        )
+    return {name: sizes.get(name, 1) for name in MESH_AXES}
+
+
+def make_mesh(spec: str = "data=-1", devices: list | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh(spec, len(devices))
+    grid = np.array(devices).reshape([sizes[a] for a in MESH_AXES])
+    # Auto axes: Explicit (jax.make_mesh's default here) breaks the embedding gather (DESIGN §11).
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def requested_device_count(spec: str) -> int | None:
+    """Devices a mesh spec needs, or None when it has a -1 (then it adapts to whatever is there)."""
+    sizes = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, size = part.partition("=")
+        try:
+            sizes[name.strip()] = int(size)
+        except ValueError:
+            return None
+    if not sizes or -1 in sizes.values():
+        return None
+    return math.prod(sizes.values())
+
+
+def simulate_cpu_devices(count: int) -> bool:
+    """Ask XLA for `count` host devices; must run before JAX initialises its backends. True if the flag was set."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    return True
+
+
+def resolve_spec(
+    shape: tuple[int, ...], logical_axes: tuple[str | None, ...], mesh_shape: dict[str, int], fill_fsdp: bool = False
+) -> PartitionSpec:
+    """Logical axes -> PartitionSpec on this mesh.
+
+    Mesh axes of size 1 are dropped; an axis that does not divide its dimension is dropped (jit needs even shards:
+    e.g. GPT-2's vocab 50257). With `fill_fsdp` (parameters), if fsdp is then unused by a matrix, it shards the largest free dimension it divides,
+    so fsdp shards every weight matrix it can. Vectors (biases, norm scales) stay replicated.
+    """
+    spec: list[tuple[str, ...]] = []
+    for dim, name in zip(shape, logical_axes, strict=True):
+        wanted = _RULES[name] if name is not None else None
+        wanted = (wanted,) if isinstance(wanted, str) else tuple(wanted or ())
+        kept: list[str] = []
+        for axis in wanted:
+            size = mesh_shape.get(axis, 1)
+            if size > 1 and dim % (math.prod(mesh_shape[a] for a in kept) * size) == 0:
+                kept.append(axis)
+        spec.append(tuple(kept))
+    fsdp = mesh_shape.get("fsdp", 1)
+    if fill_fsdp and fsdp > 1 and len(shape) >= 2 and not any("fsdp" in s for s in spec):
+        free = [i for i, s in enumerate(spec) if not s and shape[i] % fsdp == 0]
+        if free:
+            spec[max(free, key=lambda i: shape[i])] = ("fsdp",)
+    return PartitionSpec(*(s[0] if len(s) == 1 else (s or None) for s in spec))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def batch_axis_size(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def constrain(x: jax.Array, *logical_axes: str | None) -> jax.Array:
+    """Sharding constraint on an activation by logical names; a no-op outside a mesh (e.g. unsharded eval)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, resolve_spec(x.shape, logical_axes, dict(mesh.shape)))

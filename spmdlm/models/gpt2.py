@@ -1,0 +1,101 @@
+"""GPT-2: a decoder-only transformer with pre-LayerNorm blocks, learned positions and a tied LM head.
+
+Mirrors transformers' `GPT2LMHeadModel` (attribute names follow it where our shared layers allow; `export.py` holds
+the rename table). Dropout uses HF's pdrop names and defaults to 0, the pretraining recipe's setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmdlm.mesh import constrain
+from spmdlm.models.config import HFConfig
+from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, dropout, make_attention_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config(HFConfig):
+    model_type: ClassVar[str] = "gpt2"
+    architecture: ClassVar[str] = "GPT2LMHeadModel"
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    activation_function: str = "gelu_new"
+    resid_pdrop: float = 0.0
+    embd_pdrop: float = 0.0
+    attn_pdrop: float = 0.0
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    scale_attn_weights: bool = True
+    bos_token_id: int = 50256
+    eos_token_id: int = 50256
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if not self.tie_word_embeddings:
+            raise ValueError("GPT-2 with an untied LM head is not supported; set tie_word_embeddings to true")
+
+    @property
+    def max_length(self) -> int:
+        return self.n_positions
+
+
+class Block(nnx.Module):
+    def __init__(self, config: GPT2Config, *, dtype, rngs: nnx.Rngs):
+        d, std = config.n_embd, config.initializer_range
+        # HF scales the init of the residual output projections by 1/sqrt(2 * n_layer) (GPT-2 paper).
+        out_std = std / (2 * config.n_layer) ** 0.5
+        self.ln_1 = LayerNorm(d, eps=config.layer_norm_epsilon, rngs=rngs)
+        self.attn = Attention(d, config.n_head, d // config.n_head, fused_qkv=True,
+                              scale=None if config.scale_attn_weights else 1.0, dropout_rate=config.attn_pdrop,
+                              init_std=std, out_init_std=out_std, dtype=dtype, rngs=rngs)
+        self.ln_2 = LayerNorm(d, eps=config.layer_norm_epsilon, rngs=rngs)
+        self.mlp = MLP(d, config.n_inner or 4 * d, activation=config.activation_function, init_std=std,
+                       out_init_std=out_std, dtype=dtype, rngs=rngs)
+        self.resid_pdrop = config.resid_pdrop
+
+    def __call__(self, x, mask, rngs):
+        x = x + dropout(self.attn(self.ln_1(x), mask=mask, rngs=rngs), self.resid_pdrop, rngs)
+        x = x + dropout(self.mlp(self.ln_2(x), rngs), self.resid_pdrop, rngs)
+        return constrain(x, "batch", "length", "act_embed")
+
+
+class GPT2LMHeadModel(nnx.Module):
+    """`model(input_ids, attention_mask=None, rngs=None) -> logits [B, T, V]`; dropout only when rngs are given."""
+
+    config_class = GPT2Config
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+        self.config = config
+        self.wte = Embed(config.vocab_size, config.n_embd, init_std=config.initializer_range, dtype=dtype, rngs=rngs)
+        self.wpe = Embed(config.n_positions, config.n_embd, init_std=0.01, dtype=dtype, rngs=rngs,
+                         axes=("positions", "embed"))
+        self.h = nnx.List([Block(config, dtype=dtype, rngs=rngs) for _ in range(config.n_layer)])
+        self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, rngs=rngs)
+        self.remat = remat
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                 rngs: nnx.Rngs | None = None) -> jax.Array:
+        length = input_ids.shape[1]
+        if length > self.config.n_positions:
+            raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
+        x = self.wte(input_ids) + self.wpe(jnp.arange(length))[None]
+        x = dropout(constrain(x, "batch", "length", "act_embed"), self.config.embd_pdrop, rngs)
+        mask = make_attention_mask(attention_mask, attention_mask, causal_length=length)
+        for block in self.h:
+            # Remat per block: keep only each block's input for the backward pass.
+            call = nnx.remat(lambda b, x: b(x, mask, rngs)) if self.remat else (lambda b, x: b(x, mask, rngs))
+            x = call(block, x)
+        logits = self.wte.attend(self.ln_f(x))
+        return constrain(logits, "batch", "length", "act_vocab")

@@ -1,0 +1,157 @@
+"""What a run shows and leaves behind: progress bar, metrics.jsonl, TensorBoard, loss curve, final summary.
+
+Only process 0 reports; the others keep the bookkeeping silent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("spmdlm")
+
+
+class Reporter:
+    def __init__(self, out: Path, *, enabled: bool, config, objective, global_batch: int, n_params: int, mesh,
+                 dtype: str):
+        self.out, self.enabled = out, enabled
+        self.tokens_per_step = global_batch * sum(
+            shape[0] for name, (shape, _) in objective.example_spec().items() if name.endswith("input_ids"))
+        self.config, self.mesh, self.dtype = config, mesh, dtype
+        self.flops_per_step = None
+        self.peak_flops = None
+        try:
+            from spmdlm import flops
+
+            self.flops_per_step = flops.train_flops_per_step(config, objective, global_batch)
+            self.peak_flops = flops.peak_flops_per_device(dtype)
+        except (ImportError, AttributeError, NotImplementedError):
+            pass  # FLOP accounting not available for this architecture: report tokens/s only
+        self._bar = None
+        self._writer = None
+        self._rates: list[float] = []
+        self._last_time = time.perf_counter()
+        self._last_step = 0
+        self._start_time = time.perf_counter()
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def start(self, step: int, total: int):
+        self._last_step, self._last_time = step, time.perf_counter()
+        self._first_step, self._start_time = step, time.perf_counter()
+        if not self.enabled:
+            return
+        from tensorboardX import SummaryWriter
+        from tqdm.auto import tqdm
+
+        self._writer = SummaryWriter(str(self.out / "tensorboard"))
+        self._bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
+
+    def truncate_after(self, step: int):
+        """On resume, drop logged lines past the checkpoint: those steps are about to be run again."""
+        path = self.out / "metrics.jsonl"
+        if self.enabled and path.exists():
+            lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in lines))
+
+    def compile_stats(self, stats: dict[str, Any]):
+        if not self.enabled:
+            return
+        mb = lambda k: stats.get(k, 0) / 2**20
+        log.info("train step compiled in %.1fs | per device: arguments %.1f MiB, outputs %.1f MiB, temporaries "
+                 "%.1f MiB | XLA FLOPs/device %s", stats.get("compile_seconds", 0.0), mb("argument_bytes"),
+                 mb("output_bytes"), mb("temp_bytes"), f"{stats['xla_flops_per_device']:.3g}"
+                 if stats.get("xla_flops_per_device") else "n/a")
+        self._write({"step": 0, "event": "compile", **stats})
+
+    # -- per step ------------------------------------------------------------------------------------------------
+    def tick(self, step: int):
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+
+    def log_train(self, step: int, pending: list[dict]) -> float:
+        now = time.perf_counter()
+        sums = {k: float(np.sum([m[k] for m in pending])) for k in ("loss_sum", "tokens", "correct", "z_loss_sum")}
+        loss = sums["loss_sum"] / max(sums["tokens"], 1.0)
+        steps = step - self._last_step
+        tokens_per_s = steps * self.tokens_per_step / max(now - self._last_time, 1e-9)
+        self._rates.append(tokens_per_s)
+        self._last_step, self._last_time = step, now
+        record = {"step": step, "loss": loss, "accuracy": sums["correct"] / max(sums["tokens"], 1.0),
+                  "learning_rate": float(pending[-1].get("learning_rate", math.nan)),
+                  "grad_norm": float(pending[-1]["grad_norm"]), "tokens_per_second": tokens_per_s}
+        if sums["z_loss_sum"]:
+            record["z_loss"] = sums["z_loss_sum"] / max(sums["tokens"], 1.0)
+        if self.flops_per_step:
+            seconds_per_step = self.tokens_per_step / tokens_per_s
+            record["tflops_per_device"] = self.flops_per_step / seconds_per_step / self.mesh.size / 1e12
+            if self.peak_flops:
+                record["mfu"] = record["tflops_per_device"] * 1e12 / self.peak_flops
+        if self.enabled:
+            self._write(record)
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        return loss
+
+    def log_eval(self, step: int, metrics: dict[str, float]):
+        if not self.enabled:
+            return
+        self._write({"step": step, **metrics})
+        message = (f"eval at step {step}: loss {metrics['eval_loss']:.4f} | perplexity "
+                   f"{metrics['eval_perplexity']:.2f} | accuracy {metrics['eval_accuracy']:.4f}")
+        (self._bar.write if self._bar is not None else log.info)(message)
+
+    def throughput(self) -> dict[str, float]:
+        rates = self._rates[1:] or self._rates  # the first interval includes warm-up
+        return {"train_tokens_per_second": float(np.median(rates)) if rates else float("nan"),
+                "train_seconds": time.perf_counter() - self._start_time}
+
+    # -- outputs -------------------------------------------------------------------------------------------------
+    def _write(self, record: dict[str, Any]):
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            prefix = "eval" if any(k.startswith("eval_") for k in record) else "train"
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._writer.add_scalar(f"{prefix}/{key.removeprefix('eval_')}", value, record["step"])
+
+    def plot_loss_curve(self):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+        train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+        evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        if train:
+            ax.plot(*zip(*train), label="train loss")
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="eval loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.set_title(f"{self.config.model_type} on mesh {dict(self.mesh.shape)}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.out / "loss_curve.png", dpi=110)
+        plt.close(fig)
+
+    def finish(self, results: dict[str, Any]):
+        if self._bar is not None:
+            self._bar.close()
+        if self._writer is not None:
+            self._writer.close()
+        if (self.out / "metrics.jsonl").exists():
+            self.plot_loss_curve()
+        parts = [f"{k.removeprefix('eval_').removeprefix('train_').replace('_', ' ')} {v:.4g}"
+                 for k, v in results.items() if isinstance(v, float) and k != "train_seconds"]
+        log.info("summary: %s | wall time %.0fs | outputs in %s", " | ".join(parts),
+                 time.perf_counter() - self._start_time, self.out)

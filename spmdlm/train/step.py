@@ -1,0 +1,159 @@
+"""The sharded train state and the one jitted train step (and eval step) shared by all four objectives.
+
+Loss and metrics are token-weighted *sums* plus a token count, so means are exact across devices, gradient
+accumulation micro-steps and padded eval batches: the gradient of the accumulated loss sum is divided by the number
+of target tokens in the whole global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from spmdlm.data.objectives import IGNORE_INDEX
+from spmdlm.mesh import batch_sharding
+
+log = logging.getLogger(__name__)
+Batch = dict[str, jax.Array]
+
+
+def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0) -> dict[str, jax.Array]:
+    """Summed fp32 cross-entropy, optional T5X z-loss (coef · logsumexp²), token count and correct predictions."""
+    logits = logits.astype(jnp.float32)
+    valid = labels != IGNORE_INDEX
+    safe_labels = jnp.where(valid, labels, 0)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, safe_labels[..., None], axis=-1)[..., 0]
+    weights = valid.astype(jnp.float32)
+    return {
+        "loss_sum": jnp.sum((lse - target) * weights),
+        "z_loss_sum": z_loss * jnp.sum(jnp.square(lse) * weights),
+        "tokens": jnp.sum(weights),
+        "correct": jnp.sum((jnp.argmax(logits, axis=-1) == labels) & valid).astype(jnp.float32),
+    }
+
+
+def forward(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None) -> jax.Array:
+    """Logits for a batch of any objective: encoder-decoders also take decoder inputs."""
+    if "decoder_input_ids" in batch:
+        return model(batch["input_ids"], batch["decoder_input_ids"], attention_mask=batch.get("attention_mask"),
+                     decoder_attention_mask=batch.get("decoder_attention_mask"), rngs=rngs)
+    return model(batch["input_ids"], attention_mask=batch.get("attention_mask"), rngs=rngs)
+
+
+def create_train_state(build: Callable[[], tuple[nnx.Module, nnx.Optimizer]], mesh: Mesh):
+    """Build (model, optimizer) inside jit under the mesh so every array is born sharded (no replicated copy)."""
+    with jax.set_mesh(mesh):
+        graphdef, _ = nnx.split(nnx.eval_shape(build))
+        state = jax.jit(lambda: nnx.state(build()))()
+    return graphdef, state
+
+
+def state_shardings(state) -> Any:
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+class Stepper:
+    """Compiles and runs the train and eval steps over the flat (model, optimizer) state, which it donates."""
+
+    def __init__(self, graphdef, state, mesh: Mesh, *, grad_accum: int = 1, z_loss: float = 0.0,
+                 dropout_seed: int = 0, schedule: optax.Schedule | None = None):
+        self.graphdef, self.mesh = graphdef, mesh
+        self.grad_accum, self.z_loss, self.schedule = grad_accum, z_loss, schedule
+        self.dropout_key = jax.random.key(dropout_seed)
+        self.shardings = state_shardings(state)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self._train = self._eval = None
+        self.compile_stats: dict[str, Any] = {}
+
+    # -- the step functions (pure; traced once) ------------------------------------------------------------------
+    def _train_step(self, state, batch: Batch, step: jax.Array):
+        model, optimizer = nnx.merge(self.graphdef, state)
+        graph, params, rest = nnx.split(model, nnx.Param, ...)
+        step_key = jax.random.fold_in(self.dropout_key, step)
+
+        def micro_grads(micro: Batch, index):
+            def loss_of(p):
+                m = nnx.merge(graph, p, rest)
+                rngs = nnx.Rngs(dropout=jax.random.fold_in(step_key, index))
+                sums = cross_entropy_sums(forward(m, micro, rngs), micro["labels"], self.z_loss)
+                return sums["loss_sum"] + sums["z_loss_sum"], sums
+            return jax.grad(loss_of, has_aux=True)(params)
+
+        if self.grad_accum == 1:
+            grads, sums = micro_grads(batch, 0)
+        else:
+            # Row r of device-local data goes to micro-step r % k, so every micro-batch stays evenly sharded.
+            k = self.grad_accum
+            micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch)
+
+            def body(carry, inputs):
+                g, s = micro_grads(inputs[0], inputs[1])
+                return jax.tree.map(jnp.add, carry, (g, s)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_grads(
+                jax.tree.map(lambda x: x[0], micro), 0)))
+            (grads, sums), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(k)))
+        grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
+        metrics = dict(sums, grad_norm=optax.global_norm(grads))
+        if self.schedule is not None:
+            metrics["learning_rate"] = self.schedule(step)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), metrics
+
+    def _eval_step(self, state, batch: Batch):
+        model, _ = nnx.merge(self.graphdef, state)
+        return cross_entropy_sums(forward(model, batch), batch["labels"], self.z_loss)
+
+    # -- compilation ---------------------------------------------------------------------------------------------
+    def _batch_shardings(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):
+        return {k: batch_sharding(self.mesh, len(v.shape)) for k, v in batch_spec.items()}
+
+    def compile_train(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]):
+        """AOT-compile the train step once; record compile time, memory and XLA's FLOP count."""
+        fn = jax.jit(self._train_step, in_shardings=(self.shardings, self._batch_shardings(batch_spec),
+                                                     self.replicated),
+                     out_shardings=(self.shardings, self.replicated), donate_argnums=0)
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+            self._train = fn.lower(abstract_state, batch_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        self.compile_stats = {"compile_seconds": time.perf_counter() - start, **compiled_stats(self._train)}
+        return self.compile_stats
+
+    def train_step(self, state, batch: Batch, step: int):
+        with jax.set_mesh(self.mesh):
+            return self._train(state, batch, np.int32(step))
+
+    def eval_step(self, state, batch: Batch):
+        if self._eval is None:
+            self._eval = jax.jit(self._eval_step, in_shardings=(self.shardings, self._batch_shardings(batch)),
+                                 out_shardings=self.replicated)
+        with jax.set_mesh(self.mesh):
+            return self._eval(state, batch)
+
+
+def compiled_stats(compiled) -> dict[str, Any]:
+    """Per-device memory of a compiled step and XLA's own FLOP estimate (None where the backend does not say)."""
+    out: dict[str, Any] = {}
+    try:
+        mem = compiled.memory_analysis()
+        out.update(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+                   temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes)
+    except Exception:  # some backends have no memory analysis
+        pass
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        out["xla_flops_per_device"] = float(cost.get("flops", 0.0)) if cost else None
+    except Exception:
+        pass
+    return out
