@@ -54,6 +54,8 @@ class RunArgs:
     per_device_train_batch_size: int = _field(8, "examples per batch-axis device per micro-step")
     per_device_eval_batch_size: int = _field(8, "examples per batch-axis device in evaluation")
     gradient_accumulation_steps: int = _field(1, "micro-steps per optimizer step")
+    global_batch_size: int | None = _field(None, "examples per optimizer step over all devices (T5X/MaxText style); "
+                                           "overrides --per_device_train_batch_size and must divide evenly")
     logging_steps: int = _field(500, "log train metrics every N steps")
     eval_steps: int | None = _field(None, "evaluate every N steps (default: --logging_steps)")
     save_steps: int = _field(500, "checkpoint every N steps")

@@ -89,6 +89,58 @@ def _check_gpt2(values: dict) -> None:
 CONFIG_CHECKS: dict[str, Callable[[dict], None]] = {"gpt2": _check_gpt2}
 
 
+# -- T5 v1.1 (torch Linear weights are (out, in): LINEAR); {i} counts encoder blocks, {j} decoder blocks -----------
+def _t5_attention_rules(hf: str, ours: str) -> tuple[tuple[str, str, Layout], ...]:
+    return tuple((f"{hf}.{a}.weight", f"{ours}.{b}.kernel", LINEAR)
+                 for a, b in (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out")))
+
+
+def _t5_mlp_rules(hf: str, ours: str) -> tuple[tuple[str, str, Layout], ...]:
+    return tuple((f"{hf}.DenseReluDense.{w}.weight", f"{ours}.mlp.{w}.kernel", LINEAR) for w in ("wi_0", "wi_1", "wo")) \
+        + ((f"{hf}.layer_norm.weight", f"{ours}.mlp_norm.scale", SAME),)
+
+
+T5_TABLE = Table(
+    rules=(
+        ("shared.weight", "shared.embedding", SAME),
+        ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+         "encoder.block.0.relative_attention_bias.embedding", SAME),
+        ("encoder.block.{i}.layer.0.layer_norm.weight", "encoder.block.{i}.self_attention_norm.scale", SAME),
+        *_t5_attention_rules("encoder.block.{i}.layer.0.SelfAttention", "encoder.block.{i}.self_attention"),
+        *_t5_mlp_rules("encoder.block.{i}.layer.1", "encoder.block.{i}"),
+        ("encoder.final_layer_norm.weight", "encoder.final_layer_norm.scale", SAME),
+        ("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+         "decoder.block.0.relative_attention_bias.embedding", SAME),
+        ("decoder.block.{j}.layer.0.layer_norm.weight", "decoder.block.{j}.self_attention_norm.scale", SAME),
+        *_t5_attention_rules("decoder.block.{j}.layer.0.SelfAttention", "decoder.block.{j}.self_attention"),
+        ("decoder.block.{j}.layer.1.layer_norm.weight", "decoder.block.{j}.cross_attention_norm.scale", SAME),
+        *_t5_attention_rules("decoder.block.{j}.layer.1.EncDecAttention", "decoder.block.{j}.cross_attention"),
+        *_t5_mlp_rules("decoder.block.{j}.layer.2", "decoder.block.{j}"),
+        ("decoder.final_layer_norm.weight", "decoder.final_layer_norm.scale", SAME),
+        ("lm_head.weight", "lm_head.kernel", LINEAR),  # untied in v1.1: written and read separately from shared
+    ),
+    layer_counts=lambda c: {"i": c.num_layers, "j": c.num_decoder_layers},
+    ignore=(r"^(encoder|decoder)\.embed_tokens\.weight$",  # tied copies of shared
+            r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$"),  # unused by HF too
+)
+TABLES["t5"] = T5_TABLE
+
+
+def _check_t5(values: dict) -> None:
+    from spmdlm.models.t5 import dense_activation, hf_scales_decoder_outputs
+
+    proj = values.get("feed_forward_proj", "relu")  # transformers' default
+    if dense_activation(proj) is None:
+        raise ConfigError(f"T5 feed_forward_proj {proj!r} is not supported; only gated ones such as 'gated-gelu' "
+                          "(T5 v1.1, Flan-T5) are")
+    if hf_scales_decoder_outputs(values):
+        raise ConfigError("T5 with a tied, d_model**-0.5-scaled LM head (original T5) is not supported; only T5 v1.1 "
+                          "(tie_word_embeddings false or scale_decoder_outputs false) is")
+
+
+CONFIG_CHECKS["t5"] = _check_t5
+
+
 class ExportError(ValueError):
     """A transformers directory or checkpoint that cannot be converted."""
 

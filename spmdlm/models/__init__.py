@@ -9,6 +9,7 @@ import dataclasses
 
 from spmdlm.models.config import ConfigError, HFConfig, read_config_source
 from spmdlm.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from spmdlm.models.t5 import T5Config, T5ForConditionalGeneration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,7 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": Architecture("gpt2", GPT2Config, GPT2LMHeadModel, is_encoder_decoder=False),
+    "t5": Architecture("t5", T5Config, T5ForConditionalGeneration, is_encoder_decoder=True),
 }
 
 

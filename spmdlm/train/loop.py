@@ -83,7 +83,15 @@ def check_output_dir(args: RunArgs) -> bool:
 
 
 def global_batch_size(args: RunArgs, mesh) -> int:
-    return args.per_device_train_batch_size * batch_axis_size(mesh) * args.gradient_accumulation_steps
+    per_step = batch_axis_size(mesh) * args.gradient_accumulation_steps
+    if args.global_batch_size is not None:
+        if args.global_batch_size % per_step:
+            raise ArgumentError(
+                f"--global_batch_size {args.global_batch_size} is not divisible by the {batch_axis_size(mesh)} "
+                f"batch devices (data x fsdp of --mesh {args.mesh}) x {args.gradient_accumulation_steps} "
+                f"accumulation steps; use a multiple of {per_step}")
+        return args.global_batch_size
+    return args.per_device_train_batch_size * per_step
 
 
 def read_corpora(args: RunArgs, model_type: str) -> tuple[list[str], list[str]]:
@@ -121,15 +129,19 @@ def get_tokenizer(args: RunArgs, config, model_type: str, train_docs: list[str])
     return tok
 
 
-def build_objective(model_type: str, config, args: RunArgs, tok):
-    from spmdlm.data.objectives.clm import CausalLM
-
+def check_lengths(model_type: str, config, args: RunArgs) -> None:
     if model_type == "gpt2":
         block = args.block_size or min(1024, config.n_positions)
         if block > config.n_positions:
             raise ArgumentError(f"--block_size {block} is longer than the model's n_positions "
                                 f"{config.n_positions}; lower --block_size or use a config with more positions")
-        return CausalLM(block)
+
+
+def build_objective(model_type: str, config, args: RunArgs, tok):
+    from spmdlm.data.objectives.clm import CausalLM
+
+    if model_type == "gpt2":
+        return CausalLM(args.block_size or min(1024, config.n_positions))
     raise ArgumentError(f"no objective for model_type {model_type!r}")
 
 
@@ -171,13 +183,11 @@ def evaluate(stepper: Stepper, state, data: Data, objective, args: RunArgs, mesh
 
 
 def run(args: RunArgs) -> dict[str, Any]:
+    run_start = time.perf_counter()
+    # -- everything that can be refused is checked before any file is written ------------------------------------
     mesh = make_mesh(args.mesh)
-    resuming = check_output_dir(args)
+    global_batch = global_batch_size(args, mesh)
     out = Path(args.output_dir)
-    if is_main():
-        out.mkdir(parents=True, exist_ok=True)
-
-    # -- model config, tokenizer, data ---------------------------------------------------------------------------
     if args.model_name_or_path:
         from spmdlm.export import read_hf_config
 
@@ -185,9 +195,17 @@ def run(args: RunArgs) -> dict[str, Any]:
     else:
         config_name = args.config_name or (str(out) if (out / "config.json").exists() else f"{args.model_type}")
         config = load_config(config_name, args.model_type)
+        if args.vocab_size:
+            config = config.replace(vocab_size=args.vocab_size)
     model_type = config.model_type
     arch = get_architecture(model_type)
+    check_lengths(model_type, config, args)
     train_docs, val_docs = read_corpora(args, model_type)
+    resuming = check_output_dir(args)
+    if is_main():
+        out.mkdir(parents=True, exist_ok=True)
+
+    # -- tokenizer, objective, data ------------------------------------------------------------------------------
     tok = get_tokenizer(args, config, model_type, train_docs)
     if tok.get_vocab_size() > config.vocab_size:
         raise ArgumentError(f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
@@ -200,7 +218,6 @@ def run(args: RunArgs) -> dict[str, Any]:
     data = prepare_data(args, objective, tok, model_type, train_docs, val_docs)
 
     # -- state -----------------------------------------------------------------------------------------------------
-    global_batch = global_batch_size(args, mesh)
     total_steps = 0
     if data.train is not None:
         schedule = pipeline.make_schedule(data.train.num_records, global_batch, args.num_train_epochs, args.max_steps)
@@ -231,10 +248,11 @@ def run(args: RunArgs) -> dict[str, Any]:
 
     log.info("model %s: %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices x %d "
              "accumulation) | %d steps", model_type, n_params / 1e6, dict(mesh.shape), global_batch,
-             args.per_device_train_batch_size, batch_axis_size(mesh), args.gradient_accumulation_steps, total_steps)
+             global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps), batch_axis_size(mesh),
+             args.gradient_accumulation_steps, total_steps)
 
     reporter = Reporter(out, enabled=is_main(), config=config, objective=objective, global_batch=global_batch,
-                        n_params=n_params, mesh=mesh, dtype=args.dtype)
+                        n_params=n_params, mesh=mesh, dtype=args.dtype, run_start=run_start)
     results: dict[str, Any] = {"total_steps": total_steps, "parameters": n_params}
     step = 0
     if data.train is not None:

@@ -19,8 +19,9 @@ log = logging.getLogger("spmdlm")
 
 class Reporter:
     def __init__(self, out: Path, *, enabled: bool, config, objective, global_batch: int, n_params: int, mesh,
-                 dtype: str):
+                 dtype: str, run_start: float | None = None):
         self.out, self.enabled = out, enabled
+        self._run_start = time.perf_counter() if run_start is None else run_start
         self.tokens_per_step = global_batch * sum(
             shape[0] for name, (shape, _) in objective.example_spec().items() if name.endswith("input_ids"))
         self.config, self.mesh, self.dtype = config, mesh, dtype
@@ -151,7 +152,9 @@ class Reporter:
             self._writer.close()
         if (self.out / "metrics.jsonl").exists():
             self.plot_loss_curve()
-        parts = [f"{k.removeprefix('eval_').removeprefix('train_').replace('_', ' ')} {v:.4g}"
-                 for k, v in results.items() if isinstance(v, float) and k != "train_seconds"]
+        labels = {"train_loss": "train loss {:.4f}", "eval_loss": "eval loss {:.4f}",
+                  "eval_perplexity": "perplexity {:.2f}", "eval_accuracy": "accuracy {:.4f}",
+                  "train_tokens_per_second": "{:,.0f} tokens/s", "total_steps": "{} steps"}
+        parts = [fmt.format(results[k]) for k, fmt in labels.items() if k in results]
         log.info("summary: %s | wall time %.0fs | outputs in %s", " | ".join(parts),
-                 time.perf_counter() - self._start_time, self.out)
+                 time.perf_counter() - self._run_start, self.out)

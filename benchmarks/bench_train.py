@@ -1,0 +1,454 @@
+"""Training-step throughput of one spmdlm model on a synthetic batch of its objective's real shapes.
+
+    python benchmarks/bench_train.py --model gpt2 --config gpt2-tiny --mesh data=1 --steps 10
+    python benchmarks/bench_train.py --model gpt2 --config benchmarks/gpt2-d768-l4.json --seq_len 256 \
+        --batch_size 4 --steps 4 --warmup 1 --compare attention=dpa --compare jit=nnx
+
+Prints ONE JSON line: tokens/s (median/min/max over the measured steps), step and compile time, peak host RSS,
+per-device memory of the compiled step, analytic and XLA FLOPs per step, MFU against the device's peak (measured
+with a large matmul on CPU), versions, device kind and the settings.
+
+`--compare KEY=VALUE[,KEY=VALUE]` (repeatable) adds variants of the base settings — `jit` (jax | flat | nnx),
+`attention` (einsum | dpa), `donate` (1 | 0), `xla` (XLA compiler options, `name:value;name:value`). All variants
+are built up front and their steps are interleaved round-robin in the same process, so a machine shared with other
+work slows them alike; the JSON gains `variants` with each one's numbers and its speed relative to the base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+MODELS = ("gpt2", "roberta", "t5", "bart")
+DEFAULT_CONFIGS = {"gpt2": "gpt2-tiny", "roberta": "roberta-tiny", "t5": "t5-v1_1-tiny", "bart": "bart-tiny"}
+
+
+def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help=" | ".join(MODELS))
+    p.add_argument("--config", help="preset name in models/, a JSON file or an HF config dir (default: the tiny preset)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (HF name), e.g. --set n_layer=4; repeatable")
+    p.add_argument("--mesh", default="data=-1", help="e.g. data=1, data=8, fsdp=-1 (CPU devices are simulated)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    p.add_argument("--batch_size", type=int, default=8, help="examples per batch-axis device")
+    p.add_argument("--seq_len", type=int, help="sequence (encoder) length (default: the model's, at most 512)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (after compilation)")
+    p.add_argument("--jit", default="jax", choices=("jax", "flat", "nnx"),
+                   help="jax: Stepper's jax.jit over the split state; flat: jax.jit over a flat list of arrays; "
+                        "nnx: nnx.jit over (model, optimizer)")
+    p.add_argument("--attention", default="einsum", choices=("einsum", "dpa"),
+                   help="einsum: layers.Attention as is; dpa: its core replaced by jax.nn.dot_product_attention")
+    p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
+    p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
+    p.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    p.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,...]",
+                   help="a variant to measure against the base settings in the same run; repeatable")
+    p.add_argument("--learning_rate", type=float, default=1e-4)
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0, help="numpy seed of the synthetic batch and init seed")
+    if extra is not None:
+        extra(p)
+    return p.parse_args(argv)
+
+
+def fail(message: str, code: int = 2):
+    print(f"{os.path.basename(sys.argv[0])}: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def prepare_devices(mesh_spec: str):
+    """Simulate CPU devices when the mesh asks for more than one; must run before JAX initialises its backends."""
+    from spmdlm.mesh import requested_device_count, simulate_cpu_devices
+
+    count = requested_device_count(mesh_spec)
+    if count and count > 1:
+        simulate_cpu_devices(count)
+
+
+# -- model, objective, batch ---------------------------------------------------------------------------------------
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def load_model_config(args):
+    from spmdlm.models import ARCHITECTURES, load_config
+
+    if args.model not in MODELS:
+        fail(f"--model {args.model!r} is not a model; choose one of {', '.join(MODELS)}")
+    if args.model not in ARCHITECTURES:
+        fail(f"--model {args.model} is not implemented yet (implemented: {', '.join(ARCHITECTURES)})")
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            fail(f"--set {item!r}: write KEY=VALUE")
+        overrides[key.strip()] = _parse_value(value.strip())
+    config = load_config(args.config or DEFAULT_CONFIGS[args.model], args.model)
+    return config.replace(**overrides) if overrides else config
+
+
+def build_objective(model: str, config, seq_len: int | None):
+    if model == "gpt2":
+        from spmdlm.data.objectives.clm import CausalLM
+
+        return CausalLM(seq_len or min(config.n_positions, 512))
+    if model == "t5":
+        from spmdlm.data.objectives.t5 import SpanCorruption
+
+        sentinels = tuple(config.vocab_size - 1 - k for k in range(100))  # T5's <extra_id_k> = vocab - 1 - k
+        return SpanCorruption(inputs_length=seq_len or 512, sentinel_ids=sentinels, eos_id=config.eos_token_id)
+    fail(f"--model {model}: no benchmark objective yet")
+
+
+def synthetic_batch(objective, global_batch: int, vocab_size: int, seed: int) -> dict:
+    """Random ids of the objective's exact shapes (masks all ones), from a fixed numpy seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    batch = {}
+    for name, (shape, dtype) in objective.example_spec().items():
+        shape = (global_batch, *shape)
+        batch[name] = (np.ones(shape, dtype) if "mask" in name
+                       else rng.integers(0, vocab_size, size=shape).astype(dtype))
+    return batch
+
+
+def tokens_per_example(objective) -> int:
+    """Input tokens of one example (encoder + decoder inputs), as the run's reporter counts them."""
+    return sum(shape[0] for name, (shape, _) in objective.example_spec().items() if name.endswith("input_ids"))
+
+
+# -- variants ------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    jit: str = "jax"
+    attention: str = "einsum"
+    donate: bool = True
+    xla: str = ""
+
+    def label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+    def compiler_options(self) -> dict[str, Any]:
+        options = {}
+        for item in filter(None, (s.strip() for s in self.xla.split(";"))):
+            name, sep, value = item.partition(":")
+            if not sep:
+                fail(f"xla option {item!r}: write name:value")
+            low = value.strip().lower()
+            options[name.strip()] = True if low == "true" else False if low == "false" else _parse_value(value)
+        return options
+
+
+def parse_variant(text: str, base: Variant) -> Variant:
+    changes: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in ("jit", "attention", "donate", "xla"):
+            fail(f"--compare {text!r}: use jit=, attention=, donate= or xla= (comma-separated)")
+        changes[key] = value.strip() not in ("0", "false", "no") if key == "donate" else value.strip()
+    variant = dataclasses.replace(base, **changes)
+    if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ("einsum", "dpa"):
+        fail(f"--compare {text!r}: jit is jax|flat|nnx and attention is einsum|dpa")
+    if variant.jit == "nnx" and variant.xla:
+        fail("xla compiler options need jit=jax or jit=flat")
+    return variant
+
+
+@contextlib.contextmanager
+def attention_implementation(kind: str):
+    """While tracing: `dpa` swaps the core of layers.Attention for jax.nn.dot_product_attention (same projections).
+
+    The proposed change to spmdlm/models/layers.py, measured here without editing it. Attention dropout keeps the
+    einsum path (dot_product_attention has no dropout).
+    """
+    if kind == "einsum":
+        yield
+        return
+    import jax
+    from spmdlm.mesh import constrain
+    from spmdlm.models import layers
+
+    original = layers.Attention.__call__
+
+    def dpa_call(self, x, context=None, *, mask=None, bias=None, rngs=None):
+        if rngs is not None and self.dropout_rate > 0.0:
+            return original(self, x, context, mask=mask, bias=bias, rngs=rngs)
+        split = lambda t: t.reshape(*t.shape[:-1], self.num_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = (split(t) for t in jax.numpy.moveaxis(self.qkv(x), -2, 0))
+        else:
+            context = x if context is None else context
+            q, k, v = split(self.query(x)), split(self.key(context)), split(self.value(context))
+        q, k, v = (constrain(t, "batch", "length", "act_heads", None) for t in (q, k, v))
+        out = jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=mask,
+                                           scale=self.scale)
+        return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
+
+    layers.Attention.__call__ = dpa_call
+    try:
+        yield
+    finally:
+        layers.Attention.__call__ = original
+
+
+class Arm:
+    """One variant: its own state (same init), its compiled step, its timings."""
+
+    def __init__(self, variant: Variant, build, mesh, batch_spec, schedule, seed: int):
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from spmdlm.train.step import Stepper, compiled_stats, create_train_state
+
+        self.variant, self.mesh, self.times = variant, mesh, []
+        self.losses: list[float] = []
+        graphdef, state = create_train_state(build, mesh)
+        self.n_params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)))
+        self.stepper = Stepper(graphdef, state, mesh, dropout_seed=seed, schedule=schedule)
+        self.stats: dict[str, Any] = {}
+        start = time.perf_counter()
+        with attention_implementation(variant.attention):
+            if variant.jit == "nnx":
+                self._setup_nnx(graphdef, state)
+            elif variant.jit == "jax" and variant.donate and not variant.xla:
+                self.stats = self.stepper.compile_train(state, batch_spec)  # exactly the training run's path
+                self.state = state
+                self._call = lambda batch, step: self.stepper.train_step(self.state, batch, step)
+            else:
+                self._setup_jax(state, batch_spec, flat=variant.jit == "flat")
+        self.stats.setdefault("compile_seconds", time.perf_counter() - start)
+        self.step_number = 0
+        self._jax, self._jnp, self._compiled_stats = jax, jnp, compiled_stats
+
+    def _setup_jax(self, state, batch_spec, flat: bool):
+        import jax
+        import jax.numpy as jnp
+
+        from spmdlm.train.step import compiled_stats
+
+        st = self.stepper
+        batch_shardings = st._batch_shardings(batch_spec)
+        if flat:
+            leaves, treedef = jax.tree.flatten(state)
+            shardings = [x.sharding for x in leaves]
+
+            def fn(leaves, batch, step):
+                new_state, metrics = st._train_step(jax.tree.unflatten(treedef, leaves), batch, step)
+                return jax.tree.leaves(new_state), metrics
+            state_arg, abstract = leaves, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+        else:
+            fn, shardings, state_arg = st._train_step, st.shardings, state
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        jitted = jax.jit(fn, in_shardings=(shardings, batch_shardings, st.replicated),
+                         out_shardings=(shardings, st.replicated), donate_argnums=0 if self.variant.donate else (),
+                         compiler_options=self.variant.compiler_options() or None)
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            compiled = jitted.lower(abstract, batch_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        self.stats = {"compile_seconds": time.perf_counter() - start, **compiled_stats(compiled)}
+        self.state = state_arg
+
+        def call(batch, step):
+            with jax.set_mesh(self.mesh):
+                return compiled(self.state, batch, jnp.int32(step))
+        self._call = call
+
+    def _setup_nnx(self, graphdef, state):
+        import jax
+        import jax.numpy as jnp
+        import optax
+        from flax import nnx
+
+        from spmdlm.train.step import cross_entropy_sums, forward
+
+        model, optimizer = nnx.merge(graphdef, state)
+        base_key = self.stepper.dropout_key
+
+        def train_step(model, optimizer, batch, step):  # Stepper._train_step's math (no accumulation)
+            rngs = nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(base_key, step), 0))
+
+            def loss_fn(model):
+                sums = cross_entropy_sums(forward(model, batch, rngs), batch["labels"])
+                return sums["loss_sum"] + sums["z_loss_sum"], sums
+
+            grads, sums = nnx.grad(loss_fn, has_aux=True)(model)
+            grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
+            optimizer.update(model, grads)
+            return dict(sums, grad_norm=optax.global_norm(grads))
+
+        step_fn = nnx.jit(train_step, donate_argnums=(0, 1) if self.variant.donate else None)
+        self.state = (model, optimizer)
+
+        def call(batch, step):
+            # The objects are updated in place; block on the metrics, which the one executable produces with them.
+            with jax.set_mesh(self.mesh):
+                return None, step_fn(model, optimizer, batch, jnp.int32(step))
+        self._call = call
+        self._nnx_first_call = True
+
+    def step(self, batch, measure: bool):
+        jax = self._jax
+        start = time.perf_counter()
+        new_state, metrics = self._call(batch, self.step_number)
+        jax.block_until_ready((new_state, metrics))
+        elapsed = time.perf_counter() - start
+        if new_state is not None:
+            self.state = new_state
+        self.step_number += 1
+        if getattr(self, "_nnx_first_call", False):  # nnx.jit compiles on its first call
+            self.stats["compile_seconds"] += elapsed
+            self._nnx_first_call = False
+        if measure:
+            self.times.append(elapsed)
+        metrics = jax.device_get(metrics)
+        self.losses.append(float(metrics["loss_sum"]) / max(float(metrics["tokens"]), 1.0))
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+# -- the benchmark -------------------------------------------------------------------------------------------------
+def run_benchmark(args) -> dict[str, Any]:
+    """Build, compile and time every variant; -> the result record (what the JSON line shows)."""
+    prepare_devices(args.mesh)
+    config = load_model_config(args)
+    import flax
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import spmdlm
+    from spmdlm import flops
+    from spmdlm.data.pipeline import batch_spec, to_global
+    from spmdlm.mesh import batch_axis_size, make_mesh
+    from spmdlm.models import get_architecture
+    from spmdlm.train.optim import OptimConfig, learning_rate_schedule, make_optimizer
+
+    mesh = make_mesh(args.mesh)
+    device = jax.devices()[0]
+    # The CPU reference first, on an idle process (cached; ~1 s).
+    peak = flops.peak_flops_per_device(args.dtype)
+    host_peak = flops.measure_cpu_matmul_flops(args.dtype) if device.platform == "cpu" else None
+
+    objective = build_objective(args.model, config, args.seq_len)
+    global_batch = args.batch_size * batch_axis_size(mesh)
+    spec = batch_spec(objective, global_batch)
+    host_batch = synthetic_batch(objective, global_batch, config.vocab_size, args.seed)
+    batch = to_global(host_batch, mesh)
+    total_steps = args.warmup + args.steps
+    optim = OptimConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay)
+    schedule = learning_rate_schedule(optim, total_steps)
+    arch = get_architecture(config.model_type)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+
+    def build():
+        model = arch.model_class(config, rngs=nnx.Rngs(params=args.seed), dtype=dtype, remat=args.remat)
+        return model, nnx.Optimizer(model, make_optimizer(optim, model, total_steps), wrt=nnx.Param)
+
+    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla)
+    variants = [base] + [parse_variant(text, base) for text in args.compare]
+    if base.jit == "nnx" and base.xla:
+        fail("--xla needs --jit jax or flat")
+    arms = [Arm(v, build, mesh, spec, schedule, args.seed) for v in variants]
+    for arm in arms:
+        for _ in range(args.warmup):
+            arm.step(batch, measure=False)
+    for _ in range(args.steps):  # round-robin: load from other processes hits every variant alike
+        for arm in arms:
+            arm.step(batch, measure=True)
+
+    try:
+        analytic = flops.train_flops_per_step(config, objective, global_batch)
+    except NotImplementedError:
+        analytic = None
+    tokens_per_step = global_batch * tokens_per_example(objective)
+
+    def arm_record(arm: Arm) -> dict[str, Any]:
+        step_time = summary(arm.times)
+        xla_per_device = arm.stats.get("xla_flops_per_device")
+        memory = {k: arm.stats[k] for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes")
+                  if k in arm.stats}
+        return {
+            "variant": arm.variant.label(),
+            "tokens_per_s": {"median": tokens_per_step / step_time["median"],
+                             "min": tokens_per_step / step_time["max"], "max": tokens_per_step / step_time["min"]},
+            "step_time_s": step_time,
+            "compile_s": arm.stats.get("compile_seconds"),
+            "memory_per_device_bytes": memory or None,
+            "flops_per_step_xla": xla_per_device * mesh.size if xla_per_device else None,
+            "mfu": flops.mfu(analytic, step_time["median"], mesh.size, peak) if analytic else None,
+            "loss_first": arm.losses[0], "loss_last": arm.losses[-1],
+        }
+
+    records = [arm_record(arm) for arm in arms]
+    result = {
+        "model": args.model,
+        "config": args.config or DEFAULT_CONFIGS[args.model],
+        "overrides": args.set,
+        **records[0],
+        "flops_per_step_analytic": analytic,
+        "peak_flops_per_device": peak,
+        "host_matmul_flops_measured": host_peak,
+        "parameters": arms[0].n_params,
+        "tokens_per_step": tokens_per_step,
+        "global_batch": global_batch,
+        "lengths": {k: shape[0] for k, (shape, _) in objective.example_spec().items()},
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "device_kind": device.device_kind,
+        "platform": device.platform,
+        "devices": jax.device_count(),
+        "mesh": dict(mesh.shape),
+        "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "versions": {"jax": jax.__version__, "flax": flax.__version__, "spmdlm": spmdlm.__version__,
+                     "numpy": np.__version__},
+        "settings": {k: v for k, v in vars(args).items()},
+    }
+    if len(records) > 1:
+        base_rate = records[0]["tokens_per_s"]["median"]
+        for record in records[1:]:
+            record["speed_vs_base"] = record["tokens_per_s"]["median"] / base_rate
+        result["variants"] = records[1:]
+    result["_arms"] = arms  # for compare_hf.py; dropped before printing
+    return result
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
+        fail("--steps must be >= 1, --warmup >= 0 and --batch_size >= 1")
+    result = run_benchmark(args)
+    result.pop("_arms")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

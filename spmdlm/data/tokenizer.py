@@ -1,0 +1,250 @@
+"""Train, load and save tokenizers (HF `tokenizers`), and the special-token facts each model type relies on.
+
+GPT-2, RoBERTa and BART use byte-level BPE; T5 uses a SentencePiece-style Unigram model with T5's 100 sentinels.
+`save_tokenizer` writes a directory that `transformers.AutoTokenizer.from_pretrained` loads to exactly the ids that
+the `tokenizers.Tokenizer` gives during data preparation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+_BART_STYLE = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
+SPECIAL_TOKENS: dict[str, dict[str, str | None]] = {
+    "gpt2": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>", "pad": None, "mask": None},
+    "roberta": dict(_BART_STYLE),
+    "bart": dict(_BART_STYLE),
+    "t5": {"pad": "<pad>", "eos": "</s>", "unk": "<unk>", "bos": None, "mask": None},
+}
+
+# Order in which the specials are trained, so they get ids 0, 1, 2, ... as in the HF recipes.
+_TRAINED_SPECIALS = {
+    "gpt2": ["<|endoftext|>"],
+    "roberta": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    "bart": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    "t5": ["<pad>", "</s>", "<unk>"],
+}
+T5_NUM_SENTINELS = 100
+
+# tokenizer_config.json class per model type ("...Fast" names resolve in transformers 4 and 5 alike).
+_HF_CLASS = {"gpt2": "GPT2TokenizerFast", "roberta": "RobertaTokenizerFast", "bart": "BartTokenizerFast"}
+_GENERIC_HF_CLASS = "PreTrainedTokenizerFast"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot serve the requested model type, or one that cannot be found."""
+
+
+def _check_model_type(model_type: str) -> None:
+    if model_type not in SPECIAL_TOKENS:
+        raise TokenizerError(f"unknown model_type {model_type!r}: choose one of {', '.join(SPECIAL_TOKENS)}")
+
+
+def _counted(texts: Iterable[str], seen: list[int]) -> Iterator[str]:
+    # Counts texts as the trainer consumes them, so an empty corpus is caught without materialising it.
+    for text in texts:
+        seen[0] += 1
+        yield text
+
+
+def train_tokenizer(
+    model_type: str, texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, lowercase: bool = False
+) -> Tokenizer:
+    """Train a tokenizer for `model_type` on `texts`. The result is deterministic for the same texts.
+
+    `vocab_size` is the size of the whole vocabulary, specials included; for t5 that includes the 100 sentinels, so
+    the Unigram model gets `vocab_size - 100` pieces (the HF recipe trained 32000 and let transformers append 100,
+    giving 32100). A corpus too small to support that many pieces gives a smaller vocabulary, as the trainers do.
+    `min_frequency` applies to BPE merges only (the Unigram trainer has no such knob).
+    """
+    _check_model_type(model_type)
+    specials = _TRAINED_SPECIALS[model_type]
+    seen = [0]
+    if model_type == "t5":
+        tok = _unigram_t5(specials, lowercase)
+        unigram_size = vocab_size - T5_NUM_SENTINELS
+        if unigram_size <= len(specials):
+            raise TokenizerError(
+                f"vocab_size {vocab_size} leaves no room for pieces after {T5_NUM_SENTINELS} sentinels and "
+                f"{len(specials)} specials: raise --vocab_size"
+            )
+        trainer = trainers.UnigramTrainer(
+            vocab_size=unigram_size, special_tokens=specials, unk_token="<unk>", show_progress=False
+        )
+    else:
+        tok = _byte_level_bpe(specials, lowercase)
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if vocab_size < len(alphabet) + len(specials):
+            raise TokenizerError(
+                f"vocab_size {vocab_size} is below the {len(alphabet)}-byte alphabet plus {len(specials)} specials: "
+                "raise --vocab_size"
+            )
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=specials,
+            initial_alphabet=alphabet,  # every byte is encodable, so BPE never needs an unk
+            show_progress=False,
+        )
+    tok.train_from_iterator(_counted(texts, seen), trainer=trainer)
+    if seen[0] == 0:
+        raise TokenizerError("no training text for the tokenizer: check --train_file / --dataset_name")
+    if model_type == "t5":
+        tok = _canonical_unigram(tok, num_specials=len(specials))
+        # Google's order: <extra_id_0> is the last id (len-1), <extra_id_99> is len-100.
+        tok.add_special_tokens([f"<extra_id_{k}>" for k in reversed(range(T5_NUM_SENTINELS))])
+    return tok
+
+
+def _byte_level_bpe(specials: list[str], lowercase: bool) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    # GPT-2 and RobertaTokenizerFast both default to add_prefix_space=False.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if "<s>" in specials:  # RoBERTa and BART frame every text as <s> ... </s>
+        tok.post_processor = processors.RobertaProcessing(
+            ("</s>", specials.index("</s>")), ("<s>", specials.index("<s>")), trim_offsets=True, add_prefix_space=False
+        )
+    else:  # GPT-2 adds nothing
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _unigram_t5(specials: list[str], lowercase: bool) -> Tokenizer:
+    # The recipe's t5_tokenizer_model.py pipeline, written against the current API (Metaspace prepend_scheme).
+    steps = [normalizers.Nmt(), normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")]
+    if lowercase:
+        steps.append(normalizers.Lowercase())
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Punctuation(),
+        ]
+    )
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    # T5 appends only EOS.
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", specials.index("</s>"))]
+    )
+    return tok
+
+
+def _canonical_unigram(tok: Tokenizer, num_specials: int) -> Tokenizer:
+    """Make a trained Unigram model a function of the texts alone.
+
+    The trainer iterates randomly ordered hash maps, so between runs (1) its float sums differ in the last bits and
+    ids sorted by score swap places, and (2) characters it saw but pruned get the scores min, min+1e-4,
+    min+2e-4, ... in a random order. So: hand those ladder scores out in character order, round all scores far below
+    anything that changes a segmentation, and give ids in code-point order after the specials.
+    """
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    scores = {piece: score for piece, score in vocab[num_specials:]}
+    floor, step, ladder = min(scores.values()), 0.0, set()
+    for _ in scores:  # the trainer's own float arithmetic, so the ladder matches bit for bit
+        ladder.add(floor + step)
+        step += 0.0001
+    laddered = sorted(piece for piece, score in scores.items() if len(piece) == 1 and score in ladder)
+    scores.update(zip(laddered, sorted((scores[piece] for piece in laddered), reverse=True)))
+    spec["model"]["vocab"] = vocab[:num_specials] + [[piece, round(scores[piece], 6)] for piece in sorted(scores)]
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer.json file, or the tokenizer.json inside a directory (e.g. a transformers tokenizer dir)."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise TokenizerError(
+            f"no tokenizer at {path}: expected a tokenizer.json file or a directory holding tokenizer.json; "
+            "fix --tokenizer_name or train a new tokenizer"
+        )
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust side raises a bare Exception on malformed JSON
+        raise TokenizerError(f"cannot read tokenizer {file}: {e}") from e
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, model_type: str, model_max_length: int) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for transformers' AutoTokenizer.
+
+    AutoTokenizer then gives GPT2/Roberta/BartTokenizerFast for byte-level BPE tokenizers, and the generic
+    PreTrainedTokenizerFast for t5 and lowercased BPE (see `_hf_class`), with the same ids as `tok` in every case.
+    """
+    special_token_ids(tok, model_type)  # fail before writing anything
+    special_map = {f"{role}_token": token for role, token in SPECIAL_TOKENS[model_type].items() if token is not None}
+    config = {"tokenizer_class": _hf_class(tok, model_type), "model_max_length": model_max_length, **special_map}
+    if model_type == "t5":
+        sentinel_ids(tok)
+        sentinels = [f"<extra_id_{k}>" for k in range(T5_NUM_SENTINELS)]
+        special_map["additional_special_tokens"] = sentinels
+        # Explicitly no extra ids: T5TokenizerFast would append any of its 100 missing from the vocab (with
+        # <extra_id_0> lowest, the reverse of Google's order); ours are all there already.
+        config.update(additional_special_tokens=sentinels, extra_ids=0)
+    else:
+        config["add_prefix_space"] = False
+        if model_type in ("roberta", "bart"):
+            special_map.update(sep_token="</s>", cls_token="<s>")
+            config.update(sep_token="</s>", cls_token="<s>", trim_offsets=True)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
+
+
+def _hf_class(tok: Tokenizer, model_type: str) -> str:
+    """The tokenizer class to name in tokenizer_config.json.
+
+    transformers 5's model-specific classes rebuild the pipeline from tokenizer.json's vocab alone: GPT2/Roberta
+    keep no normalizer and a ByteLevel pre-tokenizer; T5Tokenizer replaces ours with WhitespaceSplit + Metaspace and
+    drops the Nmt/NFKC/Digits/Punctuation steps, which changes ids. Where the rebuild would differ, name the generic
+    class, which loads tokenizer.json as written.
+    """
+    spec = json.loads(tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    rebuilt_identically = (
+        model_type in _HF_CLASS
+        and spec["model"]["type"] == "BPE"
+        and spec.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("add_prefix_space") is False
+    )
+    return _HF_CLASS[model_type] if rebuilt_identically else _GENERIC_HF_CLASS
+
+
+def special_token_ids(tok: Tokenizer, model_type: str) -> dict[str, int | None]:
+    """Ids of bos/eos/unk/pad/mask for `model_type` (None where that model has no such token)."""
+    _check_model_type(model_type)
+    ids: dict[str, int | None] = {}
+    for role, token in SPECIAL_TOKENS[model_type].items():
+        ids[role] = None if token is None else tok.token_to_id(token)
+        if token is not None and ids[role] is None:
+            raise TokenizerError(
+                f"the tokenizer has no {role} token {token!r}, which {model_type} needs: pass --tokenizer_name "
+                f"with a {model_type} tokenizer or train a new one"
+            )
+    return ids
+
+
+def sentinel_ids(tok: Tokenizer, count: int = T5_NUM_SENTINELS) -> np.ndarray:
+    """int32 array whose [k] is the id of <extra_id_k>."""
+    ids = [tok.token_to_id(f"<extra_id_{k}>") for k in range(count)]
+    missing = [k for k, i in enumerate(ids) if i is None]
+    if missing:
+        raise TokenizerError(
+            f"the tokenizer lacks {len(missing)} of {count} sentinels (first: <extra_id_{missing[0]}>): "
+            "use a T5 tokenizer or train one with model_type t5"
+        )
+    return np.asarray(ids, dtype=np.int32)

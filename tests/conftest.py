@@ -1,0 +1,35 @@
+"""Tests run on CPU with 8 simulated devices so every mesh shape is exercised without accelerators."""
+
+import os
+
+# Must happen before JAX initialises its backends (i.e. before any test imports jax and asks for devices).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "data"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One tokenized-data cache for the whole session, so runs of the same corpus tokenize once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_config(tmp_path_factory) -> Path:
+    """A GPT-2 small enough that a train step takes milliseconds."""
+    path = tmp_path_factory.mktemp("configs") / "gpt2-micro.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512, "n_positions": 64, "n_embd": 64,
+                                "n_layer": 2, "n_head": 4}))
+    return path
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,133 @@
+"""The data path: readers, the tokenized cache, and batches that depend on (seed, step) alone."""
+
+import json
+
+import numpy as np
+import pytest
+
+from spmdlm.data import pipeline, sources
+from spmdlm.data.objectives.clm import CausalLM
+from spmdlm.data.tokenizer import train_tokenizer
+
+_WORDS = np.random.default_rng(0).integers(0, 500, (300, 60))
+DOCS = [f"document {i}: " + " ".join(f"w{w}" for w in row[: 40 + i % 13]) for i, row in enumerate(_WORDS)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer("gpt2", DOCS, 300)
+
+
+@pytest.fixture(scope="module")
+def split(tokenizer, tmp_path_factory):
+    return sources.prepare_split(DOCS, tokenizer, record_length=17, separator_id=0,
+                                 cache_dir=tmp_path_factory.mktemp("cache"), name="train")
+
+
+def batches(split, *, seed=0, process_index=0, process_count=1, n=5, global_batch=8):
+    it = pipeline.train_batches(split, CausalLM(16), seed=seed, global_batch=global_batch, num_epochs=3,
+                                process_index=process_index, process_count=process_count)
+    return [next(it) for _ in range(n)]
+
+
+def test_records_are_the_token_stream_cut_in_blocks(split, tokenizer):
+    stream = np.concatenate([np.append(tokenizer.encode(d, add_special_tokens=False).ids, 0) for d in DOCS])
+    assert split.num_tokens == len(stream)
+    assert split.num_records == len(stream) // 17
+    source = sources.record_source(split)
+    for i in (0, 1, split.num_records - 1):
+        np.testing.assert_array_equal(sources.decode_record(source[i]), stream[i * 17:(i + 1) * 17])
+
+
+def test_second_preparation_reuses_the_cache(split, tokenizer):
+    class NoTokenizing:
+        def to_str(self):
+            return tokenizer.to_str()
+
+        def encode_batch(self, *args, **kwargs):
+            raise AssertionError("the cache should have been reused")
+
+    again = sources.prepare_split(DOCS, NoTokenizing(), record_length=17, separator_id=0,
+                                  cache_dir=split.path.parent.parent, name="train")
+    assert again == split
+    with pytest.raises(AssertionError, match="reused"):  # other content -> a new key -> tokenizes
+        sources.prepare_split(DOCS[:-1], NoTokenizing(), record_length=17, separator_id=0,
+                              cache_dir=split.path.parent.parent, name="train")
+
+
+def test_same_seed_same_batches_and_different_seed_differs(split):
+    a, b, c = batches(split), batches(split), batches(split, seed=1)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x["input_ids"], y["input_ids"])
+    assert not all(np.array_equal(x["input_ids"], z["input_ids"]) for x, z in zip(a, c))
+
+
+def test_two_processes_read_the_rows_of_the_same_global_batches(split):
+    whole = batches(split)
+    halves = [batches(split, process_index=p, process_count=2) for p in range(2)]
+    for step, batch in enumerate(whole):
+        joined = np.concatenate([halves[0][step]["input_ids"], halves[1][step]["input_ids"]])
+        np.testing.assert_array_equal(joined, batch["input_ids"])
+        assert halves[0][step]["input_ids"].shape == (4, 16)
+
+
+def test_epochs_are_reshuffled_and_cover_every_record(split):
+    steps = split.num_records // 8
+    ds = pipeline.global_examples(split, CausalLM(16), seed=3, num_epochs=2)
+    first = {tuple(ds[i]["input_ids"]) for i in range(split.num_records)}
+    assert len(first) == split.num_records  # one epoch = every record once
+    order1 = [tuple(ds[i]["input_ids"]) for i in range(steps)]
+    order2 = [tuple(ds[split.num_records + i]["input_ids"]) for i in range(steps)]
+    assert order1 != order2
+
+
+def test_restored_iterator_continues_the_sequence(split):
+    it = pipeline.train_batches(split, CausalLM(16), seed=0, global_batch=8, num_epochs=3)
+    for _ in range(3):
+        next(it)
+    state = it.get_state()
+    expected = [next(it)["input_ids"] for _ in range(2)]
+    fresh = pipeline.train_batches(split, CausalLM(16), seed=0, global_batch=8, num_epochs=3)
+    fresh.set_state(state)
+    for want in expected:
+        np.testing.assert_array_equal(next(fresh)["input_ids"], want)
+
+
+def test_eval_batches_pad_with_loss_free_rows(split):
+    batches_ = list(pipeline.eval_batches(split, CausalLM(16), seed=0, global_batch=8, max_examples=13))
+    assert len(batches_) == 2
+    labels = batches_[-1]["labels"]
+    assert (labels[5:] == -100).all() and (labels[:5] != -100).all()
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("a.txt", "first line\n\n  \nsecond line\n", ["first line", "second line"]),
+    ("a.jsonl", '{"text": "one"}\n{"text": "two"}\n', ["one", "two"]),
+    ("a.json", json.dumps([{"body": "x"}, {"body": "y"}]), ["x", "y"]),
+    ("a.csv", "id,text\n1,hello\n2,world\n", ["hello", "world"]),
+])
+def test_readers(tmp_path, name, text, expected):
+    path = tmp_path / name
+    path.write_text(text)
+    assert list(sources.read_documents([path])) == expected
+
+
+def test_missing_and_unknown_files(tmp_path):
+    with pytest.raises(sources.DataError, match="no such file"):
+        sources.expand_files(str(tmp_path / "nope.txt"))
+    (tmp_path / "a.bin").write_bytes(b"\0")
+    with pytest.raises(sources.DataError, match="unknown file type"):
+        list(sources.read_documents([tmp_path / "a.bin"]))
+
+
+def test_validation_split_is_stable_and_close_to_the_percentage():
+    held = [d for d in DOCS * 10 if sources.in_validation_split(d + str(hash(d) % 7), 5.0)]
+    assert 0.02 < len(held) / 3000 < 0.08
+    assert sources.in_validation_split("abc", 5.0) == sources.in_validation_split("abc", 5.0)
+
+
+def test_embedded_corpus_is_the_stdlib():
+    files = sources.embedded_corpus_files()
+    assert len(files) > 100 and files == sorted(files)
+    assert any(f.name == "json" or f.parent.name == "json" for f in files)
+    assert not any("site-packages" in f.parts or "test" in f.parts for f in files)

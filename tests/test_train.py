@@ -1,0 +1,127 @@
+"""End-to-end runs of the launcher in-process: meshes agree, resume is exact, a tiny model overfits."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, read_metrics
+from spmdlm import checkpoint
+from spmdlm.launch import main
+
+STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
+
+
+def launch(tmp_dir: Path, config: Path, cache_dir: Path, *extra: str) -> int:
+    return main([
+        "--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", str(tmp_dir),
+        "--cache_dir", str(cache_dir), "--block_size", "32", "--per_device_train_batch_size", "2",
+        "--per_device_eval_batch_size", "2", "--learning_rate", "3e-3", "--warmup_steps", "2", "--logging_steps", "1",
+        "--save_steps", "100", "--max_eval_samples", "32", "--export_hf", "false", "--seed", "7", *extra,
+    ])
+
+
+def train_losses(output_dir: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(output_dir) if "loss" in m]
+
+
+def final_params(output_dir: Path) -> dict[str, np.ndarray]:
+    import orbax.checkpoint as ocp
+
+    manager = checkpoint.make_manager(output_dir, read_only=True)
+    restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(model=ocp.args.StandardRestore()))
+    import jax
+
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(restored["model"])}
+
+
+def test_same_losses_on_every_mesh(tmp_path, tiny_gpt2_config, cache_dir):
+    losses = {}
+    for mesh in ("data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2"):
+        out = tmp_path / mesh.replace(",", "_").replace("=", "")
+        # The same global batch everywhere: tensor parallelism does not add batch devices.
+        assert launch(out, tiny_gpt2_config, cache_dir, "--mesh", mesh, "--max_steps", "10",
+                      "--global_batch_size", "16") == 0
+        losses[mesh] = np.array(train_losses(out))
+    reference = losses["data=8"]
+    assert len(reference) == 10 and reference[-1] < reference[0]
+    for mesh, values in losses.items():
+        rel = np.max(np.abs(values - reference) / reference)
+        print(f"{mesh}: largest relative loss difference vs data=8: {rel:.2e}")
+        assert rel < 1e-4, mesh
+
+
+def test_resume_continues_exactly(tmp_path, tiny_gpt2_config, cache_dir, monkeypatch):
+    args = ("--mesh", "data=2,fsdp=4", "--max_steps", "8", "--save_steps", "4", "--eval_steps", "100")
+    whole = tmp_path / "whole"
+    assert launch(whole, tiny_gpt2_config, cache_dir, *args) == 0
+
+    # Interrupt the second run right after its step-4 checkpoint is written, as a killed job would be.
+    interrupted = tmp_path / "interrupted"
+    original_save = checkpoint.save
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(manager, step, *a, **kw):
+        saved = original_save(manager, step, *a, **kw)
+        manager.wait_until_finished()
+        raise Killed(step)
+
+    monkeypatch.setattr(checkpoint, "save", save_then_die)
+    with pytest.raises(Killed):
+        launch(interrupted, tiny_gpt2_config, cache_dir, *args)
+    monkeypatch.setattr(checkpoint, "save", original_save)
+    assert checkpoint.make_manager(interrupted, read_only=True).all_steps() == [4]
+
+    assert launch(interrupted, tiny_gpt2_config, cache_dir, *args) == 0  # the same command resumes
+    assert train_losses(interrupted) == train_losses(whole)  # bitwise on CPU
+    a, b = final_params(whole), final_params(interrupted)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_tiny_model_overfits_a_small_text(tmp_path, cache_dir):
+    config = tmp_path / "gpt2-overfit.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 384, "n_positions": 64, "n_embd": 96,
+                                  "n_layer": 2, "n_head": 4}))
+    out = tmp_path / "overfit"
+    code = main([
+        "--train_file", str(FIXTURES / "overfit.txt"), "--config_name", str(config), "--output_dir", str(out),
+        "--cache_dir", str(cache_dir), "--block_size", "24", "--per_device_train_batch_size", "1",
+        "--mesh", "data=8", "--validation_split_percentage", "0", "--learning_rate", "5e-3", "--warmup_steps", "10",
+        "--lr_scheduler_type", "constant", "--max_steps", "150", "--logging_steps", "10", "--save_steps", "1000",
+        "--export_hf", "false", "--weight_decay", "0",
+    ])
+    assert code == 0
+    losses = train_losses(out)
+    print("overfit losses:", [round(x, 3) for x in losses])
+    assert losses[-1] < 0.1
+
+
+def test_run_outputs(tmp_path, tiny_gpt2_config, cache_dir):
+    out = tmp_path / "outputs"
+    assert launch(out, tiny_gpt2_config, cache_dir, "--mesh", "data=4,tensor=2", "--max_steps", "6",
+                  "--logging_steps", "3", "--eval_steps", "3", "--do_train", "--do_eval") == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"checkpoints", "metrics.jsonl", "eval_results.json", "loss_curve.png", "tensorboard", "tokenizer.json",
+            "run_config.json"} <= names
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["eval_perplexity"] == pytest.approx(np.exp(results["eval_loss"]), rel=1e-6)
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics if "loss" in m] == [3, 6]
+    assert all(m["tokens_per_second"] > 0 for m in metrics if "loss" in m)
+
+
+def test_gradient_accumulation_matches_a_bigger_batch(tmp_path, tiny_gpt2_config, cache_dir):
+    big = tmp_path / "big"
+    accumulated = tmp_path / "accumulated"
+    assert launch(big, tiny_gpt2_config, cache_dir, "--mesh", "data=8", "--max_steps", "3",
+                  "--per_device_train_batch_size", "4") == 0
+    assert launch(accumulated, tiny_gpt2_config, cache_dir, "--mesh", "data=8", "--max_steps", "3",
+                  "--gradient_accumulation_steps", "2") == 0
+    np.testing.assert_allclose(train_losses(accumulated), train_losses(big), rtol=1e-5)
