@@ -193,25 +193,37 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, numpy tensor) for every parameter, gathered to the host one at a time."""
+def hf_tensors(model: nnx.Module, release: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, numpy tensor) for every parameter, gathered to the host one at a time.
+
+    `release` frees each device buffer once it is on the host, so that an export holds one copy of the
+    parameters in all (on CPU, device and host memory are the same memory).
+    """
     config = model.config
     table = TABLES[config.model_type]
     variables = _param_variables(model)
     mapped = set()
     for hf, ours, (to_hf, _) in table.expand(config):
         mapped.add(ours)
-        yield hf, to_hf(_to_host(variables[ours][...]))
+        value = variables[ours].get_value()
+        host = _to_host(value)
+        if release:
+            value.delete()
+        yield hf, to_hf(host)
     unmapped = sorted(set(variables) - mapped)
     if unmapped:
         raise ExportError(f"{config.model_type} export table misses parameters: {', '.join(unmapped[:5])}")
 
 
-def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=None) -> Path:
-    """Write config.json, model.safetensors, generation_config.json and tokenizer files (process 0 writes)."""
+def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=None, *,
+            release: bool = False) -> Path:
+    """Write config.json, model.safetensors, generation_config.json and tokenizer files (process 0 writes).
+
+    With `release`, the model's parameters are freed as they are copied out (the model is unusable after).
+    """
     from safetensors.numpy import save_file
 
-    tensors = dict(hf_tensors(model))  # every process joins the gathers; only process 0 writes
+    tensors = dict(hf_tensors(model, release))  # every process joins the gathers; only process 0 writes
     out = Path(out_dir)
     if jax.process_index() != 0:
         return out
@@ -227,8 +239,9 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
 
 
 def export_state(graphdef, state, config: HFConfig, out_dir: str | Path, tokenizer=None) -> Path:
+    """The end-of-training export; frees the parameters as it goes (the run is over)."""
     model, _ = nnx.merge(graphdef, state)
-    return save_hf(model, config, out_dir, tokenizer=tokenizer)
+    return save_hf(model, config, out_dir, tokenizer=tokenizer, release=True)
 
 
 def _open_safetensors(path: Path):
@@ -336,7 +349,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None 
     tokenizer_path = run_config.get("tokenizer_name") or run_dir
     tokenizer = load_tokenizer(tokenizer_path) if (Path(tokenizer_path) / "tokenizer.json").exists() or \
         Path(tokenizer_path).is_file() else None
-    save_hf(model, config, out, tokenizer=tokenizer)
+    save_hf(model, config, out, tokenizer=tokenizer, release=True)
     return out
 
 
