@@ -282,9 +282,8 @@ class Arm:
         base_key = self.stepper.dropout_key
 
         def train_step(model, optimizer, batch, step):  # Stepper._train_step's math (no accumulation)
-            rngs = nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(base_key, step), 0))
-
             def loss_fn(model):
+                rngs = nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(base_key, step), 0))
                 sums = cross_entropy_sums(forward(model, batch, rngs), batch["labels"])
                 return sums["loss_sum"] + sums["z_loss_sum"], sums
 
@@ -345,6 +344,7 @@ def run_benchmark(args) -> dict[str, Any]:
 
     mesh = make_mesh(args.mesh)
     device = jax.devices()[0]
+    load_start = os.getloadavg()[0]  # the host's other work skews CPU numbers: record it
     # The CPU reference first, on an idle process (cached; ~1 s).
     peak = flops.peak_flops_per_device(args.dtype)
     host_peak = flops.measure_cpu_matmul_flops(args.dtype) if device.platform == "cpu" else None
@@ -417,7 +417,8 @@ def run_benchmark(args) -> dict[str, Any]:
         "platform": device.platform,
         "devices": jax.device_count(),
         "mesh": dict(mesh.shape),
-        "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                 "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]}},
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "spmdlm": spmdlm.__version__,
                      "numpy": np.__version__},
         "settings": {k: v for k, v in vars(args).items()},

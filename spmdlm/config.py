@@ -28,7 +28,7 @@ def _field(default, help: str, **kw):
 @dataclasses.dataclass(frozen=True)
 class RunArgs:
     # -- model ---------------------------------------------------------------------------------------------------
-    model_type: str = _field("gpt2", "gpt2 (t5 once it lands); a value naming no architecture defers to the config")
+    model_type: str = _field("gpt2", "gpt2 or t5; a value naming no architecture defers to the config")
     config_name: str | None = _field(None, "preset name in models/, a JSON file, or an HF config directory")
     model_name_or_path: str | None = _field(None, "initialise from a transformers checkpoint directory")
     tokenizer_name: str | None = _field(None, "a tokenizer.json file or an HF tokenizer directory; default: train one")
@@ -41,6 +41,8 @@ class RunArgs:
     validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
     block_size: int | None = _field(None, "CLM example length (default: min(1024, n_positions))")
     max_seq_length: int | None = _field(None, "encoder length for MLM/T5/BART (default: the model's maximum)")
+    mlm_probability: float | None = _field(None, "T5 noise density (default 0.15); MLM masking rate")
+    mean_noise_span_length: float = _field(3.0, "T5 span corruption: mean length of a corrupted span")
     max_train_samples: int | None = _field(None, "cap on training examples (after chunking)")
     max_eval_samples: int | None = _field(None, "cap on evaluation examples (after chunking)")
     overwrite_cache: bool = _field(False, "re-tokenize even when a cache exists")
@@ -199,6 +201,8 @@ def validate(args: RunArgs) -> RunArgs:
         args = args.replace(eval_steps=args.logging_steps)
     elif args.eval_steps < 1:
         raise ArgumentError(f"--eval_steps must be at least 1, got {args.eval_steps}")
+    if args.mlm_probability is not None and not 0 < args.mlm_probability < 1:
+        raise ArgumentError(f"--mlm_probability must be between 0 and 1, got {args.mlm_probability}")
     if not 0 <= args.validation_split_percentage < 100:
         raise ArgumentError("--validation_split_percentage must be in [0, 100)")
     if args.num_train_epochs <= 0 and args.max_steps <= 0:

@@ -96,8 +96,8 @@ def _t5_attention_rules(hf: str, ours: str) -> tuple[tuple[str, str, Layout], ..
 
 
 def _t5_mlp_rules(hf: str, ours: str) -> tuple[tuple[str, str, Layout], ...]:
-    return tuple((f"{hf}.DenseReluDense.{w}.weight", f"{ours}.mlp.{w}.kernel", LINEAR) for w in ("wi_0", "wi_1", "wo")) \
-        + ((f"{hf}.layer_norm.weight", f"{ours}.mlp_norm.scale", SAME),)
+    dense = tuple((f"{hf}.DenseReluDense.{w}.weight", f"{ours}.mlp.{w}.kernel", LINEAR) for w in ("wi_0", "wi_1", "wo"))
+    return (*dense, (f"{hf}.layer_norm.weight", f"{ours}.mlp_norm.scale", SAME))
 
 
 T5_TABLE = Table(

@@ -33,3 +33,28 @@ def tiny_gpt2_config(tmp_path_factory) -> Path:
 
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class Killed(Exception):
+    """Stands in for a job killed right after it wrote a checkpoint."""
+
+
+def run_killed_after_first_checkpoint(monkeypatch, launch_fn) -> None:
+    """Run `launch_fn()` and stop it, as a killed job, as soon as its first checkpoint is on disk."""
+    from spmdlm import checkpoint
+
+    original_save = checkpoint.save
+
+    def save_then_die(manager, step, *args, **kwargs):
+        original_save(manager, step, *args, **kwargs)
+        manager.wait_until_finished()
+        raise Killed(step)
+
+    monkeypatch.setattr(checkpoint, "save", save_then_die)
+    try:
+        launch_fn()
+    except Killed:
+        return
+    finally:
+        monkeypatch.setattr(checkpoint, "save", original_save)
+    raise AssertionError("the run ended without writing a checkpoint")

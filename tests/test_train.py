@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, read_metrics
+from conftest import FIXTURES, read_metrics, run_killed_after_first_checkpoint
 from spmdlm import checkpoint
 from spmdlm.launch import main
 
@@ -60,20 +60,7 @@ def test_resume_continues_exactly(tmp_path, tiny_gpt2_config, cache_dir, monkeyp
 
     # Interrupt the second run right after its step-4 checkpoint is written, as a killed job would be.
     interrupted = tmp_path / "interrupted"
-    original_save = checkpoint.save
-
-    class Killed(Exception):
-        pass
-
-    def save_then_die(manager, step, *a, **kw):
-        saved = original_save(manager, step, *a, **kw)
-        manager.wait_until_finished()
-        raise Killed(step)
-
-    monkeypatch.setattr(checkpoint, "save", save_then_die)
-    with pytest.raises(Killed):
-        launch(interrupted, tiny_gpt2_config, cache_dir, *args)
-    monkeypatch.setattr(checkpoint, "save", original_save)
+    run_killed_after_first_checkpoint(monkeypatch, lambda: launch(interrupted, tiny_gpt2_config, cache_dir, *args))
     assert checkpoint.make_manager(interrupted, read_only=True).all_steps() == [4]
 
     assert launch(interrupted, tiny_gpt2_config, cache_dir, *args) == 0  # the same command resumes

@@ -32,7 +32,7 @@ def hf_scales_decoder_outputs(values: dict[str, Any]) -> bool:
 
 
 def dense_activation(feed_forward_proj: str) -> str | None:
-    """'gated-gelu' -> 'gelu_new' (as transformers maps it), 'gated-silu' -> 'silu'; None if not a supported gated MLP."""
+    """'gated-gelu' -> 'gelu_new' (as transformers maps it), 'gated-silu' -> 'silu'; None if unsupported."""
     kind, _, act = feed_forward_proj.partition("-")
     if kind != "gated" or "-" in act:
         return None
@@ -80,7 +80,10 @@ class T5Config(HFConfig):
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> T5Config:
         # transformers 5 writes tie_word_embeddings: true even for v1.1 and records the truth in scale_decoder_outputs.
-        return super().from_dict({**values, "tie_word_embeddings": hf_scales_decoder_outputs(values)})
+        values = {**values, "tie_word_embeddings": hf_scales_decoder_outputs(values)}
+        if values.get("decoder_start_token_id", 0) is None:  # transformers' own T5 checkpoints may say null: T5 uses 0
+            del values["decoder_start_token_id"]
+        return super().from_dict(values)
 
     def to_hf_dict(self) -> dict[str, Any]:
         # Both keys, so transformers neither ties lm_head to shared nor scales the decoder output (verified by logits).

@@ -129,19 +129,47 @@ def get_tokenizer(args: RunArgs, config, model_type: str, train_docs: list[str])
     return tok
 
 
+DEFAULT_PRESETS = {"gpt2": "gpt2", "t5": "t5-v1_1-base"}
+T5_MAX_SEQ_LENGTH = 512  # T5 has relative positions, so no model maximum: the T5 recipes' length
+
+
 def check_lengths(model_type: str, config, args: RunArgs) -> None:
+    """Example lengths the model can take, checked before any data is read."""
     if model_type == "gpt2":
         block = args.block_size or min(1024, config.n_positions)
         if block > config.n_positions:
             raise ArgumentError(f"--block_size {block} is longer than the model's n_positions "
                                 f"{config.n_positions}; lower --block_size or use a config with more positions")
+    elif model_type == "t5":
+        from spmdlm.data.tokenizer import T5_NUM_SENTINELS
+
+        # Validates the lengths, and that a T5 tokenizer's 100 sentinels cover every span, before any data is read.
+        _span_corruption(args, range(T5_NUM_SENTINELS), eos_id=1, decoder_start_id=0)
+
+
+def _span_corruption(args: RunArgs, sentinels, eos_id: int, decoder_start_id: int):
+    from spmdlm.data.objectives.t5 import SpanCorruption
+
+    try:
+        return SpanCorruption(
+            inputs_length=args.max_seq_length or T5_MAX_SEQ_LENGTH, sentinel_ids=tuple(int(s) for s in sentinels),
+            eos_id=eos_id, noise_density=args.mlm_probability or 0.15,
+            mean_noise_span_length=args.mean_noise_span_length, decoder_start_id=decoder_start_id,
+        )
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def build_objective(model_type: str, config, args: RunArgs, tok):
-    from spmdlm.data.objectives.clm import CausalLM
-
     if model_type == "gpt2":
+        from spmdlm.data.objectives.clm import CausalLM
+
         return CausalLM(args.block_size or min(1024, config.n_positions))
+    if model_type == "t5":
+        from spmdlm.data.tokenizer import sentinel_ids
+
+        return _span_corruption(args, sentinel_ids(tok), special_token_ids(tok, "t5")["eos"],
+                                config.decoder_start_token_id)
     raise ArgumentError(f"no objective for model_type {model_type!r}")
 
 
@@ -193,7 +221,8 @@ def run(args: RunArgs) -> dict[str, Any]:
 
         config = read_hf_config(args.model_name_or_path)
     else:
-        config_name = args.config_name or (str(out) if (out / "config.json").exists() else f"{args.model_type}")
+        config_name = args.config_name or (str(out) if (out / "config.json").exists()
+                                           else DEFAULT_PRESETS.get(args.model_type, args.model_type))
         config = load_config(config_name, args.model_type)
         if args.vocab_size:
             config = config.replace(vocab_size=args.vocab_size)

@@ -56,14 +56,22 @@ def weight_decay_mask(model: nnx.Module):
     )
 
 
+def _without_variable_metadata(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Init `tx` on plain arrays: nnx.Optimizer copies a parameter's sharding metadata onto every state leaf made
+    from it, which breaks Adafactor's factored moments (a row vector cannot take a matrix's PartitionSpec)."""
+    unwrap = lambda tree: jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
+                                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return optax.GradientTransformation(lambda params: tx.init(unwrap(params)), tx.update)
+
+
 def make_optimizer(cfg: OptimConfig, model: nnx.Module, total_steps: int) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(cfg, total_steps)
     mask = weight_decay_mask(model)
     if cfg.adafactor:
         # Factored second moments; unlike the HF scripts, weight decay is applied (decoupled, scaled by the lr).
-        core = optax.adafactor(
+        core = _without_variable_metadata(optax.adafactor(
             learning_rate=schedule, weight_decay_rate=cfg.weight_decay or None, weight_decay_mask=mask
-        )
+        ))
     else:
         core = optax.adamw(
             schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay,
