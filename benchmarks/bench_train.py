@@ -9,7 +9,8 @@ per-device memory of the compiled step, analytic and XLA FLOPs per step, MFU aga
 with a large matmul on CPU), versions, device kind and the settings.
 
 `--compare KEY=VALUE[,KEY=VALUE]` (repeatable) adds variants of the base settings — `jit` (jax | flat | nnx),
-`attention` (einsum | dpa), `donate` (1 | 0), `xla` (XLA compiler options, `name:value;name:value`). All variants
+`attention` (einsum | dpa), `accuracy` (argmax | max), `donate` (1 | 0), `xla` (XLA compiler options,
+`name:value;name:value`). All variants
 are built up front and their steps are interleaved round-robin in the same process, so a machine shared with other
 work slows them alike; the JSON gains `variants` with each one's numbers and its speed relative to the base.
 """
@@ -49,6 +50,8 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
                         "nnx: nnx.jit over (model, optimizer)")
     p.add_argument("--attention", default="einsum", choices=("einsum", "dpa"),
                    help="einsum: layers.Attention as is; dpa: its core replaced by jax.nn.dot_product_attention")
+    p.add_argument("--accuracy", default="argmax", choices=("argmax", "max"),
+                   help="argmax: step.cross_entropy_sums as is; max: its accuracy from the row max (one pass less)")
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
     p.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
@@ -137,6 +140,7 @@ def tokens_per_example(objective) -> int:
 class Variant:
     jit: str = "jax"
     attention: str = "einsum"
+    accuracy: str = "argmax"
     donate: bool = True
     xla: str = ""
 
@@ -159,12 +163,13 @@ def parse_variant(text: str, base: Variant) -> Variant:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in ("jit", "attention", "donate", "xla"):
-            fail(f"--compare {text!r}: use jit=, attention=, donate= or xla= (comma-separated)")
+        if not sep or key not in ("jit", "attention", "accuracy", "donate", "xla"):
+            fail(f"--compare {text!r}: use jit=, attention=, accuracy=, donate= or xla= (comma-separated)")
         changes[key] = value.strip() not in ("0", "false", "no") if key == "donate" else value.strip()
     variant = dataclasses.replace(base, **changes)
-    if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ("einsum", "dpa"):
-        fail(f"--compare {text!r}: jit is jax|flat|nnx and attention is einsum|dpa")
+    if (variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ("einsum", "dpa")
+            or variant.accuracy not in ("argmax", "max")):
+        fail(f"--compare {text!r}: jit is jax|flat|nnx, attention einsum|dpa and accuracy argmax|max")
     if variant.jit == "nnx" and variant.xla:
         fail("xla compiler options need jit=jax or jit=flat")
     return variant
@@ -207,15 +212,51 @@ def attention_implementation(kind: str):
         layers.Attention.__call__ = original
 
 
+@contextlib.contextmanager
+def accuracy_metric(kind: str):
+    """While tracing: `max` counts a prediction correct when the target's logit equals the row maximum, instead of
+    comparing jnp.argmax with the label (ties then count as correct).
+
+    The proposed change to spmdlm/train/step.py's cross_entropy_sums: the max is the one logsumexp already takes, so
+    the metric costs no extra pass over the [tokens, vocab] logits; argmax is a separate (value, index) reduction.
+    """
+    if kind == "argmax":
+        yield
+        return
+    import jax
+    import jax.numpy as jnp
+
+    from spmdlm.data.objectives import IGNORE_INDEX
+    from spmdlm.train import step as step_module
+
+    original = step_module.cross_entropy_sums
+
+    def sums_with_max(logits, labels, z_loss=0.0):
+        logits = logits.astype(jnp.float32)
+        valid = labels != IGNORE_INDEX
+        target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        weights = valid.astype(jnp.float32)
+        return {"loss_sum": jnp.sum((lse - target) * weights),
+                "z_loss_sum": z_loss * jnp.sum(jnp.square(lse) * weights),
+                "tokens": jnp.sum(weights),
+                "correct": jnp.sum((target >= jnp.max(logits, axis=-1)) & valid).astype(jnp.float32)}
+
+    step_module.cross_entropy_sums = sums_with_max
+    try:
+        yield
+    finally:
+        step_module.cross_entropy_sums = original
+
+
 class Arm:
     """One variant: its own state (same init), its compiled step, its timings."""
 
-    def __init__(self, variant: Variant, build, mesh, batch_spec, schedule, seed: int):
+    def __init__(self, variant: Variant, build, mesh, batch_spec, batch, schedule, seed: int):
         import jax
-        import jax.numpy as jnp
         from flax import nnx
 
-        from spmdlm.train.step import Stepper, compiled_stats, create_train_state
+        from spmdlm.train.step import Stepper, create_train_state
 
         self.variant, self.mesh, self.times = variant, mesh, []
         self.losses: list[float] = []
@@ -224,9 +265,9 @@ class Arm:
         self.stepper = Stepper(graphdef, state, mesh, dropout_seed=seed, schedule=schedule)
         self.stats: dict[str, Any] = {}
         start = time.perf_counter()
-        with attention_implementation(variant.attention):
+        with attention_implementation(variant.attention), accuracy_metric(variant.accuracy):
             if variant.jit == "nnx":
-                self._setup_nnx(graphdef, state)
+                self._setup_nnx(graphdef, state, batch)
             elif variant.jit == "jax" and variant.donate and not variant.xla:
                 self.stats = self.stepper.compile_train(state, batch_spec)  # exactly the training run's path
                 self.state = state
@@ -234,8 +275,8 @@ class Arm:
             else:
                 self._setup_jax(state, batch_spec, flat=variant.jit == "flat")
         self.stats.setdefault("compile_seconds", time.perf_counter() - start)
-        self.step_number = 0
-        self._jax, self._jnp, self._compiled_stats = jax, jnp, compiled_stats
+        self.step_number = getattr(self, "first_step", 0)
+        self._jax = jax
 
     def _setup_jax(self, state, batch_spec, flat: bool):
         import jax
@@ -270,7 +311,7 @@ class Arm:
                 return compiled(self.state, batch, jnp.int32(step))
         self._call = call
 
-    def _setup_nnx(self, graphdef, state):
+    def _setup_nnx(self, graphdef, state, batch):
         import jax
         import jax.numpy as jnp
         import optax
@@ -300,7 +341,13 @@ class Arm:
             with jax.set_mesh(self.mesh):
                 return None, step_fn(model, optimizer, batch, jnp.int32(step))
         self._call = call
-        self._nnx_first_call = True
+        # nnx.jit traces and compiles on its first call, which must happen under this variant's patches: a first
+        # step here, counted as compilation.
+        start = time.perf_counter()
+        metrics = jax.device_get(self._call(batch, 0)[1])
+        self.stats = {"compile_seconds": time.perf_counter() - start, "compile_includes_one_step": True}
+        self.losses.append(float(metrics["loss_sum"]) / max(float(metrics["tokens"]), 1.0))
+        self.first_step = 1
 
     def step(self, batch, measure: bool):
         jax = self._jax
@@ -311,9 +358,6 @@ class Arm:
         if new_state is not None:
             self.state = new_state
         self.step_number += 1
-        if getattr(self, "_nnx_first_call", False):  # nnx.jit compiles on its first call
-            self.stats["compile_seconds"] += elapsed
-            self._nnx_first_call = False
         if measure:
             self.times.append(elapsed)
         metrics = jax.device_get(metrics)
@@ -364,11 +408,11 @@ def run_benchmark(args) -> dict[str, Any]:
         model = arch.model_class(config, rngs=nnx.Rngs(params=args.seed), dtype=dtype, remat=args.remat)
         return model, nnx.Optimizer(model, make_optimizer(optim, model, total_steps), wrt=nnx.Param)
 
-    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla)
+    base = Variant(jit=args.jit, attention=args.attention, accuracy=args.accuracy, donate=args.donate, xla=args.xla)
     variants = [base] + [parse_variant(text, base) for text in args.compare]
     if base.jit == "nnx" and base.xla:
         fail("--xla needs --jit jax or flat")
-    arms = [Arm(v, build, mesh, spec, schedule, args.seed) for v in variants]
+    arms = [Arm(v, build, mesh, spec, batch, schedule, args.seed) for v in variants]
     for arm in arms:
         for _ in range(args.warmup):
             arm.step(batch, measure=False)

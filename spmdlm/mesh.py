@@ -22,7 +22,7 @@ BATCH_AXES = ("data", "fsdp")  # the batch is split over both: fsdp is data para
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("embed", "fsdp"),
-    ("vocab", "tensor"),
+    ("vocab", ("tensor", "fsdp")),  # embedding tables: vocab dim only (a sharded hidden dim breaks the gather)
     ("mlp", "tensor"),
     ("heads", "tensor"),  # fused heads*head_dim output of q/k/v, input of the attention output projection
     ("kv", None),
@@ -114,19 +114,22 @@ def resolve_spec(
 ) -> PartitionSpec:
     """Logical axes -> PartitionSpec on this mesh.
 
-    Mesh axes of size 1 are dropped; an axis that does not divide its dimension is dropped (jit needs even shards:
-    e.g. GPT-2's vocab 50257). With `fill_fsdp` (parameters), if fsdp is then unused by a matrix, it shards the largest free dimension it divides,
-    so fsdp shards every weight matrix it can. Vectors (biases, norm scales) stay replicated.
+    Mesh axes of size 1 are dropped, and so is an axis that does not divide its dimension (jit needs even shards:
+    e.g. GPT-2's vocab 50257) or already shards another one. With `fill_fsdp` (parameters), if fsdp is then unused
+    by a matrix, it shards the largest free dimension it divides, so fsdp shards every weight matrix it can.
+    Vectors (biases, norm scales) stay replicated.
     """
     spec: list[tuple[str, ...]] = []
+    used: set[str] = set()  # a mesh axis shards at most one dimension
     for dim, name in zip(shape, logical_axes, strict=True):
         wanted = _RULES[name] if name is not None else None
         wanted = (wanted,) if isinstance(wanted, str) else tuple(wanted or ())
         kept: list[str] = []
         for axis in wanted:
             size = mesh_shape.get(axis, 1)
-            if size > 1 and dim % (math.prod(mesh_shape[a] for a in kept) * size) == 0:
+            if size > 1 and axis not in used and dim % (math.prod(mesh_shape[a] for a in kept) * size) == 0:
                 kept.append(axis)
+        used.update(kept)
         spec.append(tuple(kept))
     fsdp = mesh_shape.get("fsdp", 1)
     if fill_fsdp and fsdp > 1 and len(shape) >= 2 and not any("fsdp" in s for s in spec):

@@ -53,7 +53,9 @@ def test_resolve_spec_drops_indivisible_axes_and_fills_fsdp():
     assert resolve_spec((64, 256), ("embed", "mlp"), shape) == P("fsdp", "tensor")
     # GPT-2's 50257-token vocab cannot be split evenly: fsdp moves to the hidden dim, tensor is dropped.
     assert resolve_spec((50257, 768), ("vocab", None), shape, fill_fsdp=True) == P(None, "fsdp")
-    assert resolve_spec((50304, 768), ("vocab", None), shape, fill_fsdp=True) == P("tensor", "fsdp")
+    assert resolve_spec((50304, 768), ("vocab", None), shape, fill_fsdp=True) == P(("tensor", "fsdp"), None)
+    # an untied LM head: fsdp already shards the hidden dim, so vocab takes tensor alone
+    assert resolve_spec((768, 50304), ("embed", "vocab"), shape, fill_fsdp=True) == P("fsdp", "tensor")
     assert resolve_spec((768,), ("norm",), shape, fill_fsdp=True) == P(None)
     assert resolve_spec((8, 16, 3, 4), ("batch", "length", "act_heads", None), shape) == P(("data", "fsdp"), None,
                                                                                             None, None)

@@ -36,7 +36,7 @@ def test_t5_learns_and_exports(tmp_path, cache_dir):
 
 
 def test_t5_resumes_exactly(tmp_path, cache_dir, monkeypatch):
-    args = ("--max_steps", "6", "--save_steps", "3", "--eval_steps", "100", "--export_hf", "false", "--logging_steps", "1")
+    args = ("--max_steps", "6", "--save_steps", "3", "--do_train", "--export_hf", "false", "--logging_steps", "1")
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
     assert launch(whole, cache_dir, *args) == 0
     run_killed_after_first_checkpoint(monkeypatch, lambda: launch(interrupted, cache_dir, *args))

@@ -300,9 +300,13 @@ def run(args: RunArgs) -> dict[str, Any]:
         state = results.pop("state")
         manager.wait_until_finished()
         manager.close()
+    elif resuming:  # evaluation only: of the latest checkpoint
+        manager = checkpoint.make_manager(out, read_only=True)
+        state, step = checkpoint.restore(manager, None, state)
+        log.info("evaluating the checkpoint at step %d", step)
     if data.validation is not None and args.evaluating:
         metrics = evaluate(stepper, state, data, objective, args, mesh)
-        reporter.log_eval(total_steps, metrics)
+        reporter.log_eval(step if data.train is None else total_steps, metrics)
         results.update(metrics)
     if is_main():
         (out / "eval_results.json").write_text(json.dumps(
