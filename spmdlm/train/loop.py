@@ -231,6 +231,9 @@ def run(args: RunArgs) -> dict[str, Any]:
     check_lengths(model_type, config, args)
     train_docs, val_docs = read_corpora(args, model_type)
     resuming = check_output_dir(args)
+    if args.push_to_hub:
+        log.warning("--push_to_hub: spmdlm does not upload (it never uses the network); the model will be exported "
+                    "to %s — upload that folder with `huggingface-cli upload` from a connected machine", out / "hf")
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
 
@@ -316,9 +319,6 @@ def run(args: RunArgs) -> dict[str, Any]:
         from spmdlm.export import export_state
 
         export_state(graphdef, state, config, out / "hf", tokenizer=tok)
-    if args.push_to_hub:
-        log.warning("--push_to_hub: this machine has no network access to the Hub; the model is exported to %s "
-                    "— upload that folder with `huggingface-cli upload` from a connected machine", out / "hf")
     return results
 
 

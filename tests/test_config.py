@@ -1,0 +1,72 @@
+"""Command lines: the HF recipes' flags are accepted unchanged, argument files work, defaults never crash."""
+
+import json
+import shlex
+
+import pytest
+
+from spmdlm.config import QUICKSTART, ArgumentError, parse_args
+
+GPT2_RECIPE = """--output_dir=./norwegian-gpt2 --model_type=gpt2 --config_name=./norwegian-gpt2
+--tokenizer_name=./norwegian-gpt2 --train_file=corpus.txt --do_train --do_eval --block_size=512
+--per_device_train_batch_size=64 --per_device_eval_batch_size=64 --learning_rate=5e-3 --warmup_steps=1000
+--adam_beta1=0.9 --adam_beta2=0.98 --weight_decay=0.01 --overwrite_output_dir --num_train_epochs=20
+--logging_steps=500 --save_steps=2500 --eval_steps=2500 --push_to_hub"""
+
+T5_RECIPE = """--output_dir=./norwegian-t5-base --model_type=t5 --config_name=./norwegian-t5-base
+--tokenizer_name=./norwegian-t5-base --train_file=corpus.txt --max_seq_length=512 --per_device_train_batch_size=32
+--per_device_eval_batch_size=32 --adafactor --learning_rate=0.005 --weight_decay=0.001 --warmup_steps=2000
+--overwrite_output_dir --logging_steps=500 --save_steps=10000 --eval_steps=2500 --push_to_hub"""
+
+
+def test_gpt2_recipe_is_accepted_unchanged():
+    args, given = parse_args(shlex.split(GPT2_RECIPE))
+    assert args.model_type == "gpt2" and args.block_size == 512 and args.learning_rate == 5e-3
+    assert args.do_train and args.do_eval and args.overwrite_output_dir and args.push_to_hub
+    assert args.num_train_epochs == 20 and args.adam_beta2 == 0.98 and args.eval_steps == 2500
+    assert "max_steps" not in given and args.max_steps == -1  # quick-start defaults only for the embedded corpus
+
+
+def test_t5_recipe_is_accepted_unchanged():
+    args, _ = parse_args(shlex.split(T5_RECIPE))
+    assert args.model_type == "t5" and args.adafactor and args.max_seq_length == 512
+    assert args.training and args.evaluating  # the recipe gives neither --do_train nor --do_eval: both run
+
+
+def test_defaults_never_crash():
+    args, _ = parse_args(["--train_file", "x.txt"])
+    assert args.eval_steps == args.logging_steps == 500  # HF's eval_steps=None crashed on `step % None`
+    assert args.block_size is None and args.max_seq_length is None  # resolved from the model later
+
+
+def test_embedded_corpus_uses_the_quickstart_unless_overridden():
+    args, _ = parse_args(["--max_steps", "7"])
+    assert args.config_name == QUICKSTART["config_name"] and args.max_steps == 7
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_argument_file(tmp_path, suffix):
+    values = {"train_file": "a.txt", "learning_rate": 0.1, "do_train": True, "mesh": "data=2,fsdp=-1"}
+    path = tmp_path / f"args{suffix}"
+    path.write_text(json.dumps(values))  # JSON is valid YAML
+    args, _ = parse_args([str(path)])
+    assert args.learning_rate == 0.1 and args.do_train and args.mesh == "data=2,fsdp=-1"
+    path.write_text(json.dumps({**values, "learning_rte": 1}))
+    with pytest.raises(ArgumentError, match="unknown keys learning_rte"):
+        parse_args([str(path)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "float16"], "--dtype"),
+    (["--per_device_train_batch_size", "0"], "at least 1"),
+    (["--mlm_probability", "1.5"], "between 0 and 1"),
+    (["--dataset_name", "oscar"], "--train_file"),
+])
+def test_bad_values(argv, message):
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(["--train_file", "x.txt", *argv])
+
+
+def test_boolean_flags_take_values_like_hf():
+    args, _ = parse_args(["--train_file", "x", "--do_train", "false", "--export_hf=False", "--no_do_eval"])
+    assert args.do_train is False and args.export_hf is False and args.do_eval is False
