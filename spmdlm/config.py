@@ -80,6 +80,7 @@ class RunArgs:
     coordinator_address: str | None = _field(None, "multi-host: host:port of process 0")
     num_processes: int | None = _field(None, "multi-host: number of processes")
     process_id: int | None = _field(None, "multi-host: this process's index")
+    dry_run: bool = _field(False, "build, compile and report the train step's compile time and memory, then stop")
     # -- output --------------------------------------------------------------------------------------------------
     export_hf: bool = _field(True, "export to OUTPUT_DIR/hf in transformers format at the end")
     push_to_hub: bool = _field(False, "upload to the Hugging Face Hub (needs network)")

@@ -59,11 +59,7 @@ def check_output_dir(args: RunArgs) -> bool:
     saved_path = out / "run_config.json"
     has_checkpoints = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
     if args.overwrite_output_dir:
-        if is_main():
-            # Only what a run of ours wrote is removed: recipes keep their config and tokenizer in the output dir.
-            for name in OUR_OUTPUTS:
-                path = out / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        _remove_our_outputs(out)
         return False
     if has_checkpoints and saved_path.exists():
         saved = json.loads(saved_path.read_text())
@@ -74,12 +70,24 @@ def check_output_dir(args: RunArgs) -> bool:
             raise RunError(f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
                            "use the same flags to resume, another --output_dir, or --overwrite_output_dir")
         return True
-    user_files = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                  "merges.txt", "spiece.model"}
-    if {p.name for p in out.iterdir()} - user_files:
+    # A dir holding only a config/tokenizer (as the recipes prepare it) or what a run of ours wrote before its first
+    # checkpoint can be used as is; anything else is someone's data.
+    reusable = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                "merges.txt", "spiece.model", *OUR_OUTPUTS}
+    if {p.name for p in out.iterdir()} - reusable:
         raise RunError(f"--output_dir {out} is not empty and holds no run to resume; "
                        "pass --overwrite_output_dir to use it anyway or choose another --output_dir")
+    _remove_our_outputs(out)
     return False
+
+
+def _remove_our_outputs(out: Path) -> None:
+    """Only what a run of ours wrote: recipes keep their config and tokenizer in the output dir."""
+    if not is_main():
+        return
+    for name in OUR_OUTPUTS:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def global_batch_size(args: RunArgs, mesh) -> int:
@@ -288,6 +296,10 @@ def run(args: RunArgs) -> dict[str, Any]:
     results: dict[str, Any] = {"total_steps": total_steps, "parameters": n_params}
     step = 0
     if data.train is not None:
+        stats = stepper.compile_train(state, pipeline.batch_spec(objective, global_batch))
+        reporter.compile_stats(stats)
+        if args.dry_run:
+            return {**results, **stats}
         iterator = pipeline.train_batches(data.train, objective, seed=args.seed, global_batch=global_batch,
                                           num_epochs=schedule.num_epochs, process_index=jax.process_index(),
                                           process_count=jax.process_count())
@@ -296,8 +308,6 @@ def run(args: RunArgs) -> dict[str, Any]:
             state, step = checkpoint.restore(manager, None, state, iterator)
             log.info("resumed from the checkpoint at step %d", step)
             reporter.truncate_after(step)
-        stats = stepper.compile_train(state, pipeline.batch_spec(objective, global_batch))
-        reporter.compile_stats(stats)
         results.update(train_loop(args, stepper, state, iterator, manager, data, objective, mesh, reporter, step,
                                   total_steps, run_config))
         state = results.pop("state")

@@ -96,7 +96,10 @@ class Reporter:
         if self.enabled:
             self._write(record)
             self._bar.update(step - self._bar.n)
-            self._bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            postfix = {"loss": f"{loss:.3f}", "tok_s": f"{tokens_per_s:,.0f}"}
+            if "mfu" in record:
+                postfix["mfu"] = f"{record['mfu']:.1%}"
+            self._bar.set_postfix(postfix, refresh=False)
         return loss
 
     def log_eval(self, step: int, metrics: dict[str, float]):
