@@ -10,9 +10,10 @@ with a large matmul on CPU), versions, device kind and the settings.
 
 `--compare KEY=VALUE[,KEY=VALUE]` (repeatable) adds variants of the base settings — `jit` (jax | flat | nnx),
 `attention` (einsum | dpa), `accuracy` (argmax | max), `donate` (1 | 0), `xla` (XLA compiler options,
-`name:value;name:value`). All variants
-are built up front and their steps are interleaved round-robin in the same process, so a machine shared with other
-work slows them alike; the JSON gains `variants` with each one's numbers and its speed relative to the base.
+`name:value;name:value`). All variants are built up front and their steps are interleaved round-robin in the same
+process, so a machine shared with other work slows them alike; the JSON gains `variants` with each one's numbers
+and its speed relative to the base. `attention=dpa` and `accuracy=max` patch spmdlm code while the step is traced:
+they measure proposed changes without editing those files.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ DEFAULT_CONFIGS = {"gpt2": "gpt2-tiny", "roberta": "roberta-tiny", "t5": "t5-v1_
 def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help=" | ".join(MODELS))
-    p.add_argument("--config", help="preset name in models/, a JSON file or an HF config dir (default: the tiny preset)")
+    p.add_argument("--config", help="preset name in models/, a JSON file or an HF config dir (default: tiny preset)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (HF name), e.g. --set n_layer=4; repeatable")
     p.add_argument("--mesh", default="data=-1", help="e.g. data=1, data=8, fsdp=-1 (CPU devices are simulated)")
@@ -100,11 +101,21 @@ def load_model_config(args):
         if not sep:
             fail(f"--set {item!r}: write KEY=VALUE")
         overrides[key.strip()] = _parse_value(value.strip())
-    config = load_config(args.config or DEFAULT_CONFIGS[args.model], args.model)
-    return config.replace(**overrides) if overrides else config
+    try:
+        config = load_config(args.config or DEFAULT_CONFIGS[args.model], args.model)
+        return config.replace(**overrides) if overrides else config
+    except (ValueError, TypeError) as e:  # ConfigError is a ValueError; TypeError: --set of an unknown field
+        fail(f"--config/--set: {e}")
 
 
 def build_objective(model: str, config, seq_len: int | None):
+    try:
+        return _build_objective(model, config, seq_len)
+    except ValueError as e:
+        fail(f"--seq_len: {e}")
+
+
+def _build_objective(model: str, config, seq_len: int | None):
     if model == "gpt2":
         from spmdlm.data.objectives.clm import CausalLM
 
@@ -382,11 +393,14 @@ def run_benchmark(args) -> dict[str, Any]:
     import spmdlm
     from spmdlm import flops
     from spmdlm.data.pipeline import batch_spec, to_global
-    from spmdlm.mesh import batch_axis_size, make_mesh
+    from spmdlm.mesh import MeshError, batch_axis_size, make_mesh
     from spmdlm.models import get_architecture
     from spmdlm.train.optim import OptimConfig, learning_rate_schedule, make_optimizer
 
-    mesh = make_mesh(args.mesh)
+    try:
+        mesh = make_mesh(args.mesh)
+    except MeshError as e:
+        fail(str(e))
     device = jax.devices()[0]
     load_start = os.getloadavg()[0]  # the host's other work skews CPU numbers: record it
     # The CPU reference first, on an idle process (cached; ~1 s).

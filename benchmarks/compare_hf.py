@@ -12,9 +12,9 @@ embeddings only, linear decay of the lr to 0 over warmup+steps, global-norm clip
 
 from __future__ import annotations
 
+import gc
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -126,23 +126,22 @@ def main(argv=None):
     config = bench_train.load_model_config(args)
     objective = bench_train.build_objective(args.model, config, args.seq_len)
     del arms  # free our state before torch allocates its own
-    import gc
-
     gc.collect()
     theirs = run_hf(args, config, objective, ours["global_batch"])
     ratio = ours["tokens_per_s"]["median"] / theirs["tokens_per_s"]["median"]
     keep = ("variant", "tokens_per_s", "step_time_s", "compile_s", "mfu", "parameters", "loss_first", "loss_last")
-    record = {"model": args.model, "config": ours["config"], "overrides": args.set, "global_batch": ours["global_batch"],
-              "lengths": ours["lengths"], "tokens_per_step": ours["tokens_per_step"], "dtype": args.dtype,
-              "mesh": ours["mesh"], "device_kind": ours["device_kind"], "host": ours["host"],
+    record = {"model": args.model, "config": ours["config"], "overrides": args.set,
+              "global_batch": ours["global_batch"], "lengths": ours["lengths"],
+              "tokens_per_step": ours["tokens_per_step"], "dtype": args.dtype, "mesh": ours["mesh"],
+              "device_kind": ours["device_kind"], "host": ours["host"],
               "ours": {k: ours[k] for k in keep}, "hf": theirs, "ratio_ours_over_hf": ratio,
               "versions": {**ours["versions"], **theirs["versions"]}, "settings": vars(args)}
     print(json.dumps(record))
     how = "torch.compile" if args.torch_compile else "eager"
-    print(f"{args.model} {ours['config']} batch {ours['global_batch']}x{ours['tokens_per_step'] // ours['global_batch']}"
-          f" {args.dtype}: spmdlm {ours['tokens_per_s']['median']:,.0f} tok/s vs transformers ({how}) "
+    per_example = ours["tokens_per_step"] // ours["global_batch"]
+    print(f"{args.model} {ours['config']} batch {ours['global_batch']}x{per_example} {args.dtype}: "
+          f"spmdlm {ours['tokens_per_s']['median']:,.0f} tok/s vs transformers ({how}) "
           f"{theirs['tokens_per_s']['median']:,.0f} tok/s -> {ratio:.2f}x")
-
 
 if __name__ == "__main__":
     main()

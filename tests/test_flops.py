@@ -8,8 +8,9 @@ Two checks per architecture, on tiny configs:
    dropout, the loss's logsumexp over the vocabulary and the AdamW update of every parameter, ~10-20 FLOPs each);
    it counts the masked half of causal attention, which our dense einsum attention computes and the MFU convention
    leaves out; and on a data-parallel mesh every device applies the optimizer update to its full replica. Both count
-   a multiply-add as 2 FLOPs. At these tiny sizes (d_model 64-128) the elementwise share is large — at GPT-2 sizes
-   it is a few percent — hence the tolerance.
+   a multiply-add as 2 FLOPs. At these tiny sizes (d_model 64-128) the elementwise share is large: measured ratios
+   XLA/analytic are 1.07 (GPT-2 here) and 1.18 (T5 here), against 1.02 for a d_model-768 GPT-2 at length 256.
+   T5's dropout is off: XLA would also count the integer ops of the dropout RNG (+8% here).
 Nothing here asserts on time.
 """
 
@@ -41,7 +42,7 @@ def gpt2_case():
 def t5_case():
     from spmdlm.data.objectives.t5 import SpanCorruption
 
-    config = load_config("t5-v1_1-tiny").replace(num_layers=1, num_decoder_layers=1)
+    config = load_config("t5-v1_1-tiny").replace(num_layers=1, num_decoder_layers=1, dropout_rate=0.0)
     sentinels = tuple(config.vocab_size - 1 - k for k in range(100))
     return config, SpanCorruption(inputs_length=64, sentinel_ids=sentinels, eos_id=1)
 
