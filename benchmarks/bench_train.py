@@ -9,10 +9,10 @@ per-device memory of the compiled step, analytic and XLA FLOPs per step, MFU aga
 with a large matmul on CPU), versions, device kind and the settings.
 
 `--compare KEY=VALUE[,KEY=VALUE]` (repeatable) adds variants of the base settings — `jit` (jax | flat | nnx),
-`attention` (einsum | dpa), `accuracy` (argmax | max), `donate` (1 | 0), `xla` (XLA compiler options,
+`attention` (einsum | dpa), `donate` (1 | 0), `xla` (XLA compiler options,
 `name:value;name:value`). All variants are built up front and their steps are interleaved round-robin in the same
 process, so a machine shared with other work slows them alike; the JSON gains `variants` with each one's numbers
-and its speed relative to the base. `attention=dpa` and `accuracy=max` patch spmdlm code while the step is traced:
+and its speed relative to the base. `attention=dpa` patches spmdlm code while the step is traced:
 they measure proposed changes without editing those files.
 """
 
@@ -51,8 +51,6 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
                         "nnx: nnx.jit over (model, optimizer)")
     p.add_argument("--attention", default="einsum", choices=("einsum", "dpa"),
                    help="einsum: layers.Attention as is; dpa: its core replaced by jax.nn.dot_product_attention")
-    p.add_argument("--accuracy", default="argmax", choices=("argmax", "max"),
-                   help="argmax: step.cross_entropy_sums as is; max: its accuracy from the row max (one pass less)")
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
     p.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
@@ -151,7 +149,6 @@ def tokens_per_example(objective) -> int:
 class Variant:
     jit: str = "jax"
     attention: str = "einsum"
-    accuracy: str = "argmax"
     donate: bool = True
     xla: str = ""
 
@@ -174,13 +171,12 @@ def parse_variant(text: str, base: Variant) -> Variant:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in ("jit", "attention", "accuracy", "donate", "xla"):
-            fail(f"--compare {text!r}: use jit=, attention=, accuracy=, donate= or xla= (comma-separated)")
+        if not sep or key not in ("jit", "attention", "donate", "xla"):
+            fail(f"--compare {text!r}: use jit=, attention=, donate= or xla= (comma-separated)")
         changes[key] = value.strip() not in ("0", "false", "no") if key == "donate" else value.strip()
     variant = dataclasses.replace(base, **changes)
-    if (variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ("einsum", "dpa")
-            or variant.accuracy not in ("argmax", "max")):
-        fail(f"--compare {text!r}: jit is jax|flat|nnx, attention einsum|dpa and accuracy argmax|max")
+    if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ("einsum", "dpa"):
+        fail(f"--compare {text!r}: jit is jax|flat|nnx and attention einsum|dpa")
     if variant.jit == "nnx" and variant.xla:
         fail("xla compiler options need jit=jax or jit=flat")
     return variant
@@ -223,43 +219,6 @@ def attention_implementation(kind: str):
         layers.Attention.__call__ = original
 
 
-@contextlib.contextmanager
-def accuracy_metric(kind: str):
-    """While tracing: `max` counts a prediction correct when the target's logit equals the row maximum, instead of
-    comparing jnp.argmax with the label (ties then count as correct).
-
-    The proposed change to spmdlm/train/step.py's cross_entropy_sums: the max is the one logsumexp already takes, so
-    the metric costs no extra pass over the [tokens, vocab] logits; argmax is a separate (value, index) reduction.
-    """
-    if kind == "argmax":
-        yield
-        return
-    import jax
-    import jax.numpy as jnp
-
-    from spmdlm.data.objectives import IGNORE_INDEX
-    from spmdlm.train import step as step_module
-
-    original = step_module.cross_entropy_sums
-
-    def sums_with_max(logits, labels, z_loss=0.0):
-        logits = logits.astype(jnp.float32)
-        valid = labels != IGNORE_INDEX
-        target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        weights = valid.astype(jnp.float32)
-        return {"loss_sum": jnp.sum((lse - target) * weights),
-                "z_loss_sum": z_loss * jnp.sum(jnp.square(lse) * weights),
-                "tokens": jnp.sum(weights),
-                "correct": jnp.sum((target >= jnp.max(logits, axis=-1)) & valid).astype(jnp.float32)}
-
-    step_module.cross_entropy_sums = sums_with_max
-    try:
-        yield
-    finally:
-        step_module.cross_entropy_sums = original
-
-
 class Arm:
     """One variant: its own state (same init), its compiled step, its timings."""
 
@@ -276,7 +235,7 @@ class Arm:
         self.stepper = Stepper(graphdef, state, mesh, dropout_seed=seed, schedule=schedule)
         self.stats: dict[str, Any] = {}
         start = time.perf_counter()
-        with attention_implementation(variant.attention), accuracy_metric(variant.accuracy):
+        with attention_implementation(variant.attention):
             if variant.jit == "nnx":
                 self._setup_nnx(graphdef, state, batch)
             elif variant.jit == "jax" and variant.donate and not variant.xla:
@@ -422,7 +381,7 @@ def run_benchmark(args) -> dict[str, Any]:
         model = arch.model_class(config, rngs=nnx.Rngs(params=args.seed), dtype=dtype, remat=args.remat)
         return model, nnx.Optimizer(model, make_optimizer(optim, model, total_steps), wrt=nnx.Param)
 
-    base = Variant(jit=args.jit, attention=args.attention, accuracy=args.accuracy, donate=args.donate, xla=args.xla)
+    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla)
     variants = [base] + [parse_variant(text, base) for text in args.compare]
     if base.jit == "nnx" and base.xla:
         fail("--xla needs --jit jax or flat")
