@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -64,14 +65,33 @@ def _without_variable_metadata(tx: optax.GradientTransformation) -> optax.Gradie
     return optax.GradientTransformation(lambda params: tx.init(unwrap(params)), tx.update)
 
 
+def decoupled_weight_decay(schedule: optax.Schedule, rate: float, mask) -> optax.GradientTransformation:
+    """updates -= lr(step) · rate · param, after the optimizer's own (already lr-scaled) update.
+
+    Written by hand because optax.adafactor's own `weight_decay_rate` is not scaled by the learning rate (T5X's
+    convention): the recipe's --weight_decay 0.001 would then shrink every weight by 0.1% per step. This matches
+    AdamW's and transformers' Adafactor semantics instead.
+    """
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params):
+        lr = schedule(state.count)
+        updates = jax.tree.map(lambda u, p: u - lr * rate * p, updates, params)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.masked(optax.GradientTransformation(init, update), mask)
+
+
 def make_optimizer(cfg: OptimConfig, model: nnx.Module, total_steps: int) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(cfg, total_steps)
     mask = weight_decay_mask(model)
     if cfg.adafactor:
         # Factored second moments; unlike the HF scripts, weight decay is applied (decoupled, scaled by the lr).
-        core = _without_variable_metadata(optax.adafactor(
-            learning_rate=schedule, weight_decay_rate=cfg.weight_decay or None, weight_decay_mask=mask
-        ))
+        decay = [decoupled_weight_decay(schedule, cfg.weight_decay, mask)] if cfg.weight_decay else []
+        core = _without_variable_metadata(optax.chain(optax.adafactor(learning_rate=schedule), *decay))
     else:
         core = optax.adamw(
             schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay,
