@@ -1,7 +1,7 @@
 """Run arguments with the Hugging Face scripts' names, parsed from the command line or one .json/.yaml file.
 
 Every flag has a default that works: `python -m spmdlm.launch` with no data flags trains GPT-2 tiny on the embedded
-corpus (the Python standard library) with the QUICKSTART settings below.
+corpus (the Python standard library) with the QUICKSTART settings below (`--model_type t5`: T5 v1.1 tiny).
 """
 
 from __future__ import annotations
@@ -116,13 +116,16 @@ class RunArgs:
         return out
 
 
-# The embedded quickstart: sized to finish on a 2-core CPU in a few minutes. Used for every flag the user did not
-# give when training on the embedded corpus.
-QUICKSTART = dict(
-    config_name="gpt2-tiny", block_size=128, per_device_train_batch_size=4, per_device_eval_batch_size=8,
-    learning_rate=2e-3, warmup_steps=30, weight_decay=0.01, adam_beta2=0.98, max_steps=400, logging_steps=20,
-    eval_steps=100, save_steps=100, max_eval_samples=256, lr_scheduler_type="cosine",
-)
+# The embedded quick start, per model type: sized to finish on a 2-core CPU in a few minutes. Used for every flag
+# the user did not give when training on the embedded corpus.
+_QUICKSTART_COMMON = dict(per_device_eval_batch_size=8, warmup_steps=30, logging_steps=20, eval_steps=100,
+                          save_steps=100, max_eval_samples=256, lr_scheduler_type="cosine")
+QUICKSTART = {
+    "gpt2": dict(_QUICKSTART_COMMON, config_name="gpt2-tiny", block_size=128, per_device_train_batch_size=4,
+                 learning_rate=2e-3, weight_decay=0.01, adam_beta2=0.98, max_steps=400),
+    "t5": dict(_QUICKSTART_COMMON, config_name="t5-v1_1-tiny", max_seq_length=128, per_device_train_batch_size=4,
+               learning_rate=5e-3, adafactor=True, weight_decay=0.001, max_steps=300),
+}
 
 _BOOL_TRUE, _BOOL_FALSE = {"true", "1", "yes", "y", "on"}, {"false", "0", "no", "n", "off"}
 
@@ -184,7 +187,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
         given = vars(build_parser().parse_args(argv))
     args = RunArgs(**given)
     if args.uses_embedded_corpus:
-        args = args.replace(**{k: v for k, v in QUICKSTART.items() if k not in given})
+        quickstart = QUICKSTART.get(args.model_type, {})
+        args = args.replace(**{k: v for k, v in quickstart.items() if k not in given})
     return validate(args), set(given)
 
 

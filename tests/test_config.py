@@ -41,7 +41,9 @@ def test_defaults_never_crash():
 
 def test_embedded_corpus_uses_the_quickstart_unless_overridden():
     args, _ = parse_args(["--max_steps", "7"])
-    assert args.config_name == QUICKSTART["config_name"] and args.max_steps == 7
+    assert args.config_name == QUICKSTART["gpt2"]["config_name"] and args.max_steps == 7
+    args, _ = parse_args(["--model_type", "t5"])
+    assert args.config_name == "t5-v1_1-tiny" and args.adafactor and args.max_seq_length == 128
 
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
