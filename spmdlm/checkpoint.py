@@ -79,10 +79,6 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state, data_iterat
     return state, step
 
 
-def restore_config(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    return manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-
-
 def resolve_step(manager: ocp.CheckpointManager, step: int | None) -> int:
     steps = manager.all_steps()
     if not steps:

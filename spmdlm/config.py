@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_args_file(path: Path) -> dict[str, Any]:
+def _read_args_file(path: Path) -> list[str]:
+    """A .json/.yaml mapping of flag names to values, as command-line flags (so values get the flags' types)."""
     if not path.is_file():
         raise ArgumentError(f"argument file {path} does not exist")
     text = path.read_text()
@@ -175,16 +176,15 @@ def _read_args_file(path: Path) -> dict[str, Any]:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ArgumentError(f"argument file {path}: unknown keys {', '.join(unknown)}")
-    return values
+    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items() if v is not None]
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
     """-> (args, names given explicitly). A lone .json/.yaml argument is read as a file of flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and Path(argv[0]).suffix in (".json", ".yaml", ".yml"):
-        given = _read_args_file(Path(argv[0]))
-    else:
-        given = vars(build_parser().parse_args(argv))
+        argv = _read_args_file(Path(argv[0]))
+    given = vars(build_parser().parse_args(argv))
     args = RunArgs(**given)
     if args.uses_embedded_corpus:
         quickstart = QUICKSTART.get(args.model_type, {})
@@ -206,6 +206,13 @@ def validate(args: RunArgs) -> RunArgs:
         args = args.replace(eval_steps=args.logging_steps)
     elif args.eval_steps < 1:
         raise ArgumentError(f"--eval_steps must be at least 1, got {args.eval_steps}")
+    for name in ("block_size", "max_seq_length", "max_train_samples", "max_eval_samples", "save_total_limit",
+                 "vocab_size", "global_batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.lr_scheduler_type not in ("linear", "cosine", "constant"):
+        raise ArgumentError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not supported; "
+                            "use linear, cosine or constant")
     if args.mlm_probability is not None and not 0 < args.mlm_probability < 1:
         raise ArgumentError(f"--mlm_probability must be between 0 and 1, got {args.mlm_probability}")
     if not 0 <= args.validation_split_percentage < 100:

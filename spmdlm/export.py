@@ -306,10 +306,8 @@ def load_hf(path: str | Path, *, mesh=None, dtype=None) -> tuple[nnx.Module, HFC
 
 
 def _current_mesh():
-    from jax._src import mesh as mesh_lib
-
-    mesh = mesh_lib.get_concrete_mesh()
-    return None if mesh is None or mesh.empty else mesh
+    mesh = jax.sharding.get_mesh()
+    return None if mesh.empty else mesh
 
 
 def load_hf_into_state(path: str | Path, graphdef, state):

@@ -64,12 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     from spmdlm.checkpoint import CheckpointError
     from spmdlm.data.sources import DataError
     from spmdlm.data.tokenizer import TokenizerError
+    from spmdlm.export import ExportError
     from spmdlm.mesh import MeshError
     from spmdlm.models.config import ConfigError
 
     from spmdlm.train.loop import RunError
 
-    user_errors = (ArgumentError, MeshError, DataError, TokenizerError, ConfigError, CheckpointError, RunError)
+    user_errors = (ArgumentError, MeshError, DataError, TokenizerError, ConfigError, CheckpointError, RunError,
+                   ExportError)
     try:
         args, _ = parse_args(argv)
         from spmdlm.mesh import parse_mesh

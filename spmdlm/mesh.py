@@ -11,7 +11,7 @@ import os
 import re
 
 import jax
-import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -45,8 +45,8 @@ class MeshError(ValueError):
     """A --mesh value that cannot describe this machine's devices."""
 
 
-def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
-    """'data=2,fsdp=-1' -> {'data': 2, 'fsdp': 4, 'tensor': 1} for 8 devices, with one-line errors."""
+def _given_sizes(spec: str) -> dict[str, int]:
+    """The axis=size pairs of a --mesh value as written (-1 kept), with one-line errors."""
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         m = re.fullmatch(r"(\w+)\s*=\s*(-?\d+)", part)
@@ -62,6 +62,12 @@ def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
         sizes[name] = size
     if not sizes:
         raise MeshError("--mesh is empty; give e.g. 'data=-1' to use every device for data parallelism")
+    return sizes
+
+
+def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
+    """'data=2,fsdp=-1' -> {'data': 2, 'fsdp': 4, 'tensor': 1} for 8 devices, with one-line errors."""
+    sizes = _given_sizes(spec)
     wildcards = [n for n, s in sizes.items() if s == -1]
     if len(wildcards) > 1:
         raise MeshError(f"--mesh: only one axis may be -1, got {', '.join(wildcards)}")
@@ -81,23 +87,19 @@ def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
 def make_mesh(spec: str = "data=-1", devices: list | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     sizes = parse_mesh(spec, len(devices))
-    grid = np.array(devices).reshape([sizes[a] for a in MESH_AXES])
+    # Topology-aware device order on TPU/GPU (neighbours on the fast axes); a plain reshape elsewhere.
+    grid = mesh_utils.create_device_mesh([sizes[a] for a in MESH_AXES], devices, allow_split_physical_axes=True)
     # Auto axes: Explicit (jax.make_mesh's default here) breaks the embedding gather (DESIGN §11).
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def requested_device_count(spec: str) -> int | None:
-    """Devices a mesh spec needs, or None when it has a -1 (then it adapts to whatever is there)."""
-    sizes = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, size = part.partition("=")
-        try:
-            sizes[name.strip()] = int(size)
-        except ValueError:
-            return None
-    if not sizes or -1 in sizes.values():
+    """Devices a mesh spec needs, or None when it has a -1 (it adapts) or is malformed (parse_mesh reports it)."""
+    try:
+        sizes = _given_sizes(spec)
+    except MeshError:
         return None
-    return math.prod(sizes.values())
+    return None if -1 in sizes.values() else math.prod(sizes.values())
 
 
 def simulate_cpu_devices(count: int) -> bool:

@@ -48,11 +48,11 @@ def test_embedded_corpus_uses_the_quickstart_unless_overridden():
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_argument_file(tmp_path, suffix):
-    values = {"train_file": "a.txt", "learning_rate": 0.1, "do_train": True, "mesh": "data=2,fsdp=-1"}
+    values = {"train_file": "a.txt", "learning_rate": 0.1, "do_train": True, "mesh": "data=2,fsdp=-1", "block_size": "16"}
     path = tmp_path / f"args{suffix}"
     path.write_text(json.dumps(values))  # JSON is valid YAML
     args, _ = parse_args([str(path)])
-    assert args.learning_rate == 0.1 and args.do_train and args.mesh == "data=2,fsdp=-1"
+    assert args.learning_rate == 0.1 and args.do_train and args.mesh == "data=2,fsdp=-1" and args.block_size == 16
     path.write_text(json.dumps({**values, "learning_rte": 1}))
     with pytest.raises(ArgumentError, match="unknown keys learning_rte"):
         parse_args([str(path)])

@@ -62,3 +62,22 @@ def test_loss_is_token_weighted_and_ignores_ignored_labels():
     assert float(sums["tokens"]) == 3.0
     # label id 0 is a real token (the HF scripts' `labels > 0` dropped it)
     assert float(cross_entropy_sums(logits[:, :1], jnp.zeros((2, 1), jnp.int32))["tokens"]) == 2.0
+
+
+def test_remat_with_dropout_gives_the_same_gradients():
+    config = GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=3, resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.1)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 16)))
+
+    def loss_and_grads(remat: bool, rngs):
+        model = GPT2LMHeadModel(config, rngs=nnx.Rngs(0), remat=remat)
+        loss = lambda m: cross_entropy_sums(m(ids, rngs=rngs() if rngs else None), ids)["loss_sum"]
+        return jax.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
+
+    key = lambda: nnx.Rngs(dropout=jax.random.key(3))
+    (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(False, key), loss_and_grads(True, key)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    loss_eval, _ = loss_and_grads(True, None)
+    assert abs(float(loss_eval) - float(loss_a)) > 1e-3  # dropout is on only when rngs are given

@@ -52,7 +52,7 @@ class _HostRows(grain.MapDataset):
 
 def global_examples(split: PreparedSplit, objective: Objective, *, seed: int, num_epochs: int,
                     shuffle: bool = True) -> grain.MapDataset:
-    ds = grain.MapDataset.source(record_source(split))
+    ds = grain.MapDataset.source(record_source(split))[: split.num_records]  # --max_train_samples keeps a prefix
     if shuffle:
         ds = ds.shuffle(seed=seed)
     if num_epochs > 1:
@@ -83,11 +83,6 @@ def eval_batches(split: PreparedSplit, objective: Objective, *, seed: int, globa
         rows = range(start + process_index * local, start + (process_index + 1) * local)
         examples = [ds[g] if g < total else pad for g in rows]
         yield {k: np.stack([e[k] for e in examples]) for k in examples[0]}
-
-
-def num_eval_batches(split: PreparedSplit, global_batch: int, max_examples: int | None = None) -> int:
-    total = split.num_records if max_examples is None else min(split.num_records, max_examples)
-    return -(-total // global_batch)
 
 
 def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:

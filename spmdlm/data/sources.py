@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -68,25 +69,32 @@ def _pick_text(record: dict, path: Path) -> str:
 
 
 def _read_json(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         head = f.read(1)
         while head.isspace():
             head = f.read(1)
         f.seek(0)
+        first_record = True
         try:
             if head == "[":
                 records = json.load(f)
             else:
                 records = (json.loads(line) for line in f if line.strip())
             for record in records:
+                if first_record and isinstance(record, dict) and record and "text" not in record:
+                    log.warning("%s has no 'text' field; using its first field %r", path, next(iter(record)))
+                first_record = False
                 yield _pick_text(record, path) if isinstance(record, dict) else str(record)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}: not JSON or JSON lines ({e}); fix the file or convert it to .txt") from None
 
 
 def _read_csv(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8", newline="") as f:
-        for row in csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ","):
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        reader = csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ",")
+        if reader.fieldnames and "text" not in reader.fieldnames:
+            log.warning("%s has no 'text' column; using its first column %r", path, reader.fieldnames[0])
+        for row in reader:
             yield _pick_text(row, path)
 
 
@@ -171,7 +179,7 @@ def prepare_split(
         return PreparedSplit(folder / f"{name}.array_record", meta["num_records"], meta["num_tokens"], record_length)
 
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"{name}.array_record.tmp-{os.getpid()}"
+    tmp = folder / f"{name}.array_record.tmp-{socket.gethostname()}-{os.getpid()}"  # unique on shared filesystems
     writer = _writer(tmp)
     carry = np.zeros(0, dtype=np.int32)
     num_records = num_tokens = 0

@@ -25,7 +25,10 @@ class HFConfig:
         """Keep the fields we model; HF's many other keys (torch_dtype, task params, ...) are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in values.items() if k in names}
-        return cls(**values)
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{cls.model_type} config: {e}") from None
 
     def replace(self: C, **changes) -> C:
         return dataclasses.replace(self, **changes)

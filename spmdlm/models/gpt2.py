@@ -92,10 +92,11 @@ class GPT2LMHeadModel(nnx.Module):
             raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
         x = self.wte(input_ids) + self.wpe(jnp.arange(length))[None]
         x = dropout(constrain(x, "batch", "length", "act_embed"), self.config.embd_pdrop, rngs)
-        mask = make_attention_mask(attention_mask, attention_mask, causal_length=length)
+        mask = make_attention_mask(attention_mask, causal_length=length)
+        # Remat per block: keep only each block's input for the backward pass. rngs is an argument, not a closure:
+        # nnx.remat cannot advance a closed-over Rngs counter.
+        call = nnx.remat(lambda b, x, r: b(x, mask, r)) if self.remat else (lambda b, x, r: b(x, mask, r))
         for block in self.h:
-            # Remat per block: keep only each block's input for the backward pass.
-            call = nnx.remat(lambda b, x: b(x, mask, rngs)) if self.remat else (lambda b, x: b(x, mask, rngs))
-            x = call(block, x)
+            x = call(block, x, rngs)
         logits = self.wte.attend(self.ln_f(x))
         return constrain(logits, "batch", "length", "act_vocab")

@@ -68,9 +68,11 @@ class Dense(nnx.Module):
         use_bias: bool = True,
         init_std: float = 0.02,
         dtype=jnp.float32,
+        out_dtype=None,
     ):
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         self.dtype = dtype
+        self.out_dtype = out_dtype  # e.g. float32 logits from a bfloat16 matmul (accumulated in float32)
         self.kernel = make_param(
             nnx.initializers.normal(init_std), rngs.params(), (in_features, *out_shape), axes
         )
@@ -80,7 +82,8 @@ class Dense(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...].astype(self.dtype)
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                                preferred_element_type=self.out_dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -99,7 +102,9 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype))
+        # float32 logits even from bfloat16 inputs: the loss's log-softmax should not see bf16-rounded logits
+        return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
 
 
 class LayerNorm(nnx.Module):
@@ -156,15 +161,17 @@ class MLP(nnx.Module):
         return self.wo(h)
 
 
-def make_attention_mask(query_valid: jax.Array | None, key_valid: jax.Array | None, causal_length: int | None = None):
-    """Boolean [B|1, 1, T, S] mask (True = may attend) from per-token validity and/or causality; None = no mask."""
+def make_attention_mask(key_valid: jax.Array | None, causal_length: int | None = None):
+    """Boolean [B|1, 1, T, S] mask (True = may attend) from the keys' validity and/or causality; None = no mask.
+
+    Padded queries are not masked: their outputs are never read (transformers does the same).
+    """
     mask = None
     if key_valid is not None:
         mask = key_valid[:, None, None, :].astype(bool)
     if causal_length is not None:
         causal = jnp.tril(jnp.ones((causal_length, causal_length), dtype=bool))[None, None]
         mask = causal if mask is None else mask & causal
-    del query_valid  # padded queries produce outputs that nothing reads; HF does not mask them either
     return mask
 
 
@@ -203,7 +210,7 @@ class Attention(nnx.Module):
             context = x if context is None else context
             q, k, v = split(self.query(x)), split(self.key(context)), split(self.value(context))
         q, k, v = (constrain(t, "batch", "length", "act_heads", None) for t in (q, k, v))
-        scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) * self.scale
+        scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * self.scale
         if bias is not None:
             scores = scores + bias.astype(jnp.float32)
         if mask is not None:

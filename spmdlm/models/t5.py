@@ -204,18 +204,17 @@ class T5ForConditionalGeneration(nnx.Module):
         # HF draws lm_head from N(0, 1) (it inherits the tied init); d_model**-0.5 keeps the initial logits O(1) on
         # RMS-normalised features, as the scaled tied head of original T5 does.
         self.lm_head = Dense(config.d_model, config.vocab_size, ("embed", "vocab"), use_bias=False,
-                             init_std=f * config.d_model**-0.5, dtype=dtype, rngs=rngs)
+                             init_std=f * config.d_model**-0.5, dtype=dtype, out_dtype=jnp.float32, rngs=rngs)
 
     def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                rngs: nnx.Rngs | None = None) -> jax.Array:
-        mask = make_attention_mask(attention_mask, attention_mask)
+        mask = make_attention_mask(attention_mask)
         return self.encoder(self.shared(input_ids), mask, rngs=rngs)
 
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
                decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
-        mask = make_attention_mask(decoder_attention_mask, decoder_attention_mask,
-                                   causal_length=decoder_input_ids.shape[1])
-        context_mask = make_attention_mask(decoder_attention_mask, attention_mask)
+        mask = make_attention_mask(decoder_attention_mask, causal_length=decoder_input_ids.shape[1])
+        context_mask = make_attention_mask(attention_mask)
         x = self.decoder(self.shared(decoder_input_ids), mask, encoded, context_mask, rngs=rngs)
         logits = self.lm_head(x)  # v1.1: no d_model**-0.5 scaling before the untied head
         return constrain(logits, "batch", "length", "act_vocab")

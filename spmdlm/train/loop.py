@@ -28,11 +28,14 @@ from spmdlm.train.step import Stepper, create_train_state
 
 log = logging.getLogger("spmdlm")
 
-# Run arguments that must match for a run to resume in the same output dir (others, e.g. the step budget, logging
-# cadence or even the mesh, may change between the two invocations).
-RESUME_KEYS = ("model_type", "config_name", "model_name_or_path", "tokenizer_name", "train_file", "block_size",
-               "max_seq_length", "seed", "learning_rate", "weight_decay", "adafactor", "gradient_accumulation_steps",
-               "mlm_probability", "mean_noise_span_length")
+# Run arguments that must match for a run to resume in the same output dir, besides the model config and the
+# global batch. Others may change: logging cadence, the mesh (the state is restored into the new shardings), or
+# the step budget (which also stretches the learning-rate schedule from the resumed step on).
+RESUME_KEYS = ("model_type", "model_name_or_path", "tokenizer_name", "train_file", "validation_file",
+               "validation_split_percentage", "max_train_samples", "block_size", "max_seq_length", "seed",
+               "learning_rate", "weight_decay", "adafactor", "gradient_accumulation_steps", "mlm_probability",
+               "mean_noise_span_length")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 OUR_OUTPUTS = ("checkpoints", "tensorboard", "metrics.jsonl", "eval_results.json", "loss_curve.png", "hf",
                "run_config.json")
 
@@ -51,19 +54,26 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
-def check_output_dir(args: RunArgs) -> bool:
+def check_output_dir(args: RunArgs, config) -> bool:
     """-> True when the output dir holds a resumable run of this config; refuses anything else unasked."""
     out = Path(args.output_dir)
     if not out.exists() or not any(out.iterdir()):
         return False
     saved_path = out / "run_config.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else None
     has_checkpoints = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
     if args.overwrite_output_dir:
-        _remove_our_outputs(out)
+        _remove_our_outputs(out, saved)
         return False
-    if has_checkpoints and saved_path.exists():
-        saved = json.loads(saved_path.read_text())
+    if has_checkpoints and saved is None:
+        raise RunError(f"--output_dir {out} holds checkpoints but no run_config.json, so they cannot be checked "
+                       "against this run; restore the file, choose another --output_dir, or --overwrite_output_dir")
+    if has_checkpoints:
         changed = [k for k in RESUME_KEYS if saved.get(k) != getattr(args, k, None)]
+        # Token ids are set from the tokenizer after this check, so they are not compared here.
+        shape_of = lambda d: {k: v for k, v in (d or {}).items() if not k.endswith("_token_id")}
+        if shape_of(saved.get("model_config")) != shape_of(config.to_hf_dict()):
+            changed.append("model config")
         if saved.get("global_batch") != global_batch_size(args, make_mesh(args.mesh)):
             changed.append("global batch size")
         if changed:
@@ -77,15 +87,19 @@ def check_output_dir(args: RunArgs) -> bool:
     if {p.name for p in out.iterdir()} - reusable:
         raise RunError(f"--output_dir {out} is not empty and holds no run to resume; "
                        "pass --overwrite_output_dir to use it anyway or choose another --output_dir")
-    _remove_our_outputs(out)
+    _remove_our_outputs(out, saved)
     return False
 
 
-def _remove_our_outputs(out: Path) -> None:
-    """Only what a run of ours wrote: recipes keep their config and tokenizer in the output dir."""
+def _remove_our_outputs(out: Path, saved: dict | None) -> None:
+    """Only what a run of ours wrote: recipes keep their config and tokenizer in the output dir (a tokenizer we
+    trained ourselves goes too, or a new corpus would silently reuse it)."""
     if not is_main():
         return
-    for name in OUR_OUTPUTS:
+    names = list(OUR_OUTPUTS)
+    if saved and saved.get("trained_tokenizer"):
+        names += TOKENIZER_FILES
+    for name in names:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
@@ -120,21 +134,22 @@ def read_corpora(args: RunArgs, model_type: str) -> tuple[list[str], list[str]]:
     return train, held_out
 
 
-def get_tokenizer(args: RunArgs, config, model_type: str, train_docs: list[str]):
+def get_tokenizer(args: RunArgs, config, model_type: str, train_docs: list[str]) -> tuple[Any, str]:
+    """-> (tokenizer, where it came from: 'given', 'model', 'output_dir' or 'trained')."""
     out = Path(args.output_dir)
     if args.tokenizer_name:
-        return load_tokenizer(args.tokenizer_name)
+        return load_tokenizer(args.tokenizer_name), "given"
     if args.model_name_or_path and (Path(args.model_name_or_path) / "tokenizer.json").exists():
-        return load_tokenizer(args.model_name_or_path)
+        return load_tokenizer(args.model_name_or_path), "model"
     if (out / "tokenizer.json").exists():
         log.info("reusing the tokenizer in %s", out)
-        return load_tokenizer(out)
+        return load_tokenizer(out), "output_dir"
     vocab = args.vocab_size or config.vocab_size
     log.info("training a %d-token tokenizer on %d documents", vocab, len(train_docs))
     tok = train_tokenizer(model_type, train_docs, vocab)
     if is_main():
         save_tokenizer(tok, out, model_type, model_max_length=config.max_length)
-    return tok
+    return tok, "trained"
 
 
 DEFAULT_PRESETS = {"gpt2": "gpt2", "t5": "t5-v1_1-base"}
@@ -193,13 +208,22 @@ def prepare_data(args: RunArgs, objective, tok, model_type: str, train_docs, val
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"prepared {name}")
-            split = sources.prepare_split(docs, tok, name=name, **common)
+            if not is_main():
+                split = sources.prepare_split(docs, tok, name=name, **{**common, "overwrite_cache": False})
         return split
 
     train = prepare(train_docs, "train") if args.training else None
     if train is not None and args.max_train_samples:
         train = dataclasses.replace(train, num_records=min(train.num_records, args.max_train_samples))
-    validation = prepare(val_docs, "validation") if val_docs and args.evaluating else None
+    validation = None
+    if val_docs and args.evaluating:
+        try:
+            validation = prepare(val_docs, "validation")
+        except sources.DataError as e:
+            if args.validation_file:
+                raise
+            log.warning("no evaluation: the held-out %.1f%% of the documents is too small (%s); raise "
+                        "--validation_split_percentage or pass --validation_file", args.validation_split_percentage, e)
     return Data(train, validation)
 
 
@@ -238,7 +262,9 @@ def run(args: RunArgs) -> dict[str, Any]:
     arch = get_architecture(model_type)
     check_lengths(model_type, config, args)
     train_docs, val_docs = read_corpora(args, model_type)
-    resuming = check_output_dir(args)
+    previous_path = out / "run_config.json"
+    previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
+    resuming = check_output_dir(args, config)
     if args.push_to_hub:
         log.warning("--push_to_hub: spmdlm does not upload (it never uses the network); the model will be exported "
                     "to %s — upload that folder with `huggingface-cli upload` from a connected machine", out / "hf")
@@ -246,7 +272,9 @@ def run(args: RunArgs) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
 
     # -- tokenizer, objective, data ------------------------------------------------------------------------------
-    tok = get_tokenizer(args, config, model_type, train_docs)
+    tok, tokenizer_origin = get_tokenizer(args, config, model_type, train_docs)
+    trained_tokenizer = tokenizer_origin == "trained" or (
+        tokenizer_origin == "output_dir" and bool(previous.get("trained_tokenizer")))
     if tok.get_vocab_size() > config.vocab_size:
         raise ArgumentError(f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
                             f"{config.vocab_size}; use --vocab_size/a config with vocab_size >= "
@@ -282,7 +310,8 @@ def run(args: RunArgs) -> dict[str, Any]:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)))
     stepper = Stepper(graphdef, state, mesh, grad_accum=args.gradient_accumulation_steps, z_loss=args.z_loss,
                       dropout_seed=args.seed, schedule=learning_rate_schedule(optim, max(total_steps, 1)))
-    run_config = {**args.to_json(), "global_batch": global_batch, "model_config": config.to_hf_dict()}
+    run_config = {**args.to_json(), "global_batch": global_batch, "model_config": config.to_hf_dict(),
+                  "trained_tokenizer": trained_tokenizer}
     if is_main():
         (out / "run_config.json").write_text(json.dumps(run_config, indent=2))
 

@@ -82,28 +82,31 @@ class Stepper:
         graph, params, rest = nnx.split(model, nnx.Param, ...)
         step_key = jax.random.fold_in(self.dropout_key, step)
 
-        def micro_grads(micro: Batch, index):
+        def micro_grads(p, micro: Batch, index):
             def loss_of(p):
                 m = nnx.merge(graph, p, rest)
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(step_key, index))
                 sums = cross_entropy_sums(forward(m, micro, rngs), micro["labels"], self.z_loss)
                 return sums["loss_sum"] + sums["z_loss_sum"], sums
-            return jax.grad(loss_of, has_aux=True)(params)
+            return jax.grad(loss_of, has_aux=True)(p)
 
         if self.grad_accum == 1:
-            grads, sums = micro_grads(batch, 0)
+            grads, sums = micro_grads(params, batch, 0)
         else:
             # Row r of device-local data goes to micro-step r % k, so every micro-batch stays evenly sharded.
             k = self.grad_accum
             micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch)
 
             def body(carry, inputs):
-                g, s = micro_grads(inputs[0], inputs[1])
-                return jax.tree.map(jnp.add, carry, (g, s)), None
+                acc, p = carry
+                # The barrier keeps XLA from hoisting fsdp's weight all-gathers out of the loop, which would hold
+                # a whole unsharded copy of the parameters for the entire step.
+                p = jax.lax.optimization_barrier(p)
+                return (jax.tree.map(jnp.add, acc, micro_grads(p, *inputs)), p), None
 
             zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_grads(
-                jax.tree.map(lambda x: x[0], micro), 0)))
-            (grads, sums), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(k)))
+                params, jax.tree.map(lambda x: x[0], micro), 0)))
+            ((grads, sums), _), _ = jax.lax.scan(body, (zeros, params), (micro, jnp.arange(k)))
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
         metrics = dict(sums, grad_norm=optax.global_norm(grads))
         if self.schedule is not None:
