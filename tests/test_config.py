@@ -63,6 +63,10 @@ def test_argument_file(tmp_path, suffix):
     (["--per_device_train_batch_size", "0"], "at least 1"),
     (["--mlm_probability", "1.5"], "between 0 and 1"),
     (["--dataset_name", "oscar"], "--train_file"),
+    (["--lr_scheduler_type", "foo"], "lr_scheduler_type"),
+    (["--block_size", "0"], "--block_size must be at least 1"),
+    (["--save_total_limit", "0"], "--save_total_limit must be at least 1"),
+    (["--max_train_samples", "-3"], "--max_train_samples must be at least 1"),
 ])
 def test_bad_values(argv, message):
     with pytest.raises(ArgumentError, match=message):

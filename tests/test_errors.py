@@ -85,7 +85,13 @@ def test_resuming_with_other_settings_is_refused(capsys, tmp_path, tiny_gpt2_con
     capsys.readouterr()
     assert main([*common, "--seed", "1"]) == 2
     assert "other settings (seed)" in capsys.readouterr().err
+    assert main([*common, "--vocab_size", "1024"]) == 2
+    assert "other settings (model config)" in capsys.readouterr().err
     assert sorted(p.name for p in out.rglob("*")) == before
+    (out / "run_config.json").rename(tmp_path / "moved.json")  # checkpoints that cannot be checked: never deleted
+    assert main(common) == 2
+    assert "holds checkpoints but no run_config.json" in capsys.readouterr().err
+    assert (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
 
 
 def test_launcher_simulates_cpu_devices_and_says_so(tmp_path):

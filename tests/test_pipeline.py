@@ -93,6 +93,16 @@ def test_restored_iterator_continues_the_sequence(split):
         np.testing.assert_array_equal(next(fresh)["input_ids"], want)
 
 
+def test_max_train_samples_keeps_only_a_prefix_of_the_records(split):
+    import dataclasses
+
+    capped = dataclasses.replace(split, num_records=8)
+    ds = pipeline.global_examples(capped, CausalLM(16), seed=0, num_epochs=3)
+    seen = {tuple(ds[i]["input_ids"]) for i in range(len(ds))}
+    source = sources.record_source(split)
+    assert seen == {tuple(sources.decode_record(source[i])[:-1]) for i in range(8)}
+
+
 def test_eval_batches_pad_with_loss_free_rows(split):
     batches_ = list(pipeline.eval_batches(split, CausalLM(16), seed=0, global_batch=8, max_examples=13))
     assert len(batches_) == 2
