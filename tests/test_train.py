@@ -112,3 +112,18 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path, tiny_gpt2_config
     assert launch(accumulated, tiny_gpt2_config, cache_dir, "--mesh", "data=8", "--max_steps", "3",
                   "--gradient_accumulation_steps", "2") == 0
     np.testing.assert_allclose(train_losses(accumulated), train_losses(big), rtol=1e-5)
+
+
+def test_resume_onto_another_mesh_and_evaluate_only(tmp_path, tiny_gpt2_config, cache_dir, monkeypatch):
+    args = ("--max_steps", "6", "--save_steps", "3", "--global_batch_size", "16", "--export_hf", "false")
+    whole, moved = tmp_path / "whole", tmp_path / "moved"
+    assert launch(whole, tiny_gpt2_config, cache_dir, "--mesh", "data=8", *args) == 0
+    run_killed_after_first_checkpoint(
+        monkeypatch, lambda: launch(moved, tiny_gpt2_config, cache_dir, "--mesh", "data=8", *args))
+    # The restore target takes the new mesh's shardings: the run continues on 2x2x2.
+    assert launch(moved, tiny_gpt2_config, cache_dir, "--mesh", "data=2,fsdp=2,tensor=2", *args) == 0
+    np.testing.assert_allclose(train_losses(moved), train_losses(whole), rtol=1e-4)
+
+    final = json.loads((whole / "eval_results.json").read_text())["eval_loss"]
+    assert launch(whole, tiny_gpt2_config, cache_dir, "--mesh", "fsdp=8", *args, "--do_eval") == 0
+    assert json.loads((whole / "eval_results.json").read_text())["eval_loss"] == pytest.approx(final, rel=1e-5)

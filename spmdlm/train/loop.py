@@ -62,6 +62,9 @@ def check_output_dir(args: RunArgs, config) -> bool:
     saved_path = out / "run_config.json"
     saved = json.loads(saved_path.read_text()) if saved_path.exists() else None
     has_checkpoints = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
+    if has_checkpoints and saved is not None and not args.overwrite_output_dir:
+        # only complete checkpoints count (an interrupted async save leaves a temporary folder)
+        has_checkpoints = bool(checkpoint.make_manager(out, read_only=True).all_steps())
     if args.overwrite_output_dir:
         _remove_our_outputs(out, saved)
         return False
@@ -302,7 +305,8 @@ def run(args: RunArgs) -> dict[str, Any]:
                                  remat=args.gradient_checkpointing)
         return model, nnx.Optimizer(model, make_optimizer(optim, model, max(total_steps, 1)), wrt=nnx.Param)
 
-    graphdef, state = create_train_state(build, mesh)
+    # Resuming restores into an abstract state: the fresh init would be a second copy of everything.
+    graphdef, state = create_train_state(build, mesh, abstract=resuming)
     if args.model_name_or_path and not resuming:
         from spmdlm.export import load_hf_into_state
 
@@ -333,7 +337,7 @@ def run(args: RunArgs) -> dict[str, Any]:
                                           num_epochs=schedule.num_epochs, process_index=jax.process_index(),
                                           process_count=jax.process_count())
         manager = checkpoint.make_manager(out, save_interval_steps=1, max_to_keep=args.save_total_limit)
-        if resuming and manager.all_steps():
+        if resuming:
             state, step = checkpoint.restore(manager, None, state, iterator)
             log.info("resumed from the checkpoint at step %d", step)
             reporter.truncate_after(step)

@@ -51,11 +51,20 @@ def forward(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None) -> ja
     return model(batch["input_ids"], attention_mask=batch.get("attention_mask"), rngs=rngs)
 
 
-def create_train_state(build: Callable[[], tuple[nnx.Module, nnx.Optimizer]], mesh: Mesh):
-    """Build (model, optimizer) inside jit under the mesh so every array is born sharded (no replicated copy)."""
+def create_train_state(build: Callable[[], tuple[nnx.Module, nnx.Optimizer]], mesh: Mesh, *, abstract=False):
+    """Build (model, optimizer) inside jit under the mesh so every array is born sharded (no replicated copy).
+
+    `abstract=True` allocates nothing: it returns shapes with the exact shardings the initialiser would produce
+    (read from its compiled program), a restore target that keeps a resume at one copy of the state.
+    """
     with jax.set_mesh(mesh):
         graphdef, _ = nnx.split(nnx.eval_shape(build))
-        state = jax.jit(lambda: nnx.state(build()))()
+        init = jax.jit(lambda: nnx.state(build()))
+        if not abstract:
+            return graphdef, init()
+        shapes = jax.eval_shape(init)
+        shardings = init.lower().compile().output_shardings
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     return graphdef, state
 
 
