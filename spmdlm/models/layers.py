@@ -13,7 +13,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
 from spmdlm.mesh import constrain, resolve_spec
 
