@@ -118,7 +118,7 @@ def global_batch_size(args: RunArgs, mesh) -> int:
     return args.per_device_train_batch_size * per_step
 
 
-def read_corpora(args: RunArgs, model_type: str) -> tuple[list[str], list[str]]:
+def read_corpora(args: RunArgs) -> tuple[list[str], list[str]]:
     """Training and validation documents; without --validation_file a hash split of the training documents."""
     if args.train_file:
         docs = sources.read_documents(sources.expand_files(args.train_file, "--train_file"))
@@ -263,7 +263,7 @@ def run(args: RunArgs) -> dict[str, Any]:
     model_type = config.model_type
     arch = get_architecture(model_type)
     check_lengths(model_type, config, args)
-    train_docs, val_docs = read_corpora(args, model_type)
+    train_docs, val_docs = read_corpora(args)
     previous_path = out / "run_config.json"
     previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
     resuming = check_output_dir(args, config)
@@ -324,7 +324,7 @@ def run(args: RunArgs) -> dict[str, Any]:
              args.gradient_accumulation_steps, total_steps)
 
     reporter = Reporter(out, enabled=is_main(), config=config, objective=objective, global_batch=global_batch,
-                        n_params=n_params, mesh=mesh, dtype=args.dtype, run_start=run_start)
+                        mesh=mesh, dtype=args.dtype, run_start=run_start)
     results: dict[str, Any] = {"total_steps": total_steps, "parameters": n_params}
     step = 0
     if data.train is not None:

@@ -7,7 +7,6 @@ of target tokens in the whole global batch.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable
 
@@ -21,7 +20,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.mesh import batch_sharding
 
-log = logging.getLogger(__name__)
 Batch = dict[str, jax.Array]
 
 
