@@ -30,13 +30,20 @@ import sys
 import time
 from typing import Any, Callable
 
-MODELS = ("gpt2", "roberta", "t5", "bart")
-DEFAULT_CONFIGS = {"gpt2": "gpt2-tiny", "roberta": "roberta-tiny", "t5": "t5-v1_1-tiny", "bart": "bart-tiny"}
+def _families():
+    from spmdlm.families import FAMILIES
+
+    return FAMILIES
+
+
+def default_config(model: str) -> str:
+    """The family's tiny preset (gpt2-tiny, roberta-tiny, t5-v1_1-tiny, bart-tiny)."""
+    return _families()[model].quickstart["config_name"]
 
 
 def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help=" | ".join(MODELS))
+    p.add_argument("--model", required=True, help="a model family: " + " | ".join(_families()))
     p.add_argument("--config", help="preset name in models/, a JSON file or an HF config dir (default: tiny preset)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (HF name), e.g. --set n_layer=4; repeatable")
@@ -54,6 +61,7 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
     p.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    p.add_argument("--unroll", action="store_true", help="unroll the scanned layers (same parameters)")
     p.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,...]",
                    help="a variant to measure against the base settings in the same run; repeatable")
     p.add_argument("--learning_rate", type=float, default=1e-4)
@@ -87,12 +95,10 @@ def _parse_value(text: str) -> Any:
 
 
 def load_model_config(args):
-    from spmdlm.models import ARCHITECTURES, load_config
+    from spmdlm.families import load_config
 
-    if args.model not in MODELS:
-        fail(f"--model {args.model!r} is not a model; choose one of {', '.join(MODELS)}")
-    if args.model not in ARCHITECTURES:
-        fail(f"--model {args.model} is not implemented yet (implemented: {', '.join(ARCHITECTURES)})")
+    if args.model not in _families():
+        fail(f"--model {args.model!r} is not a model family; choose one of {', '.join(_families())}")
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -100,30 +106,20 @@ def load_model_config(args):
             fail(f"--set {item!r}: write KEY=VALUE")
         overrides[key.strip()] = _parse_value(value.strip())
     try:
-        config = load_config(args.config or DEFAULT_CONFIGS[args.model], args.model)
+        config = load_config(args.config or default_config(args.model), args.model)
         return config.replace(**overrides) if overrides else config
     except (ValueError, TypeError) as e:  # ConfigError is a ValueError; TypeError: --set of an unknown field
         fail(f"--config/--set: {e}")
 
 
 def build_objective(model: str, config, seq_len: int | None):
+    """The family's objective at `seq_len` (default: the model's length, at most 512)."""
+    from spmdlm.families import objective_for_shapes
+
     try:
-        return _build_objective(model, config, seq_len)
-    except ValueError as e:
+        return objective_for_shapes(_families()[model], config, seq_len or min(config.max_length, 512))
+    except ValueError as e:  # ArgumentError and the objectives' own checks
         fail(f"--seq_len: {e}")
-
-
-def _build_objective(model: str, config, seq_len: int | None):
-    if model == "gpt2":
-        from spmdlm.data.objectives.clm import CausalLM
-
-        return CausalLM(seq_len or min(config.n_positions, 512))
-    if model == "t5":
-        from spmdlm.data.objectives.t5 import SpanCorruption
-
-        sentinels = tuple(config.vocab_size - 1 - k for k in range(100))  # T5's <extra_id_k> = vocab - 1 - k
-        return SpanCorruption(inputs_length=seq_len or 512, sentinel_ids=sentinels, eos_id=config.eos_token_id)
-    fail(f"--model {model}: no benchmark objective yet")
 
 
 def synthetic_batch(objective, global_batch: int, vocab_size: int, seed: int) -> dict:
@@ -151,6 +147,7 @@ class Variant:
     attention: str = "einsum"
     donate: bool = True
     xla: str = ""
+    unroll: bool = False  # scanned layers fully unrolled (same parameters, one traced layer per layer)
 
     def label(self) -> str:
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
@@ -171,9 +168,10 @@ def parse_variant(text: str, base: Variant) -> Variant:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in ("jit", "attention", "donate", "xla"):
-            fail(f"--compare {text!r}: use jit=, attention=, donate= or xla= (comma-separated)")
-        changes[key] = value.strip() not in ("0", "false", "no") if key == "donate" else value.strip()
+        if not sep or key not in ("jit", "attention", "donate", "xla", "unroll"):
+            fail(f"--compare {text!r}: use jit=, attention=, donate=, xla= or unroll= (comma-separated)")
+        flag = key in ("donate", "unroll")
+        changes[key] = value.strip() not in ("0", "false", "no") if flag else value.strip()
     variant = dataclasses.replace(base, **changes)
     if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ("einsum", "dpa"):
         fail(f"--compare {text!r}: jit is jax|flat|nnx and attention einsum|dpa")
@@ -230,7 +228,7 @@ class Arm:
 
         self.variant, self.mesh, self.times = variant, mesh, []
         self.losses: list[float] = []
-        graphdef, state = create_train_state(build, mesh)
+        graphdef, state = create_train_state(lambda: build(variant.unroll), mesh)
         self.n_params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)))
         self.stepper = Stepper(graphdef, state, mesh, dropout_seed=seed, schedule=schedule)
         self.stats: dict[str, Any] = {}
@@ -353,7 +351,6 @@ def run_benchmark(args) -> dict[str, Any]:
     from spmdlm import flops
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.mesh import MeshError, batch_axis_size, make_mesh
-    from spmdlm.models import get_architecture
     from spmdlm.train.optim import OptimConfig, learning_rate_schedule, make_optimizer
 
     try:
@@ -374,14 +371,15 @@ def run_benchmark(args) -> dict[str, Any]:
     total_steps = args.warmup + args.steps
     optim = OptimConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay)
     schedule = learning_rate_schedule(optim, total_steps)
-    arch = get_architecture(config.model_type)
+    family = _families()[config.model_type]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
 
-    def build():
-        model = arch.model_class(config, rngs=nnx.Rngs(params=args.seed), dtype=dtype, remat=args.remat)
+    def build(unroll: bool):
+        model = family.make_model(config, rngs=nnx.Rngs(params=args.seed), dtype=dtype, remat=args.remat,
+                                  scan_unroll=True if unroll else 1)
         return model, nnx.Optimizer(model, make_optimizer(optim, model, total_steps), wrt=nnx.Param)
 
-    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla)
+    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla, unroll=args.unroll)
     variants = [base] + [parse_variant(text, base) for text in args.compare]
     if base.jit == "nnx" and base.xla:
         fail("--xla needs --jit jax or flat")
@@ -393,10 +391,7 @@ def run_benchmark(args) -> dict[str, Any]:
         for arm in arms:
             arm.step(batch, measure=True)
 
-    try:
-        analytic = flops.train_flops_per_step(config, objective, global_batch)
-    except NotImplementedError:
-        analytic = None
+    analytic = flops.train_flops_per_step(config, objective, global_batch)
     tokens_per_step = global_batch * tokens_per_example(objective)
 
     def arm_record(arm: Arm) -> dict[str, Any]:
@@ -419,7 +414,7 @@ def run_benchmark(args) -> dict[str, Any]:
     records = [arm_record(arm) for arm in arms]
     result = {
         "model": args.model,
-        "config": args.config or DEFAULT_CONFIGS[args.model],
+        "config": args.config or default_config(args.model),
         "overrides": args.set,
         **records[0],
         "flops_per_step_analytic": analytic,

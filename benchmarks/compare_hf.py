@@ -31,21 +31,19 @@ def extra_flags(p):
 
 
 def hf_model(config):
+    """The transformers model of the same family and config (random init)."""
+    import torch
     import transformers
 
     values = {k: v for k, v in config.to_hf_dict().items() if k not in ("model_type", "architectures")}
-    if config.model_type == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**values))
-    if config.model_type == "t5":
-        import torch
-
-        model = transformers.T5ForConditionalGeneration(transformers.T5Config(**values))
-        if model.lm_head.weight is model.shared.weight:
-            # transformers 5 ties T5's head to `shared` whatever the config says (DESIGN §7); v1.1 — and ours — is
-            # untied, which costs AdamW a second vocab×d_model matrix: give the head its own weight.
-            model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone())
-        return model
-    bench_train.fail(f"compare_hf.py: no transformers counterpart wired for --model {config.model_type} yet")
+    model_class = getattr(transformers, config.architecture)
+    model = model_class(transformers.AutoConfig.for_model(config.model_type, **values))
+    untied = getattr(config, "tie_word_embeddings", True) is False
+    if untied and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        # transformers 5 ties T5's head to `shared` whatever the config says (docs/architecture.md §5);
+        # ours is untied, which costs AdamW a second vocab×d_model matrix: give the head its own weight.
+        model.get_output_embeddings().weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    return model
 
 
 def run_hf(args, config, objective, global_batch: int) -> dict:

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 
 ITEMS = ("model", "optimizer", "data", "config")
+# 2: scanned layers (stacked parameters). Checkpoints of format 1 (spmdlm 0.1, one parameter per layer) cannot be
+# restored into the stacked state; their run_config.json has no "checkpoint_format".
+FORMAT = 2
 
 
 class CheckpointError(ValueError):
@@ -53,6 +56,16 @@ def save(manager: ocp.CheckpointManager, step: int, state, data_iterator, run_co
         config=ocp.args.JsonSave(run_config),
     )
     return manager.save(step, args=args, force=force)
+
+
+def check_format(run_config: dict, run_dir) -> None:
+    """Refuse, in one line, checkpoints written with another parameter layout."""
+    found = run_config.get("checkpoint_format", 1)
+    if found != FORMAT:
+        raise CheckpointError(
+            f"{run_dir} holds checkpoints of format {found} (spmdlm 0.1: one parameter per layer); this version "
+            f"stacks layers (format {FORMAT}) and cannot resume or export them: export them with spmdlm 0.1 and "
+            "continue with --model_name_or_path, or start afresh with --overwrite_output_dir")
 
 
 def abstract_of(state):

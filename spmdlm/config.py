@@ -1,7 +1,8 @@
 """Run arguments with the Hugging Face scripts' names, parsed from the command line or one .json/.yaml file.
 
 Every flag has a default that works: `python -m spmdlm.launch` with no data flags trains GPT-2 tiny on the embedded
-corpus (the Python standard library) with the QUICKSTART settings below (`--model_type t5`: T5 v1.1 tiny).
+corpus (the Python standard library) with the quick-start settings (QUICKSTART_COMMON below plus the family's own;
+`--model_type t5|roberta|bart` for the others).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _field(default, help: str, **kw):
 @dataclasses.dataclass(frozen=True)
 class RunArgs:
     # -- model ---------------------------------------------------------------------------------------------------
-    model_type: str = _field("gpt2", "gpt2 or t5; a value naming no architecture defers to the config")
+    model_type: str | None = _field(None, "model family: gpt2, roberta, t5 or bart (default: the config's, else gpt2)")
     config_name: str | None = _field(None, "preset name in models/, a JSON file, or an HF config directory")
     model_name_or_path: str | None = _field(None, "initialise from a transformers checkpoint directory")
     tokenizer_name: str | None = _field(None, "a tokenizer.json file or an HF tokenizer directory; default: train one")
@@ -41,8 +42,14 @@ class RunArgs:
     validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
     block_size: int | None = _field(None, "CLM example length (default: min(1024, n_positions))")
     max_seq_length: int | None = _field(None, "encoder length for MLM/T5/BART (default: the model's maximum)")
-    mlm_probability: float | None = _field(None, "T5 noise density (default 0.15); MLM masking rate")
+    mlm_probability: float | None = _field(None, "MLM masking rate / T5 noise density (default 0.15); BART: "
+                                           "the HF script's name for --mask_ratio")
     mean_noise_span_length: float = _field(3.0, "T5 span corruption: mean length of a corrupted span")
+    line_by_line: bool = _field(False, "MLM: one example per non-empty line (truncated, padded) instead of blocks")
+    pad_to_max_length: bool = _field(False, "accepted for compatibility (examples always have fixed shapes)")
+    mask_ratio: float | None = _field(None, "BART text infilling: fraction of tokens masked (default 0.3)")
+    poisson_lambda: float = _field(3.0, "BART text infilling: mean span length (Poisson)")
+    permute_sentence_ratio: float = _field(1.0, "BART: fraction of sentences permuted")
     max_train_samples: int | None = _field(None, "cap on training examples (after chunking)")
     max_eval_samples: int | None = _field(None, "cap on evaluation examples (after chunking)")
     overwrite_cache: bool = _field(False, "re-tokenize even when a cache exists")
@@ -116,16 +123,17 @@ class RunArgs:
         return out
 
 
-# The embedded quick start, per model type: sized to finish on a 2-core CPU in a few minutes. Used for every flag
-# the user did not give when training on the embedded corpus.
-_QUICKSTART_COMMON = dict(per_device_eval_batch_size=8, warmup_steps=30, logging_steps=20, eval_steps=100,
-                          save_steps=100, max_eval_samples=256, lr_scheduler_type="cosine")
-QUICKSTART = {
-    "gpt2": dict(_QUICKSTART_COMMON, config_name="gpt2-tiny", block_size=128, per_device_train_batch_size=4,
-                 learning_rate=2e-3, weight_decay=0.01, adam_beta2=0.98, max_steps=400),
-    "t5": dict(_QUICKSTART_COMMON, config_name="t5-v1_1-tiny", max_seq_length=128, per_device_train_batch_size=4,
-               learning_rate=5e-3, adafactor=True, weight_decay=0.001, max_steps=300),
-}
+# The embedded quick start: sized to finish on a 2-core CPU in a few minutes. Used for every flag the user did not
+# give when training on the embedded corpus; each family adds its own (model size, lengths, optimizer) on top.
+QUICKSTART_COMMON = dict(per_device_eval_batch_size=8, warmup_steps=30, logging_steps=20, eval_steps=100,
+                         save_steps=100, max_eval_samples=256, lr_scheduler_type="cosine")
+
+
+def quickstart(model_type: str) -> dict[str, Any]:
+    from spmdlm.families import FAMILIES
+
+    family = FAMILIES.get(model_type)
+    return dict(QUICKSTART_COMMON, **family.quickstart) if family else {}
 
 _BOOL_TRUE, _BOOL_FALSE = {"true", "1", "yes", "y", "on"}, {"false", "0", "no", "n", "off"}
 
@@ -146,7 +154,7 @@ def _base_type(tp):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m spmdlm.launch",
-        description="Pretrain GPT-2 (and T5, RoBERTa, BART as they land) on a device mesh. "
+        description="Pretrain GPT-2 or T5 v1.1 on a device mesh. "
                     "Flags follow the Hugging Face Flax scripts; one .json/.yaml file of flags also works.",
     )
     hints = typing.get_type_hints(RunArgs)
@@ -187,8 +195,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
     given = vars(build_parser().parse_args(argv))
     args = RunArgs(**given)
     if args.uses_embedded_corpus:
-        quickstart = QUICKSTART.get(args.model_type, {})
-        args = args.replace(**{k: v for k, v in quickstart.items() if k not in given})
+        defaults = quickstart(args.model_type or "gpt2")
+        args = args.replace(**{k: v for k, v in defaults.items() if k not in given})
     return validate(args), set(given)
 
 
@@ -213,8 +221,13 @@ def validate(args: RunArgs) -> RunArgs:
     if args.lr_scheduler_type not in ("linear", "cosine", "constant"):
         raise ArgumentError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not supported; "
                             "use linear, cosine or constant")
-    if args.mlm_probability is not None and not 0 < args.mlm_probability < 1:
-        raise ArgumentError(f"--mlm_probability must be between 0 and 1, got {args.mlm_probability}")
+    for name in ("mlm_probability", "mask_ratio"):
+        if getattr(args, name) is not None and not 0 < getattr(args, name) < 1:
+            raise ArgumentError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
+    if not 0 <= args.permute_sentence_ratio <= 1:
+        raise ArgumentError(f"--permute_sentence_ratio must be in [0, 1], got {args.permute_sentence_ratio}")
+    if args.poisson_lambda <= 0:
+        raise ArgumentError(f"--poisson_lambda must be positive, got {args.poisson_lambda}")
     if not 0 <= args.validation_split_percentage < 100:
         raise ArgumentError("--validation_split_percentage must be in [0, 100)")
     if args.num_train_epochs <= 0 and args.max_steps <= 0:

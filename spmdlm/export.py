@@ -1,8 +1,9 @@
 """Transformers interop: our NNX models <-> transformers checkpoints (config.json + model.safetensors + tokenizer).
 
-Each architecture has one table of (HF name, our parameter path, layout change). `{i}`-style fields expand over
-layers. Tied weights are written once (transformers re-ties them on load). Tensors are moved one at a time, so
-neither direction holds more than one extra copy of the parameters on the host.
+Each family has one table of (HF name, our parameter path, layout change) in its family file. `{i}`-style fields
+expand over layers: our parameter is then stacked (scanned layers) and the rule maps its slice i. Tied weights are
+written once (transformers re-ties them on load). Tensors are moved one parameter at a time, so neither direction
+holds more than one extra copy of the parameters on the host.
 
     python -m spmdlm.export --checkpoint OUTPUT_DIR [--step N] --out HF_DIR
 """
@@ -10,136 +11,19 @@ neither direction holds more than one extra copy of the parameters on the host.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmdlm.models import ARCHITECTURES, get_architecture
+from spmdlm.families import FAMILIES, get_family
 from spmdlm.models.config import ConfigError, HFConfig
-
-# -- layout changes: (ours -> HF, HF -> ours given our shape) --------------------------------------------------------
-Layout = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray, tuple], np.ndarray]]
-SAME: Layout = (lambda x: x, lambda x, shape: x.reshape(shape))
-FLAT_OUT: Layout = (lambda x: x.reshape(x.shape[0], -1), lambda x, shape: x.reshape(shape))  # (d, 3, h) <-> (d, 3h)
-FLAT: Layout = (lambda x: x.reshape(-1), lambda x, shape: x.reshape(shape))  # (3, h) <-> (3h,)
-LINEAR: Layout = (lambda x: np.ascontiguousarray(x.T), lambda x, shape: np.ascontiguousarray(x.T).reshape(shape))
-
-
-@dataclasses.dataclass(frozen=True)
-class Table:
-    rules: tuple[tuple[str, str, Layout], ...]  # (HF name, our path, layout); {i} etc. expand over layers
-    layer_counts: Callable[[HFConfig], dict[str, int]]
-    hf_prefix: str = ""  # the base model's prefix, absent in checkpoints saved from the bare base model
-    ignore: tuple[str, ...] = ()  # regexes of HF tensors we do not need (tied copies, buffers)
-
-    def expand(self, config: HFConfig) -> Iterator[tuple[str, str, Layout]]:
-        counts = self.layer_counts(config)
-        for hf, ours, layout in self.rules:
-            fields = set(re.findall(r"{(\w+)}", hf))
-            if not fields:
-                yield hf, ours, layout
-                continue
-            (field,) = fields
-            for index in range(counts[field]):
-                yield hf.format(**{field: index}), ours.format(**{field: index}), layout
-
-
-GPT2_TABLE = Table(
-    rules=(
-        ("transformer.wte.weight", "wte.embedding", SAME),
-        ("transformer.wpe.weight", "wpe.embedding", SAME),
-        ("transformer.h.{i}.ln_1.weight", "h.{i}.ln_1.scale", SAME),
-        ("transformer.h.{i}.ln_1.bias", "h.{i}.ln_1.bias", SAME),
-        ("transformer.h.{i}.attn.c_attn.weight", "h.{i}.attn.qkv.kernel", FLAT_OUT),  # Conv1D is (in, out)
-        ("transformer.h.{i}.attn.c_attn.bias", "h.{i}.attn.qkv.bias", FLAT),
-        ("transformer.h.{i}.attn.c_proj.weight", "h.{i}.attn.out.kernel", SAME),
-        ("transformer.h.{i}.attn.c_proj.bias", "h.{i}.attn.out.bias", SAME),
-        ("transformer.h.{i}.ln_2.weight", "h.{i}.ln_2.scale", SAME),
-        ("transformer.h.{i}.ln_2.bias", "h.{i}.ln_2.bias", SAME),
-        ("transformer.h.{i}.mlp.c_fc.weight", "h.{i}.mlp.wi.kernel", SAME),
-        ("transformer.h.{i}.mlp.c_fc.bias", "h.{i}.mlp.wi.bias", SAME),
-        ("transformer.h.{i}.mlp.c_proj.weight", "h.{i}.mlp.wo.kernel", SAME),
-        ("transformer.h.{i}.mlp.c_proj.bias", "h.{i}.mlp.wo.bias", SAME),
-        ("transformer.ln_f.weight", "ln_f.scale", SAME),
-        ("transformer.ln_f.bias", "ln_f.bias", SAME),
-    ),
-    layer_counts=lambda c: {"i": c.n_layer},
-    hf_prefix="transformer.",
-    ignore=(r"^lm_head\.weight$", r"\.attn\.(masked_)?bias$"),
-)
-
-TABLES: dict[str, Table] = {"gpt2": GPT2_TABLE}
-
-
-def _check_gpt2(values: dict) -> None:
-    unsupported = {"scale_attn_by_inverse_layer_idx": True, "reorder_and_upcast_attn": True, "add_cross_attention": True}
-    for key, bad in unsupported.items():
-        if values.get(key) == bad:
-            raise ConfigError(f"GPT-2 config with {key}={bad} is not supported")
-
-
-CONFIG_CHECKS: dict[str, Callable[[dict], None]] = {"gpt2": _check_gpt2}
-
-
-# -- T5 v1.1 (torch Linear weights are (out, in): LINEAR); {i} counts encoder blocks, {j} decoder blocks -----------
-def _t5_attention_rules(hf: str, ours: str) -> tuple[tuple[str, str, Layout], ...]:
-    return tuple((f"{hf}.{a}.weight", f"{ours}.{b}.kernel", LINEAR)
-                 for a, b in (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out")))
-
-
-def _t5_mlp_rules(hf: str, ours: str) -> tuple[tuple[str, str, Layout], ...]:
-    dense = tuple((f"{hf}.DenseReluDense.{w}.weight", f"{ours}.mlp.{w}.kernel", LINEAR) for w in ("wi_0", "wi_1", "wo"))
-    return (*dense, (f"{hf}.layer_norm.weight", f"{ours}.mlp_norm.scale", SAME))
-
-
-T5_TABLE = Table(
-    rules=(
-        ("shared.weight", "shared.embedding", SAME),
-        ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-         "encoder.block.0.relative_attention_bias.embedding", SAME),
-        ("encoder.block.{i}.layer.0.layer_norm.weight", "encoder.block.{i}.self_attention_norm.scale", SAME),
-        *_t5_attention_rules("encoder.block.{i}.layer.0.SelfAttention", "encoder.block.{i}.self_attention"),
-        *_t5_mlp_rules("encoder.block.{i}.layer.1", "encoder.block.{i}"),
-        ("encoder.final_layer_norm.weight", "encoder.final_layer_norm.scale", SAME),
-        ("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-         "decoder.block.0.relative_attention_bias.embedding", SAME),
-        ("decoder.block.{j}.layer.0.layer_norm.weight", "decoder.block.{j}.self_attention_norm.scale", SAME),
-        *_t5_attention_rules("decoder.block.{j}.layer.0.SelfAttention", "decoder.block.{j}.self_attention"),
-        ("decoder.block.{j}.layer.1.layer_norm.weight", "decoder.block.{j}.cross_attention_norm.scale", SAME),
-        *_t5_attention_rules("decoder.block.{j}.layer.1.EncDecAttention", "decoder.block.{j}.cross_attention"),
-        *_t5_mlp_rules("decoder.block.{j}.layer.2", "decoder.block.{j}"),
-        ("decoder.final_layer_norm.weight", "decoder.final_layer_norm.scale", SAME),
-        ("lm_head.weight", "lm_head.kernel", LINEAR),  # untied in v1.1: written and read separately from shared
-    ),
-    layer_counts=lambda c: {"i": c.num_layers, "j": c.num_decoder_layers},
-    ignore=(r"^(encoder|decoder)\.embed_tokens\.weight$",  # tied copies of shared
-            r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$"),  # unused by HF too
-)
-TABLES["t5"] = T5_TABLE
-
-
-def _check_t5(values: dict) -> None:
-    from spmdlm.models.t5 import dense_activation, hf_scales_decoder_outputs
-
-    proj = values.get("feed_forward_proj", "relu")  # transformers' default
-    if dense_activation(proj) is None:
-        raise ConfigError(f"T5 feed_forward_proj {proj!r} is not supported; only gated ones such as 'gated-gelu' "
-                          "(T5 v1.1, Flan-T5) are")
-    if hf_scales_decoder_outputs(values):
-        raise ConfigError("T5 with a tied, d_model**-0.5-scaled LM head (original T5) is not supported; only T5 v1.1 "
-                          "(tie_word_embeddings false or scale_decoder_outputs false) is")
-
-
-CONFIG_CHECKS["t5"] = _check_t5
-
 
 class ExportError(ValueError):
     """A transformers directory or checkpoint that cannot be converted."""
@@ -154,12 +38,13 @@ def read_hf_config(path: str | Path) -> HFConfig:
         raise ConfigError(f"{path}: no config.json; pass a directory written by save_pretrained or save_hf")
     values = json.loads(config_path.read_text())
     model_type = values.get("model_type")
-    if model_type not in ARCHITECTURES or model_type not in TABLES:
+    if model_type not in FAMILIES:
         found = ", ".join(values.get("architectures") or []) or "no architectures listed"
         raise ConfigError(f"{path} holds a {model_type!r} model ({found}); supported model types: "
-                          f"{', '.join(t for t in ARCHITECTURES if t in TABLES)}")
-    CONFIG_CHECKS.get(model_type, lambda v: None)(values)
-    return get_architecture(model_type).config_class.from_dict(values)
+                          f"{', '.join(FAMILIES)}")
+    family = get_family(model_type)
+    family.check_hf_config(values)
+    return family.config_class.from_dict(values)
 
 
 def hf_config_dict(config: HFConfig) -> dict:
@@ -169,7 +54,7 @@ def hf_config_dict(config: HFConfig) -> dict:
 
 
 def generation_config_dict(config: HFConfig) -> dict:
-    keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id")
     return {"_from_model_config": True, **{k: getattr(config, k) for k in keys if getattr(config, k, None) is not None}}
 
 
@@ -194,25 +79,29 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def hf_tensors(model: nnx.Module, release: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, numpy tensor) for every parameter, gathered to the host one at a time.
+    """(HF name, numpy tensor) for every parameter, gathered to the host one parameter at a time.
 
     `release` frees each device buffer once it is on the host, so that an export holds one copy of the
     parameters in all (on CPU, device and host memory are the same memory).
     """
     config = model.config
-    table = TABLES[config.model_type]
     variables = _param_variables(model)
-    mapped = set()
-    for hf, ours, (to_hf, _) in table.expand(config):
-        mapped.add(ours)
-        value = variables[ours].get_value()
-        host = _to_host(value)
-        if release:
-            value.delete()
-        yield hf, to_hf(host)
-    unmapped = sorted(set(variables) - mapped)
+    rules = list(get_family(config.model_type).table.expand(config))
+    unmapped = sorted(set(variables) - {rule.ours for rule in rules})
     if unmapped:
         raise ExportError(f"{config.model_type} export table misses parameters: {', '.join(unmapped[:5])}")
+    last_use = {rule.ours: i for i, rule in enumerate(rules)}
+    host: dict[str, np.ndarray] = {}
+    for i, rule in enumerate(rules):
+        if rule.ours not in host:
+            value = variables[rule.ours].get_value()
+            host[rule.ours] = _to_host(value)
+            if release:
+                value.delete()
+        array = host[rule.ours] if rule.layer is None else host[rule.ours][rule.layer]
+        yield rule.hf, rule.layout[0](array)
+        if last_use[rule.ours] == i:
+            del host[rule.ours]  # a stacked parameter stays on the host until its last layer is out
 
 
 def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=None, *,
@@ -234,7 +123,7 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
     if tokenizer is not None:
         from spmdlm.data.tokenizer import save_tokenizer
 
-        save_tokenizer(tokenizer, out, config.model_type, model_max_length=config.max_length)
+        save_tokenizer(tokenizer, out, get_family(config.model_type), model_max_length=config.max_length)
     return out
 
 
@@ -256,32 +145,48 @@ def _open_safetensors(path: Path):
 
 
 def _fill_params(model: nnx.Module, path: Path, mesh=None) -> None:
-    """Load the HF tensors at `path` into `model`'s parameters, each placed with the parameter's sharding."""
+    """Load the HF tensors at `path` into `model`'s parameters, each placed with the parameter's sharding.
+
+    Per-layer HF tensors fill the slices of our stacked parameters; each parameter is placed once it is whole.
+    """
     config = model.config
-    table = TABLES[config.model_type]
+    table = get_family(config.model_type).table
     variables = _param_variables(model)
     with _open_safetensors(path) as f:
         names = set(f.keys())
         alias = {n: n for n in names} | {table.hf_prefix + n: n for n in names if not n.startswith(table.hf_prefix)}
-        expected = list(table.expand(config))
-        missing = [hf for hf, _, _ in expected if hf not in alias]
+        rules = list(table.expand(config))
+        absent = {rule.hf for rule in rules if rule.hf not in alias}
+        missing = sorted(n for n in absent if not any(re.search(p, n) for p in table.optional))
         if missing:
             raise ExportError(f"{path}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-        used = {alias[hf] for hf, _, _ in expected}
+        used = {alias[rule.hf] for rule in rules if rule.hf not in absent}
         unexpected = [n for n in sorted(names - used) if not any(re.search(p, n) for p in table.ignore)]
         if unexpected:
             raise ExportError(f"{path}: tensors this {config.model_type} model has no place for: "
                               f"{', '.join(unexpected[:4])}")
-        for hf, ours, (_, from_hf) in expected:
-            var = variables[ours]
-            value = from_hf(f.get_tensor(alias[hf]).astype(np.float32), tuple(var.shape))
-            var.set_value(jax.device_put(value, _sharding_of(var, mesh)))
+        last_use = {rule.ours: i for i, rule in enumerate(rules)}
+        pending: dict[str, np.ndarray] = {}
+        for i, rule in enumerate(rules):
+            var = variables[rule.ours]
+            shape = tuple(var.shape)
+            target = shape if rule.layer is None else shape[1:]
+            if rule.hf in absent:  # an optional tensor, e.g. BART's final_logits_bias in a BartModel checkpoint
+                value = np.zeros(target, np.float32)
+            else:
+                value = rule.layout[1](f.get_tensor(alias[rule.hf]).astype(np.float32), target)
+            if rule.layer is None:
+                pending[rule.ours] = value
+            else:
+                pending.setdefault(rule.ours, np.empty(shape, np.float32))[rule.layer] = value
+            if last_use[rule.ours] == i:
+                var.set_value(jax.device_put(pending.pop(rule.ours), _sharding_of(var, mesh)))
 
 
 def _sharding_of(var: nnx.Variable, mesh):
     """Where a loaded tensor goes: the parameter's current placement, or its annotated spec on `mesh`."""
     if mesh is not None:
-        return NamedSharding(mesh, var.get_metadata().get("out_sharding") or PartitionSpec())
+        return NamedSharding(mesh, PartitionSpec(*(var.get_metadata().get("out_sharding") or ())))
     current = getattr(var.get_value(), "sharding", None)
     return current if isinstance(current, jax.sharding.Sharding) else None
 
@@ -292,9 +197,9 @@ def load_hf(path: str | Path, *, mesh=None, dtype=None) -> tuple[nnx.Module, HFC
 
     path = Path(path)
     config = read_hf_config(path)
-    arch = get_architecture(config.model_type)
+    family = get_family(config.model_type)
     mesh = mesh if mesh is not None else _current_mesh()
-    build = lambda: arch.model_class(config, rngs=nnx.Rngs(0), dtype=dtype or jnp.float32)
+    build = lambda: family.make_model(config, rngs=nnx.Rngs(0), dtype=dtype or jnp.float32)
     if mesh is not None:
         with jax.set_mesh(mesh):
             model = nnx.eval_shape(build)  # no random init: every parameter is replaced below
@@ -334,14 +239,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None 
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
     run_config = json.loads(run_config_path.read_text())
+    ckpt.check_format(run_config, run_dir)
     manager = ckpt.make_manager(run_dir, read_only=True)
     step = ckpt.resolve_step(manager, step)  # fail before building anything
     model_config = run_config["model_config"]
-    arch = get_architecture(model_config["model_type"])
-    config = arch.config_class.from_dict(model_config)
+    family = get_family(model_config["model_type"])
+    config = family.config_class.from_dict(model_config)
     mesh = make_mesh(mesh_spec)
     with jax.set_mesh(mesh):
-        graphdef, abstract = nnx.get_abstract_model(lambda: arch.model_class(config, rngs=nnx.Rngs(0)), mesh)
+        graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
         state, _ = ckpt.restore(manager, step, abstract, model_only=True)
     model = nnx.merge(graphdef, state)
     tokenizer_path = run_config.get("tokenizer_name") or run_dir

@@ -1,6 +1,6 @@
-"""Analytic training FLOPs per step for each architecture, and the peak FLOP/s of a device, for MFU.
+"""Analytic training FLOPs per step (each family's formula, in its family file), and a device's peak FLOP/s, for MFU.
 
-Conventions (DESIGN §8), the usual ones of MFU reports:
+Conventions (docs/architecture.md §6), the usual ones of MFU reports:
 - a dense layer costs 2·in·out FLOPs per token (one multiply and one add per weight); biases, norms, activations,
   softmax, the loss and the optimizer update are not counted;
 - attention counts its two matmuls, scores q·kᵀ and the probability-weighted sum of values, 2·S·inner FLOPs each per
@@ -43,47 +43,13 @@ _CPU_MEASURE_BUDGET_S = 1.5
 
 
 # -- analytic FLOPs ----------------------------------------------------------------------------------------------------
-def _dense(n_in: int, n_out: int) -> float:
+def dense(n_in: int, n_out: int) -> float:
     return 2.0 * n_in * n_out
 
 
-def _attention_matmuls(n_keys: float, inner: int) -> float:
+def attention_matmuls(n_keys: float, inner: int) -> float:
     """Scores and weighted values for one query token over n_keys keys (all heads: inner = heads·head_dim)."""
     return 2 * 2.0 * n_keys * inner
-
-
-def gpt2_forward_flops_per_token(config: Any, seq_len: int, *, full_causal_square: bool = False) -> dict[str, float]:
-    """Forward matmul FLOPs per token of a GPT-2 at sequence length seq_len, by part."""
-    d, n_layer, vocab = config.n_embd, config.n_layer, config.vocab_size
-    ff = config.n_inner or 4 * d
-    per_layer_dense = _dense(d, 3 * d) + _dense(d, d) + _dense(d, ff) + _dense(ff, d)
-    per_layer_attention = _attention_matmuls(seq_len, d) / (1 if full_causal_square else 2)  # causal: half
-    return {"dense": n_layer * per_layer_dense, "attention": n_layer * per_layer_attention,
-            "lm_head": _dense(d, vocab)}
-
-
-def t5_forward_flops_per_example(config: Any, encoder_len: int, decoder_len: int, *,
-                                 full_causal_square: bool = False) -> dict[str, float]:
-    """Forward matmul FLOPs of one T5 (v1.1: gated FFN, untied head) example, by part.
-
-    Encoder: bidirectional self-attention and FFN per encoder token. Decoder: causal self-attention, cross-attention
-    (q and o per decoder token; k and v project the encoder output once per decoder layer, i.e. per encoder token;
-    scores/values over all encoder tokens) and FFN per decoder token; the LM head per decoder token.
-    """
-    d, ff, vocab = config.d_model, config.d_ff, config.vocab_size
-    inner = config.num_heads * config.d_kv
-    n_enc = config.num_layers
-    n_dec = getattr(config, "num_decoder_layers", None) or n_enc
-    gated = str(getattr(config, "feed_forward_proj", "gated-gelu")).startswith("gated")
-    ffn = (3 if gated else 2) * _dense(d, ff)  # gated: wi_0, wi_1 (d→ff) and wo (ff→d)
-    qkvo = 3 * _dense(d, inner) + _dense(inner, d)
-    encoder = encoder_len * n_enc * (qkvo + _attention_matmuls(encoder_len, inner) + ffn)
-    causal = 1 if full_causal_square else 2
-    decoder_self = decoder_len * n_dec * (qkvo + _attention_matmuls(decoder_len, inner) / causal)
-    cross = n_dec * (decoder_len * (_dense(d, inner) + _dense(inner, d) + _attention_matmuls(encoder_len, inner))
-                     + encoder_len * 2 * _dense(d, inner))
-    return {"encoder": encoder, "decoder_self_attention": decoder_self, "cross_attention": cross,
-            "decoder_ffn": decoder_len * n_dec * ffn, "lm_head": decoder_len * _dense(d, vocab)}
 
 
 def sequence_lengths(objective: Any) -> dict[str, int]:
@@ -96,23 +62,15 @@ def sequence_lengths(objective: Any) -> dict[str, int]:
 
 
 def forward_flops_per_example(config: Any, objective: Any, *, full_causal_square: bool = False) -> dict[str, float]:
-    """Forward matmul FLOPs of one example by part, dispatching on config.model_type.
+    """Forward matmul FLOPs of one example by part: the formula of the config's model family.
 
     `full_causal_square` also counts the masked half of causal attention, which a dense implementation computes
     (for cross-checks against what XLA runs; MFU uses the default).
     """
-    lengths = sequence_lengths(objective)
-    model_type = getattr(config, "model_type", None)
-    if model_type == "gpt2":
-        seq = lengths["input"]
-        per_token = gpt2_forward_flops_per_token(config, seq, full_causal_square=full_causal_square)
-        return {k: v * seq for k, v in per_token.items()}
-    if model_type == "t5":
-        if "decoder" not in lengths:
-            raise ValueError("a T5 objective must give decoder_input_ids in its example_spec")
-        return t5_forward_flops_per_example(config, lengths["input"], lengths["decoder"],
-                                            full_causal_square=full_causal_square)
-    raise NotImplementedError(f"no FLOP formula for model_type {model_type!r} (have: gpt2, t5)")
+    from spmdlm.families import get_family
+
+    family = get_family(getattr(config, "model_type", None))
+    return family.forward_flops(config, sequence_lengths(objective), full_causal_square=full_causal_square)
 
 
 def train_flops_per_step(config: Any, objective: Any, global_batch: int, *, full_causal_square: bool = False) -> float:

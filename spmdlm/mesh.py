@@ -30,6 +30,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     ("positions", None),
     ("relpos_buckets", None),
+    ("layers", None),  # the stacked axis of scanned layers: never sharded (each device runs every layer)
     # activations
     ("batch", BATCH_AXES),
     ("length", None),
@@ -89,7 +90,7 @@ def make_mesh(spec: str = "data=-1", devices: list | None = None) -> Mesh:
     sizes = parse_mesh(spec, len(devices))
     # Topology-aware device order on TPU/GPU (neighbours on the fast axes); a plain reshape elsewhere.
     grid = mesh_utils.create_device_mesh([sizes[a] for a in MESH_AXES], devices, allow_split_physical_axes=True)
-    # Auto axes: Explicit (jax.make_mesh's default here) breaks the embedding gather (DESIGN §11).
+    # Auto axes: Explicit (jax.make_mesh's default here) breaks the embedding gather (docs/architecture.md §3).
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

@@ -35,6 +35,19 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def final_params(output_dir: Path) -> dict:
+    """The model parameters of the latest checkpoint, by path, as numpy arrays."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from spmdlm import checkpoint
+
+    manager = checkpoint.make_manager(output_dir, read_only=True)
+    restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(model=ocp.args.StandardRestore()))
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(restored["model"])}
+
+
 class Killed(Exception):
     """Stands in for a job killed right after it wrote a checkpoint."""
 

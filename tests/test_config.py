@@ -5,7 +5,7 @@ import shlex
 
 import pytest
 
-from spmdlm.config import QUICKSTART, ArgumentError, parse_args
+from spmdlm.config import ArgumentError, parse_args, quickstart
 
 GPT2_RECIPE = """--output_dir=./norwegian-gpt2 --model_type=gpt2 --config_name=./norwegian-gpt2
 --tokenizer_name=./norwegian-gpt2 --train_file=corpus.txt --do_train --do_eval --block_size=512
@@ -17,6 +17,26 @@ T5_RECIPE = """--output_dir=./norwegian-t5-base --model_type=t5 --config_name=./
 --tokenizer_name=./norwegian-t5-base --train_file=corpus.txt --max_seq_length=512 --per_device_train_batch_size=32
 --per_device_eval_batch_size=32 --adafactor --learning_rate=0.005 --weight_decay=0.001 --warmup_steps=2000
 --overwrite_output_dir --logging_steps=500 --save_steps=10000 --eval_steps=2500 --push_to_hub"""
+
+
+ROBERTA_RECIPE = """--output_dir=./norwegian-roberta-base --model_type=roberta --config_name=./norwegian-roberta-base
+--tokenizer_name=./norwegian-roberta-base --train_file=corpus.txt --max_seq_length=128 --weight_decay=0.01
+--per_device_train_batch_size=128 --per_device_eval_batch_size=128 --learning_rate=3e-4 --warmup_steps=1000
+--overwrite_output_dir --num_train_epochs=18 --adam_beta1=0.9 --adam_beta2=0.98 --logging_steps=500
+--save_steps=2500 --eval_steps=2500 --push_to_hub"""
+
+BART_RECIPE = """--output_dir=./norwegian-bart-base --config_name=./norwegian-bart-base
+--tokenizer_name=./norwegian-bart-base --train_file=corpus.txt --max_seq_length=1024 --per_device_train_batch_size=32
+--per_device_eval_batch_size=32 --learning_rate=1e-4 --warmup_steps=2000 --overwrite_output_dir --logging_steps=500
+--save_steps=2000 --eval_steps=2000 --push_to_hub"""
+
+
+def test_roberta_and_bart_recipes_are_accepted_unchanged():
+    args, _ = parse_args(shlex.split(ROBERTA_RECIPE))
+    assert args.model_type == "roberta" and args.max_seq_length == 128 and args.num_train_epochs == 18
+    args, _ = parse_args(shlex.split(BART_RECIPE))
+    # no --model_type: the config's model_type decides (the recipe's config says bart)
+    assert args.model_type is None and args.max_seq_length == 1024 and args.learning_rate == 1e-4
 
 
 def test_gpt2_recipe_is_accepted_unchanged():
@@ -41,9 +61,13 @@ def test_defaults_never_crash():
 
 def test_embedded_corpus_uses_the_quickstart_unless_overridden():
     args, _ = parse_args(["--max_steps", "7"])
-    assert args.config_name == QUICKSTART["gpt2"]["config_name"] and args.max_steps == 7
+    assert args.config_name == quickstart("gpt2")["config_name"] == "gpt2-tiny" and args.max_steps == 7
     args, _ = parse_args(["--model_type", "t5"])
     assert args.config_name == "t5-v1_1-tiny" and args.adafactor and args.max_seq_length == 128
+    assert args.output_dir == "runs/t5-v1_1-tiny-stdlib"
+    for family in ("roberta", "bart"):
+        args, _ = parse_args(["--model_type", family])
+        assert args.config_name == f"{family}-tiny" and args.output_dir == f"runs/{family}-tiny-stdlib"
 
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])

@@ -1,11 +1,9 @@
-"""Transformers interop for GPT-2: parity with real PyTorch models, lossless round trips, the export CLI."""
+"""Transformers interop of trained runs (GPT-2): the export scores like our eval, the export CLI, continued
+pretraining and export errors. Parity on random models of every family: test_families.py."""
 
 import json
-import sysconfig
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -13,89 +11,9 @@ import transformers
 from safetensors.numpy import load_file
 
 from conftest import FIXTURES
+from family_fixtures import STDLIB_JSON
 from spmdlm import export
 from spmdlm.launch import main
-from spmdlm.mesh import make_mesh
-
-CONFIGS = {
-    "odd-heads": dict(vocab_size=101, n_positions=40, n_embd=48, n_layer=2, n_head=3, layer_norm_epsilon=1e-6),
-    "vocab-not-8": dict(vocab_size=257, n_positions=64, n_embd=40, n_layer=3, n_head=5, n_inner=72),
-    "long-positions": dict(vocab_size=128, n_positions=128, n_embd=32, n_layer=1, n_head=2,
-                           layer_norm_epsilon=1e-4, activation_function="gelu"),
-}
-
-
-def random_hf_gpt2(tmp_path: Path, name: str) -> Path:
-    torch.manual_seed(len(name))
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIGS[name])).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so a swapped or dropped tensor shows up
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    path = tmp_path / name
-    model.save_pretrained(path)
-    return path
-
-
-def ids_and_mask(vocab: int, shape=(8, 20)):
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, vocab, shape)
-    mask = np.ones(shape, dtype=np.int64)
-    mask[1, 12:] = 0  # right padding
-    mask[2, :5] = 0  # left padding
-    return ids, mask
-
-
-def torch_logits(path: Path, ids, mask=None):
-    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
-    with torch.no_grad():
-        return model(torch.tensor(ids), attention_mask=None if mask is None else torch.tensor(mask)).logits.numpy()
-
-
-@pytest.mark.parametrize("name", CONFIGS)
-def test_logits_match_pytorch(tmp_path, name):
-    path = random_hf_gpt2(tmp_path, name)
-    ids, mask = ids_and_mask(CONFIGS[name]["vocab_size"])
-    model, config = export.load_hf(path)
-    assert config.n_layer == CONFIGS[name]["n_layer"]
-    ours = np.asarray(model(jnp.asarray(ids)))
-    np.testing.assert_allclose(ours, torch_logits(path, ids), atol=1e-4, rtol=0)
-    ours_masked = np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
-    valid = mask.astype(bool)  # padded query positions are not compared: nothing reads them
-    np.testing.assert_allclose(ours_masked[valid], torch_logits(path, ids, mask)[valid], atol=1e-4, rtol=0)
-
-
-def test_logits_match_pytorch_on_a_sharded_mesh(tmp_path):
-    path = random_hf_gpt2(tmp_path, "odd-heads")
-    ids, mask = ids_and_mask(101)
-    with jax.set_mesh(make_mesh("data=2,fsdp=2,tensor=2")):
-        model, _ = export.load_hf(path)
-        assert "fsdp" in str(model.h[0].mlp.wi.kernel[...].sharding.spec)
-        ours = np.asarray(jax.jit(lambda m, x, a: m(x, attention_mask=a))(model, jnp.asarray(ids), jnp.asarray(mask)))
-    valid = mask.astype(bool)
-    np.testing.assert_allclose(ours[valid], torch_logits(path, ids, mask)[valid], atol=1e-4, rtol=0)
-
-
-def test_save_hf_round_trip_is_bitwise_and_loads_cleanly(tmp_path):
-    source = random_hf_gpt2(tmp_path, "vocab-not-8")
-    model, config = export.load_hf(source)
-    out = export.save_hf(model, config, tmp_path / "out")
-    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
-    assert isinstance(reloaded, transformers.GPT2LMHeadModel)
-    ids, _ = ids_and_mask(257)
-    with torch.no_grad():
-        theirs = reloaded(torch.tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(theirs, np.asarray(model(jnp.asarray(ids))), atol=1e-4, rtol=0)
-    original, written = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
-    assert "lm_head.weight" not in written  # tied: written once
-    assert set(written) == {k for k in original if k != "lm_head.weight"}
-    for key, value in written.items():
-        np.testing.assert_array_equal(value, original[key], err_msg=key)
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == config.eos_token_id
-
-
-STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
-
 
 def train(out: Path, mesh: str, config: Path, cache_dir: Path, *extra) -> None:
     assert main(["--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", str(out),

@@ -1,19 +1,10 @@
-"""Mesh parsing, the logical rule table, and golden parameter shardings per mesh."""
-
-import json
-from pathlib import Path
+"""Mesh parsing and the logical rule table (golden parameter shardings per family: test_families.py)."""
 
 import jax
 import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from spmdlm.mesh import MeshError, make_mesh, parse_mesh, resolve_spec
-from spmdlm.models import load_config
-from spmdlm.models.gpt2 import GPT2LMHeadModel
-
-GOLDEN = Path(__file__).parent / "golden" / "gpt2_tiny_partition_specs.json"
-MESHES = ("data=8", "data=2,fsdp=4", "data=2,fsdp=2,tensor=2")
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -59,34 +50,3 @@ def test_resolve_spec_drops_indivisible_axes_and_fills_fsdp():
     assert resolve_spec((768,), ("norm",), shape, fill_fsdp=True) == P(None)
     assert resolve_spec((8, 16, 3, 4), ("batch", "length", "act_heads", None), shape) == P(("data", "fsdp"), None,
                                                                                             None, None)
-
-
-def partition_specs(mesh_spec: str) -> tuple[dict[str, str], dict[str, int]]:
-    config = load_config("gpt2-tiny")
-    mesh = make_mesh(mesh_spec)
-    with jax.set_mesh(mesh):
-        state = jax.jit(lambda: nnx.state(GPT2LMHeadModel(config, rngs=nnx.Rngs(0)), nnx.Param))()
-    specs, sizes = {}, {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        parts = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
-        name = ".".join(str(p) for p in parts if p != "value")
-        specs[name], sizes[name] = str(leaf.sharding.spec), leaf.size
-    return specs, sizes
-
-
-@pytest.mark.parametrize("mesh_spec", MESHES)
-def test_gpt2_partition_specs_match_golden(mesh_spec):
-    specs, sizes = partition_specs(mesh_spec)
-    golden = json.loads(GOLDEN.read_text())
-    assert specs == golden[mesh_spec]
-    if "fsdp" in mesh_spec:
-        unsharded = sum(sizes[n] for n, s in specs.items() if "fsdp" not in s)
-        assert unsharded / sum(sizes.values()) < 0.02
-
-
-if __name__ == "__main__":  # regenerate the golden file: python tests/test_mesh.py
-    import os
-
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps({m: partition_specs(m)[0] for m in MESHES}, indent=1, sort_keys=True) + "\n")

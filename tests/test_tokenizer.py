@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import transformers
 
+from spmdlm.families import FAMILIES
 from spmdlm.data.tokenizer import (
-    SPECIAL_TOKENS,
     TokenizerError,
     load_tokenizer,
     save_tokenizer,
@@ -113,7 +113,7 @@ def test_special_token_ids_per_model_type(trained):
     assert special_token_ids(trained["roberta"], "roberta") == roberta_style
     assert special_token_ids(trained["bart"], "bart") == roberta_style
     assert special_token_ids(trained["t5"], "t5") == {"pad": 0, "eos": 1, "unk": 2, "bos": None, "mask": None}
-    assert set(SPECIAL_TOKENS) == set(MODEL_TYPES)
+    assert set(FAMILIES) == set(MODEL_TYPES)
 
 
 def test_t5_sentinels_follow_google_layout(trained, tmp_path):
@@ -162,9 +162,9 @@ def test_load_tokenizer_file_dir_and_missing(trained, tmp_path):
 
 
 def test_wrong_tokenizer_for_model_type(trained, tmp_path):
-    with pytest.raises(TokenizerError, match="'<pad>'.*t5.*--tokenizer_name"):
+    with pytest.raises(TokenizerError, match="no pad token '<pad>'.*--tokenizer_name"):
         special_token_ids(trained["gpt2"], "t5")
-    with pytest.raises(TokenizerError, match="'<s>'.*roberta"):
+    with pytest.raises(TokenizerError, match="no bos token '<s>'"):
         special_token_ids(trained["gpt2"], "roberta")
     with pytest.raises(TokenizerError, match="100 sentinels.*<extra_id_0>"):
         sentinel_ids(trained["roberta"])

@@ -1,9 +1,13 @@
 """Corpus readers (txt, json/jsonl, csv, the embedded stdlib corpus) and the tokenized ArrayRecord cache.
 
-Preparation tokenizes every document once, joins documents with the objective's separator (EOS), cuts the stream
-into records of `record_length` tokens (only the very last partial record is dropped) and writes them to an
-ArrayRecord file under a cache key made from the documents' content, the tokenizer and the record length. A second
-run with the same inputs reuses the file without tokenizing.
+Preparation tokenizes every document once and writes fixed-length records of `record_length` tokens to an
+ArrayRecord file under a cache key made from the documents' content, the tokenizer, the record length and the mode.
+The objective says which mode it needs (its `preparation` attribute, "stream" by default):
+- "stream": documents joined by the separator (EOS), the stream cut into records (only the last partial one is
+  dropped) — CLM, T5, grouped MLM;
+- "sentences": the same, with the SENTENCE_END flag bit on the last token of each sentence (BART);
+- "lines": one record per document (line), truncated and right-padded with pad_id (MLM --line_by_line).
+A second run with the same inputs reuses the file without tokenizing.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+
+from spmdlm.data.objectives.denoising import SENTENCE_END
+from spmdlm.data.sentences import mark_sentence_ends, sentence_ends
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +165,12 @@ def prepare_split(
     cache_dir: Path,
     name: str,
     overwrite_cache: bool = False,
+    mode: str = "stream",
+    pad_id: int | None = None,
 ) -> PreparedSplit:
     """Tokenize `documents` into fixed-length records, or reuse the cached file for the same content."""
+    if mode not in ("stream", "sentences", "lines") or (mode == "lines" and pad_id is None):
+        raise ValueError(f"preparation mode {mode!r} (pad_id {pad_id}) is not one of stream, sentences, lines+pad_id")
     documents = list(documents)
     if not documents:
         raise DataError(f"the {name} corpus is empty; give a file with text in it")
@@ -168,7 +179,7 @@ def prepare_split(
         content.update(hashlib.sha256(doc.encode("utf-8")).digest())
     key = hashlib.sha256(
         b"|".join([content.digest(), tokenizer.to_str().encode(), str(record_length).encode(),
-                   str(separator_id).encode()])
+                   str(separator_id).encode(), f"{mode}:{pad_id}".encode()])
     ).hexdigest()[:24]
     folder = Path(cache_dir) / key
     meta_path = folder / f"{name}.json"
@@ -184,10 +195,22 @@ def prepare_split(
     carry = np.zeros(0, dtype=np.int32)
     num_records = num_tokens = 0
     for start in range(0, len(documents), TOKENIZE_BATCH):
-        encoded = tokenizer.encode_batch(documents[start:start + TOKENIZE_BATCH], add_special_tokens=False)
+        batch = documents[start:start + TOKENIZE_BATCH]
+        encoded = tokenizer.encode_batch(batch, add_special_tokens=False)
+        if mode == "lines":
+            for enc in encoded:
+                ids = np.asarray(enc.ids[:record_length], dtype=np.int32)
+                if len(ids):
+                    writer.write(np.pad(ids, (0, record_length - len(ids)), constant_values=pad_id).tobytes())
+                    num_records += 1
+                    num_tokens += len(ids)
+            continue
         pieces = [carry]
-        for enc in encoded:
-            pieces.append(np.asarray(enc.ids, dtype=np.int32))
+        for doc, enc in zip(batch, encoded):
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            if mode == "sentences":
+                ids = ids | np.where(mark_sentence_ends(enc.offsets, sentence_ends(doc)), SENTENCE_END, 0).astype(np.int32)
+            pieces.append(ids)
             pieces.append(np.array([separator_id], dtype=np.int32))
         stream = np.concatenate(pieces)
         num_tokens += len(stream) - len(carry)

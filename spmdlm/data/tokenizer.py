@@ -15,35 +15,25 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-_BART_STYLE = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
-SPECIAL_TOKENS: dict[str, dict[str, str | None]] = {
-    "gpt2": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>", "pad": None, "mask": None},
-    "roberta": dict(_BART_STYLE),
-    "bart": dict(_BART_STYLE),
-    "t5": {"pad": "<pad>", "eos": "</s>", "unk": "<unk>", "bos": None, "mask": None},
-}
+from spmdlm.families.base import TokenizerSpec
 
-# Order in which the specials are trained, so they get ids 0, 1, 2, ... as in the HF recipes.
-_TRAINED_SPECIALS = {
-    "gpt2": ["<|endoftext|>"],
-    "roberta": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
-    "bart": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
-    "t5": ["<pad>", "</s>", "<unk>"],
-}
-T5_NUM_SENTINELS = 100
-
-# tokenizer_config.json class per model type ("...Fast" names resolve in transformers 4 and 5 alike).
-_HF_CLASS = {"gpt2": "GPT2TokenizerFast", "roberta": "RobertaTokenizerFast", "bart": "BartTokenizerFast"}
 _GENERIC_HF_CLASS = "PreTrainedTokenizerFast"
-
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot serve the requested model type, or one that cannot be found."""
 
 
-def _check_model_type(model_type: str) -> None:
-    if model_type not in SPECIAL_TOKENS:
-        raise TokenizerError(f"unknown model_type {model_type!r}: choose one of {', '.join(SPECIAL_TOKENS)}")
+def tokenizer_spec(family_or_spec) -> TokenizerSpec:
+    """A family's TokenizerSpec, from the spec itself, a Family or a model_type name."""
+    if isinstance(family_or_spec, TokenizerSpec):
+        return family_or_spec
+    if isinstance(family_or_spec, str):
+        from spmdlm.families import FAMILIES
+
+        if family_or_spec not in FAMILIES:
+            raise TokenizerError(f"unknown model_type {family_or_spec!r}: choose one of {', '.join(FAMILIES)}")
+        return FAMILIES[family_or_spec].tokenizer
+    return family_or_spec.tokenizer
 
 
 def _counted(texts: Iterable[str], seen: list[int]) -> Iterator[str]:
@@ -54,24 +44,24 @@ def _counted(texts: Iterable[str], seen: list[int]) -> Iterator[str]:
 
 
 def train_tokenizer(
-    model_type: str, texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, lowercase: bool = False
+    family, texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, lowercase: bool = False
 ) -> Tokenizer:
-    """Train a tokenizer for `model_type` on `texts`. The result is deterministic for the same texts.
+    """Train a tokenizer for a family (or model_type name) on `texts`. The result is deterministic for the same texts.
 
-    `vocab_size` is the size of the whole vocabulary, specials included; for t5 that includes the 100 sentinels, so
+    `vocab_size` is the size of the whole vocabulary, specials included; for T5 that includes the 100 sentinels, so
     the Unigram model gets `vocab_size - 100` pieces (the HF recipe trained 32000 and let transformers append 100,
     giving 32100). A corpus too small to support that many pieces gives a smaller vocabulary, as the trainers do.
     `min_frequency` applies to BPE merges only (the Unigram trainer has no such knob).
     """
-    _check_model_type(model_type)
-    specials = _TRAINED_SPECIALS[model_type]
+    spec = tokenizer_spec(family)
+    specials = list(spec.trained_order)
     seen = [0]
-    if model_type == "t5":
+    if spec.kind == "unigram":
         tok = _unigram_t5(specials, lowercase)
-        unigram_size = vocab_size - T5_NUM_SENTINELS
+        unigram_size = vocab_size - spec.num_sentinels
         if unigram_size <= len(specials):
             raise TokenizerError(
-                f"vocab_size {vocab_size} leaves no room for pieces after {T5_NUM_SENTINELS} sentinels and "
+                f"vocab_size {vocab_size} leaves no room for pieces after {spec.num_sentinels} sentinels and "
                 f"{len(specials)} specials: raise --vocab_size"
             )
         trainer = trainers.UnigramTrainer(
@@ -95,10 +85,11 @@ def train_tokenizer(
     tok.train_from_iterator(_counted(texts, seen), trainer=trainer)
     if seen[0] == 0:
         raise TokenizerError("no training text for the tokenizer: check --train_file / --dataset_name")
-    if model_type == "t5":
+    if spec.kind == "unigram":
         tok = _canonical_unigram(tok, num_specials=len(specials))
+    if spec.num_sentinels:
         # Google's order: <extra_id_0> is the last id (len-1), <extra_id_99> is len-100.
-        tok.add_special_tokens([f"<extra_id_{k}>" for k in reversed(range(T5_NUM_SENTINELS))])
+        tok.add_special_tokens([f"<extra_id_{k}>" for k in reversed(range(spec.num_sentinels))])
     return tok
 
 
@@ -176,25 +167,26 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise TokenizerError(f"cannot read tokenizer {file}: {e}") from e
 
 
-def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, model_type: str, model_max_length: int) -> None:
+def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max_length: int) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for transformers' AutoTokenizer.
 
     AutoTokenizer then gives GPT2/Roberta/BartTokenizerFast for byte-level BPE tokenizers, and the generic
     PreTrainedTokenizerFast for t5 and lowercased BPE (see `_hf_class`), with the same ids as `tok` in every case.
     """
-    special_token_ids(tok, model_type)  # fail before writing anything
-    special_map = {f"{role}_token": token for role, token in SPECIAL_TOKENS[model_type].items() if token is not None}
-    config = {"tokenizer_class": _hf_class(tok, model_type), "model_max_length": model_max_length, **special_map}
-    if model_type == "t5":
-        sentinel_ids(tok)
-        sentinels = [f"<extra_id_{k}>" for k in range(T5_NUM_SENTINELS)]
+    spec = tokenizer_spec(family)
+    special_token_ids(tok, spec)  # fail before writing anything
+    special_map = {f"{role}_token": token for role, token in spec.specials.items() if token is not None}
+    config = {"tokenizer_class": _hf_class(tok, spec), "model_max_length": model_max_length, **special_map}
+    if spec.num_sentinels:
+        sentinel_ids(tok, spec.num_sentinels)
+        sentinels = [f"<extra_id_{k}>" for k in range(spec.num_sentinels)]
         special_map["additional_special_tokens"] = sentinels
         # Explicitly no extra ids: T5TokenizerFast would append any of its 100 missing from the vocab (with
         # <extra_id_0> lowest, the reverse of Google's order); ours are all there already.
         config.update(additional_special_tokens=sentinels, extra_ids=0)
     else:
         config["add_prefix_space"] = False
-        if model_type in ("roberta", "bart"):
+        if spec.frames_with_bos:
             special_map.update(sep_token="</s>", cls_token="<s>")
             config.update(sep_token="</s>", cls_token="<s>", trim_offsets=True)
     out_dir = Path(out_dir)
@@ -204,7 +196,7 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, model_type: str, 
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
 
 
-def _hf_class(tok: Tokenizer, model_type: str) -> str:
+def _hf_class(tok: Tokenizer, spec: TokenizerSpec) -> str:
     """The tokenizer class to name in tokenizer_config.json.
 
     transformers 5's model-specific classes rebuild the pipeline from tokenizer.json's vocab alone: GPT2/Roberta
@@ -212,39 +204,46 @@ def _hf_class(tok: Tokenizer, model_type: str) -> str:
     drops the Nmt/NFKC/Digits/Punctuation steps, which changes ids. Where the rebuild would differ, name the generic
     class, which loads tokenizer.json as written.
     """
-    spec = json.loads(tok.to_str())
-    pre = spec.get("pre_tokenizer") or {}
+    saved = json.loads(tok.to_str())
+    pre = saved.get("pre_tokenizer") or {}
     rebuilt_identically = (
-        model_type in _HF_CLASS
-        and spec["model"]["type"] == "BPE"
-        and spec.get("normalizer") is None
+        spec.hf_class is not None
+        and saved["model"]["type"] == "BPE"
+        and saved.get("normalizer") is None
         and pre.get("type") == "ByteLevel"
         and pre.get("add_prefix_space") is False
     )
-    return _HF_CLASS[model_type] if rebuilt_identically else _GENERIC_HF_CLASS
+    return spec.hf_class if rebuilt_identically else _GENERIC_HF_CLASS
 
 
-def special_token_ids(tok: Tokenizer, model_type: str) -> dict[str, int | None]:
-    """Ids of bos/eos/unk/pad/mask for `model_type` (None where that model has no such token)."""
-    _check_model_type(model_type)
+def special_token_ids(tok: Tokenizer, family) -> dict[str, int | None]:
+    """Ids of bos/eos/unk/pad/mask for a family (None where that model has no such token)."""
+    spec = tokenizer_spec(family)
     ids: dict[str, int | None] = {}
-    for role, token in SPECIAL_TOKENS[model_type].items():
+    for role, token in spec.specials.items():
         ids[role] = None if token is None else tok.token_to_id(token)
         if token is not None and ids[role] is None:
             raise TokenizerError(
-                f"the tokenizer has no {role} token {token!r}, which {model_type} needs: pass --tokenizer_name "
-                f"with a {model_type} tokenizer or train a new one"
+                f"the tokenizer has no {role} token {token!r}, which this model needs: pass --tokenizer_name "
+                f"with a tokenizer that has it, or let spmdlm train one"
             )
     return ids
 
 
-def sentinel_ids(tok: Tokenizer, count: int = T5_NUM_SENTINELS) -> np.ndarray:
+def all_special_ids(tok: Tokenizer, family) -> tuple[int, ...]:
+    """Every special id: the family's roles and any other token the tokenizer marks special (never masked)."""
+    roles = {i for i in special_token_ids(tok, family).values() if i is not None}
+    added = {i for i, token in tok.get_added_tokens_decoder().items() if token.special}
+    return tuple(sorted(roles | added))
+
+
+def sentinel_ids(tok: Tokenizer, count: int = 100) -> np.ndarray:
     """int32 array whose [k] is the id of <extra_id_k>."""
     ids = [tok.token_to_id(f"<extra_id_{k}>") for k in range(count)]
     missing = [k for k, i in enumerate(ids) if i is None]
     if missing:
         raise TokenizerError(
             f"the tokenizer lacks {len(missing)} of {count} sentinels (first: <extra_id_{missing[0]}>): "
-            "use a T5 tokenizer or train one with model_type t5"
+            "use a T5 tokenizer or let spmdlm train one with --model_type t5"
         )
     return np.asarray(ids, dtype=np.int32)

@@ -5,11 +5,19 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 C = TypeVar("C", bound="HFConfig")
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "models"
+
+def _presets_dir() -> Path:
+    """The presets: `spmdlm/presets` in an installed wheel, the repository's `models/` in a source checkout."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "presets"
+    return installed if installed.is_dir() else package.parent / "models"
+
+
+PRESETS_DIR = _presets_dir()
 
 
 class ConfigError(ValueError):
@@ -19,6 +27,8 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
     """Base for model configs. Subclasses set `model_type` and `architecture` as ClassVars."""
+
+    is_encoder_decoder: ClassVar[bool] = False
 
     @classmethod
     def from_dict(cls: type[C], values: dict[str, Any]) -> C:
@@ -49,7 +59,16 @@ def read_config_source(config_name: str) -> dict[str, Any]:
                 return json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"--config_name {config_name}: {path} is not valid JSON ({e})") from None
-    presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.json")))
+    presets = ", ".join(preset_names())
     raise ConfigError(
         f"--config_name {config_name!r}: no such preset, JSON file or directory with config.json (presets: {presets})"
     )
+
+
+def preset_names(model_type: str | None = None) -> list[str]:
+    """Names of the shipped presets, all or those of one model type."""
+    names = []
+    for path in sorted(PRESETS_DIR.glob("*.json")):
+        if model_type is None or json.loads(path.read_text()).get("model_type") == model_type:
+            names.append(path.stem)
+    return names

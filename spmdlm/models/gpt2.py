@@ -1,7 +1,7 @@
 """GPT-2: a decoder-only transformer with pre-LayerNorm blocks, learned positions and a tied LM head.
 
-Mirrors transformers' `GPT2LMHeadModel` (attribute names follow it where our shared layers allow; `export.py` holds
-the rename table). Dropout uses HF's pdrop names and defaults to 0, the pretraining recipe's setting.
+Mirrors transformers' `GPT2LMHeadModel` (attribute names follow it where our shared layers allow;
+`spmdlm/families/gpt2.py` holds the rename table). The blocks are stacked and scanned (`h.layers`). Dropout uses HF's pdrop names and defaults to 0, the pretraining recipe's setting.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, dropout, make_attention_mask
+from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, LayerStack, dropout, make_attention_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Block(nnx.Module):
                        out_init_std=out_std, dtype=dtype, rngs=rngs)
         self.resid_pdrop = config.resid_pdrop
 
-    def __call__(self, x, mask, rngs):
+    def __call__(self, x, mask, *, rngs=None):
         x = x + dropout(self.attn(self.ln_1(x), mask=mask, rngs=rngs), self.resid_pdrop, rngs)
         x = x + dropout(self.mlp(self.ln_2(x), rngs), self.resid_pdrop, rngs)
         return constrain(x, "batch", "length", "act_embed")
@@ -76,14 +76,15 @@ class GPT2LMHeadModel(nnx.Module):
 
     config_class = GPT2Config
 
-    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False,
+                 scan_unroll: int | bool = 1):
         self.config = config
         self.wte = Embed(config.vocab_size, config.n_embd, init_std=config.initializer_range, dtype=dtype, rngs=rngs)
         self.wpe = Embed(config.n_positions, config.n_embd, init_std=0.01, dtype=dtype, rngs=rngs,
                          axes=("positions", "embed"))
-        self.h = nnx.List([Block(config, dtype=dtype, rngs=rngs) for _ in range(config.n_layer)])
+        self.h = LayerStack(lambda r: Block(config, dtype=dtype, rngs=r), config.n_layer, rngs=rngs, remat=remat,
+                            unroll=scan_unroll)
         self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, rngs=rngs)
-        self.remat = remat
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                  rngs: nnx.Rngs | None = None) -> jax.Array:
@@ -93,10 +94,6 @@ class GPT2LMHeadModel(nnx.Module):
         x = self.wte(input_ids) + self.wpe(jnp.arange(length))[None]
         x = dropout(constrain(x, "batch", "length", "act_embed"), self.config.embd_pdrop, rngs)
         mask = make_attention_mask(attention_mask, causal_length=length)
-        # Remat per block: keep only each block's input for the backward pass. rngs is an argument, not a closure:
-        # nnx.remat cannot advance a closed-over Rngs counter.
-        call = nnx.remat(lambda b, x, r: b(x, mask, r)) if self.remat else (lambda b, x, r: b(x, mask, r))
-        for block in self.h:
-            x = call(block, x, rngs)
+        x = self.h(x, mask, rngs=rngs)
         logits = self.wte.attend(self.ln_f(x))
         return constrain(logits, "batch", "length", "act_vocab")

@@ -1,4 +1,4 @@
-"""The layers all four models share: dense, embedding, norms, attention, MLP, dropout.
+"""The layers all four models share: dense, embedding, norms, attention, MLP, dropout, and the scanned layer stack.
 
 Parameters are float32 and carry a PartitionSpec resolved from logical axis names through `mesh.LOGICAL_RULES`
 when they are created under a mesh (`jax.set_mesh`), so they are born sharded; without a mesh they are plain arrays.
@@ -218,3 +218,75 @@ class Attention(nnx.Module):
         probs = dropout(probs, self.dropout_rate, rngs)
         out = jnp.einsum("bhts,bshd->bthd", probs, v)
         return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
+
+
+class LayerStack(nnx.Module):
+    """`count` identical layers with stacked parameters (leading `layers` axis), applied with one scan.
+
+    One traced layer instead of `count`: compile time stays nearly flat with depth. `make_layer(rngs)` builds one
+    layer; every call of the stack passes `x` through the layers as the scan carry, with the other arguments the
+    same for each layer. Under `remat` each layer keeps only its input for the backward pass. Dropout gets one key
+    per layer. `unroll` is jax.lax.scan's (True = fully unrolled, same parameters; for benchmarks).
+    """
+
+    def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs,
+                 remat: bool = False, unroll: int | bool = 1):
+        self.count, self.remat, self.unroll = count, remat, unroll
+
+        # The layers axis is never sharded (PARTITION_NAME None); the logical name is added for the rule table.
+        @nnx.split_rngs(splits=count)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def create(rngs):
+            return make_layer(rngs)
+
+        self.layers = create(rngs)
+        for _, var in nnx.iter_graph(self.layers):
+            if isinstance(var, nnx.Param):
+                var.set_metadata(logical_axes=("layers", *var.get_metadata()["logical_axes"]))
+
+    def __call__(self, x: jax.Array, *args, rngs: nnx.Rngs | None = None) -> jax.Array:
+        keys = None if rngs is None else jax.random.split(rngs.dropout(), self.count)
+
+        def apply(layer, x, key):
+            return layer(x, *args, rngs=None if key is None else nnx.Rngs(dropout=key))
+
+        if self.remat:
+            apply = nnx.remat(apply)
+
+        @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry, unroll=self.unroll)
+        def body(layer, x, key):
+            return apply(layer, x, key)
+
+        return body(self.layers, x, keys)
+
+
+class PostNormBlock(nnx.Module):
+    """A post-LayerNorm transformer layer (BERT/RoBERTa, BART encoder and decoder): each sublayer's output is
+    dropped out, added to its input, then normalised. Exact-GELU MLP by default; cross-attention for decoders.
+
+    Names follow BART (`self_attn`, `self_attn_layer_norm`, `encoder_attn`, `final_layer_norm`); the families'
+    rename tables map RoBERTa's names onto them.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, activation: str, eps: float, dropout_rate: float,
+                 attention_dropout: float, activation_dropout: float, cross_attention: bool, init_std: float,
+                 dtype, rngs: nnx.Rngs):
+        attention = lambda: Attention(d_model, num_heads, d_model // num_heads, dropout_rate=attention_dropout,
+                                      init_std=init_std, dtype=dtype, rngs=rngs)
+        norm = lambda: LayerNorm(d_model, eps=eps, rngs=rngs)
+        self.self_attn, self.self_attn_layer_norm = attention(), norm()
+        self.encoder_attn = attention() if cross_attention else None
+        self.encoder_attn_layer_norm = norm() if cross_attention else None
+        self.mlp = MLP(d_model, d_ff, activation=activation, dropout_rate=activation_dropout, init_std=init_std,
+                       dtype=dtype, rngs=rngs)
+        self.final_layer_norm = norm()
+        self.dropout_rate = dropout_rate
+
+    def __call__(self, x, mask, context=None, context_mask=None, *, rngs=None):
+        rate = self.dropout_rate
+        x = self.self_attn_layer_norm(x + dropout(self.self_attn(x, mask=mask, rngs=rngs), rate, rngs))
+        if self.encoder_attn is not None:
+            h = self.encoder_attn(x, context, mask=context_mask, rngs=rngs)
+            x = self.encoder_attn_layer_norm(x + dropout(h, rate, rngs))
+        x = self.final_layer_norm(x + dropout(self.mlp(x, rngs), rate, rngs))
+        return constrain(x, "batch", "length", "act_embed")

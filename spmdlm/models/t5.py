@@ -1,10 +1,11 @@
 """T5 v1.1: an encoder-decoder transformer with RMSNorm, relative position buckets, gated-GELU and an untied head.
 
 Mirrors transformers' `T5ForConditionalGeneration` (v1.1 flavour: gated feed-forward, no d_model**-0.5 scaling of
-the decoder output, separate `lm_head`). Attribute names follow HF where our shared layers allow; `export.py` holds
-the rename table. Attention is unscaled (scale=1.0): T5's initialisation of the query projection absorbs 1/sqrt(d_kv).
+the decoder output, separate `lm_head`). Attribute names follow HF where our shared layers allow;
+`spmdlm/families/t5.py` holds the rename table. Blocks are stacked and scanned; the relative-position table, which
+HF keeps in block 0, belongs to each stack here (every block of the stack uses it). Attention is unscaled (scale=1.0): T5's initialisation of the query projection absorbs 1/sqrt(d_kv).
 
-transformers 5 quirk (DESIGN §7): it always sets `tie_word_embeddings=True` on T5 configs and keeps the value found
+transformers 5 quirk (docs/architecture.md §5): it always sets `tie_word_embeddings=True` on T5 configs and keeps the value found
 in config.json only as `scale_decoder_outputs`. Both `from_dict` and `to_hf_dict` below speak that dialect.
 """
 
@@ -21,7 +22,8 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import ACTIVATIONS, MLP, Attention, Dense, Embed, RMSNorm, dropout, make_attention_mask
+from spmdlm.models.layers import (ACTIVATIONS, MLP, Attention, Dense, Embed, LayerStack, RMSNorm, dropout,
+                                  make_attention_mask)
 
 
 def hf_scales_decoder_outputs(values: dict[str, Any]) -> bool:
@@ -44,6 +46,7 @@ def dense_activation(feed_forward_proj: str) -> str | None:
 class T5Config(HFConfig):
     model_type: ClassVar[str] = "t5"
     architecture: ClassVar[str] = "T5ForConditionalGeneration"
+    is_encoder_decoder: ClassVar[bool] = True
 
     vocab_size: int = 32128
     d_model: int = 512
@@ -124,18 +127,13 @@ def relative_position_buckets(query_length: int, key_length: int, *, bidirection
 class Block(nnx.Module):
     """Self-attention, cross-attention (decoder only) and gated MLP, each pre-RMSNorm with a dropped-out residual."""
 
-    def __init__(self, config: T5Config, *, is_decoder: bool, has_relative_bias: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: T5Config, *, is_decoder: bool, dtype, rngs: nnx.Rngs):
         d, f, heads, d_kv = config.d_model, config.initializer_factor, config.num_heads, config.d_kv
         # HF's init: q absorbs the missing 1/sqrt(d_kv); k, v, wi by fan-in; o, wo by their fan-in.
         attention = lambda: Attention(d, heads, d_kv, use_bias=False, scale=1.0, dropout_rate=config.dropout_rate,
                                       q_init_std=f * (d * d_kv) ** -0.5, kv_init_std=f * d**-0.5,
                                       out_init_std=f * (heads * d_kv) ** -0.5, dtype=dtype, rngs=rngs)
         norm = lambda: RMSNorm(d, eps=config.layer_norm_epsilon, rngs=rngs)
-        # Only block 0 owns a relative position table; its bias is shared by every block of the stack.
-        self.relative_attention_bias = (
-            Embed(config.relative_attention_num_buckets, heads, init_std=f * d**-0.5, axes=("relpos_buckets", "heads"),
-                  rngs=rngs) if has_relative_bias else None
-        )
         self.self_attention_norm = norm()
         self.self_attention = attention()
         self.cross_attention_norm = norm() if is_decoder else None
@@ -146,7 +144,7 @@ class Block(nnx.Module):
                        dtype=dtype, rngs=rngs)
         self.dropout_rate = config.dropout_rate
 
-    def __call__(self, x, mask, bias, context, context_mask, rngs):
+    def __call__(self, x, mask, bias, context, context_mask, *, rngs=None):
         rate = self.dropout_rate
         h = self.self_attention(self.self_attention_norm(x), mask=mask, bias=bias, rngs=rngs)
         x = x + dropout(h, rate, rngs)
@@ -160,32 +158,32 @@ class Block(nnx.Module):
 class Stack(nnx.Module):
     """The encoder (bidirectional) or the decoder (causal, with cross-attention): blocks + final RMSNorm."""
 
-    def __init__(self, config: T5Config, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: bool):
+    def __init__(self, config: T5Config, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: bool,
+                 scan_unroll: int | bool = 1):
         self.config = config
         self.is_decoder = is_decoder
-        self.remat = remat
+        d, heads = config.d_model, config.num_heads
+        self.relative_attention_bias = Embed(config.relative_attention_num_buckets, heads,
+                                             init_std=config.initializer_factor * d**-0.5,
+                                             axes=("relpos_buckets", "heads"), rngs=rngs)
         count = config.num_decoder_layers if is_decoder else config.num_layers
-        self.block = nnx.List([Block(config, is_decoder=is_decoder, has_relative_bias=i == 0, dtype=dtype, rngs=rngs)
-                               for i in range(count)])
+        self.block = LayerStack(lambda r: Block(config, is_decoder=is_decoder, dtype=dtype, rngs=r), count, rngs=rngs,
+                                remat=remat, unroll=scan_unroll)
         self.final_layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon, rngs=rngs)
 
     def position_bias(self, length: int) -> jax.Array:
-        """[1, heads, T, T] additive self-attention bias from block 0's table (float32)."""
+        """[1, heads, T, T] additive self-attention bias from the stack's table (float32)."""
         buckets = relative_position_buckets(length, length, bidirectional=not self.is_decoder,
                                             num_buckets=self.config.relative_attention_num_buckets,
                                             max_distance=self.config.relative_attention_max_distance)
-        values = self.block[0].relative_attention_bias(jnp.asarray(buckets, dtype=jnp.int32))  # [T, T, heads]
+        values = self.relative_attention_bias(jnp.asarray(buckets, dtype=jnp.int32))  # [T, T, heads]
         return jnp.transpose(values, (2, 0, 1))[None].astype(jnp.float32)
 
     def __call__(self, x, mask, context=None, context_mask=None, *, rngs=None):
         rate = self.config.dropout_rate
         bias = self.position_bias(x.shape[1])
         x = dropout(constrain(x, "batch", "length", "act_embed"), rate, rngs)
-        run = lambda b, x, r: b(x, mask, bias, context, context_mask, r)
-        # Remat per block: keep only each block's input for the backward pass.
-        call = nnx.remat(run) if self.remat else run
-        for block in self.block:
-            x = call(block, x, rngs)
+        x = self.block(x, mask, bias, context, context_mask, rngs=rngs)
         return dropout(self.final_layer_norm(x), rate, rngs)
 
 
@@ -195,12 +193,14 @@ class T5ForConditionalGeneration(nnx.Module):
 
     config_class = T5Config
 
-    def __init__(self, config: T5Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False):
+    def __init__(self, config: T5Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False,
+                 scan_unroll: int | bool = 1):
         self.config = config
         f = config.initializer_factor
         self.shared = Embed(config.vocab_size, config.d_model, init_std=f * 1.0, dtype=dtype, rngs=rngs)
-        self.encoder = Stack(config, is_decoder=False, dtype=dtype, rngs=rngs, remat=remat)
-        self.decoder = Stack(config, is_decoder=True, dtype=dtype, rngs=rngs, remat=remat)
+        stack = lambda is_decoder: Stack(config, is_decoder=is_decoder, dtype=dtype, rngs=rngs, remat=remat,
+                                         scan_unroll=scan_unroll)
+        self.encoder, self.decoder = stack(False), stack(True)
         # HF draws lm_head from N(0, 1) (it inherits the tied init); d_model**-0.5 keeps the initial logits O(1) on
         # RMS-normalised features, as the scaled tied head of original T5 does.
         self.lm_head = Dense(config.d_model, config.vocab_size, ("embed", "vocab"), use_bias=False,

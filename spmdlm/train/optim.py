@@ -57,6 +57,22 @@ def weight_decay_mask(model: nnx.Module):
     )
 
 
+def stacked_labels(model: nnx.Module):
+    """'stacked' for parameters of scanned layers (leading `layers` axis), 'single' for the others."""
+    params = nnx.state(model, nnx.Param)
+    return jax.tree.map(lambda v: "stacked" if v.get_metadata().get("logical_axes", ("",))[0] == "layers"
+                        else "single", params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def per_layer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` applied to each layer's slice of a stacked parameter separately (vmapped over the layers axis).
+
+    For optimizers that look at a whole tensor: Adafactor factors its second moments over a matrix's rows and
+    columns, and scales and clips updates by the tensor's RMS; stacked, these must stay per layer.
+    """
+    return optax.GradientTransformation(jax.vmap(tx.init), jax.vmap(tx.update))
+
+
 def _without_variable_metadata(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """Init `tx` on plain arrays: nnx.Optimizer copies a parameter's sharding metadata onto every state leaf made
     from it, which breaks Adafactor's factored moments (a row vector cannot take a matrix's PartitionSpec)."""
@@ -91,7 +107,11 @@ def make_optimizer(cfg: OptimConfig, model: nnx.Module, total_steps: int) -> opt
     if cfg.adafactor:
         # Factored second moments; unlike the HF scripts, weight decay is applied (decoupled, scaled by the lr).
         decay = [decoupled_weight_decay(schedule, cfg.weight_decay, mask)] if cfg.weight_decay else []
-        core = _without_variable_metadata(optax.chain(optax.adafactor(learning_rate=schedule), *decay))
+        adafactor = optax.adafactor(learning_rate=schedule)
+        labels = stacked_labels(model)
+        if "stacked" in jax.tree.leaves(labels):
+            adafactor = optax.multi_transform({"stacked": per_layer(adafactor), "single": adafactor}, labels)
+        core = _without_variable_metadata(optax.chain(adafactor, *decay))
     else:
         core = optax.adamw(
             schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay,

@@ -1,0 +1,114 @@
+"""RoBERTa masked LM (BERT-style 80/10/10 masking), per example in numpy.
+
+A record of `record_length` = max_seq_length - 2 content ids is framed as `<s> content </s>` and padded to
+max_seq_length. Each content token that is not a special id is chosen with probability mlm_probability; of the
+chosen, 80% become <mask>, 10% a uniformly random non-special id and 10% stay as they are. `labels` hold the
+original id at chosen positions and IGNORE_INDEX elsewhere.
+
+Grouped mode (default): every record is full content, so nothing is padded. line_by_line: a record is one line
+truncated to record_length and right-padded with pad_id; the leading non-pad tokens are its content.
+
+Differences from the HF script (`run_mlm_flax.py` + DataCollatorForLanguageModeling):
+- every random choice uses the `rng` passed in (keyed by (seed, global example index) in the pipeline), not the
+  global np.random, so any example can be recomputed alone;
+- chosen positions are tracked as a boolean mask, never by `labels > 0`-style value tests, so a real id 0 is kept;
+- shapes are always [max_seq_length]: line_by_line does not pad batches to a multiple of 16 (and recompile);
+- random replacements are never special ids (HF drew from the whole vocabulary, <mask> and <pad> included);
+- grouped records are framed `<s> ... </s>` each, instead of being cut from already framed lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from spmdlm.data.objectives import IGNORE_INDEX
+
+MASK_FRACTION = 0.8  # of the chosen tokens: become <mask>
+RANDOM_FRACTION = 0.1  # become a random non-special id; the remaining 0.1 stay unchanged
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedLM:
+    max_seq_length: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    mask_id: int
+    special_ids: tuple[int, ...]  # every special id of the tokenizer: never chosen, never a random replacement
+    vocab_size: int  # len(tokenizer): random replacements come from [0, vocab_size) minus special_ids
+    mlm_probability: float = 0.15
+    line_by_line: bool = False
+
+    def __post_init__(self):
+        # Plain ints keep the objective hashable and cheap to pickle into data workers.
+        object.__setattr__(self, "special_ids", tuple(sorted({int(i) for i in self.special_ids})))
+        if self.max_seq_length < 3:
+            raise ValueError(f"max_seq_length {self.max_seq_length} leaves no room for content: raise --max_seq_length")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ValueError(f"mlm_probability {self.mlm_probability} must be in (0, 1): fix --mlm_probability")
+        for role in ("bos_id", "eos_id", "pad_id", "mask_id"):
+            if getattr(self, role) not in self.special_ids:
+                raise ValueError(f"{role} {getattr(self, role)} is not among special_ids {self.special_ids}")
+        if not all(0 <= i < self.vocab_size for i in self.special_ids):
+            raise ValueError(f"special_ids {self.special_ids} must lie in [0, vocab_size={self.vocab_size})")
+        if self.vocab_size <= len(self.special_ids):
+            raise ValueError(f"vocab_size {self.vocab_size} leaves no non-special id to draw random replacements from")
+
+    @property
+    def preparation(self) -> str:
+        """How records are cut from the corpus (see spmdlm.data.sources)."""
+        return "lines" if self.line_by_line else "stream"
+
+    @property
+    def record_length(self) -> int:
+        return self.max_seq_length - 2  # room for <s> and </s>
+
+    @functools.cached_property
+    def _specials(self) -> np.ndarray:
+        return np.asarray(self.special_ids, dtype=np.int32)
+
+    def _random_non_special(self, size: int, rng: np.random.Generator) -> np.ndarray:
+        """Uniform ids from [0, vocab_size) minus special_ids, without materialising the vocabulary.
+
+        Draw the r-th non-special id: it is r plus the number of specials below it, and special s_k (sorted) lies
+        below it exactly when the s_k - k non-special ids before s_k number <= r.
+        """
+        r = rng.integers(0, self.vocab_size - len(self.special_ids), size=size)
+        non_special_before = self._specials - np.arange(len(self._specials))
+        return (r + np.searchsorted(non_special_before, r, side="right")).astype(np.int32)
+
+    def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        record = np.asarray(record)
+        if record.shape != (self.record_length,):
+            raise ValueError(f"MLM record has shape {record.shape}, expected ({self.record_length},)")
+        n_content = self.record_length
+        if self.line_by_line:
+            padding = np.flatnonzero(record == self.pad_id)
+            n_content = int(padding[0]) if padding.size else self.record_length
+
+        input_ids = np.full(self.max_seq_length, self.pad_id, dtype=np.int32)
+        input_ids[0] = self.bos_id
+        input_ids[1 : n_content + 1] = record[:n_content]
+        input_ids[n_content + 1] = self.eos_id
+        original = input_ids.copy()
+        attention_mask = (np.arange(self.max_seq_length) < n_content + 2).astype(np.int32)
+
+        # Draw for every position, whatever the content length, so the rng stream has a fixed layout.
+        maskable = np.zeros(self.max_seq_length, dtype=bool)
+        maskable[1 : n_content + 1] = ~np.isin(record[:n_content], self._specials)  # separators inside stay put
+        chosen = maskable & (rng.random(self.max_seq_length) < self.mlm_probability)
+        decision = rng.random(self.max_seq_length)  # one draw splits chosen tokens 80/10/10
+        to_mask = chosen & (decision < MASK_FRACTION)
+        to_random = chosen & (decision >= MASK_FRACTION) & (decision < MASK_FRACTION + RANDOM_FRACTION)
+        input_ids[to_mask] = self.mask_id
+        input_ids[to_random] = self._random_non_special(self.max_seq_length, rng)[to_random]
+
+        labels = np.where(chosen, original, IGNORE_INDEX).astype(np.int32)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def example_spec(self):
+        shape = (self.max_seq_length,)
+        return {"input_ids": (shape, np.int32), "attention_mask": (shape, np.int32), "labels": (shape, np.int32)}

@@ -1,0 +1,146 @@
+"""The BART family: denoising (sentence permutation + text infilling), transformers' `BartForConditionalGeneration`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spmdlm.config import ArgumentError
+from spmdlm.families.base import LINEAR, ROW, SAME, Family, Table
+from spmdlm.families.roberta import TOKENIZER as ROBERTA_TOKENIZER
+from spmdlm.flops import attention_matmuls, dense
+from spmdlm.models.bart import BartConfig, BartForConditionalGeneration
+from spmdlm.models.config import ConfigError
+
+
+# torch Linear weights are (out, in): LINEAR. {i} counts encoder layers, {j} decoder layers.
+def _linear_rules(hf: str, ours: str):
+    return ((f"{hf}.weight", f"{ours}.kernel", LINEAR), (f"{hf}.bias", f"{ours}.bias", SAME))
+
+
+def _norm_rules(hf: str, ours: str):
+    return ((f"{hf}.weight", f"{ours}.scale", SAME), (f"{hf}.bias", f"{ours}.bias", SAME))
+
+
+def _stack_rules(stack: str, index: str, is_decoder: bool):
+    hf, ours = f"model.{stack}.layers.{{{index}}}", f"{stack}.layers.layers"
+    attention = lambda name: tuple(rule for a, b in (("q", "query"), ("k", "key"), ("v", "value"), ("out", "out"))
+                                   for rule in _linear_rules(f"{hf}.{name}.{a}_proj", f"{ours}.{name}.{b}"))
+    return (
+        (f"model.{stack}.embed_positions.weight", f"{stack}.embed_positions.embedding", SAME),
+        *_norm_rules(f"model.{stack}.layernorm_embedding", f"{stack}.layernorm_embedding"),
+        *attention("self_attn"),
+        *_norm_rules(f"{hf}.self_attn_layer_norm", f"{ours}.self_attn_layer_norm"),
+        *((*attention("encoder_attn"), *_norm_rules(f"{hf}.encoder_attn_layer_norm",
+                                                     f"{ours}.encoder_attn_layer_norm")) if is_decoder else ()),
+        *_linear_rules(f"{hf}.fc1", f"{ours}.mlp.wi"),
+        *_linear_rules(f"{hf}.fc2", f"{ours}.mlp.wo"),
+        *_norm_rules(f"{hf}.final_layer_norm", f"{ours}.final_layer_norm"),
+    )
+
+
+TABLE = Table(
+    rules=(
+        ("model.shared.weight", "shared.embedding", SAME),
+        *_stack_rules("encoder", "i", is_decoder=False),
+        *_stack_rules("decoder", "j", is_decoder=True),
+        ("final_logits_bias", "final_logits_bias", ROW),  # a (1, vocab) buffer in HF
+    ),
+    layer_counts=lambda c: {"i": c.encoder_layers, "j": c.decoder_layers},
+    hf_prefix="model.",  # BartPreTrainedModel.base_model_prefix
+    # tied copies of model.shared; fairseq version buffers (transformers ignores them too)
+    ignore=(r"^lm_head\.weight$", r"^(model\.)?(encoder|decoder)\.embed_tokens\.weight$",
+            r"^(model\.)?(encoder|decoder)\.version$"),
+    optional=(r"^final_logits_bias$",),  # absent from BartModel checkpoints (facebook/bart-*): zeros
+)
+
+
+def check_hf_config(values: dict) -> None:
+    # Keys of older (fairseq-converted) BART configs that mean another architecture; transformers ignores them.
+    unsupported = {"normalize_before": True, "add_final_layer_norm": True, "static_position_embeddings": True,
+                   "normalize_embedding": False, "add_bias_logits": True}
+    for key, bad in unsupported.items():
+        if values.get(key) == bad:
+            raise ConfigError(f"BART config with {key}={str(bad).lower()} (mBART/Marian-style) is not supported; "
+                              "only the post-LayerNorm BART of facebook/bart-* is")
+    for key in ("encoder_layerdrop", "decoder_layerdrop"):
+        if values.get(key):
+            raise ConfigError(f"BART {key} {values[key]} is not supported; set it to 0")
+
+
+def max_seq_length(args, config) -> int:
+    return args.max_seq_length or min(1024, config.max_position_embeddings)
+
+
+def mask_ratio(args) -> float:
+    # --mlm_probability is the HF script's name for it; both given and different is a mistake.
+    if args.mask_ratio is not None and args.mlm_probability is not None and args.mask_ratio != args.mlm_probability:
+        raise ArgumentError(f"--mask_ratio {args.mask_ratio} and --mlm_probability {args.mlm_probability} disagree; "
+                            "for BART they are the same setting: give one")
+    return next((r for r in (args.mask_ratio, args.mlm_probability) if r is not None), 0.3)
+
+
+def check_lengths(args, config) -> None:
+    length = max_seq_length(args, config)
+    if length > config.max_position_embeddings:
+        raise ArgumentError(f"--max_seq_length {length} is longer than the model's max_position_embeddings "
+                            f"{config.max_position_embeddings}; lower --max_seq_length or use a config with more "
+                            "positions")
+    if length < 3:
+        raise ArgumentError(f"--max_seq_length {length} leaves no room between <s> and </s>; raise it")
+    mask_ratio(args)
+
+
+def build_objective(args, config, tokenizer):
+    from spmdlm.data.objectives.denoising import Denoising
+    from spmdlm.data.tokenizer import all_special_ids, special_token_ids
+
+    ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
+    try:
+        return Denoising(max_seq_length(args, config), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"],
+                         mask_id=ids["mask"], decoder_start_id=config.decoder_start_token_id,
+                         special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
+                         permute_sentence_ratio=args.permute_sentence_ratio, mask_ratio=mask_ratio(args),
+                         poisson_lambda=args.poisson_lambda)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = False) -> dict[str, float]:
+    """Forward matmul FLOPs of one example by part.
+
+    Encoder: bidirectional self-attention and FFN per encoder token. Decoder: causal self-attention, cross-attention
+    (q and out per decoder token; k and v project the encoder output once per decoder layer, i.e. per encoder token;
+    scores/values over all encoder tokens) and FFN per decoder token; the tied LM head per decoder token.
+    """
+    encoder_len, decoder_len = lengths["input"], lengths["decoder"]
+    d, n_enc, n_dec = config.d_model, config.encoder_layers, config.decoder_layers
+    qkvo = 4 * dense(d, d)
+    ffn = lambda ff: dense(d, ff) + dense(ff, d)
+    encoder = encoder_len * n_enc * (qkvo + attention_matmuls(encoder_len, d) + ffn(config.encoder_ffn_dim))
+    causal = 1 if full_causal_square else 2
+    decoder_self = decoder_len * n_dec * (qkvo + attention_matmuls(decoder_len, d) / causal)
+    cross = n_dec * (decoder_len * (2 * dense(d, d) + attention_matmuls(encoder_len, d))
+                     + encoder_len * 2 * dense(d, d))
+    return {"encoder": encoder, "decoder_self_attention": decoder_self, "cross_attention": cross,
+            "decoder_ffn": decoder_len * n_dec * ffn(config.decoder_ffn_dim),
+            "lm_head": decoder_len * dense(d, config.vocab_size)}
+
+
+FAMILY = Family(
+    name="bart",
+    config_class=BartConfig,
+    model_class=BartForConditionalGeneration,
+    hf_auto_class="AutoModelForSeq2SeqLM",
+    table=TABLE,
+    tokenizer=dataclasses.replace(ROBERTA_TOKENIZER, hf_class="BartTokenizerFast"),  # same specials and ids
+    default_preset="bart-base",
+    quickstart=dict(output_dir="runs/bart-tiny-stdlib", config_name="bart-tiny", max_seq_length=128,
+                    per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
+                    max_steps=400),
+    check_lengths=check_lengths,
+    build_objective=build_objective,
+    forward_flops=forward_flops,
+    resume_keys=("max_seq_length", "mask_ratio", "mlm_probability", "poisson_lambda", "permute_sentence_ratio"),
+    check_hf_config=check_hf_config,
+    sequence_flags=("max_seq_length", "mlm_probability", "mask_ratio", "poisson_lambda", "permute_sentence_ratio"),
+)

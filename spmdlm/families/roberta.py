@@ -1,0 +1,108 @@
+"""The RoBERTa family: masked LM (80/10/10) on `<s> … </s>` blocks or lines, transformers' `RobertaForMaskedLM`."""
+
+from __future__ import annotations
+
+from spmdlm.config import ArgumentError
+from spmdlm.families.base import LINEAR, SAME, Family, Table, TokenizerSpec
+from spmdlm.flops import attention_matmuls, dense
+from spmdlm.models.config import ConfigError
+from spmdlm.models.roberta import RobertaConfig, RobertaForMaskedLM
+
+_LAYER, _OURS = "roberta.encoder.layer.{i}", "layer.layers"
+TABLE = Table(
+    rules=(
+        ("roberta.embeddings.word_embeddings.weight", "word_embeddings.embedding", SAME),
+        ("roberta.embeddings.position_embeddings.weight", "position_embeddings.embedding", SAME),
+        ("roberta.embeddings.token_type_embeddings.weight", "token_type_embeddings.embedding", SAME),
+        ("roberta.embeddings.LayerNorm.weight", "embeddings_layer_norm.scale", SAME),
+        ("roberta.embeddings.LayerNorm.bias", "embeddings_layer_norm.bias", SAME),
+        *((f"{_LAYER}.attention.self.{hf}.{w}", f"{_OURS}.self_attn.{ours}.{o}", LINEAR if w == "weight" else SAME)
+          for hf, ours in (("query", "query"), ("key", "key"), ("value", "value")) for w, o in (("weight", "kernel"),
+                                                                                               ("bias", "bias"))),
+        (f"{_LAYER}.attention.output.dense.weight", f"{_OURS}.self_attn.out.kernel", LINEAR),
+        (f"{_LAYER}.attention.output.dense.bias", f"{_OURS}.self_attn.out.bias", SAME),
+        (f"{_LAYER}.attention.output.LayerNorm.weight", f"{_OURS}.self_attn_layer_norm.scale", SAME),
+        (f"{_LAYER}.attention.output.LayerNorm.bias", f"{_OURS}.self_attn_layer_norm.bias", SAME),
+        (f"{_LAYER}.intermediate.dense.weight", f"{_OURS}.mlp.wi.kernel", LINEAR),
+        (f"{_LAYER}.intermediate.dense.bias", f"{_OURS}.mlp.wi.bias", SAME),
+        (f"{_LAYER}.output.dense.weight", f"{_OURS}.mlp.wo.kernel", LINEAR),
+        (f"{_LAYER}.output.dense.bias", f"{_OURS}.mlp.wo.bias", SAME),
+        (f"{_LAYER}.output.LayerNorm.weight", f"{_OURS}.final_layer_norm.scale", SAME),
+        (f"{_LAYER}.output.LayerNorm.bias", f"{_OURS}.final_layer_norm.bias", SAME),
+        ("lm_head.dense.weight", "lm_head_dense.kernel", LINEAR),
+        ("lm_head.dense.bias", "lm_head_dense.bias", SAME),
+        ("lm_head.layer_norm.weight", "lm_head_layer_norm.scale", SAME),
+        ("lm_head.layer_norm.bias", "lm_head_layer_norm.bias", SAME),
+        ("lm_head.bias", "lm_head_bias", SAME),
+    ),
+    layer_counts=lambda c: {"i": c.num_hidden_layers},
+    hf_prefix="roberta.",
+    # the decoder is tied to the word embeddings (its bias to lm_head.bias); buffers; RobertaModel's pooler
+    ignore=(r"^lm_head\.decoder\.(weight|bias)$", r"embeddings\.(position_ids|token_type_ids)$", r"pooler\."),
+)
+
+
+def check_hf_config(values: dict) -> None:
+    if values.get("position_embedding_type", "absolute") != "absolute":
+        raise ConfigError(f"RoBERTa position_embedding_type {values['position_embedding_type']!r} is not supported; "
+                          "only 'absolute' is")
+    if values.get("is_decoder") or values.get("add_cross_attention"):
+        raise ConfigError("RoBERTa as a decoder (is_decoder/add_cross_attention) is not supported")
+
+
+def max_seq_length(args, config) -> int:
+    # The HF script crashed on None; its default is the tokenizer's maximum, i.e. the positions minus the offset.
+    return args.max_seq_length or min(512, config.max_length)
+
+
+def check_lengths(args, config) -> None:
+    length = max_seq_length(args, config)
+    if length > config.max_length:
+        raise ArgumentError(f"--max_seq_length {length} is longer than the model's {config.max_length} positions "
+                            f"(max_position_embeddings {config.max_position_embeddings} minus RoBERTa's padding "
+                            "offset); lower --max_seq_length or use a config with more positions")
+    if length < 3:
+        raise ArgumentError(f"--max_seq_length {length} leaves no room between <s> and </s>; raise it")
+
+
+def build_objective(args, config, tokenizer):
+    from spmdlm.data.objectives.mlm import MaskedLM
+    from spmdlm.data.tokenizer import all_special_ids, special_token_ids
+
+    ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
+    return MaskedLM(max_seq_length(args, config), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"],
+                    mask_id=ids["mask"], special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
+                    vocab_size=tokenizer.get_vocab_size(), mlm_probability=args.mlm_probability or 0.15,
+                    line_by_line=args.line_by_line)
+
+
+def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = False) -> dict[str, float]:
+    """Forward matmul FLOPs of one example by part: bidirectional attention, the MLM head's dense and decoder."""
+    seq, d, ff = lengths["input"], config.hidden_size, config.intermediate_size
+    per_layer_dense = 4 * dense(d, d) + dense(d, ff) + dense(ff, d)
+    return {"dense": seq * config.num_hidden_layers * per_layer_dense,
+            "attention": seq * config.num_hidden_layers * attention_matmuls(seq, d),
+            "lm_head": seq * (dense(d, d) + dense(d, config.vocab_size))}
+
+
+_SPECIALS = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}  # ids 0-4
+TOKENIZER = TokenizerSpec(kind="bpe", specials=_SPECIALS, trained_order=tuple(_SPECIALS.values()),
+                          hf_class="RobertaTokenizerFast", frames_with_bos=True)
+FAMILY = Family(
+    name="roberta",
+    config_class=RobertaConfig,
+    model_class=RobertaForMaskedLM,
+    hf_auto_class="AutoModelForMaskedLM",
+    table=TABLE,
+    tokenizer=TOKENIZER,
+    default_preset="roberta-base",
+    quickstart=dict(output_dir="runs/roberta-tiny-stdlib", config_name="roberta-tiny", max_seq_length=128,
+                    per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
+                    max_steps=400),
+    check_lengths=check_lengths,
+    build_objective=build_objective,
+    forward_flops=forward_flops,
+    resume_keys=("max_seq_length", "mlm_probability", "line_by_line"),
+    check_hf_config=check_hf_config,
+    sequence_flags=("max_seq_length", "mlm_probability", "line_by_line", "pad_to_max_length"),
+)

@@ -1,0 +1,146 @@
+"""BART: a post-LayerNorm encoder-decoder with learned positions, trained as a denoising autoencoder.
+
+Mirrors transformers' `BartForConditionalGeneration`; `spmdlm/families/bart.py` holds the rename table. Each stack
+(encoder, decoder) has its own learned position table and a LayerNorm right after the embeddings
+(`layernorm_embedding`); positions are plain 0..T-1 read at rows offset by 2 (a fairseq legacy: the table has
+max_position_embeddings + 2 rows and is not padding-aware, unlike RoBERTa's). Token embeddings are shared by both
+stacks and the LM head (tied), times sqrt(d_model) when scale_embedding. The head adds `final_logits_bias`, which HF
+keeps as a (1, vocab) buffer. Layers are stacked and scanned (`encoder.layers.layers`, `decoder.layers.layers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmdlm.mesh import constrain
+from spmdlm.models.config import HFConfig
+from spmdlm.models.layers import (ACTIVATIONS, Bias, Embed, LayerNorm, LayerStack, PostNormBlock, dropout,
+                                  make_attention_mask, make_param)
+
+POSITION_OFFSET = 2  # position t reads row t + 2 of the table
+LAYER_NORM_EPS = 1e-5  # torch nn.LayerNorm's default, which BART uses everywhere
+
+
+@dataclasses.dataclass(frozen=True)
+class BartConfig(HFConfig):
+    model_type: ClassVar[str] = "bart"
+    architecture: ClassVar[str] = "BartForConditionalGeneration"
+    is_encoder_decoder: ClassVar[bool] = True
+
+    vocab_size: int = 50265
+    d_model: int = 1024
+    encoder_layers: int = 12
+    decoder_layers: int = 12
+    encoder_attention_heads: int = 16
+    decoder_attention_heads: int = 16
+    encoder_ffn_dim: int = 4096
+    decoder_ffn_dim: int = 4096
+    activation_function: str = "gelu"  # exact (erf) GELU, as torch's
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    max_position_embeddings: int = 1024
+    init_std: float = 0.02
+    scale_embedding: bool = False
+    pad_token_id: int = 1
+    bos_token_id: int = 0
+    eos_token_id: int = 2
+    decoder_start_token_id: int = 2
+    forced_eos_token_id: int | None = 2
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        for stack in ("encoder", "decoder"):
+            heads = getattr(self, f"{stack}_attention_heads")
+            if self.d_model % heads:
+                raise ValueError(f"d_model {self.d_model} is not divisible by {stack}_attention_heads {heads}")
+        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(f"activation_function {self.activation_function!r} is not supported; use one of "
+                             f"{', '.join(ACTIVATIONS)}")
+        if not self.tie_word_embeddings:
+            raise ValueError("BART with an LM head untied from the shared embeddings is not supported; set "
+                             "tie_word_embeddings to true")
+        if self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings {self.max_position_embeddings} must be at least 1")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {**super().to_hf_dict(), "is_encoder_decoder": True}
+
+    @property
+    def max_length(self) -> int:
+        """Longest sequence either stack can read (the offset rows are extra)."""
+        return self.max_position_embeddings
+
+
+class BartStack(nnx.Module):
+    """The encoder (bidirectional) or the decoder (causal, with cross-attention): positions, layernorm_embedding,
+    then post-LN layers. It takes the (scaled) token embeddings: the table is shared, so it lives in the model."""
+
+    def __init__(self, config: BartConfig, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: bool,
+                 scan_unroll: int | bool = 1):
+        self.config = config
+        d, std = config.d_model, config.init_std
+        stack = "decoder" if is_decoder else "encoder"
+        self.embed_positions = Embed(config.max_position_embeddings + POSITION_OFFSET, d, init_std=std, dtype=dtype,
+                                     axes=("positions", "embed"), rngs=rngs)
+        self.layernorm_embedding = LayerNorm(d, eps=LAYER_NORM_EPS, rngs=rngs)
+        self.layers = LayerStack(
+            lambda r: PostNormBlock(d, getattr(config, f"{stack}_attention_heads"), getattr(config, f"{stack}_ffn_dim"),
+                                    activation=config.activation_function, eps=LAYER_NORM_EPS,
+                                    dropout_rate=config.dropout, attention_dropout=config.attention_dropout,
+                                    activation_dropout=config.activation_dropout, cross_attention=is_decoder,
+                                    init_std=std, dtype=dtype, rngs=r),
+            getattr(config, f"{stack}_layers"), rngs=rngs, remat=remat, unroll=scan_unroll)
+
+    def __call__(self, embedded, mask, context=None, context_mask=None, *, rngs=None):
+        length = embedded.shape[1]
+        if length > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {length} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        x = embedded + self.embed_positions(jnp.arange(length) + POSITION_OFFSET)[None]
+        x = self.layernorm_embedding(constrain(x, "batch", "length", "act_embed"))
+        x = dropout(x, self.config.dropout, rngs)
+        return self.layers(x, mask, context, context_mask, rngs=rngs)
+
+
+class BartForConditionalGeneration(nnx.Module):
+    """`model(input_ids, decoder_input_ids, attention_mask=None, decoder_attention_mask=None, rngs=None)`
+    -> logits [B, T_dec, V]; dropout only when rngs are given. Masks are 1 for real tokens, 0 for padding."""
+
+    config_class = BartConfig
+
+    def __init__(self, config: BartConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False,
+                 scan_unroll: int | bool = 1):
+        self.config = config
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.shared = Embed(config.vocab_size, config.d_model, init_std=config.init_std, dtype=dtype, rngs=rngs)
+        stack = lambda is_decoder: BartStack(config, is_decoder=is_decoder, dtype=dtype, rngs=rngs, remat=remat,
+                                             scan_unroll=scan_unroll)
+        self.encoder, self.decoder = stack(False), stack(True)
+        self.final_logits_bias = make_param(nnx.initializers.zeros, rngs.params(), (config.vocab_size,), ("vocab",),
+                                            kind=Bias)
+
+    def embed(self, ids: jax.Array) -> jax.Array:
+        return self.shared(ids) * self.embed_scale
+
+    def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+               rngs: nnx.Rngs | None = None) -> jax.Array:
+        return self.encoder(self.embed(input_ids), make_attention_mask(attention_mask), rngs=rngs)
+
+    def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
+               decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+        mask = make_attention_mask(decoder_attention_mask, causal_length=decoder_input_ids.shape[1])
+        x = self.decoder(self.embed(decoder_input_ids), mask, encoded, make_attention_mask(attention_mask), rngs=rngs)
+        logits = self.shared.attend(x) + self.final_logits_bias[...]  # tied head: the unscaled shared table
+        return constrain(logits, "batch", "length", "act_vocab")
+
+    def __call__(self, input_ids: jax.Array, decoder_input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                 decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+        encoded = self.encode(input_ids, attention_mask, rngs=rngs)
+        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask, rngs=rngs)

@@ -1,0 +1,241 @@
+"""One suite over every registered model family (fixtures in family_fixtures.py): transformers parity both ways,
+lossless round trips, golden shardings, every preset's shapes, equal losses on three meshes, exact resume, and
+short bf16 / remat / dry runs through the launcher."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file
+
+from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
+from family_fixtures import FIXTURES, STDLIB_JSON
+from spmdlm import checkpoint, export
+from spmdlm.families import FAMILIES, load_config
+from spmdlm.launch import main
+from spmdlm.mesh import make_mesh
+from spmdlm.models.config import preset_names
+
+GOLDEN = Path(__file__).parent / "golden"
+SHARDED = "data=2,fsdp=2,tensor=2"
+
+
+def test_every_family_has_fixtures():
+    assert set(FIXTURES) == set(FAMILIES)
+
+
+CASES = [(family, name) for family in FIXTURES for name in FIXTURES[family].configs]
+
+
+def random_hf_model(family: str, name: str, tmp_path: Path) -> Path:
+    """A random transformers model with every parameter perturbed (so a swapped or dropped tensor shows)."""
+    fixture = FIXTURES[family]
+    torch.manual_seed(CASES.index((family, name)))
+    model = fixture.hf_model_class(fixture.hf_config_class(**fixture.configs[name])).eval()
+    fixture.prepare_hf(model)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            param.add_(0.05 * torch.randn_like(param))
+            if "norm" in param_name.lower() and param_name.endswith("weight"):
+                param.uniform_(0.5, 1.5)
+    path = tmp_path / f"{family}-{name}"
+    model.save_pretrained(path)
+    return path
+
+
+def torch_logits(family: str, path: Path, batch: dict) -> np.ndarray:
+    model = FIXTURES[family].hf_model_class.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
+
+
+def our_logits(model, batch: dict) -> np.ndarray:
+    return np.asarray(model(**{k: jnp.asarray(v) for k, v in batch.items()}))
+
+
+def assert_close_where_read(ours, theirs, batch, family):
+    valid = batch[FIXTURES[family].output_mask].astype(bool)
+    np.testing.assert_allclose(ours[valid], theirs[valid], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family,name", CASES)
+def test_logits_match_transformers_both_ways(family, name, tmp_path):
+    source = random_hf_model(family, name, tmp_path)
+    batch = FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(0))
+    reference = torch_logits(family, source, batch)
+
+    model, config = export.load_hf(source)  # transformers -> ours
+    assert_close_where_read(our_logits(model, batch), reference, batch, family)
+
+    out = export.save_hf(model, config, tmp_path / "ours")  # ours -> transformers
+    reloaded, info = FIXTURES[family].hf_model_class.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    written, original = load_file(out / "model.safetensors"), load_file(source / "model.safetensors")
+    for key, value in written.items():  # bitwise; tied copies are not written
+        np.testing.assert_array_equal(value, original[key], err_msg=key)
+    assert_close_where_read(torch_logits(family, out, batch), reference, batch, family)
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_logits_match_on_a_sharded_mesh(family, tmp_path):
+    name = next(iter(FIXTURES[family].configs))
+    source = random_hf_model(family, name, tmp_path)
+    batch = FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(1))
+    with jax.set_mesh(make_mesh(SHARDED)):
+        model, _ = export.load_hf(source)
+        specs = [str(v[...].sharding.spec) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
+        assert any("fsdp" in s for s in specs) and any("tensor" in s for s in specs)
+        ours = np.asarray(jax.jit(lambda m, b: m(**b))(model, {k: jnp.asarray(v) for k, v in batch.items()}))
+    assert_close_where_read(ours, torch_logits(family, source, batch), batch, family)
+
+
+def partition_specs(family: str, mesh_spec: str) -> tuple[dict[str, str], dict[str, int]]:
+    config = load_config(tiny_preset(family))
+    with jax.set_mesh(make_mesh(mesh_spec)):
+        state = jax.jit(lambda: nnx.state(FAMILIES[family].make_model(config, rngs=nnx.Rngs(0)), nnx.Param))()
+    specs, sizes = {}, {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        parts = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path[:-1]]  # [-1]: .value
+        name = ".".join(str(p) for p in parts)
+        specs[name], sizes[name] = str(leaf.sharding.spec), leaf.size
+    return specs, sizes
+
+
+def tiny_preset(family: str) -> str:
+    return next(name for name in preset_names(family) if name.endswith("tiny"))
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_partition_specs_match_golden(family):
+    """Regenerate after a deliberate change: python tests/test_families.py"""
+    specs, sizes = partition_specs(family, SHARDED)
+    assert specs == json.loads((GOLDEN / f"{family}_partition_specs.json").read_text())
+    unsharded = sum(sizes[n] for n, s in specs.items() if "fsdp" not in s)
+    assert unsharded / sum(sizes.values()) < 0.02  # only vectors (biases, norms) stay whole
+    assert all(s == "P()" or s.startswith("P(None") for n, s in specs.items() if ".layers." in n)  # never sharded
+
+
+@pytest.mark.parametrize("family,preset", [(f, p) for f in FIXTURES for p in preset_names(f)])
+def test_every_preset_builds_abstractly(family, preset):
+    config = load_config(preset)
+    model = nnx.eval_shape(lambda: FAMILIES[family].make_model(config, rngs=nnx.Rngs(0)))
+    params = nnx.state(model, nnx.Param)
+    count = sum(x.size for x in jax.tree.leaves(params))
+    stacked = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)
+               and v.get_metadata()["logical_axes"][0] == "layers"]
+    assert count > 0 and stacked, preset
+    assert "base" not in preset or count > 50e6  # the base presets are the real sizes
+
+
+# -- short runs through the launcher -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_configs(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("family-configs")
+    paths = {}
+    for family, fixture in FIXTURES.items():
+        paths[family] = folder / f"{family}.json"
+        paths[family].write_text(json.dumps(fixture.tiny_config))
+    return paths
+
+
+def launch(family: str, out: Path, config: Path, cache_dir: Path, *extra: str) -> int:
+    return main([
+        "--model_type", family, "--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", str(out),
+        "--cache_dir", str(cache_dir), "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
+        "--warmup_steps", "2", "--logging_steps", "1", "--save_steps", "100", "--max_eval_samples", "16",
+        "--export_hf", "false", "--seed", "7", *FIXTURES[family].run_flags, *extra,
+    ])
+
+
+def train_losses(out: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(out) if "loss" in m]
+
+
+def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4) -> list[float]:
+    """Losses of `steps` train steps of the real Stepper on a fixed global batch of 16 examples of the family's
+    objective (tokenizer trained on a small text), on the given mesh."""
+    from conftest import FIXTURES as DATA
+    from spmdlm.config import parse_args
+    from spmdlm.data.pipeline import batch_spec, to_global
+    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.train.optim import OptimConfig, make_optimizer
+    from spmdlm.train.step import Stepper, create_train_state
+
+    args, _ = parse_args(["--train_file", "x", *FIXTURES[family].run_flags])
+    config = load_config(str(config_path))
+    tok = train_tokenizer(family, (DATA / "overfit.txt").read_text().splitlines(), config.vocab_size)
+    objective = FAMILIES[family].build_objective(args, config, tok)
+    rng = np.random.default_rng(0)
+    records = rng.integers(5, tok.get_vocab_size() - 100, (16, objective.record_length)).astype(np.int32)
+    examples = [objective(r, np.random.default_rng(i)) for i, r in enumerate(records)]
+    batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+    mesh = make_mesh(mesh_spec)
+    optim = OptimConfig(learning_rate=args.learning_rate, adafactor=args.adafactor, warmup_steps=1)
+
+    def build():
+        model = FAMILIES[family].make_model(config, rngs=nnx.Rngs(params=0))
+        return model, nnx.Optimizer(model, make_optimizer(optim, model, steps), wrt=nnx.Param)
+
+    graphdef, state = create_train_state(build, mesh)
+    stepper = Stepper(graphdef, state, mesh)
+    stepper.compile_train(state, batch_spec(objective, 16))
+    losses = []
+    for step in range(steps):
+        state, metrics = stepper.train_step(state, to_global(batch, mesh), step)
+        losses.append(float(metrics["loss_sum"] / metrics["tokens"]))
+    return losses
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_same_losses_on_three_meshes(family, tiny_configs):
+    losses = {mesh: np.array(train_on_mesh(family, mesh, tiny_configs[family]))
+              for mesh in ("data=8", "data=2,fsdp=4", SHARDED)}
+    reference = losses["data=8"]
+    assert np.isfinite(reference).all() and reference[-1] < reference[0]
+    for mesh, values in losses.items():
+        assert np.max(np.abs(values - reference) / reference) < 1e-4, (mesh, values, reference)
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, monkeypatch):
+    args = ("--mesh", "data=2,fsdp=4", "--max_steps", "6", "--save_steps", "3", "--do_train")
+    whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
+    assert launch(family, whole, tiny_configs[family], cache_dir, *args) == 0
+    run_killed_after_first_checkpoint(
+        monkeypatch, lambda: launch(family, interrupted, tiny_configs[family], cache_dir, *args))
+    assert checkpoint.make_manager(interrupted, read_only=True).all_steps() == [3]
+    assert launch(family, interrupted, tiny_configs[family], cache_dir, *args) == 0  # the same command resumes
+    assert train_losses(interrupted) == train_losses(whole)  # bitwise on CPU
+    restored = [final_params(out) for out in (whole, interrupted)]
+    assert restored[0].keys() == restored[1].keys()
+    for name in restored[0]:
+        np.testing.assert_array_equal(restored[0][name], restored[1][name], err_msg=name)
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_bfloat16_remat_and_dry_run(family, tmp_path, tiny_configs, cache_dir, capsys):
+    out = tmp_path / "bf16"
+    assert launch(family, out, tiny_configs[family], cache_dir, "--mesh", SHARDED, "--max_steps", "2",
+                  "--dtype", "bfloat16", "--gradient_checkpointing") == 0
+    assert np.isfinite(train_losses(out)).all()
+    assert np.isfinite(json.loads((out / "eval_results.json").read_text())["eval_loss"])
+    dry = tmp_path / "dry"
+    assert launch(family, dry, tiny_configs[family], cache_dir, "--mesh", "data=8", "--max_steps", "2",
+                  "--dry_run") == 0
+    assert not (dry / "checkpoints").exists()
+    compiled = [m for m in read_metrics(dry) if "compile_seconds" in m]
+    assert compiled and compiled[0]["temp_bytes"] > 0
+
+
+if __name__ == "__main__":  # regenerate the golden files: python tests/test_families.py
+    import os
+
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    for name in FIXTURES:
+        (GOLDEN / f"{name}_partition_specs.json").write_text(
+            json.dumps(partition_specs(name, SHARDED)[0], indent=1, sort_keys=True) + "\n")
