@@ -1,6 +1,6 @@
 """One suite over every registered model family (fixtures in family_fixtures.py): transformers parity both ways,
-lossless round trips, golden shardings, every preset's shapes, equal losses on three meshes, exact resume, and
-short bf16 / remat / dry runs through the launcher."""
+lossless round trips, golden shardings, every preset's shapes, equal losses on three meshes, exact resume, and a
+short bf16 + remat run through the launcher (--dry_run: test_train.py)."""
 
 import json
 from pathlib import Path
@@ -218,17 +218,13 @@ def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, mon
 
 
 @pytest.mark.parametrize("family", FIXTURES)
-def test_bfloat16_remat_and_dry_run(family, tmp_path, tiny_configs, cache_dir, capsys):
+def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
     out = tmp_path / "bf16"
-    assert launch(family, out, tiny_configs[family], cache_dir, "--mesh", SHARDED, "--max_steps", "2",
+    assert launch(family, out, tiny_configs[family], cache_dir, "--mesh", SHARDED, "--max_steps", "2", "--do_train",
                   "--dtype", "bfloat16", "--gradient_checkpointing") == 0
-    assert np.isfinite(train_losses(out)).all()
-    assert np.isfinite(json.loads((out / "eval_results.json").read_text())["eval_loss"])
-    dry = tmp_path / "dry"
-    assert launch(family, dry, tiny_configs[family], cache_dir, "--mesh", "data=8", "--max_steps", "2",
-                  "--dry_run") == 0
-    assert not (dry / "checkpoints").exists()
-    compiled = [m for m in read_metrics(dry) if "compile_seconds" in m]
+    losses = train_losses(out)
+    assert len(losses) == 2 and np.isfinite(losses).all()
+    compiled = [m for m in read_metrics(out) if m.get("event") == "compile"]
     assert compiled and compiled[0]["temp_bytes"] > 0
 
 

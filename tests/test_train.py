@@ -82,3 +82,11 @@ def test_resume_onto_another_mesh_and_evaluate_only(tmp_path, tiny_gpt2_config, 
     final = json.loads((whole / "eval_results.json").read_text())["eval_loss"]
     assert launch(whole, tiny_gpt2_config, cache_dir, "--mesh", "fsdp=8", *args, "--do_eval") == 0
     assert json.loads((whole / "eval_results.json").read_text())["eval_loss"] == pytest.approx(final, rel=1e-5)
+
+
+def test_dry_run_compiles_and_stops(tmp_path, tiny_gpt2_config, cache_dir):
+    out = tmp_path / "dry"
+    assert launch(out, tiny_gpt2_config, cache_dir, "--mesh", "data=8", "--max_steps", "5", "--dry_run") == 0
+    compiled = [m for m in read_metrics(out) if m.get("event") == "compile"]
+    assert compiled and compiled[0]["compile_seconds"] > 0 and compiled[0]["temp_bytes"] > 0
+    assert not (out / "checkpoints").exists() and not [m for m in read_metrics(out) if "loss" in m]

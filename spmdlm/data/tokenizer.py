@@ -219,14 +219,13 @@ def _hf_class(tok: Tokenizer, spec: TokenizerSpec) -> str:
 def special_token_ids(tok: Tokenizer, family) -> dict[str, int | None]:
     """Ids of bos/eos/unk/pad/mask for a family (None where that model has no such token)."""
     spec = tokenizer_spec(family)
-    ids: dict[str, int | None] = {}
-    for role, token in spec.specials.items():
-        ids[role] = None if token is None else tok.token_to_id(token)
-        if token is not None and ids[role] is None:
-            raise TokenizerError(
-                f"the tokenizer has no {role} token {token!r}, which this model needs: pass --tokenizer_name "
-                f"with a tokenizer that has it, or let spmdlm train one"
-            )
+    ids = {role: None if token is None else tok.token_to_id(token) for role, token in spec.specials.items()}
+    missing = [f"{role} token {token!r}" for role, token in spec.specials.items() if token and ids[role] is None]
+    if missing:
+        raise TokenizerError(
+            f"the tokenizer has no {', '.join(missing)}, which this model needs: pass --tokenizer_name with a "
+            "tokenizer that has them, or let spmdlm train one"
+        )
     return ids
 
 
