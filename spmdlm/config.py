@@ -81,6 +81,8 @@ class RunArgs:
     warmup_steps: int = _field(0, "linear warmup steps")
     lr_scheduler_type: str = _field("linear", "linear | cosine | constant")
     gradient_checkpointing: bool = _field(False, "recompute each block in the backward pass (remat)")
+    scan_unroll: int = _field(1, "layers per iteration of the layer scan (jax.lax.scan's unroll); 0 = fully "
+                              "unrolled: slower to compile, faster steps for T5 on CPU (benchmarks/README.md)")
     z_loss: float = _field(0.0, "T5X z-loss coefficient (log-partition regulariser) for bf16 stability")
     # -- mesh and hosts ------------------------------------------------------------------------------------------
     mesh: str = _field("data=-1", "device mesh, e.g. data=8 or data=2,fsdp=2,tensor=2; one axis may be -1")
@@ -214,6 +216,8 @@ def validate(args: RunArgs) -> RunArgs:
         args = args.replace(eval_steps=args.logging_steps)
     elif args.eval_steps < 1:
         raise ArgumentError(f"--eval_steps must be at least 1, got {args.eval_steps}")
+    if args.scan_unroll < 0:
+        raise ArgumentError(f"--scan_unroll must be 0 (fully unrolled) or a positive number, got {args.scan_unroll}")
     for name in ("block_size", "max_seq_length", "max_train_samples", "max_eval_samples", "save_total_limit",
                  "vocab_size", "global_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:

@@ -94,6 +94,19 @@ def test_logits_match_on_a_sharded_mesh(family, tmp_path):
     assert_close_where_read(ours, torch_logits(family, source, batch), batch, family)
 
 
+@pytest.mark.parametrize("family", FIXTURES)
+def test_unrolled_layers_compute_the_same(family):
+    """--scan_unroll 0 unrolls the layer scan over the same stacked parameters: same logits."""
+    name = next(iter(FIXTURES[family].configs))
+    hf_config = FIXTURES[family].hf_config_class(**FIXTURES[family].configs[name])
+    config = FAMILIES[family].config_class.from_dict(hf_config.to_dict())
+    batch = {k: jnp.asarray(v) for k, v in
+             FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(2)).items()}
+    logits = [np.asarray(FAMILIES[family].make_model(config, rngs=nnx.Rngs(0), scan_unroll=unroll)(**batch))
+              for unroll in (1, True)]
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-5, rtol=0)
+
+
 def partition_specs(family: str, mesh_spec: str) -> tuple[dict[str, str], dict[str, int]]:
     config = load_config(tiny_preset(family))
     with jax.set_mesh(make_mesh(mesh_spec)):

@@ -65,7 +65,8 @@ class Reporter:
             return
         mb = lambda k: stats.get(k, 0) / 2**20
         log.info("train step compiled in %.1fs | per device: arguments %.1f MiB, outputs %.1f MiB, temporaries "
-                 "%.1f MiB | XLA FLOPs/device %s", stats.get("compile_seconds", 0.0), mb("argument_bytes"),
+                 "%.1f MiB | XLA FLOPs/device %s (a scanned layer counted once)", stats.get("compile_seconds", 0.0),
+                 mb("argument_bytes"),
                  mb("output_bytes"), mb("temp_bytes"), f"{stats['xla_flops_per_device']:.3g}"
                  if stats.get("xla_flops_per_device") else "n/a")
         self._write({"step": 0, "event": "compile", **stats})
