@@ -23,6 +23,7 @@ def test_default_run_end_to_end(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert "simulating 8 CPU devices" in first.stdout
     assert "embedded corpus" in first.stdout and "summary: train loss" in first.stdout
+    assert "model gpt2 (config gpt2-tiny)" in first.stdout
     results = json.loads((out / "eval_results.json").read_text())
     assert results["eval_loss"] < 7.0  # from ln(4096) = 8.3 at initialisation
     for name in ("loss_curve.png", "metrics.jsonl", "tensorboard", "checkpoints", "hf/model.safetensors",

@@ -1,5 +1,6 @@
 """Bad input: one clear line on stderr, exit code 2, and nothing in the output dir touched."""
 
+import json
 import os
 import subprocess
 import sys
@@ -88,6 +89,16 @@ def test_resuming_with_other_settings_is_refused(capsys, tmp_path, tiny_gpt2_con
     assert main([*common, "--vocab_size", "1024"]) == 2
     assert "other settings (model config)" in capsys.readouterr().err
     assert sorted(p.name for p in out.rglob("*")) == before
+    # a checkpoint of spmdlm 0.1 (per-layer parameters; its run_config has no checkpoint_format): one line
+    saved = json.loads((out / "run_config.json").read_text())
+    (out / "run_config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "checkpoint_format"}))
+    assert main(common) == 2
+    assert "format 1 (spmdlm 0.1" in capsys.readouterr().err
+    from spmdlm.export import main as export_main
+
+    assert export_main(["--checkpoint", str(out), "--out", str(tmp_path / "export")]) == 2
+    assert "format 1 (spmdlm 0.1" in capsys.readouterr().err and not (tmp_path / "export").exists()
+    (out / "run_config.json").write_text(json.dumps(saved))
     (out / "run_config.json").rename(tmp_path / "moved.json")  # checkpoints that cannot be checked: never deleted
     assert main(common) == 2
     assert "holds checkpoints but no run_config.json" in capsys.readouterr().err

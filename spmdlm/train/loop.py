@@ -70,6 +70,7 @@ class RunContext:
     global_batch: int
     run_start: float
     previous: dict  # the run_config.json found in the output dir ({} if none)
+    config_source: str  # the preset, file or directory the model config came from
     resuming: bool = False
     tokenizer: Any = None
     trained_tokenizer: bool = False
@@ -91,6 +92,7 @@ def resolve(args: RunArgs, run_start: float) -> RunContext:
         from spmdlm.export import read_hf_config
 
         config = read_hf_config(args.model_name_or_path)
+        config_name = args.model_name_or_path
     else:
         model_type = args.model_type or "gpt2"
         default = FAMILIES[model_type].default_preset if model_type in FAMILIES else model_type
@@ -102,7 +104,7 @@ def resolve(args: RunArgs, run_start: float) -> RunContext:
     family.check_lengths(args, config)
     previous_path = out / "run_config.json"
     previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
-    return RunContext(args, mesh, out, family, config, global_batch, run_start, previous)
+    return RunContext(args, mesh, out, family, config, global_batch, run_start, previous, config_name)
 
 
 def global_batch_size(args: RunArgs, mesh) -> int:
@@ -324,10 +326,10 @@ def run(args: RunArgs) -> dict[str, Any]:
         (ctx.out / "run_config.json").write_text(json.dumps(run_config, indent=2))
     n_params = count_parameters(graphdef, state)
     mesh = ctx.mesh
-    log.info("model %s: %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices x %d "
-             "accumulation) | %d steps", ctx.family.name, n_params / 1e6, dict(mesh.shape), ctx.global_batch,
-             ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps), batch_axis_size(mesh),
-             args.gradient_accumulation_steps, ctx.total_steps)
+    log.info("model %s (config %s): %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices "
+             "x %d accumulation) | %d steps", ctx.family.name, ctx.config_source, n_params / 1e6, dict(mesh.shape),
+             ctx.global_batch, ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
+             batch_axis_size(mesh), args.gradient_accumulation_steps, ctx.total_steps)
     reporter = Reporter(ctx.out, enabled=is_main(), config=ctx.config, objective=ctx.objective,
                         global_batch=ctx.global_batch, mesh=mesh, dtype=args.dtype, run_start=ctx.run_start)
     results: dict[str, Any] = {"total_steps": ctx.total_steps, "parameters": n_params}
