@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from spmdlm.config import ArgumentError
-from spmdlm.families.base import LINEAR, ROW, SAME, Family, Table
+from spmdlm.families.base import LINEAR, ROW, SAME, Family, Table, check_framed_length
 from spmdlm.families.roberta import TOKENIZER as ROBERTA_TOKENIZER
 from spmdlm.flops import attention_matmuls, dense
 from spmdlm.models.bart import BartConfig, BartForConditionalGeneration
@@ -80,13 +80,8 @@ def mask_ratio(args) -> float:
 
 
 def check_lengths(args, config) -> None:
-    length = max_seq_length(args, config)
-    if length > config.max_position_embeddings:
-        raise ArgumentError(f"--max_seq_length {length} is longer than the model's max_position_embeddings "
-                            f"{config.max_position_embeddings}; lower --max_seq_length or use a config with more "
-                            "positions")
-    if length < 3:
-        raise ArgumentError(f"--max_seq_length {length} leaves no room between <s> and </s>; raise it")
+    check_framed_length(max_seq_length(args, config), config.max_position_embeddings,
+                        f"max_position_embeddings {config.max_position_embeddings}")
     mask_ratio(args)
 
 

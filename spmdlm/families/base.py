@@ -73,6 +73,17 @@ class TokenizerSpec:
     frames_with_bos: bool = False  # RoBERTa/BART: every text is <s> ... </s>
 
 
+def check_framed_length(length: int, limit: int, positions: str) -> None:
+    """--max_seq_length of an encoder that frames its input as <s> ... </s>, against the positions it has."""
+    from spmdlm.config import ArgumentError
+
+    if length > limit:
+        raise ArgumentError(f"--max_seq_length {length} is longer than the model's {positions}; lower "
+                            "--max_seq_length or use a config with more positions")
+    if length < 3:
+        raise ArgumentError(f"--max_seq_length {length} leaves no room between <s> and </s>; raise it")
+
+
 # -- the family ----------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Family:

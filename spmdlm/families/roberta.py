@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from spmdlm.config import ArgumentError
-from spmdlm.families.base import LINEAR, SAME, Family, Table, TokenizerSpec
+from spmdlm.families.base import LINEAR, SAME, Family, Table, TokenizerSpec, check_framed_length
 from spmdlm.flops import attention_matmuls, dense
 from spmdlm.models.config import ConfigError
 from spmdlm.models.roberta import RobertaConfig, RobertaForMaskedLM
@@ -56,13 +55,9 @@ def max_seq_length(args, config) -> int:
 
 
 def check_lengths(args, config) -> None:
-    length = max_seq_length(args, config)
-    if length > config.max_length:
-        raise ArgumentError(f"--max_seq_length {length} is longer than the model's {config.max_length} positions "
-                            f"(max_position_embeddings {config.max_position_embeddings} minus RoBERTa's padding "
-                            "offset); lower --max_seq_length or use a config with more positions")
-    if length < 3:
-        raise ArgumentError(f"--max_seq_length {length} leaves no room between <s> and </s>; raise it")
+    check_framed_length(max_seq_length(args, config), config.max_length,
+                        f"{config.max_length} positions (max_position_embeddings {config.max_position_embeddings} "
+                        "minus RoBERTa's padding offset)")
 
 
 def build_objective(args, config, tokenizer):
