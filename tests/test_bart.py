@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from conftest import FIXTURES, read_metrics
+from conftest import read_metrics
 from spmdlm.data import sources
 from spmdlm.data.objectives.denoising import SENTENCE_END
 from spmdlm.data.tokenizer import train_tokenizer
@@ -16,22 +16,39 @@ TINY = {"model_type": "bart", "vocab_size": 512, "d_model": 64, "encoder_layers"
         "max_position_embeddings": 64, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0}
 
 
-def test_bart_trains_and_its_export_generates(tmp_path, cache_dir):
-    config = tmp_path / "bart-micro.json"
+WORDS = ("apple river stone cloud green quick silent bridge north keeper paper window garden yellow seven little "
+         "table market winter summer horse engine signal copper bright rain forest letter basket sail harbour island "
+         "morning evening candle mirror silver thunder valley meadow orange purple castle tower shadow ladder pocket "
+         "button rabbit kettle needle pillow saddle tunnel violin wagon").split()
+TARGET = "The keeper lit the lamp."
+
+
+def denoising_corpus(path) -> None:
+    """20,000 lines of random words (nothing to memorise: the model must learn to copy its input) and, every fifth
+    line, one fixed sentence (something to know when a word of it is masked)."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(20_000):
+        lines.append(" ".join(rng.choice(WORDS, rng.integers(3, 7))).capitalize() + ".")
+        if i % 5 == 0:
+            lines.append(TARGET)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_export_reconstructs_a_masked_sentence(tmp_path, cache_dir):
+    config, corpus, out = tmp_path / "bart-micro.json", tmp_path / "corpus.txt", tmp_path / "bart"
     config.write_text(json.dumps(TINY))
-    out = tmp_path / "bart"
-    assert main(["--config_name", str(config), "--train_file", str(FIXTURES / "overfit.txt"),  # no --model_type
-                 "--output_dir", str(out), "--cache_dir", str(cache_dir), "--max_seq_length", "48",
-                 "--mesh", "data=2,fsdp=4", "--per_device_train_batch_size", "1", "--validation_file",
-                 str(FIXTURES / "overfit.txt"), "--max_steps", "100", "--learning_rate", "3e-3", "--warmup_steps",
-                 "10", "--lr_scheduler_type", "constant", "--logging_steps", "25", "--eval_steps", "50",
-                 "--save_steps", "1000", "--seed", "2"]) == 0
-    metrics = read_metrics(out)
-    losses = [m["loss"] for m in metrics if "loss" in m]
-    evals = [m for m in metrics if "eval_loss" in m]
-    print("bart train loss", [round(x, 3) for x in losses], "eval", [round(m["eval_loss"], 3) for m in evals])
-    assert losses[-1] < 0.5 * losses[0] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-    assert json.loads((out / "run_config.json").read_text())["model_config"]["model_type"] == "bart"
+    denoising_corpus(corpus)
+    assert main(["--config_name", str(config), "--train_file", str(corpus),  # no --model_type: the config says bart
+                 "--output_dir", str(out), "--cache_dir", str(cache_dir), "--max_seq_length", "16",
+                 "--mesh", "data=8", "--per_device_train_batch_size", "4", "--max_steps", "1200",
+                 "--learning_rate", "2e-3", "--warmup_steps", "50", "--lr_scheduler_type", "constant",
+                 "--logging_steps", "200", "--eval_steps", "400", "--max_eval_samples", "256", "--save_steps",
+                 "5000", "--seed", "2"]) == 0
+    evals = [m for m in read_metrics(out) if "eval_loss" in m]
+    print("bart eval loss", [round(m["eval_loss"], 3) for m in evals], "accuracy",
+          [round(m["eval_accuracy"], 3) for m in evals])
+    assert evals[-1]["eval_accuracy"] > 0.6  # copying through cross-attention: random words cannot be predicted
 
     import torch
     import transformers
@@ -40,10 +57,13 @@ def test_bart_trains_and_its_export_generates(tmp_path, cache_dir):
     assert isinstance(tokenizer, transformers.BartTokenizerFast) and tokenizer.mask_token_id == 4
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(out / "hf").eval()
     assert model.generation_config.decoder_start_token_id == 2 and model.generation_config.forced_eos_token_id == 2
-    inputs = tokenizer("The sea was grey, the wind came from the<mask>.", return_tensors="pt")
-    with torch.no_grad():
-        generated = model.generate(**inputs, max_new_tokens=20, num_beams=2, do_sample=False)
-    assert generated.shape[1] > 2 and generated[0, 0] == 2  # starts from decoder_start_token_id
+    for masked in ("The keeper lit the<mask>.", "The<mask> lit the lamp."):
+        with torch.no_grad():
+            generated = model.generate(**tokenizer(masked, return_tensors="pt"), max_new_tokens=20, num_beams=1,
+                                       do_sample=False)
+        text = tokenizer.decode(generated[0], skip_special_tokens=True)
+        print(f"{masked!r} -> {text!r}")
+        assert text.strip() == TARGET
 
 
 def test_sentence_ends_are_flagged_in_prepared_records(tmp_path):
