@@ -1,5 +1,5 @@
-"""BART denoising pretraining end to end: a tiny model trained on a small text reconstructs a masked sentence with
-transformers' generate on the export, and sentence ends reach the records as flags."""
+"""BART denoising pretraining end to end: a tiny model trained on a generated corpus reconstructs a masked sentence
+with transformers' generate on its export, and sentence ends reach the prepared records as flags."""
 
 import json
 

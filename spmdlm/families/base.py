@@ -100,7 +100,7 @@ class Family:
     forward_flops: Callable[..., dict[str, float]]  # (config, sequence lengths, full_causal_square) -> by part
     resume_keys: tuple[str, ...] = ()  # objective flags that must match to resume
     check_hf_config: Callable[[dict], None] = lambda values: None  # refuses HF configs we cannot reproduce
-    sequence_flags: tuple[str, ...] = ()  # length flags that apply to this family (others are refused)
+    sequence_flags: tuple[str, ...] = ()  # the objective flags that apply; the first sets the example length
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -133,5 +133,5 @@ FAMILY = Family(
     forward_flops=forward_flops,
     resume_keys=("max_seq_length", "mlm_probability", "mean_noise_span_length"),
     check_hf_config=check_hf_config,
-    sequence_flags=("max_seq_length", "mean_noise_span_length"),
+    sequence_flags=("max_seq_length", "mlm_probability", "mean_noise_span_length"),
 )
