@@ -8,6 +8,7 @@ seed and the global example index), never global state, so any example can be re
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import numpy as np
@@ -34,3 +35,16 @@ def padding_example(objective: Objective) -> dict[str, np.ndarray]:
         fill = IGNORE_INDEX if name == "labels" else 0
         out[name] = np.full(shape, fill, dtype=dtype)
     return out
+
+
+class Framed:
+    """For objectives whose examples are `<s> content </s>` (RoBERTa, BART): records leave room for the two frame
+    tokens, and `special_ids` (a field of the subclass) are kept as a sorted array for vectorised checks."""
+
+    @property
+    def record_length(self) -> int:
+        return self.max_seq_length - 2  # room for <s> and </s>
+
+    @functools.cached_property
+    def _specials(self) -> np.ndarray:
+        return np.asarray(self.special_ids, dtype=np.int32)

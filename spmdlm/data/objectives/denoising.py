@@ -31,10 +31,11 @@ usual settings), so <mask>s are never adjacent; masking is per token, not whole-
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
+
+from spmdlm.data.objectives import Framed
 
 SENTENCE_END = 1 << 30  # flag bit on the last content token of each sentence in a prepared record
 _ID_BITS = SENTENCE_END - 1
@@ -45,7 +46,7 @@ def _ceil(x: float) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Denoising:
+class Denoising(Framed):
     max_seq_length: int
     bos_id: int
     eos_id: int
@@ -75,14 +76,6 @@ class Denoising:
     def preparation(self) -> str:
         """Records carry sentence-end flags (see spmdlm.data.sources)."""
         return "sentences"
-
-    @property
-    def record_length(self) -> int:
-        return self.max_seq_length - 2  # room for <s> and </s>
-
-    @functools.cached_property
-    def _specials(self) -> np.ndarray:
-        return np.asarray(self.special_ids, dtype=np.int32)
 
     def noise_spans(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(starts, lengths) of the infilling spans over n maskable tokens, sorted by start.

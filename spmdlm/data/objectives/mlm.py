@@ -20,18 +20,17 @@ Differences from the HF script (`run_mlm_flax.py` + DataCollatorForLanguageModel
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
-from spmdlm.data.objectives import IGNORE_INDEX
+from spmdlm.data.objectives import IGNORE_INDEX, Framed
 
 MASK_FRACTION = 0.8  # of the chosen tokens: become <mask>
 RANDOM_FRACTION = 0.1  # become a random non-special id; the remaining 0.1 stay unchanged
 
 
 @dataclasses.dataclass(frozen=True)
-class MaskedLM:
+class MaskedLM(Framed):
     max_seq_length: int
     bos_id: int
     eos_id: int
@@ -61,14 +60,6 @@ class MaskedLM:
     def preparation(self) -> str:
         """How records are cut from the corpus (see spmdlm.data.sources)."""
         return "lines" if self.line_by_line else "stream"
-
-    @property
-    def record_length(self) -> int:
-        return self.max_seq_length - 2  # room for <s> and </s>
-
-    @functools.cached_property
-    def _specials(self) -> np.ndarray:
-        return np.asarray(self.special_ids, dtype=np.int32)
 
     def _random_non_special(self, size: int, rng: np.random.Generator) -> np.ndarray:
         """Uniform ids from [0, vocab_size) minus special_ids, without materialising the vocabulary.
