@@ -4,30 +4,45 @@ Layout: OUTPUT_DIR/checkpoints/<step>/{model, optimizer, data, config}: pure dic
 optimizer's NNX state (its step counter included), the Grain iterator position, and the run's arguments as JSON.
 Model and optimizer are separate items so an export can restore the parameters alone.
 Every process takes part in save and restore (orbax coordinates the writes).
+
+Integrity: each save records a fingerprint of every array (a position-weighted sum of its bits, computed on the
+devices) in its config item, and refuses a state that is not finite. A restore recomputes and compares them, so
+flipped bytes that still decode are caught; a checkpoint that fails is moved aside to OUTPUT_DIR/damaged_checkpoints
+(never deleted) and the run falls back to the newest one that restores.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("spmdlm")
 
 
 ITEMS = ("model", "optimizer", "data", "config")
 # 2: scanned layers (stacked parameters). Checkpoints of format 1 (spmdlm 0.1, one parameter per layer) cannot be
 # restored into the stacked state; their run_config.json has no "checkpoint_format".
 FORMAT = 2
+DAMAGED_DIR = "damaged_checkpoints"
 
 
 class CheckpointError(ValueError):
-    """No checkpoint where one was expected, or a step that does not exist."""
+    """No checkpoint where one was expected, a step that does not exist, or one that cannot be restored."""
+
+
+class NonFiniteStateError(ValueError):
+    """The train state holds NaN or infinity: it must not be saved or exported."""
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -46,16 +61,104 @@ def make_manager(output_dir: str | Path, *, save_interval_steps: int = 1, max_to
     )
 
 
+# -- fingerprints ----------------------------------------------------------------------------------------------------
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bits as uint32 words (one per element)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype.itemsize == 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if x.dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    return x.astype(jnp.uint32)
+
+
+def _leaf_fingerprint(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(checksum, finite): the sum of word * (2·position + 1) modulo 2**32. Integer sums wrap and are exact in any
+    order, so the same bits give the same checksum on any mesh; odd weights catch swapped as well as changed words."""
+    words = _words(x)
+    position = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for dim in reversed(range(words.ndim)):
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, words.shape, dim) * np.uint32(stride % 2**32)
+        stride *= words.shape[dim]
+    checksum = jnp.sum(words * (position * np.uint32(2) + np.uint32(1)), dtype=jnp.uint32)
+    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.array(True)
+    return checksum, finite
+
+
+@jax.jit
+def _fingerprints(tree):
+    return jax.tree.map(_leaf_fingerprint, tree)
+
+
+def fingerprint(tree) -> tuple[dict[str, int], list[str]]:
+    """-> ({array path: checksum}, [paths of arrays holding NaN or infinity]) of a pure-dict tree."""
+    prints = jax.device_get(_fingerprints(tree))
+    checksums, bad = {}, []
+    for path, (checksum, finite) in jax.tree_util.tree_leaves_with_path(
+            prints, is_leaf=lambda x: isinstance(x, tuple)):
+        key = jax.tree_util.keystr(path)
+        checksums[key] = int(checksum)
+        if not finite:
+            bad.append(key)
+    return checksums, bad
+
+
+def _items_of(state) -> dict[str, Any]:
+    model, optimizer = nnx.to_pure_dict(state).values()
+    return {"model": model, "optimizer": optimizer}
+
+
+# -- save ------------------------------------------------------------------------------------------------------------
 def save(manager: ocp.CheckpointManager, step: int, state, data_iterator, run_config: dict[str, Any],
          force: bool = False) -> bool:
-    model, optimizer = nnx.to_pure_dict(state).values()
+    """Start an asynchronous save; refuses a non-finite state (nothing is written then)."""
+    items = _items_of(state)
+    checksums, bad = fingerprint(items)
+    if bad:
+        raise NonFiniteStateError(f"the state at step {step} holds NaN or infinity (first in {bad[0]})")
     args = ocp.args.Composite(
-        model=ocp.args.StandardSave(model),
-        optimizer=ocp.args.StandardSave(optimizer),
+        model=ocp.args.StandardSave(items["model"]),
+        optimizer=ocp.args.StandardSave(items["optimizer"]),
         data=grain.checkpoint.CheckpointSave(data_iterator),
-        config=ocp.args.JsonSave(run_config),
+        config=ocp.args.JsonSave({**run_config, "fingerprints": checksums}),
     )
-    return manager.save(step, args=args, force=force)
+    try:
+        return manager.save(step, args=args, force=force)
+    except Exception as e:  # noqa: BLE001 - orbax raises many kinds; the user needs the path and the OS error
+        raise save_error(manager, step, e) from None
+
+
+def check_saved(manager: ocp.CheckpointManager, step: int | None = None, *, wait: bool = False) -> None:
+    """Surface a failed asynchronous save now (one line), not at the next save; `wait` for the one in flight."""
+    try:
+        manager.wait_until_finished() if wait else manager.check_for_errors()
+    except Exception as e:  # noqa: BLE001
+        raise save_error(manager, step, e) from None
+
+
+def save_error(manager, step: int | None, error: BaseException) -> CheckpointError:
+    cause = root_cause(error)
+    hint = ("free some space or point --output_dir at a bigger disk"
+            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC else "check that the directory is writable")
+    at = f"at step {step} " if step is not None else ""
+    return CheckpointError(f"saving the checkpoint {at}in {manager.directory} failed: {describe(cause)}; {hint}")
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The innermost exception of a chain (orbax wraps OS errors in its own), preferring an OSError."""
+    seen = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return next((e for e in seen if isinstance(e, OSError)), seen[-1])
+
+
+def describe(error: BaseException) -> str:
+    """One line: the exception's type and the first line of its message."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
 
 
 def check_format(run_config: dict, run_dir) -> None:
@@ -68,15 +171,17 @@ def check_format(run_config: dict, run_dir) -> None:
             "continue with --model_name_or_path, or start afresh with --overwrite_output_dir")
 
 
+# -- restore ---------------------------------------------------------------------------------------------------------
 def abstract_of(state):
     """Shapes, dtypes and shardings of a (possibly already sharded) state: the restore target."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
 def restore(manager: ocp.CheckpointManager, step: int | None, state, data_iterator=None, *, model_only=False):
-    """Restore into `state`'s shardings (so a run may resume on another mesh); returns (state, step).
+    """Restore into `state`'s shardings (so a run may resume on another mesh) and verify; returns (state, step).
 
-    `state` is the (model, optimizer) state, or with `model_only` just the model's.
+    `state` is the (model, optimizer) state, or with `model_only` just the model's. Raises CheckpointError (one
+    line) if the checkpoint cannot be read or does not match its fingerprints.
     """
     step = resolve_step(manager, step)
     target = nnx.to_pure_dict(abstract_of(state))
@@ -86,10 +191,72 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state, data_iterat
         items = {"model": ocp.args.StandardRestore(target[0]), "optimizer": ocp.args.StandardRestore(target[1])}
     if data_iterator is not None:
         items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-    restored = manager.restore(step, args=ocp.args.Composite(**items))
-    pure = restored["model"] if model_only else {0: restored["model"], 1: restored["optimizer"]}
+    items["config"] = ocp.args.JsonRestore()
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint fails in many ways (tensorstore, json, grain)
+        raise CheckpointError(f"the checkpoint at step {step} cannot be read ({describe(root_cause(e))})") from None
+    arrays = {k: restored[k] for k in ("model", "optimizer") if k in items}
+    verify(arrays, (restored["config"] or {}).get("fingerprints"), step)
+    pure = arrays["model"] if model_only else {0: arrays["model"], 1: arrays["optimizer"]}
     nnx.replace_by_pure_dict(state, pure)
     return state, step
+
+
+def verify(arrays: dict[str, Any], saved: dict[str, int] | None, step: int) -> None:
+    if not saved:
+        raise CheckpointError(f"the checkpoint at step {step} has no fingerprints (its config item is damaged)")
+    checksums, bad = fingerprint(arrays)
+    if bad:
+        raise CheckpointError(f"the checkpoint at step {step} holds NaN or infinity (in {bad[0]})")
+    wrong = [k for k, v in checksums.items() if saved.get(k) != v]
+    if wrong:
+        raise CheckpointError(f"the checkpoint at step {step} does not match its fingerprints ({len(wrong)} "
+                              f"arrays differ, first {wrong[0]})")
+
+
+def restore_newest_good(manager: ocp.CheckpointManager, state, data_iterator=None, *, move_aside: bool = True,
+                        **kwargs):
+    """Restore the newest checkpoint that reads and verifies; each newer one that does not is reported in one line
+    and (with `move_aside`) moved to OUTPUT_DIR/damaged_checkpoints. Returns (state, step)."""
+    for step in sorted(all_complete_steps(manager, move_aside=move_aside), reverse=True):
+        try:
+            return restore(manager, step, state, data_iterator, **kwargs)
+        except CheckpointError as e:
+            where = set_aside(manager, step) if move_aside else None
+            log.warning("%s; %s", e, f"moved it to {where}, trying the previous one" if where
+                        else "trying the previous one")
+    raise CheckpointError(f"no checkpoint in {manager.directory} can be restored (damaged ones are in "
+                          f"{Path(manager.directory).parent / DAMAGED_DIR}); start afresh with --overwrite_output_dir")
+
+
+def all_complete_steps(manager: ocp.CheckpointManager, *, move_aside: bool) -> list[int]:
+    """Steps orbax lists; a numbered step folder it does not list (emptied, its metadata lost) is set aside."""
+    steps = list(manager.all_steps())
+    root = Path(manager.directory)
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if folder.name.isdigit() and int(folder.name) not in steps:
+            where = set_aside(manager, int(folder.name)) if move_aside else None
+            log.warning("the checkpoint at step %s is incomplete or damaged%s", folder.name,
+                        f"; moved it to {where}" if where else "; skipping it")
+    if not steps:
+        raise CheckpointError(f"no checkpoints in {manager.directory}; train first or point at another output dir")
+    return steps
+
+
+def set_aside(manager: ocp.CheckpointManager, step: int) -> Path | None:
+    """Move a damaged step folder out of the manager's sight (process 0 moves; every process waits for it)."""
+    source = Path(manager.directory) / str(step)
+    target = Path(manager.directory).parent / DAMAGED_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if jax.process_index() == 0 and source.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(source), str(target))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"checkpoint {step} set aside")
+    manager.reload()
+    return target
 
 
 def resolve_step(manager: ocp.CheckpointManager, step: int | None) -> int:

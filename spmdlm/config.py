@@ -38,6 +38,7 @@ class RunArgs:
     cache_dir: str | None = _field(None, "where tokenized data is cached (default ~/.cache/spmdlm)")
     # -- data ----------------------------------------------------------------------------------------------------
     train_file: str | None = _field(None, "txt/json/jsonl/csv files, comma-separated, globs allowed")
+    text_column: str | None = _field(None, "json/jsonl/csv: the field holding the text (default: text)")
     validation_file: str | None = _field(None, "held-out files; default: a hash split of the training documents")
     validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
     block_size: int | None = _field(None, "CLM example length (default: min(1024, n_positions))")
@@ -153,8 +154,15 @@ def _base_type(tp):
     return args[0] if args else tp
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line that names the problem instead of the full usage block.
+        raise ArgumentError(f"{message} (python -m spmdlm.launch --help lists the flags)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
+        allow_abbrev=False,  # a mistyped flag is an error, never silently another flag
         prog="python -m spmdlm.launch",
         description="Pretrain GPT-2 or T5 v1.1 on a device mesh. "
                     "Flags follow the Hugging Face Flax scripts; one .json/.yaml file of flags also works.",
@@ -190,10 +198,11 @@ def _read_args_file(path: Path) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
-    """-> (args, names given explicitly). A lone .json/.yaml argument is read as a file of flags."""
+    """-> (args, names given explicitly). A first argument ending in .json/.yaml is a file of flags; flags after
+    it override its values."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and Path(argv[0]).suffix in (".json", ".yaml", ".yml"):
-        argv = _read_args_file(Path(argv[0]))
+    if argv and not argv[0].startswith("-") and Path(argv[0]).suffix in (".json", ".yaml", ".yml"):
+        argv = _read_args_file(Path(argv[0])) + argv[1:]
     given = vars(build_parser().parse_args(argv))
     args = RunArgs(**given)
     if args.uses_embedded_corpus:

@@ -118,8 +118,8 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
         return out
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
-    (out / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2, allow_nan=False))
+    (out / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2, allow_nan=False))
     if tokenizer is not None:
         from spmdlm.data.tokenizer import save_tokenizer
 
@@ -236,19 +236,28 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None 
     if not run_config_path.is_file():
         raise ckpt.CheckpointError(f"{run_dir}: no run_config.json, so no spmdlm run to export; "
                                    "pass the --output_dir of a training run")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
-    run_config = json.loads(run_config_path.read_text())
+    try:
+        run_config = json.loads(run_config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ckpt.CheckpointError(f"{run_config_path} is not valid JSON ({e})") from None
     ckpt.check_format(run_config, run_dir)
     manager = ckpt.make_manager(run_dir, read_only=True)
-    step = ckpt.resolve_step(manager, step)  # fail before building anything
+    if step is not None:
+        ckpt.resolve_step(manager, step)  # fail before building anything
     model_config = run_config["model_config"]
     family = get_family(model_config["model_type"])
     config = family.config_class.from_dict(model_config)
     mesh = make_mesh(mesh_spec)
     with jax.set_mesh(mesh):
         graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
-        state, _ = ckpt.restore(manager, step, abstract, model_only=True)
+        if step is None:  # the newest checkpoint that verifies (a damaged one is reported, left in place)
+            state, _ = ckpt.restore_newest_good(manager, abstract, model_only=True, move_aside=False)
+        else:
+            state, _ = ckpt.restore(manager, step, abstract, model_only=True)
     model = nnx.merge(graphdef, state)
     tokenizer_path = run_config.get("tokenizer_name") or run_dir
     tokenizer = load_tokenizer(tokenizer_path) if (Path(tokenizer_path) / "tokenizer.json").exists() or \

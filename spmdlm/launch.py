@@ -58,6 +58,14 @@ def setup_logging() -> None:
                         stream=sys.stdout, force=True)
     for noisy in ("absl", "jax._src", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).addFilter(_one_line)
+
+
+def _one_line(record: logging.LogRecord) -> bool:
+    """Libraries log caught exceptions with their tracebacks (orbax's failed async save); the run reports the
+    error itself in one line, so keep just their message."""
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     from spmdlm.mesh import MeshError
     from spmdlm.models.config import ConfigError
 
-    from spmdlm.train.loop import RunError
+    from spmdlm.train.guard import LockError, Preempted
+    from spmdlm.train.loop import DivergenceError, RunError
 
     user_errors = (ArgumentError, MeshError, DataError, TokenizerError, ConfigError, CheckpointError, RunError,
-                   ExportError)
+                   ExportError, LockError)
     try:
         args, _ = parse_args(argv)
         from spmdlm.mesh import parse_mesh
@@ -85,6 +94,18 @@ def main(argv: list[str] | None = None) -> int:
 
         run(args)
     except user_errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DivergenceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except Preempted as e:
+        print(f"spmdlm: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("spmdlm: interrupted (nothing saved since the last checkpoint)", file=sys.stderr)
+        return 130
+    except OSError as e:  # a full disk, a path that is not writable: the OS says what and where
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -142,6 +142,16 @@ def resolve_spec(
     return PartitionSpec(*(s[0] if len(s) == 1 else (s or None) for s in spec))
 
 
+def idle_axes(state, mesh: Mesh) -> list[str]:
+    """The parameter axes (fsdp, tensor) of size > 1 that shard no array of `state`: a dimension they could split
+    is not divisible by their size."""
+    used = set()
+    for leaf in jax.tree.leaves(state):
+        for entry in leaf.sharding.spec:
+            used.update((entry,) if isinstance(entry, str) else entry or ())
+    return [axis for axis in ("fsdp", "tensor") if mesh.shape[axis] > 1 and axis not in used]
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 

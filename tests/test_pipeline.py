@@ -113,7 +113,7 @@ def test_eval_batches_pad_with_loss_free_rows(split):
 @pytest.mark.parametrize("name, text, expected", [
     ("a.txt", "first line\n\n  \nsecond line\n", ["first line", "second line"]),
     ("a.jsonl", '{"text": "one"}\n{"text": "two"}\n', ["one", "two"]),
-    ("a.json", json.dumps([{"body": "x"}, {"body": "y"}]), ["x", "y"]),
+    ("a.json", json.dumps([{"text": "x"}, {"text": "y"}]), ["x", "y"]),
     ("a.csv", "id,text\n1,hello\n2,world\n", ["hello", "world"]),
 ])
 def test_readers(tmp_path, name, text, expected):

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -26,9 +27,10 @@ from spmdlm.data import pipeline, sources
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.families import FAMILIES, get_family, load_config
 from spmdlm.families.base import Family
-from spmdlm.mesh import batch_axis_size, make_mesh
+from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
 from spmdlm.train.optim import OptimConfig, learning_rate_schedule, make_optimizer
-from spmdlm.train.report import Reporter
+from spmdlm.train.guard import LOCK_NAME, Preempted, RunLock, StopOnSignal
+from spmdlm.train.report import Reporter, write_json
 from spmdlm.train.step import Stepper, create_train_state
 
 log = logging.getLogger("spmdlm")
@@ -36,16 +38,24 @@ log = logging.getLogger("spmdlm")
 # Run arguments that must match for a run to resume in the same output dir, besides the model config, the global
 # batch and the family's own (its objective's flags). Others may change: logging cadence, the mesh (the state is
 # restored into the new shardings), or the step budget (which also stretches the learning-rate schedule).
-COMMON_RESUME_KEYS = ("model_type", "model_name_or_path", "tokenizer_name", "train_file", "validation_file",
-                      "validation_split_percentage", "max_train_samples", "seed", "learning_rate", "weight_decay",
-                      "adafactor", "gradient_accumulation_steps")
+# The model type is compared through the model config. The learning rate, its schedule and warmup may change: the
+# change is logged.
+COMMON_RESUME_KEYS = ("model_name_or_path", "tokenizer_name", "train_file", "validation_file",
+                      "validation_split_percentage", "max_train_samples", "seed", "weight_decay", "adafactor",
+                      "gradient_accumulation_steps")
+LOGGED_CHANGES = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs",
+                  "logging_steps", "eval_steps", "save_steps", "max_grad_norm", "z_loss", "mesh", "dtype")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-OUR_OUTPUTS = ("checkpoints", "tensorboard", "metrics.jsonl", "eval_results.json", "loss_curve.png", "hf",
-               "run_config.json")
+OUR_OUTPUTS = ("checkpoints", checkpoint.DAMAGED_DIR, "tensorboard", "metrics.jsonl", "eval_results.json",
+               "loss_curve.png", "hf", "run_config.json")
 
 
 class RunError(ValueError):
     """A run that cannot start as asked (output dir, shapes, sizes)."""
+
+
+class DivergenceError(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite (exit code 3)."""
 
 
 @dataclasses.dataclass
@@ -72,6 +82,7 @@ class RunContext:
     previous: dict  # the run_config.json found in the output dir ({} if none)
     config_source: str  # the preset, file or directory the model config came from
     resuming: bool = False
+    latest_step: int = 0  # of the checkpoints found when resuming
     tokenizer: Any = None
     trained_tokenizer: bool = False
     objective: Any = None
@@ -88,6 +99,8 @@ def resolve(args: RunArgs, run_start: float) -> RunContext:
     mesh = make_mesh(args.mesh)
     global_batch = global_batch_size(args, mesh)
     out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"--output_dir {out} is a file; give a directory")
     if args.model_name_or_path:
         from spmdlm.export import read_hf_config
 
@@ -98,13 +111,40 @@ def resolve(args: RunArgs, run_start: float) -> RunContext:
         default = FAMILIES[model_type].default_preset if model_type in FAMILIES else model_type
         config_name = args.config_name or (str(out) if (out / "config.json").exists() else default)
         config = load_config(config_name, args.model_type)
+        if not args.config_name and not args.uses_embedded_corpus and config_name == default:
+            log.info("no --config_name: using the %s preset (%s); pass --config_name for another size", default,
+                     ", ".join(f"{k}={v}" for k, v in config.to_hf_dict().items() if isinstance(v, int))[:160])
         if args.vocab_size:
             config = config.replace(vocab_size=args.vocab_size)
     family = get_family(config.model_type)
+    check_flags_apply(args, family)
     family.check_lengths(args, config)
-    previous_path = out / "run_config.json"
-    previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
-    return RunContext(args, mesh, out, family, config, global_batch, run_start, previous, config_name)
+    return RunContext(args, mesh, out, family, config, global_batch, run_start, read_run_config(out), config_name)
+
+
+def check_flags_apply(args: RunArgs, family: Family) -> None:
+    """An objective flag of another family (e.g. --block_size for T5) is an error, not silently ignored."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RunArgs)}
+    for other in FAMILIES.values():
+        for flag in other.sequence_flags:
+            if flag not in family.sequence_flags and getattr(args, flag) != defaults[flag]:
+                raise ArgumentError(f"--{flag} does not apply to {family.name}; its flags are "
+                                    f"{', '.join('--' + f for f in family.sequence_flags)} (the first sets the "
+                                    "example length)")
+
+
+def read_run_config(out: Path) -> dict:
+    path = out / "run_config.json"
+    if not path.exists():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunError(f"{path} is not valid JSON ({e}); restore it, or start afresh with --overwrite_output_dir") \
+            from None
+    if not isinstance(saved, dict):
+        raise RunError(f"{path} is not a run config; restore it, or start afresh with --overwrite_output_dir")
+    return saved
 
 
 def global_batch_size(args: RunArgs, mesh) -> int:
@@ -131,7 +171,8 @@ def check_output_dir(ctx: RunContext) -> str:
     has_checkpoints = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
     if has_checkpoints and saved is not None:
         # only complete checkpoints count (an interrupted async save leaves a temporary folder)
-        has_checkpoints = bool(checkpoint.make_manager(out, read_only=True).all_steps())
+        ctx.latest_step = max(checkpoint.make_manager(out, read_only=True).all_steps(), default=0)
+        has_checkpoints = ctx.latest_step > 0
     if has_checkpoints and saved is None:
         raise RunError(f"--output_dir {out} holds checkpoints but no run_config.json, so they cannot be checked "
                        "against this run; restore the file, choose another --output_dir, or --overwrite_output_dir")
@@ -143,16 +184,22 @@ def check_output_dir(ctx: RunContext) -> str:
         shape_of = lambda d: {k: v for k, v in (d or {}).items() if not k.endswith("_token_id")}
         if shape_of(saved.get("model_config")) != shape_of(ctx.config.to_hf_dict()):
             changed.append("model config")
-        if saved.get("global_batch") != ctx.global_batch:
-            changed.append("global batch size")
         if changed:
             raise RunError(f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
                            "use the same flags to resume, another --output_dir, or --overwrite_output_dir")
+        if saved.get("global_batch") != ctx.global_batch:
+            raise RunError(f"--output_dir {out} holds a run with a global batch of {saved.get('global_batch')} "
+                           f"examples, this one has {ctx.global_batch}; resume with --global_batch_size "
+                           f"{saved.get('global_batch')} (any mesh that divides it), or use another --output_dir")
+        logged = [f"{k} {saved.get(k)} -> {getattr(args, k)}" for k in LOGGED_CHANGES
+                  if k in saved and saved[k] != getattr(args, k)]
+        if logged:
+            log.info("resuming with changed settings: %s", ", ".join(logged))
         return "resume"
     # A dir holding only a config/tokenizer (as the recipes prepare it) or what a run of ours wrote before its first
     # checkpoint can be used as is; anything else is someone's data.
     reusable = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                "merges.txt", "spiece.model", *OUR_OUTPUTS}
+                "merges.txt", "spiece.model", LOCK_NAME, *OUR_OUTPUTS}
     if {p.name for p in out.iterdir()} - reusable:
         raise RunError(f"--output_dir {out} is not empty and holds no run to resume; "
                        "pass --overwrite_output_dir to use it anyway or choose another --output_dir")
@@ -180,7 +227,8 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
 def read_corpora(args: RunArgs) -> tuple[list[str], list[str]]:
     """Training and validation documents; without --validation_file a hash split of the training documents."""
     if args.train_file:
-        docs = sources.read_documents(sources.expand_files(args.train_file, "--train_file"))
+        docs = sources.read_documents(sources.expand_files(args.train_file, "--train_file"),
+                                      text_column=args.text_column)
     else:
         log.info("no --train_file: using the embedded corpus (this Python's standard library sources)")
         docs = sources.read_embedded_corpus()
@@ -189,7 +237,8 @@ def read_corpora(args: RunArgs) -> tuple[list[str], list[str]]:
     for doc in docs:
         (held_out if split and sources.in_validation_split(doc, split) else train).append(doc)
     if args.validation_file:
-        held_out = list(sources.read_documents(sources.expand_files(args.validation_file, "--validation_file")))
+        held_out = list(sources.read_documents(sources.expand_files(args.validation_file, "--validation_file"),
+                                               text_column=args.text_column))
     if not train:
         raise sources.DataError("the training corpus has no text; check --train_file")
     return train, held_out
@@ -209,9 +258,7 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
     else:
         vocab = args.vocab_size or config.vocab_size
         log.info("training a %d-token tokenizer on %d documents", vocab, len(train_docs))
-        tok = train_tokenizer(ctx.family, train_docs, vocab)
-        if is_main():
-            save_tokenizer(tok, out, ctx.family, model_max_length=config.max_length)
+        tok = train_tokenizer(ctx.family, train_docs, vocab)  # saved with run_config.json (write_run_files)
     if tok.get_vocab_size() > config.vocab_size:
         raise ArgumentError(f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
                             f"{config.vocab_size}; use --vocab_size/a config with vocab_size >= "
@@ -279,6 +326,7 @@ def setup_state(ctx: RunContext):
         return model, nnx.Optimizer(model, make_optimizer(optim, model, steps), wrt=nnx.Param)
 
     graphdef, state = create_train_state(build, ctx.mesh, abstract=ctx.resuming)
+    check_mesh_use(state, ctx)
     if args.model_name_or_path and not ctx.resuming:
         from spmdlm.export import load_hf_into_state
 
@@ -286,6 +334,19 @@ def setup_state(ctx: RunContext):
     stepper = Stepper(graphdef, state, ctx.mesh, grad_accum=args.gradient_accumulation_steps, z_loss=args.z_loss,
                       dropout_seed=args.seed, schedule=learning_rate_schedule(optim, steps))
     return graphdef, state, stepper
+
+
+def check_mesh_use(state, ctx: RunContext) -> None:
+    """A tensor axis that shards nothing only replicates the work; an idle fsdp axis is plain data parallelism."""
+    idle = idle_axes(state, ctx.mesh)
+    if "tensor" in idle:
+        raise ArgumentError(
+            f"--mesh {ctx.args.mesh}: the tensor axis ({ctx.mesh.shape['tensor']}) divides none of the model's "
+            "sharded dimensions (heads x head size, MLP width, vocabulary), so it would only repeat the same work; "
+            "use a tensor size that divides them, or give those devices to data/fsdp")
+    if "fsdp" in idle:
+        log.warning("--mesh %s: the fsdp axis (%d) divides no parameter dimension, so parameters are replicated "
+                    "(plain data parallelism)", ctx.args.mesh, ctx.mesh.shape["fsdp"])
 
 
 def count_parameters(graphdef, state) -> int:
@@ -312,18 +373,19 @@ def evaluate(stepper: Stepper, state, ctx: RunContext) -> dict[str, float]:
 def run(args: RunArgs) -> dict[str, Any]:
     ctx = resolve(args, time.perf_counter())
     train_docs, val_docs = read_corpora(args)
-    prepare_output_dir(ctx, check_output_dir(ctx))
+    with RunLock(ctx.out, enabled=is_main()):  # before anything is written or removed in the output dir
+        prepare_output_dir(ctx, check_output_dir(ctx))
+        return run_locked(ctx, train_docs, val_docs)
+
+
+def run_locked(ctx: RunContext, train_docs, val_docs) -> dict[str, Any]:
+    args = ctx.args
     if args.push_to_hub:
         log.warning("--push_to_hub: spmdlm does not upload (it never uses the network); the model will be exported "
                     "to %s — upload that folder with `huggingface-cli upload` from a connected machine", ctx.out / "hf")
     setup_tokenizer(ctx, train_docs)
     setup_data(ctx, train_docs, val_docs)
     graphdef, state, stepper = setup_state(ctx)
-
-    run_config = {**args.to_json(), "global_batch": ctx.global_batch, "model_config": ctx.config.to_hf_dict(),
-                  "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT}
-    if is_main():
-        (ctx.out / "run_config.json").write_text(json.dumps(run_config, indent=2))
     n_params = count_parameters(graphdef, state)
     mesh = ctx.mesh
     log.info("model %s (config %s): %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices "
@@ -332,47 +394,133 @@ def run(args: RunArgs) -> dict[str, Any]:
              batch_axis_size(mesh), args.gradient_accumulation_steps, ctx.total_steps)
     reporter = Reporter(ctx.out, enabled=is_main(), config=ctx.config, objective=ctx.objective,
                         global_batch=ctx.global_batch, mesh=mesh, dtype=args.dtype, run_start=ctx.run_start)
+    previous_results = read_results(ctx.out) if ctx.resuming else {}
     results: dict[str, Any] = {"total_steps": ctx.total_steps, "parameters": n_params}
+    training = ctx.data.train is not None
+    if training and ctx.latest_step >= ctx.total_steps and not missing_outputs(ctx, previous_results):
+        log.info("the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing to "
+                 "do (--overwrite_output_dir starts afresh)", ctx.out, ctx.latest_step, ctx.total_steps)
+        return {**results, **previous_results}
+
+    def compile_train() -> dict[str, Any]:
+        stats = stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
+        check_memory(stats, ctx)  # before anything is written: a refused run leaves the output dir as it was
+        reporter.compile_stats(stats)
+        return stats
+
+    stats = compile_train() if training and ctx.latest_step < ctx.total_steps else None
+    run_config = write_run_files(ctx)
+    if training and args.dry_run:
+        return {**results, **(stats or {})}
 
     # -- stage 6: train (or restore for evaluation only) ---------------------------------------------------------
-    step = 0
-    if ctx.data.train is not None:
-        stats = stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
-        reporter.compile_stats(stats)
-        if args.dry_run:
-            return {**results, **stats}
+    step, trained = 0, False
+    if training:
+        manager = checkpoint.make_manager(ctx.out, save_interval_steps=1, max_to_keep=args.save_total_limit)
         iterator = pipeline.train_batches(ctx.data.train, ctx.objective, seed=args.seed,
                                           global_batch=ctx.global_batch, num_epochs=ctx.schedule.num_epochs,
                                           process_index=jax.process_index(), process_count=jax.process_count())
-        manager = checkpoint.make_manager(ctx.out, save_interval_steps=1, max_to_keep=args.save_total_limit)
         if ctx.resuming:
-            state, step = checkpoint.restore(manager, None, state, iterator)
+            state, step = checkpoint.restore_newest_good(manager, state, iterator)
             log.info("resumed from the checkpoint at step %d", step)
             reporter.truncate_after(step)
-        results.update(train_loop(ctx, stepper, state, iterator, manager, reporter, step, run_config))
-        state = results.pop("state")
-        manager.wait_until_finished()
+        if step < ctx.total_steps:
+            if stats is None:  # the finished run's last checkpoint was damaged: train again from an older one
+                compile_train()
+            results.update(train_loop(ctx, stepper, state, iterator, manager, reporter, step, run_config))
+            state, trained = results.pop("state"), True
+        else:  # finished before: keep its training results, redo only what is missing
+            results.update({k: v for k, v in previous_results.items() if k.startswith("train_")})
+        checkpoint.check_saved(manager, wait=True)
         manager.close()
     elif ctx.resuming:  # evaluation only: of the latest checkpoint
         manager = checkpoint.make_manager(ctx.out, read_only=True)
-        state, step = checkpoint.restore(manager, None, state)
+        state, step = checkpoint.restore_newest_good(manager, state, move_aside=False)
         log.info("evaluating the checkpoint at step %d", step)
 
     # -- stage 7 and 8: evaluate, report, export ----------------------------------------------------------------
     if ctx.data.validation is not None and args.evaluating:
-        metrics = evaluate(stepper, state, ctx)
-        reporter.log_eval(step if ctx.data.train is None else ctx.total_steps, metrics)
-        results.update(metrics)
-    finish(ctx, graphdef, state, reporter, results)
+        if training and not trained and "eval_loss" in previous_results:
+            results.update({k: v for k, v in previous_results.items() if k.startswith("eval_")})
+        else:
+            metrics = evaluate(stepper, state, ctx)
+            reporter.log_eval(step if not training else ctx.total_steps, metrics)
+            results.update(metrics)
+    export = args.export_hf and training and (trained or not export_done(ctx.out))
+    finish(ctx, graphdef, state, reporter, {**previous_results, **results}, export)
     return results
 
 
-def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[str, Any]) -> None:
+def write_run_files(ctx: RunContext) -> dict[str, Any]:
+    """The tokenizer (if trained here) and run_config.json: written once the run is known to fit."""
+    run_config = {**ctx.args.to_json(), "global_batch": ctx.global_batch, "model_config": ctx.config.to_hf_dict(),
+                  "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT}
     if is_main():
-        (ctx.out / "eval_results.json").write_text(json.dumps(
-            {k: v for k, v in results.items() if k.startswith("eval_") or k.startswith("train_")}, indent=2))
+        if ctx.trained_tokenizer and not (ctx.out / "tokenizer.json").exists():
+            save_tokenizer(ctx.tokenizer, ctx.out, ctx.family, model_max_length=ctx.config.max_length)
+        write_json(ctx.out / "run_config.json", run_config)
+    return run_config
+
+
+def read_results(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "eval_results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def export_done(out: Path) -> bool:
+    return (out / "hf" / "config.json").is_file() and (out / "hf" / "model.safetensors").is_file()
+
+
+def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:
+    """What a finished run would still have to write: its evaluation or its export."""
+    missing = []
+    if ctx.data.validation is not None and ctx.args.evaluating and "eval_loss" not in previous_results:
+        missing.append("evaluation")
+    if ctx.args.export_hf and not export_done(ctx.out):
+        missing.append("export")
+    return missing
+
+
+def check_memory(stats: dict[str, Any], ctx: RunContext) -> None:
+    """Refuse a step that cannot fit before running it: an out-of-memory crash (or the kernel's OOM killer) later
+    says nothing about what to change."""
+    need = stats.get("argument_bytes", 0) + stats.get("output_bytes", 0) + stats.get("temp_bytes", 0) - \
+        stats.get("alias_bytes", 0)
+    capacity, what = device_memory_bytes()
+    local = jax.local_device_count()
+    if not capacity or need * (local if what == "host" else 1) <= capacity:
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    shared = f"the host's {gib(capacity)} of RAM shared by {local} CPU devices" if what == "host" else \
+        f"the device's {gib(capacity)}"
+    args = ctx.args
+    raise RunError(
+        f"the train step needs {gib(need)} per device (arguments {gib(stats.get('argument_bytes', 0))}, temporaries "
+        f"{gib(stats.get('temp_bytes', 0))}) but has {shared}; try a smaller --per_device_train_batch_size (now "
+        f"{ctx.global_batch // (batch_axis_size(ctx.mesh) * args.gradient_accumulation_steps)}) or sequence length, "
+        "--gradient_checkpointing, fsdp (--mesh fsdp=N), --dtype bfloat16, or a smaller --config_name")
+
+
+def device_memory_bytes() -> tuple[int | None, str]:
+    """(bytes, 'device') of an accelerator, or (physical RAM, 'host') for CPU devices, which share it."""
+    device = jax.local_devices()[0]
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
+        except (ValueError, OSError):
+            return None, "host"
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_limit"), "device"
+
+
+def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[str, Any], export: bool) -> None:
+    if is_main():
+        write_json(ctx.out / "eval_results.json",
+                   {k: v for k, v in results.items() if k.startswith("eval_") or k.startswith("train_")})
         reporter.finish(results)
-    if ctx.args.export_hf and ctx.data.train is not None:
+    if export:
         from spmdlm.export import export_state
 
         export_state(graphdef, state, ctx.config, ctx.out / "hf", tokenizer=ctx.tokenizer)
@@ -384,19 +532,58 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
     pending: list[dict] = []  # device-side metrics since the last log; fetched only at log time
     reporter.start(start_step, total_steps)
     step = start_step
+    last_saved = start_step
     train_loss = float("nan")
-    while step < total_steps:
-        batch = pipeline.to_global(next(iterator), ctx.mesh)
-        state, metrics = stepper.train_step(state, batch, step)
-        step += 1
-        pending.append(metrics)
-        if step % args.logging_steps == 0 or step == total_steps:
-            train_loss = reporter.log_train(step, jax.device_get(pending))
-            pending = []
-        else:
-            reporter.tick(step)
-        if ctx.data.validation is not None and args.evaluating and step % args.eval_steps == 0 and step < total_steps:
-            reporter.log_eval(step, evaluate(stepper, state, ctx))
-        if step % args.save_steps == 0 or step == total_steps:
-            checkpoint.save(manager, step, state, iterator, run_config, force=True)
+    with StopOnSignal() as stop:
+        while step < total_steps:
+            batch = pipeline.to_global(next(iterator), ctx.mesh)
+            state, metrics = stepper.train_step(state, batch, step)
+            step += 1
+            pending.append(metrics)
+            if step % args.logging_steps == 0 or step == total_steps:
+                fetched = jax.device_get(pending)
+                check_finite(fetched, step, last_saved, args)  # no extra sync: these metrics are fetched anyway
+                train_loss = reporter.log_train(step, fetched)
+                pending = []
+            else:
+                reporter.tick(step)
+            checkpoint.check_saved(manager, last_saved)  # a failed async save stops the run now, not at the next
+            if ctx.data.validation is not None and args.evaluating and step % args.eval_steps == 0 \
+                    and step < total_steps:
+                reporter.log_eval(step, evaluate(stepper, state, ctx))
+            stopping = stop.should_stop(step)
+            if step % args.save_steps == 0 or step == total_steps or stopping:
+                save(manager, step, state, iterator, run_config, pending, last_saved, args)
+                last_saved = step
+            if stopping:
+                checkpoint.check_saved(manager, step, wait=True)
+                reporter.close()
+                raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(ctx.out) / str(step))
     return {"state": state, "train_loss": train_loss, **reporter.throughput()}
+
+
+def save(manager, step: int, state, iterator, run_config: dict, pending: list[dict], last_saved: int,
+         args: RunArgs) -> None:
+    """Checkpoint, unless the metrics not yet logged (fetched here) or the state itself are not finite."""
+    check_finite(jax.device_get(pending), step, last_saved, args)
+    try:
+        checkpoint.save(manager, step, state, iterator, run_config, force=True)
+    except checkpoint.NonFiniteStateError as e:
+        raise DivergenceError(f"training diverged by step {step}: {e}; {_advice(last_saved, args)}") from None
+
+
+def check_finite(fetched: list[dict], step: int, last_saved: int, args: RunArgs) -> None:
+    first = step - len(fetched) + 1
+    for offset, metrics in enumerate(fetched):
+        loss = float(metrics["loss_sum"]) / max(float(metrics["tokens"]), 1.0)
+        grad_norm = float(metrics["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise DivergenceError(f"training diverged at step {first + offset}: loss {loss:.4g}, grad norm "
+                                  f"{grad_norm:.4g}; {_advice(last_saved, args)}")
+
+
+def _advice(last_saved: int, args: RunArgs) -> str:
+    kept = f"the last checkpoint (step {last_saved}) is kept" if last_saved else "no checkpoint was written"
+    return (f"{kept}, nothing after it is saved or exported; try a lower --learning_rate (now {args.learning_rate:g}), "
+            f"--max_grad_norm 1.0 (now {args.max_grad_norm:g}), --z_loss 1e-4"
+            + (", or --dtype float32" if args.dtype != "float32" else ""))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,28 @@ from typing import Any
 import numpy as np
 
 log = logging.getLogger("spmdlm")
+
+
+def finite_or_none(value: Any) -> Any:
+    """Strict JSON has no NaN or infinity: such a value is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def strict_json(value: Any, **kwargs) -> str:
+    return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write-then-rename, so a crash never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(strict_json(value, indent=2))
+    os.replace(tmp, path)
 
 
 class Reporter:
@@ -119,7 +142,7 @@ class Reporter:
     # -- outputs -------------------------------------------------------------------------------------------------
     def _write(self, record: dict[str, Any]):
         with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
         if self._writer is not None:
             prefix = "eval" if any(k.startswith("eval_") for k in record) else "train"
             for key, value in record.items():
@@ -149,11 +172,16 @@ class Reporter:
         fig.savefig(self.out / "loss_curve.png", dpi=110)
         plt.close(fig)
 
-    def finish(self, results: dict[str, Any]):
+    def close(self):
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
+
+    def finish(self, results: dict[str, Any]):
+        self.close()
         if (self.out / "metrics.jsonl").exists():
             self.plot_loss_curve()
         labels = {"train_loss": "train loss {:.4f}", "eval_loss": "eval loss {:.4f}",

@@ -1,0 +1,155 @@
+"""What keeps a run from losing work: one run per output dir (a lock file) and a clean stop on SIGTERM/SIGINT.
+
+TPU VMs and SLURM send SIGTERM before taking a machine away; the train loop then saves a checkpoint at the current
+step and exits 143 (130 for Ctrl-C). In a multi-process run every process must save at the same step: JAX's
+preemption service (started by `jax.distributed.initialize`) catches SIGTERM, tells every process, and names the
+step at which all of them stop (`reached_preemption_sync_point`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger("spmdlm")
+
+LOCK_NAME = "run.lock"
+
+
+class LockError(ValueError):
+    """The output dir is in use by another run, or cannot be written."""
+
+
+class RunLock:
+    """OUTPUT_DIR/run.lock (host, pid, start time), created atomically before anything else is written there.
+
+    A lock left by a dead process on this host is taken over with a warning; a live holder, or one on another
+    host (whose process we cannot see), is refused in one line. Released (and a dir we created but left empty
+    removed) on exit, whatever happened.
+    """
+
+    def __init__(self, out: Path, enabled: bool = True):
+        self.out, self.enabled = Path(out), enabled
+        self.path = self.out / LOCK_NAME
+        self._created_dir = False
+
+    def __enter__(self) -> "RunLock":
+        if not self.enabled:
+            return self
+        try:
+            self._created_dir = not self.out.exists()
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._create()
+        except FileExistsError:
+            self._take_over_stale()
+        except OSError as e:
+            self._remove_created_dir()
+            raise LockError(f"cannot write in --output_dir {self.out} ({e.strerror or e}); "
+                            "choose a writable directory") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.path.unlink(missing_ok=True)
+            self._remove_created_dir()
+
+    def _create(self) -> None:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+
+    def _take_over_stale(self) -> None:
+        try:
+            holder = json.loads(self.path.read_text())
+            host, pid, started = holder["host"], int(holder["pid"]), holder.get("started", "?")
+        except (OSError, ValueError, KeyError, TypeError):
+            host, pid, started = None, None, "?"
+        if host == socket.gethostname() and (pid == os.getpid() or not _alive(pid)):
+            log.warning("taking over the lock of a run that is gone (pid %s, started %s) in %s", pid, started,
+                        self.out)
+            self.path.unlink(missing_ok=True)
+            self._create()
+            return
+        who = f"pid {pid} on host {host}, started {started}" if host else "a run whose lock file is unreadable"
+        gone = "" if host == socket.gethostname() else f"; if that run is gone, delete {self.path}"
+        raise LockError(f"--output_dir {self.out} is in use by another run ({who}); wait for it to finish or "
+                        f"choose another --output_dir{gone}")
+
+    def _remove_created_dir(self) -> None:
+        if self._created_dir and self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after saving a checkpoint at `step`."""
+
+    def __init__(self, signum: int, step: int, where: Path):
+        self.signum, self.step = signum, step
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}: the checkpoint is saved in "
+                         f"{where}; run the same command to resume")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StopOnSignal:
+    """While active: the first SIGTERM or SIGINT asks the train loop to save and stop; a second SIGINT exits now.
+
+    Single process: our own handlers. Several processes: SIGTERM is JAX's preemption notice (its handler is left in
+    place) and a Ctrl-C is turned into one, so that every process stops at the same, agreed step.
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        self._multi = jax.process_count() > 1
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for signum in ((signal.SIGINT,) if self._multi else (signal.SIGINT, signal.SIGTERM)):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: no waiting for the save
+        self.signum = signum
+        log.warning("%s received: saving a checkpoint at the end of this step (Ctrl-C again to quit at once)",
+                    signal.Signals(signum).name)
+        if self._multi:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def should_stop(self, step: int) -> bool:
+        """Called once per step (every process, same steps)."""
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.signum = self.signum or signal.SIGTERM
+                return True
+            return False
+        return self.signum is not None

@@ -1,0 +1,223 @@
+"""Input checks: binary files, encodings, the text field of JSON/CSV records, and damaged token caches."""
+
+import codecs
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spmdlm.data import sources
+from spmdlm.data.tokenizer import train_tokenizer
+
+LINES = ["café crème brûlée", "naïve Ærøskøbing straße", "Привет 東京 🙂"]
+_WORDS = np.random.default_rng(0).integers(0, 200, (60, 30))
+DOCS = [f"document {i}: " + " ".join(f"w{w}" for w in row) for i, row in enumerate(_WORDS)]
+
+
+def read(path: Path, **kwargs) -> list[str]:
+    return list(sources.read_documents([path], **kwargs))
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+# -- binary files and encodings ------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not Path("/bin/ls").is_file(), reason="no /bin/ls")
+def test_an_executable_given_as_train_file_is_refused():
+    with pytest.raises(sources.DataError, match=r"^/bin/ls looks binary .*give text files"):
+        read(sources.expand_files("/bin/ls")[0])
+
+
+def test_nul_bytes_or_mostly_undecodable_bytes_mean_binary(tmp_path):
+    (tmp_path / "nul.txt").write_bytes(b"hello\0world\n")
+    (tmp_path / "noise.txt").write_bytes(bytes(range(128, 256)) * 40)
+    with pytest.raises(sources.DataError, match="nul.txt looks binary \\(NUL bytes"):
+        read(tmp_path / "nul.txt")
+    with pytest.raises(sources.DataError, match="noise.txt looks binary \\(5120 of its first 5120 bytes"):
+        read(tmp_path / "noise.txt")
+
+
+BOMS = {"utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE, "utf-32-le": codecs.BOM_UTF32_LE,
+        "utf-32-be": codecs.BOM_UTF32_BE, "utf-8": codecs.BOM_UTF8}
+
+
+@pytest.mark.parametrize("encoding", BOMS)
+def test_a_bom_gives_the_encoding(tmp_path, caplog, encoding):
+    path = tmp_path / "a.txt"
+    path.write_bytes(BOMS[encoding] + "\n".join(LINES).encode(encoding))
+    assert read(path) == LINES
+    assert not warnings_of(caplog)
+
+
+def test_utf16_as_python_writes_it_and_a_utf8_bom_in_json_lines(tmp_path):
+    (tmp_path / "a.txt").write_text("\n".join(LINES), encoding="utf-16")
+    assert read(tmp_path / "a.txt") == LINES
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in LINES), encoding="utf-8-sig")
+    assert read(tmp_path / "a.jsonl") == LINES
+
+
+def test_latin1_bytes_are_replaced_with_one_warning_per_file(tmp_path, caplog):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café\nnaïve crème\n".encode("latin-1"))
+    assert read(path) == ["caf\ufffd", "na\ufffdve cr\ufffdme"]
+    assert warnings_of(caplog) == [f"{path}: 3 bytes are not valid UTF-8 and were replaced by U+FFFD "
+                                   "(convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8)"]
+
+
+# -- the text field of JSON and CSV records --------------------------------------------------------------------------
+
+
+def test_json_lines_without_the_text_field_name_the_line_and_the_flag(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "one"}\n\n{"id": 7, "body": "two"}\n')
+    with pytest.raises(sources.DataError, match=re.escape(f"{path}:3 has no 'text' field; pass --text_column NAME, "
+                                                          "NAME one of its fields: id, body")):
+        read(path)
+
+
+def test_text_column_picks_the_field_and_skips_empty_values(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": 1, "body": "one"}, {"id": 2, "body": 3}, {"id": 3, "body": None}, {"id": 4, "body": "  "}]))
+    assert read(path, text_column="body") == ["one", "3"]
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps([{"body": "x"}, {"id": 2}]))
+    with pytest.raises(sources.DataError, match=re.escape(f"{array} record 1 has no 'body' field")):
+        read(array, text_column="body")
+
+
+def test_a_bad_json_line_is_named(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "one"}\n{"text": \n')
+    with pytest.raises(sources.DataError, match=re.escape(f"{path}:2: not JSON lines")):
+        read(path)
+
+
+def test_csv_without_the_text_column_names_the_row_line(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text('id,body\n1,"two\nlines"\n2,world\n')
+    with pytest.raises(sources.DataError, match=re.escape(f"{path}:3 has no 'text' field; pass --text_column")):
+        read(path)
+    assert read(path, text_column="body") == ["two\nlines", "world"]
+
+
+# -- the token cache -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer("gpt2", DOCS, 300)
+
+
+def prepare(tokenizer, cache_dir, **kwargs):
+    return sources.prepare_split(DOCS, tokenizer, record_length=16, separator_id=0, cache_dir=cache_dir,
+                                 name="train", **kwargs)
+
+
+def records(split) -> list[np.ndarray]:
+    source = sources.record_source(split)
+    return [sources.decode_record(source[i]) for i in range(len(source))]
+
+
+def truncate(split):
+    data = split.path.read_bytes()
+    split.path.write_bytes(data[: len(data) // 2])
+
+
+def zero_the_middle(split):
+    data = bytearray(split.path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    split.path.write_bytes(bytes(data))
+
+
+def garble_the_metadata(split):
+    split.path.with_suffix(".json").write_text("{not json")
+
+
+def drop_the_hash(split):  # as caches written before the hash was recorded
+    meta_path = split.path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    del meta["sha256"], meta["bytes"]
+    meta_path.write_text(json.dumps(meta))
+
+
+def rewrite_the_metadata(split, **changes):
+    meta_path = split.path.with_suffix(".json")
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), **changes}))
+
+
+def remove_the_data(split):
+    split.path.unlink()
+
+
+def miscount_the_records(split):
+    rewrite_the_metadata(split, num_records=split.num_records + 1)
+
+
+def truncate_and_forge_the_metadata(split):  # size and hash agree: only opening the file finds the damage
+    truncate(split)
+    rewrite_the_metadata(split, bytes=split.path.stat().st_size, sha256=sources._sha256(split.path))
+
+
+def test_the_metadata_records_the_size_and_hash_of_the_data(tokenizer, tmp_path):
+    split = prepare(tokenizer, tmp_path)
+    meta = json.loads(split.path.with_suffix(".json").read_text())
+    assert meta["bytes"] == split.path.stat().st_size
+    assert meta["sha256"] == sources._sha256(split.path)
+    assert meta["num_records"] == split.num_records == len(records(split))
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (truncate, "bytes, .* expected"),
+    (remove_the_data, "train.array_record is missing"),
+    (zero_the_middle, "does not match its sha256"),
+    (garble_the_metadata, "train.json is unreadable"),
+    (drop_the_hash, "train.json lacks bytes, sha256"),
+    (truncate_and_forge_the_metadata, "train.array_record does not open"),
+    (miscount_the_records, "records, .* expected"),
+])
+def test_a_damaged_cache_is_rebuilt(tokenizer, tmp_path, caplog, damage, reason):
+    split = prepare(tokenizer, tmp_path)
+    original = records(split)
+    damage(split)
+    caplog.clear()
+    assert prepare(tokenizer, tmp_path) == split
+    [warning] = warnings_of(caplog)
+    folder = re.escape(str(split.path.parent))
+    assert re.fullmatch(f"the tokenized train cache {folder} is damaged \\(.*{reason}.*\\); rebuilding it", warning)
+    rebuilt = records(split)
+    assert len(rebuilt) == len(original) and all(np.array_equal(a, b) for a, b in zip(rebuilt, original))
+    caplog.clear()
+    prepare(tokenizer, tmp_path)  # the rebuilt cache checks out
+    assert not warnings_of(caplog)
+
+
+def test_temp_files_of_dead_preparations_on_this_host_are_removed(tokenizer, tmp_path):
+    folder = prepare(tokenizer, tmp_path).path.parent
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid belongs to no process
+    host = socket.gethostname()
+    dead = folder / f"train.array_record.tmp-{host}-{child.pid}"
+    alive = folder / f"train.array_record.tmp-{host}-{os.getppid()}"
+    elsewhere = folder / "train.array_record.tmp-otherhost-1"
+    for path in (dead, alive, elsewhere):
+        path.write_bytes(b"partial")
+    prepare(tokenizer, tmp_path, overwrite_cache=True)
+    assert not dead.exists() and alive.exists() and elsewhere.exists()
+
+
+def test_an_unwritable_cache_dir_names_the_folder(tokenizer, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(sources.DataError, match=re.escape(f"cannot write the token cache in {blocker}/sub/") +
+                       ".*pass a writable --cache_dir"):
+        prepare(tokenizer, blocker / "sub")
