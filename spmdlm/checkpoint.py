@@ -45,6 +45,16 @@ class NonFiniteStateError(ValueError):
     """The train state holds NaN or infinity: it must not be saved or exported."""
 
 
+class _QuietReadOnly(logging.Filter):
+    """orbax warns on every read-only manager (resume checks, export) that it is read-only: not news to anyone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(("CheckpointManagerOptions.read_only=True", "Given directory is read only"))
+
+
+logging.getLogger("absl").addFilter(_QuietReadOnly())
+
+
 def checkpoint_dir(output_dir: str | Path) -> Path:
     return Path(output_dir).absolute() / "checkpoints"
 
@@ -127,7 +137,7 @@ def save(manager: ocp.CheckpointManager, step: int, state, data_iterator, run_co
     try:
         return manager.save(step, args=args, force=force)
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds; the user needs the path and the OS error
-        raise save_error(manager, step, e) from None
+        raise save_error(manager, None, e) from None  # it may be the previous save's failure, surfacing here
 
 
 def check_saved(manager: ocp.CheckpointManager, step: int | None = None, *, wait: bool = False) -> None:
@@ -138,10 +148,19 @@ def check_saved(manager: ocp.CheckpointManager, step: int | None = None, *, wait
         raise save_error(manager, step, e) from None
 
 
+def close(manager: ocp.CheckpointManager) -> None:
+    """Close, also after a failed save (whose error was reported already): its threads must not outlive the run."""
+    try:
+        manager.close()
+    except Exception as e:  # noqa: BLE001
+        log.debug("closing the checkpoint manager: %s", describe(e))
+
+
 def save_error(manager, step: int | None, error: BaseException) -> CheckpointError:
     cause = root_cause(error)
-    hint = ("free some space or point --output_dir at a bigger disk"
-            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC else "check that the directory is writable")
+    full_disk = (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or "os_error_code='28'" in str(cause)
+    hint = "free some space or point --output_dir at a bigger disk" if full_disk else \
+        "check that the directory is writable"
     at = f"at step {step} " if step is not None else ""
     return CheckpointError(f"saving the checkpoint {at}in {manager.directory} failed: {describe(cause)}; {hint}")
 
@@ -158,7 +177,10 @@ def root_cause(error: BaseException) -> BaseException:
 def describe(error: BaseException) -> str:
     """One line: the exception's type and the first line of its message."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+    if not text:
+        return type(error).__name__
+    line = text[0] if len(text[0]) <= 400 else f"{text[0][:220]} ... {text[0][-160:]}"  # the OS error is at the end
+    return f"{type(error).__name__}: {line}"
 
 
 def check_format(run_config: dict, run_dir) -> None:

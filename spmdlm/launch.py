@@ -56,14 +56,16 @@ def setup_logging() -> None:
     level = logging.INFO if jax.process_index() == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
-    for noisy in ("absl", "jax._src", "orbax", "grain"):
+    for noisy in ("absl", "jax._src", "orbax", "grain", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-        logging.getLogger(noisy).addFilter(_one_line)
+        logging.getLogger(noisy).addFilter(_reported_by_us)
 
 
-def _one_line(record: logging.LogRecord) -> bool:
-    """Libraries log caught exceptions with their tracebacks (orbax's failed async save); the run reports the
-    error itself in one line, so keep just their message."""
+def _reported_by_us(record: logging.LogRecord) -> bool:
+    """orbax logs a failed asynchronous save from its threads, with tracebacks, as several ERROR lines (and asyncio
+    its orphaned futures); the run reports that failure itself in one line. Other records keep just their message."""
+    if record.levelno >= logging.ERROR and ("orbax" in record.pathname or record.name == "asyncio"):
+        return False
     record.exc_info, record.exc_text, record.stack_info = None, None, None
     return True
 

@@ -115,3 +115,53 @@ def test_launcher_simulates_cpu_devices_and_says_so(tmp_path):
     assert "simulating 4 CPU devices for --mesh data=2,fsdp=2" in result.stdout
     assert result.returncode == 2 and "no such file" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_flag_prefix_is_not_taken_for_the_flag(capsys, out):
+    assert "unrecognized arguments: --learning_rat" in run_failing(capsys, out, "--learning_rat", "1e-3")
+
+
+def test_a_flag_of_another_family_is_an_error(capsys, out):
+    message = run_failing(capsys, out, "--model_type", "t5", "--block_size", "256")
+    assert "--block_size does not apply to t5" in message and "--max_seq_length" in message
+
+
+def test_a_binary_train_file_is_refused(capsys, out):
+    assert "/bin/ls looks binary" in run_failing(capsys, out, "--train_file", "/bin/ls")
+
+
+def test_an_output_dir_that_is_a_file(capsys, out):
+    assert "is a file" in run_failing(capsys, out, "--output_dir", str(out / "keep.txt"))
+
+
+def test_a_damaged_run_config(capsys, out):
+    (out / "run_config.json").write_text("{not json")
+    message = run_failing_keeping(capsys, out, "run_config.json", "--train_file", str(FIXTURES / "overfit.txt"))
+    assert "run_config.json is not valid JSON" in message
+
+
+def run_failing_keeping(capsys, out, name, *argv) -> str:
+    """As run_failing, for a dir that also holds `name`, which must be left as it was."""
+    before = (out / name).read_bytes()
+    code = main(["--output_dir", str(out), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert (out / name).read_bytes() == before and (out / "keep.txt").read_text() == "precious"
+    return err[0]
+
+
+def test_export_to_a_file(capsys, out):
+    from spmdlm.export import main as export_main
+
+    (out / "run_config.json").write_text("{}")
+    assert export_main(["--checkpoint", str(out), "--out", str(out / "keep.txt")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --out {out / 'keep.txt'} is a file; give a directory"
+
+
+def test_an_args_file_and_flags_combine_and_flags_win(tmp_path):
+    from spmdlm.config import parse_args
+
+    args_file = tmp_path / "args.json"
+    args_file.write_text(json.dumps({"learning_rate": 1e-3, "max_steps": 10, "train_file": "a.txt"}))
+    args, given = parse_args([str(args_file), "--learning_rate", "5e-4"])
+    assert (args.learning_rate, args.max_steps, args.train_file) == (5e-4, 10, "a.txt")

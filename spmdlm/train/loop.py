@@ -420,19 +420,21 @@ def run_locked(ctx: RunContext, train_docs, val_docs) -> dict[str, Any]:
         iterator = pipeline.train_batches(ctx.data.train, ctx.objective, seed=args.seed,
                                           global_batch=ctx.global_batch, num_epochs=ctx.schedule.num_epochs,
                                           process_index=jax.process_index(), process_count=jax.process_count())
-        if ctx.resuming:
-            state, step = checkpoint.restore_newest_good(manager, state, iterator)
-            log.info("resumed from the checkpoint at step %d", step)
-            reporter.truncate_after(step)
-        if step < ctx.total_steps:
-            if stats is None:  # the finished run's last checkpoint was damaged: train again from an older one
-                compile_train()
-            results.update(train_loop(ctx, stepper, state, iterator, manager, reporter, step, run_config))
-            state, trained = results.pop("state"), True
-        else:  # finished before: keep its training results, redo only what is missing
-            results.update({k: v for k, v in previous_results.items() if k.startswith("train_")})
-        checkpoint.check_saved(manager, wait=True)
-        manager.close()
+        try:
+            if ctx.resuming:
+                state, step = checkpoint.restore_newest_good(manager, state, iterator)
+                log.info("resumed from the checkpoint at step %d", step)
+                reporter.truncate_after(step)
+            if step < ctx.total_steps:
+                if stats is None:  # the finished run's last checkpoint was damaged: train again from an older one
+                    compile_train()
+                results.update(train_loop(ctx, stepper, state, iterator, manager, reporter, step, run_config))
+                state, trained = results.pop("state"), True
+            else:  # finished before: keep its training results, redo only what is missing
+                results.update({k: v for k, v in previous_results.items() if k.startswith("train_")})
+            checkpoint.check_saved(manager, wait=True)
+        finally:
+            checkpoint.close(manager)
     elif ctx.resuming:  # evaluation only: of the latest checkpoint
         manager = checkpoint.make_manager(ctx.out, read_only=True)
         state, step = checkpoint.restore_newest_good(manager, state, move_aside=False)
@@ -534,7 +536,7 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
     step = start_step
     last_saved = start_step
     train_loss = float("nan")
-    with StopOnSignal() as stop:
+    with StopOnSignal() as stop, reporter:
         while step < total_steps:
             batch = pipeline.to_global(next(iterator), ctx.mesh)
             state, metrics = stepper.train_step(state, batch, step)
@@ -557,7 +559,6 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
                 last_saved = step
             if stopping:
                 checkpoint.check_saved(manager, step, wait=True)
-                reporter.close()
                 raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(ctx.out) / str(step))
     return {"state": state, "train_loss": train_loss, **reporter.throughput()}
 

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,9 @@ class Reporter:
         from tqdm.auto import tqdm
 
         self._writer = SummaryWriter(str(self.out / "tensorboard"))
-        self._bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
+        self._total = total
+        if sys.stderr.isatty():  # a log file gets plain lines (log_train), not carriage-return bar fragments
+            self._bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
 
     def truncate_after(self, step: int):
         """On resume, drop logged lines past the checkpoint: those steps are about to be run again."""
@@ -119,12 +122,25 @@ class Reporter:
                 record["mfu"] = record["tflops_per_device"] * 1e12 / self.peak_flops
         if self.enabled:
             self._write(record)
-            self._bar.update(step - self._bar.n)
-            postfix = {"loss": f"{loss:.3f}", "tok_s": f"{tokens_per_s:,.0f}"}
+            shown = {"loss": f"{loss:.4f}", "lr": f"{record['learning_rate']:.3g}",
+                     "grad_norm": f"{record['grad_norm']:.3g}", "tok_s": f"{tokens_per_s:,.0f}"}
             if "mfu" in record:
-                postfix["mfu"] = f"{record['mfu']:.1%}"
-            self._bar.set_postfix(postfix, refresh=False)
+                shown["mfu"] = f"{record['mfu']:.1%}"
+            if self._bar is not None:
+                self._bar.update(step - self._bar.n)
+                self._bar.set_postfix(shown, refresh=False)
+            else:
+                log.info("step %d/%d | %s | ETA %s", step, self._total,
+                         " | ".join(f"{k} {v}" for k, v in shown.items()), self._eta(step, now))
         return loss
+
+    def _eta(self, step: int, now: float) -> str:
+        """Remaining steps at the average wall time per step so far (evaluations included, compile excluded)."""
+        done = step - self._first_step
+        if done <= 0:
+            return "?"
+        seconds = int((now - self._start_time) / done * (self._total - step))
+        return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
     def log_eval(self, step: int, metrics: dict[str, float]):
         if not self.enabled:
@@ -172,10 +188,19 @@ class Reporter:
         fig.savefig(self.out / "loss_curve.png", dpi=110)
         plt.close(fig)
 
-    def close(self):
+    def __enter__(self) -> "Reporter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close_bar()  # the progress bar's line ends before any error message
+
+    def close_bar(self):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    def close(self):
+        self.close_bar()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
