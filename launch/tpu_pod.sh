@@ -3,19 +3,41 @@
 # (jax.distributed.initialize() with no arguments), so every worker runs the same command.
 #   launch/tpu_pod.sh TPU_NAME ZONE -- <spmdlm.launch flags>
 # e.g. launch/tpu_pod.sh my-v4-32 us-central2-b -- --mesh data=-1 --model_type gpt2 --config_name gpt2 \
-#        --train_file gs://bucket/corpus/*.txt --output_dir /mnt/disks/run/gpt2 ...
-# Put the output dir on storage every worker sees (a shared filesystem or a GCS path orbax can write).
+#        --train_file '/mnt/disks/data/corpus/*.txt' --output_dir /mnt/shared/runs/gpt2 ...
+# Quote globs: spmdlm expands them itself, on each worker; unquoted, your local shell expands them first.
+#
+# Data: --train_file reads files, not gs:// URLs, so put the corpus at the same path on every worker: mount the
+# bucket there with gcsfuse on each worker, or copy it to each worker's disk, e.g.
+#   gcloud compute tpus tpu-vm ssh TPU_NAME --zone ZONE --worker=all \
+#     --command 'gcloud storage cp -r gs://BUCKET/corpus /mnt/disks/data/'
+# Output: --output_dir must be one shared filesystem mounted at the same path on every worker (e.g. Filestore over
+# NFS); spmdlm writes it with ordinary file paths, not gs:// URLs.
+# Code: the repository must be at SPMDLM_REPO_DIR on every worker (an absolute path; default: spmdlm in the worker's
+# home). With SPMDLM_GIT_URL set, each worker clones it there first, or pulls if it is already cloned; without it,
+# copy a checkout (without its .venv) yourself, e.g.
+#   gcloud compute tpus tpu-vm scp --recurse --worker=all --zone ZONE spmdlm TPU_NAME:~/
+# The first run on a worker creates .venv there and installs spmdlm with jax[tpu].
 set -euo pipefail
 TPU_NAME=$1
 ZONE=$2
 shift 2
 [ "${1:-}" = "--" ] && shift
-REPO_DIR=${SPMDLM_REPO_DIR:-~/spmdlm}
 ARGS=$(printf ' %q' "$@")
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command "
-  set -e
-  cd $REPO_DIR
-  [ -d .venv ] || (python3 -m venv .venv && . .venv/bin/activate && pip install -e . 'jax[tpu]')
-  . .venv/bin/activate
-  python -m spmdlm.launch $ARGS
-"
+# What each worker runs, single-quoted so that nothing in it ($HOME included) is expanded on this machine.
+# shellcheck disable=SC2016
+REMOTE='
+set -e
+REPO_DIR=${REPO_DIR:-$HOME/spmdlm}
+if [ -n "$GIT_URL" ]; then
+  if [ -d "$REPO_DIR/.git" ]; then git -C "$REPO_DIR" pull --ff-only; else git clone "$GIT_URL" "$REPO_DIR"; fi
+fi
+if [ ! -d "$REPO_DIR" ]; then
+  echo "$(hostname): no spmdlm repository at $REPO_DIR; copy it there or set SPMDLM_GIT_URL" >&2
+  exit 1
+fi
+cd "$REPO_DIR"
+[ -d .venv ] || (python3 -m venv .venv && . .venv/bin/activate && pip install -e . "jax[tpu]")
+. .venv/bin/activate
+python -m spmdlm.launch'
+gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command \
+  "REPO_DIR=$(printf %q "${SPMDLM_REPO_DIR:-}"); GIT_URL=$(printf %q "${SPMDLM_GIT_URL:-}");$REMOTE$ARGS"

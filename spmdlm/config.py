@@ -30,7 +30,8 @@ def _field(default, help: str, **kw):
 class RunArgs:
     # -- model ---------------------------------------------------------------------------------------------------
     model_type: str | None = _field(None, "model family: gpt2, roberta, t5 or bart (default: the config's, else gpt2)")
-    config_name: str | None = _field(None, "preset name in models/, a JSON file, or an HF config directory")
+    config_name: str | None = _field(None, "a preset (listed above), a JSON file, or an HF config directory "
+                                     "(default: the family's base preset, e.g. gpt2 = 124M)")
     model_name_or_path: str | None = _field(None, "initialise from a transformers checkpoint directory")
     tokenizer_name: str | None = _field(None, "a tokenizer.json file or an HF tokenizer directory; default: train one")
     vocab_size: int | None = _field(None, "vocabulary of a tokenizer trained here (default: the config's)")
@@ -42,7 +43,8 @@ class RunArgs:
     validation_file: str | None = _field(None, "held-out files; default: a hash split of the training documents")
     validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
     block_size: int | None = _field(None, "CLM example length (default: min(1024, n_positions))")
-    max_seq_length: int | None = _field(None, "encoder length for MLM/T5/BART (default: the model's maximum)")
+    max_seq_length: int | None = _field(None, "encoder length for RoBERTa/T5/BART (default: RoBERTa and BART the "
+                                        "model's positions up to 512 and 1024, T5 512)")
     mlm_probability: float | None = _field(None, "MLM masking rate / T5 noise density (default 0.15); BART: "
                                            "the HF script's name for --mask_ratio")
     mean_noise_span_length: float = _field(3.0, "T5 span corruption: mean length of a corrupted span")
@@ -160,25 +162,60 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(f"{message} (python -m spmdlm.launch --help lists the flags)")
 
 
+# --help groups: each starts at the named field and runs to the next group's.
+HELP_GROUPS = (("model", "model_type"), ("data", "train_file"), ("run control", "output_dir"),
+               ("optimisation", "learning_rate"), ("mesh and hosts", "mesh"), ("output", "export_hf"),
+               ("accepted for compatibility with the HF scripts", "use_fast_tokenizer"))
+
+
+def _description() -> str:
+    from spmdlm.families import FAMILIES
+    from spmdlm.models.config import preset_names
+
+    import textwrap
+
+    fill = lambda text, indent="": textwrap.fill(text, 100, initial_indent=indent,
+                                                 subsequent_indent=indent * 2)
+    values = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())
+    return "\n\n".join([
+        fill("Pretrain RoBERTa (masked LM), GPT-2 (causal LM), T5 v1.1 (span corruption) or BART (denoising) on a "
+             "device mesh. Flags follow the Hugging Face Flax scripts; a .json/.yaml file of flags may come first "
+             "(flags after it win)."),
+        fill("With no --train_file the run trains on the embedded corpus (this Python's standard library) with the "
+             "quick-start values, which replace the defaults below for every flag not given: "
+             f"{values(QUICKSTART_COMMON)}; and per family (--model_type):") + "\n" + "\n".join(
+            fill(f"{name}: {values(family.quickstart)}", "  ") for name, family in FAMILIES.items()),
+        fill("presets (--config_name): " + ", ".join(preset_names())),
+    ])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         allow_abbrev=False,  # a mistyped flag is an error, never silently another flag
         prog="python -m spmdlm.launch",
-        description="Pretrain GPT-2 or T5 v1.1 on a device mesh. "
-                    "Flags follow the Hugging Face Flax scripts; one .json/.yaml file of flags also works.",
+        usage="%(prog)s [ARGS_FILE.json|.yaml] [--flag VALUE ...]",
+        description=_description(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     hints = typing.get_type_hints(RunArgs)
+    starts = dict((field, title) for title, field in HELP_GROUPS)
+    group = parser
     for f in dataclasses.fields(RunArgs):
+        if f.name in starts:
+            group = parser.add_argument_group(starts[f.name])
         tp = _base_type(hints[f.name])
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        help_text = f.metadata["help"]
+        if "default" not in help_text and "compatibility" not in help_text and f.default is not None:
+            help_text += f" (default: {f.default})"
         if tp is bool:
             # Both `--flag` and `--flag true/false` like HfArgumentParser; `--no_flag` turns it off.
-            parser.add_argument(f"--{f.name}", type=_to_bool, nargs="?", const=True, default=argparse.SUPPRESS,
-                                help=help_text)
-            parser.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
-                                help=argparse.SUPPRESS)
+            group.add_argument(f"--{f.name}", type=_to_bool, nargs="?", const=True, default=argparse.SUPPRESS,
+                               help=help_text, metavar="BOOL")
+            group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS)
         else:
-            parser.add_argument(f"--{f.name}", type=tp, default=argparse.SUPPRESS, help=help_text)
+            group.add_argument(f"--{f.name}", type=tp, default=argparse.SUPPRESS, help=help_text,
+                               metavar=tp.__name__.upper())
     return parser
 
 
@@ -215,6 +252,11 @@ def validate(args: RunArgs) -> RunArgs:
     if args.dataset_name or args.dataset_config_name:
         raise ArgumentError("--dataset_name needs the Hugging Face Hub, which spmdlm does not use; "
                             "download the data yourself and pass --train_file (and --validation_file)")
+    from spmdlm.families import FAMILIES
+
+    if args.model_type is not None and args.model_type not in FAMILIES:
+        raise ArgumentError(f"--model_type {args.model_type!r} is not a model family; use one of "
+                            f"{', '.join(FAMILIES)}")
     if args.dtype not in ("float32", "bfloat16"):
         raise ArgumentError(f"--dtype {args.dtype!r} is not supported; use float32 or bfloat16")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",

@@ -11,7 +11,9 @@ holds more than one extra copy of the parameters on the host.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -48,9 +50,12 @@ def read_hf_config(path: str | Path) -> HFConfig:
 
 
 def hf_config_dict(config: HFConfig) -> dict:
-    import transformers
-
-    return {**config.to_hf_dict(), "dtype": "float32", "transformers_version": transformers.__version__}
+    # From package metadata: importing transformers where torch is absent prints "PyTorch was not found".
+    try:
+        version = {"transformers_version": importlib.metadata.version("transformers")}
+    except importlib.metadata.PackageNotFoundError:
+        version = {}
+    return {**config.to_hf_dict(), "dtype": "float32", **version}
 
 
 def generation_config_dict(config: HFConfig) -> dict:
@@ -118,6 +123,7 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
         return out
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _normal_file_mode(out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2, allow_nan=False))
     (out / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2, allow_nan=False))
     if tokenizer is not None:
@@ -125,6 +131,13 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
 
         save_tokenizer(tokenizer, out, get_family(config.model_type), model_max_length=config.max_length)
     return out
+
+
+def _normal_file_mode(path: Path) -> None:
+    """Give `path` the mode a newly created file gets: safetensors writes through a 0600 temporary file."""
+    umask = os.umask(0)  # the portable way to read the umask; restored at once
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def export_state(graphdef, state, config: HFConfig, out_dir: str | Path, tokenizer=None) -> Path:

@@ -1,6 +1,7 @@
 """Command lines: the HF recipes' flags are accepted unchanged, argument files work, defaults never crash."""
 
 import json
+import re
 import shlex
 
 import pytest
@@ -100,3 +101,24 @@ def test_bad_values(argv, message):
 def test_boolean_flags_take_values_like_hf():
     args, _ = parse_args(["--train_file", "x", "--do_train", "false", "--export_hf=False", "--no_do_eval"])
     assert args.do_train is False and args.export_hf is False and args.do_eval is False
+
+
+def test_help_is_grouped_with_each_default_once_and_the_presets_listed():
+    from spmdlm.config import HELP_GROUPS, build_parser
+    from spmdlm.models.config import preset_names
+
+    text = build_parser().format_help()
+    assert text.startswith("usage: python -m spmdlm.launch [ARGS_FILE.json|.yaml] [--flag VALUE ...]\n")
+    for title, _ in HELP_GROUPS:
+        assert f"\n{title}:\n" in text
+    flat = " ".join(text.split())
+    assert "(default: None)" not in flat and not re.search(r"default[^()]*\) \(default:", flat)  # one per flag
+    assert "quick-start values" in flat and "gpt2: output_dir=runs/gpt2-tiny-stdlib" in flat
+    assert all(name in flat for name in preset_names())
+
+
+def test_an_unknown_model_type_names_the_families():
+    from spmdlm.config import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError, match="'robertaa' is not a model family; use one of bart, gpt2, roberta, t5"):
+        parse_args(["--model_type", "robertaa"])

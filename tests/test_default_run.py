@@ -24,6 +24,11 @@ def test_default_run_end_to_end(tmp_path):
     assert "simulating 8 CPU devices" in first.stdout
     assert "embedded corpus" in first.stdout and "summary: train loss" in first.stdout
     assert "model gpt2 (config gpt2-tiny)" in first.stdout
+    # not a terminal: plain lines, one per logging step (the quick start logs every 20), no progress-bar fragments
+    assert "\r" not in first.stdout + first.stderr
+    progress = [line for line in first.stdout.splitlines() if " INFO step " in line]
+    assert [line.split(" INFO step ")[1].split(" |")[0] for line in progress] == ["20/40", "40/40"], progress
+    assert all(" | lr " in line and " | grad_norm " in line and " | ETA " in line for line in progress)
     results = json.loads((out / "eval_results.json").read_text())
     assert results["eval_loss"] < 7.0  # from ln(4096) = 8.3 at initialisation
     for name in ("loss_curve.png", "metrics.jsonl", "tensorboard", "checkpoints", "hf/model.safetensors",

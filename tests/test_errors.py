@@ -165,3 +165,8 @@ def test_an_args_file_and_flags_combine_and_flags_win(tmp_path):
     args_file.write_text(json.dumps({"learning_rate": 1e-3, "max_steps": 10, "train_file": "a.txt"}))
     args, given = parse_args([str(args_file), "--learning_rate", "5e-4"])
     assert (args.learning_rate, args.max_steps, args.train_file) == (5e-4, 10, "a.txt")
+
+
+def test_cloud_urls_are_refused_in_one_line(capsys, out):
+    message = run_failing(capsys, out, "--train_file", "gs://bucket/corpus/*.txt")
+    assert "URLs are not read; mount the bucket" in message

@@ -55,6 +55,9 @@ def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> l
     files: list[Path] = []
     for pattern in patterns:
         pattern = os.path.expanduser(pattern.strip())
+        if "://" in pattern:
+            raise DataError(f"{flag} {pattern}: URLs are not read; mount the bucket (e.g. gcsfuse) or copy the data "
+                            "to a local disk and pass that path")
         matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
         matches = [m for m in matches if Path(m).is_file()]
         if not matches:

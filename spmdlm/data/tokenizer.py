@@ -171,7 +171,8 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for transformers' AutoTokenizer.
 
     AutoTokenizer then gives GPT2/Roberta/BartTokenizerFast for byte-level BPE tokenizers, and the generic
-    PreTrainedTokenizerFast for t5 and lowercased BPE (see `_hf_class`), with the same ids as `tok` in every case.
+    PreTrainedTokenizerFast (TokenizersBackend in transformers 5) for t5 and lowercased BPE (see `_hf_class`), with
+    the same ids as `tok` in every case.
     """
     spec = tokenizer_spec(family)
     special_token_ids(tok, spec)  # fail before writing anything
@@ -200,9 +201,10 @@ def _hf_class(tok: Tokenizer, spec: TokenizerSpec) -> str:
     """The tokenizer class to name in tokenizer_config.json.
 
     transformers 5's model-specific classes rebuild the pipeline from tokenizer.json's vocab alone: GPT2/Roberta
-    keep no normalizer and a ByteLevel pre-tokenizer; T5Tokenizer replaces ours with WhitespaceSplit + Metaspace and
-    drops the Nmt/NFKC/Digits/Punctuation steps, which changes ids. Where the rebuild would differ, name the generic
-    class, which loads tokenizer.json as written.
+    keep no normalizer and a ByteLevel pre-tokenizer; T5Tokenizer keeps only the vocab, the post-processor and a
+    Precompiled normalizer, so it drops our Nmt/NFKC/space-run normalizer and replaces the Digits/Punctuation
+    pre-tokenizer with WhitespaceSplit + Metaspace, which changes ids (digits, punctuation, the space before a sentinel,
+    NFKC forms). Where the rebuild would differ, name the generic class, which loads tokenizer.json as written.
     """
     saved = json.loads(tok.to_str())
     pre = saved.get("pre_tokenizer") or {}

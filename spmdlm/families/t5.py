@@ -46,7 +46,10 @@ TABLE = Table(
         ("shared.weight", "shared.embedding", SAME),
         *_stack_rules("encoder", "i", is_decoder=False),
         *_stack_rules("decoder", "j", is_decoder=True),
-        ("lm_head.weight", "lm_head.kernel", LINEAR),  # untied in v1.1: written and read separately from shared
+        # Untied in v1.1: written and read separately from shared. transformers 5 forces T5Config.tie_word_embeddings
+        # to True whatever config.json says (there it only decides the output scaling), so loading any v1.1 checkpoint,
+        # its own save_pretrained output included, warns that it will not tie the two; it then loads them untied.
+        ("lm_head.weight", "lm_head.kernel", LINEAR),
     ),
     layer_counts=lambda c: {"i": c.num_layers, "j": c.num_decoder_layers},
     ignore=(r"^(encoder|decoder)\.embed_tokens\.weight$",  # tied copies of shared

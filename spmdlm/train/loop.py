@@ -99,6 +99,9 @@ def resolve(args: RunArgs, run_start: float) -> RunContext:
     mesh = make_mesh(args.mesh)
     global_batch = global_batch_size(args, mesh)
     out = Path(args.output_dir)
+    if "://" in args.output_dir:
+        raise RunError(f"--output_dir {args.output_dir}: URLs are not written; use a shared filesystem mounted at the "
+                       "same path on every host (e.g. gcsfuse or NFS)")
     if out.exists() and not out.is_dir():
         raise RunError(f"--output_dir {out} is a file; give a directory")
     if args.model_name_or_path:
