@@ -38,7 +38,15 @@ class RunArgs:
     dtype: str = _field("float32", "compute dtype: float32 or bfloat16 (parameters and optimizer stay float32)")
     cache_dir: str | None = _field(None, "where tokenized data is cached (default ~/.cache/spmdlm)")
     # -- data ----------------------------------------------------------------------------------------------------
-    train_file: str | None = _field(None, "txt/json/jsonl/csv files, comma-separated, globs allowed")
+    train_file: str | None = _field(None, "txt/json/jsonl/csv/parquet files (plain, .gz or .zst), comma-separated, "
+                                    "globs and directories allowed")
+    dataset_dir: str | None = _field(None, "a dataset prepared by python -m spmdlm.prepare (instead of --train_file; "
+                                     "its tokenizer unless --tokenizer_name)")
+    dataset_name: str | None = _field(None, "a datasets dataset (extra .[datasets]): a save_to_disk dir, parquet "
+                                      "files, or a Hub name (streamed)")
+    dataset_config_name: str | None = _field(None, "the configuration of --dataset_name")
+    preprocessing_num_workers: int | None = _field(None, "processes that tokenize --train_file/--dataset_name "
+                                                   "(default: 1; the tokenizer is multithreaded)")
     text_column: str | None = _field(None, "json/jsonl/csv: the field holding the text (default: text)")
     validation_file: str | None = _field(None, "held-out files; default: a hash split of the training documents")
     validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
@@ -100,10 +108,7 @@ class RunArgs:
     hub_token: str | None = _field(None, "Hub token")
     # accepted for command-line compatibility with the HF scripts; they change nothing here
     use_fast_tokenizer: bool = _field(True, "accepted for compatibility (tokenizers are always fast)")
-    preprocessing_num_workers: int | None = _field(None, "accepted for compatibility (tokenization is parallel)")
     keep_linebreaks: bool = _field(True, "accepted for compatibility (documents are whole lines)")
-    dataset_name: str | None = _field(None, "not supported: there is no Hub access; use --train_file")
-    dataset_config_name: str | None = _field(None, "not supported: there is no Hub access; use --train_file")
     token: str | None = _field(None, "accepted for compatibility")
     trust_remote_code: bool = _field(False, "accepted for compatibility")
 
@@ -112,7 +117,8 @@ class RunArgs:
 
     @property
     def uses_embedded_corpus(self) -> bool:
-        return self.train_file is None and self.model_name_or_path is None
+        return (self.train_file is None and self.model_name_or_path is None and self.dataset_dir is None
+                and self.dataset_name is None)
 
     @property
     def training(self) -> bool:
@@ -249,9 +255,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
 
 
 def validate(args: RunArgs) -> RunArgs:
-    if args.dataset_name or args.dataset_config_name:
-        raise ArgumentError("--dataset_name needs the Hugging Face Hub, which spmdlm does not use; "
-                            "download the data yourself and pass --train_file (and --validation_file)")
+    if sum(x is not None for x in (args.train_file, args.dataset_dir, args.dataset_name)) > 1:
+        raise ArgumentError("give one of --train_file, --dataset_dir and --dataset_name")
+    if args.dataset_config_name and not args.dataset_name:
+        raise ArgumentError("--dataset_config_name needs --dataset_name")
     from spmdlm.families import FAMILIES
 
     if args.model_type is not None and args.model_type not in FAMILIES:

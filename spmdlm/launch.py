@@ -56,7 +56,7 @@ def setup_logging() -> None:
     level = logging.INFO if jax.process_index() == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
-    for noisy in ("absl", "jax._src", "orbax", "grain", "asyncio"):
+    for noisy in ("absl", "jax._src", "orbax", "grain", "asyncio", "datasets", "huggingface_hub", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
         logging.getLogger(noisy).addFilter(_reported_by_us)
 

@@ -66,8 +66,10 @@ def test_unknown_config(capsys, out):
                                            "--config_name", "gpt7-huge")
 
 
-def test_hub_datasets_are_refused(capsys, out):
-    assert "--train_file" in run_failing(capsys, out, "--dataset_name", "oscar")
+def test_an_unreachable_hub_dataset_is_one_line(capsys, out, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "--dataset_name oscar: Couldn't reach 'oscar'" in run_failing(capsys, out, "--dataset_name", "oscar")
 
 
 def test_non_empty_output_dir_is_not_clobbered(capsys, out, tiny_gpt2_config):

@@ -61,14 +61,16 @@ def global_examples(split: PreparedSplit, objective: Objective, *, seed: int, nu
 
 
 def train_batches(split: PreparedSplit, objective: Objective, *, seed: int, global_batch: int, num_epochs: int,
-                  process_index: int = 0, process_count: int = 1):
+                  process_index: int = 0, process_count: int = 1, read_options: grain.ReadOptions | None = None):
     """An iterator (checkpointable with Grain) of this process's part of each global training batch.
 
     Grain's in-order thread prefetch only: `mp_prefetch` would reorder batches and break batch = f(step).
+    `read_options` sets its threads and prefetch buffer (default: Grain's); the batches are the same either way.
+    A split of several shard files is read as one sequence: every host opens all shards and reads only its rows.
     """
     ds = global_examples(split, objective, seed=seed, num_epochs=num_epochs)
     ds = _HostRows(ds, global_batch, process_index, process_count)
-    return iter(ds.batch(global_batch // process_count, drop_remainder=True).to_iter_dataset())
+    return iter(ds.batch(global_batch // process_count, drop_remainder=True).to_iter_dataset(read_options))
 
 
 def eval_batches(split: PreparedSplit, objective: Objective, *, seed: int, global_batch: int,

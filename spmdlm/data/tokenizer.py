@@ -44,9 +44,13 @@ def _counted(texts: Iterable[str], seen: list[int]) -> Iterator[str]:
 
 
 def train_tokenizer(
-    family, texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, lowercase: bool = False
+    family, texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, lowercase: bool = False,
+    show_progress: bool = False,
 ) -> Tokenizer:
     """Train a tokenizer for a family (or model_type name) on `texts`. The result is deterministic for the same texts.
+
+    `texts` may be any iterable (a generator over files: the corpus is never held in memory, only the trainer's
+    word counts); `show_progress` shows the Rust trainer's own progress bars (on stderr).
 
     `vocab_size` is the size of the whole vocabulary, specials included; for T5 that includes the 100 sentinels, so
     the Unigram model gets `vocab_size - 100` pieces (the HF recipe trained 32000 and let transformers append 100,
@@ -65,7 +69,7 @@ def train_tokenizer(
                 f"{len(specials)} specials: raise --vocab_size"
             )
         trainer = trainers.UnigramTrainer(
-            vocab_size=unigram_size, special_tokens=specials, unk_token="<unk>", show_progress=False
+            vocab_size=unigram_size, special_tokens=specials, unk_token="<unk>", show_progress=show_progress
         )
     else:
         tok = _byte_level_bpe(specials, lowercase)
@@ -80,7 +84,7 @@ def train_tokenizer(
             min_frequency=min_frequency,
             special_tokens=specials,
             initial_alphabet=alphabet,  # every byte is encodable, so BPE never needs an unk
-            show_progress=False,
+            show_progress=show_progress,
         )
     tok.train_from_iterator(_counted(texts, seen), trainer=trainer)
     if seen[0] == 0:
@@ -152,19 +156,68 @@ def _canonical_unigram(tok: Tokenizer, num_specials: int) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(spec))
 
 
+SPIECE_NAME = "spiece.model"
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a tokenizer.json file, or the tokenizer.json inside a directory (e.g. a transformers tokenizer dir)."""
+    """Load a tokenizer.json file, or the tokenizer.json inside a directory (e.g. a transformers tokenizer dir), or a
+    SentencePiece model (a `.model` file, or a directory holding `spiece.model` and no tokenizer.json), which is
+    converted to the tokenizer transformers' T5TokenizerFast builds from it (same ids, 100 sentinels appended)."""
     path = Path(path)
-    file = path / "tokenizer.json" if path.is_dir() else path
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file() or not (path / SPIECE_NAME).is_file():
+            file = path / "tokenizer.json"
+        else:
+            return spiece_tokenizer(path / SPIECE_NAME)
+    else:
+        file = path
+    if file.is_file() and file.suffix == ".model":
+        return spiece_tokenizer(file)
     if not file.is_file():
         raise TokenizerError(
-            f"no tokenizer at {path}: expected a tokenizer.json file or a directory holding tokenizer.json; "
-            "fix --tokenizer_name or train a new tokenizer"
+            f"no tokenizer at {path}: expected a tokenizer.json file, a SentencePiece spiece.model, or a directory "
+            "holding one; fix --tokenizer_name or train a new tokenizer"
         )
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception on malformed JSON
         raise TokenizerError(f"cannot read tokenizer {file}: {e}") from e
+
+
+def spiece_tokenizer(model_file: str | os.PathLike) -> Tokenizer:
+    """A SentencePiece model as the `tokenizers.Tokenizer` of `T5TokenizerFast.from_pretrained` on a directory that
+    holds only that model (T5's defaults: 100 <extra_id_k> sentinels, <extra_id_0> last; EOS appended).
+
+    transformers is needed here only (no torch). In transformers 5, `T5TokenizerFast(vocab_file=...)` ignores the
+    file and `from_pretrained` converts it: the conversion goes through from_pretrained on a private copy.
+    """
+    import logging
+    import shutil
+    import tempfile
+
+    import sentencepiece
+
+    model_file = Path(model_file)
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    except Exception as e:  # sentencepiece raises RuntimeError/OSError with a multi-line message
+        first = str(e).strip().partition("\n")[0]
+        raise TokenizerError(f"cannot read SentencePiece model {model_file}: {first}") from None
+    from transformers import T5TokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)
+    try:
+        with tempfile.TemporaryDirectory(prefix="spmdlm-spiece-") as folder:
+            shutil.copyfile(model_file, Path(folder) / SPIECE_NAME)
+            converted = T5TokenizerFast.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers' conversion errors come in many types
+        first = str(e).strip().partition("\n")[0]
+        raise TokenizerError(f"cannot convert SentencePiece model {model_file}: {first}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return Tokenizer.from_str(converted.backend_tokenizer.to_str())
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max_length: int) -> None:

@@ -40,7 +40,8 @@ log = logging.getLogger("spmdlm")
 # restored into the new shardings), or the step budget (which also stretches the learning-rate schedule).
 # The model type is compared through the model config. The learning rate, its schedule and warmup may change: the
 # change is logged.
-COMMON_RESUME_KEYS = ("model_name_or_path", "tokenizer_name", "train_file", "validation_file",
+COMMON_RESUME_KEYS = ("model_name_or_path", "tokenizer_name", "train_file", "dataset_dir", "dataset_name",
+                      "dataset_config_name", "text_column", "validation_file",
                       "validation_split_percentage", "max_train_samples", "seed", "weight_decay", "adafactor",
                       "gradient_accumulation_steps")
 LOGGED_CHANGES = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs",
@@ -116,7 +117,8 @@ def resolve(args: RunArgs, run_start: float) -> RunContext:
         config = load_config(config_name, args.model_type)
         if not args.config_name and not args.uses_embedded_corpus and config_name == default:
             log.info("no --config_name: using the %s preset (%s); pass --config_name for another size", default,
-                     ", ".join(f"{k}={v}" for k, v in config.to_hf_dict().items() if isinstance(v, int))[:160])
+                     ", ".join(f"{k}={v}" for k, v in config.to_hf_dict().items()
+                               if type(v) is int and not k.endswith("token_id")))
         if args.vocab_size:
             config = config.replace(vocab_size=args.vocab_size)
     family = get_family(config.model_type)
@@ -228,23 +230,31 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
 
 # -- stage 3: tokenizer -----------------------------------------------------------------------------------------------
 def read_corpora(args: RunArgs) -> tuple[list[str], list[str]]:
-    """Training and validation documents; without --validation_file a hash split of the training documents."""
-    if args.train_file:
-        docs = sources.read_documents(sources.expand_files(args.train_file, "--train_file"),
-                                      text_column=args.text_column)
+    """Training and validation documents; without --validation_file a hash split of the training documents (or the
+    dataset's own validation split). None with --dataset_dir: it is tokenized already."""
+    if args.dataset_dir:
+        return [], []
+    held_out = None
+    if args.train_file or args.dataset_name:
+        corpus = sources.open_corpus([args.train_file] if args.train_file else (), dataset_name=args.dataset_name,
+                                     dataset_config_name=args.dataset_config_name, text_column=args.text_column,
+                                     flag="--train_file")
+        docs = corpus.documents("train")
+        if args.dataset_name and "validation" in corpus.splits and not args.validation_file:
+            held_out = list(corpus.documents("validation"))
     else:
         log.info("no --train_file: using the embedded corpus (this Python's standard library sources)")
         docs = sources.read_embedded_corpus()
-    train, held_out = [], []
-    split = args.validation_split_percentage if not args.validation_file else 0.0
+    train, split_off = [], []
+    split = args.validation_split_percentage if held_out is None and not args.validation_file else 0.0
     for doc in docs:
-        (held_out if split and sources.in_validation_split(doc, split) else train).append(doc)
+        (split_off if split and sources.in_validation_split(doc, split) else train).append(doc)
     if args.validation_file:
         held_out = list(sources.read_documents(sources.expand_files(args.validation_file, "--validation_file"),
                                                text_column=args.text_column))
     if not train:
         raise sources.DataError("the training corpus has no text; check --train_file")
-    return train, held_out
+    return train, split_off if held_out is None else held_out
 
 
 def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
@@ -253,6 +263,8 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
     origin = "trained"
     if args.tokenizer_name:
         tok, origin = load_tokenizer(args.tokenizer_name), "given"
+    elif args.dataset_dir:
+        tok, origin = load_tokenizer(Path(args.dataset_dir) / sources.TOKENIZER_DIR), "given"
     elif args.model_name_or_path and (Path(args.model_name_or_path) / "tokenizer.json").exists():
         tok, origin = load_tokenizer(args.model_name_or_path), "model"
     elif (out / "tokenizer.json").exists():
@@ -279,9 +291,15 @@ def setup_data(ctx: RunContext, train_docs, val_docs) -> None:
     ctx.objective = ctx.family.build_objective(args, ctx.config, ctx.tokenizer)
     ids = special_token_ids(ctx.tokenizer, ctx.family)
     cache = Path(args.cache_dir or Path.home() / ".cache" / "spmdlm")
+    mode = getattr(ctx.objective, "preparation", "stream")
+    if args.dataset_dir:  # prepared by python -m spmdlm.prepare: checked against this run's tokenizer and lengths
+        train, validation, _ = sources.open_dataset(args.dataset_dir, tokenizer=ctx.tokenizer,
+                                                    record_length=ctx.objective.record_length, mode=mode)
+        finish_data(ctx, train if args.training else None, validation if args.evaluating else None)
+        return
     common = dict(record_length=ctx.objective.record_length, separator_id=ids["eos"], cache_dir=cache,
-                  overwrite_cache=args.overwrite_cache, mode=getattr(ctx.objective, "preparation", "stream"),
-                  pad_id=ids.get("pad"))
+                  overwrite_cache=args.overwrite_cache, mode=mode, pad_id=ids.get("pad"),
+                  workers=args.preprocessing_num_workers or 1)
 
     def prepare(docs, name):
         split = sources.prepare_split(docs, ctx.tokenizer, name=name, **common) if is_main() else None
@@ -294,8 +312,6 @@ def setup_data(ctx: RunContext, train_docs, val_docs) -> None:
         return split
 
     train = prepare(train_docs, "train") if args.training else None
-    if train is not None and args.max_train_samples:
-        train = dataclasses.replace(train, num_records=min(train.num_records, args.max_train_samples))
     validation = None
     if val_docs and args.evaluating:
         try:
@@ -305,6 +321,13 @@ def setup_data(ctx: RunContext, train_docs, val_docs) -> None:
                 raise
             log.warning("no evaluation: the held-out %.1f%% of the documents is too small (%s); raise "
                         "--validation_split_percentage or pass --validation_file", args.validation_split_percentage, e)
+    finish_data(ctx, train, validation)
+
+
+def finish_data(ctx: RunContext, train, validation) -> None:
+    args = ctx.args
+    if train is not None and args.max_train_samples:
+        train = dataclasses.replace(train, num_records=min(train.num_records, args.max_train_samples))
     ctx.data = Data(train, validation)
     if train is not None:
         ctx.schedule = pipeline.make_schedule(train.num_records, ctx.global_batch, args.num_train_epochs,
@@ -457,11 +480,12 @@ def run_locked(ctx: RunContext, train_docs, val_docs) -> dict[str, Any]:
 
 
 def write_run_files(ctx: RunContext) -> dict[str, Any]:
-    """The tokenizer (if trained here) and run_config.json: written once the run is known to fit."""
+    """The tokenizer (unless one is there: a later export finds it beside the checkpoints) and run_config.json:
+    written once the run is known to fit."""
     run_config = {**ctx.args.to_json(), "global_batch": ctx.global_batch, "model_config": ctx.config.to_hf_dict(),
                   "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT}
     if is_main():
-        if ctx.trained_tokenizer and not (ctx.out / "tokenizer.json").exists():
+        if not (ctx.out / "tokenizer.json").exists():
             save_tokenizer(ctx.tokenizer, ctx.out, ctx.family, model_max_length=ctx.config.max_length)
         write_json(ctx.out / "run_config.json", run_config)
     return run_config
@@ -588,6 +612,10 @@ def check_finite(fetched: list[dict], step: int, last_saved: int, args: RunArgs)
 
 def _advice(last_saved: int, args: RunArgs) -> str:
     kept = f"the last checkpoint (step {last_saved}) is kept" if last_saved else "no checkpoint was written"
-    return (f"{kept}, nothing after it is saved or exported; try a lower --learning_rate (now {args.learning_rate:g}), "
-            f"--max_grad_norm 1.0 (now {args.max_grad_norm:g}), --z_loss 1e-4"
-            + (", or --dtype float32" if args.dtype != "float32" else ""))
+    tries = [f"a lower --learning_rate (now {args.learning_rate:g})"]
+    if not 0 < args.max_grad_norm <= 1.0:
+        tries.append(f"--max_grad_norm 1.0 (now {args.max_grad_norm:g})")
+    tries.append("--z_loss 1e-4" if not args.z_loss else "more --warmup_steps")
+    if args.dtype != "float32":
+        tries.append("--dtype float32")
+    return f"{kept}, nothing after it is saved or exported; try {', '.join(tries)}"

@@ -1,0 +1,134 @@
+"""`python -m spmdlm.tokenizer`: train a tokenizer on a corpus, streamed (never the whole corpus in memory).
+
+    python -m spmdlm.tokenizer --for_model t5 --vocab_size 32100 --out TOKENIZER_DIR corpus/
+    python -m spmdlm.tokenizer --kind bpe --vocab_size 50265 --for_model roberta --out DIR a.txt b.jsonl.gz
+
+Byte-level BPE (GPT-2, RoBERTa, BART) or SentencePiece-style Unigram with T5's 100 sentinels, with the family's
+special tokens, exactly as the launcher trains one (`spmdlm.data.tokenizer.train_tokenizer`). The directory holds
+tokenizer.json, tokenizer_config.json and special_tokens_map.json: `transformers.AutoTokenizer.from_pretrained(DIR)`
+gives the same ids, and `python -m spmdlm.launch --tokenizer_name DIR` / `python -m spmdlm.prepare --tokenizer DIR`
+use it. INPUTS as for spmdlm.prepare: files, globs or directories of txt/json/jsonl/csv/parquet, plain, .gz or .zst,
+or --dataset_name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+from spmdlm.data import sources
+from spmdlm.data.sources import DataError
+
+KIND_OF = {"gpt2": "bpe", "roberta": "bpe", "bart": "bpe", "t5": "unigram"}
+MODEL_OF_KIND = {"bpe": "gpt2", "unigram": "t5"}
+OUTPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="python -m spmdlm.tokenizer",
+        description="Train a tokenizer (HF tokenizers) on a corpus for a model family; the output directory loads "
+                    "with transformers.AutoTokenizer and with --tokenizer_name. See docs/data.md.")
+    parser.add_argument("inputs", nargs="*", metavar="INPUTS",
+                        help="files, globs or directories: txt/json/jsonl/csv/parquet, plain, .gz or .zst")
+    parser.add_argument("--kind", choices=["bpe", "unigram"], default=None,
+                        help="bpe: byte-level BPE (gpt2, roberta, bart); unigram: SentencePiece-style (t5). "
+                             "Default: the model's")
+    parser.add_argument("--for_model", choices=sorted(KIND_OF), default=None,
+                        help="the family whose special tokens to add (default: gpt2 for bpe, t5 for unigram)")
+    parser.add_argument("--vocab_size", type=int, required=True,
+                        help="the whole vocabulary, specials included (T5: with the 100 sentinels, e.g. 32100)")
+    parser.add_argument("--min_frequency", type=int, default=2, help="BPE: least count of a merged pair (default 2)")
+    parser.add_argument("--lowercase", action="store_true", help="lowercase the text before tokenizing")
+    parser.add_argument("--out", required=True, help="directory to write the tokenizer files to")
+    parser.add_argument("--text_column", default=None, help="json/jsonl/csv/parquet/datasets: the text field")
+    parser.add_argument("--dataset_name", default=None, help="a datasets dataset (save_to_disk dir, parquet, Hub "
+                                                             "name); needs pip install 'spmdlm[datasets]'")
+    parser.add_argument("--dataset_config_name", default=None)
+    parser.add_argument("--model_max_length", type=int, default=None,
+                        help="tokenizer_config.json's model_max_length (default: the family's base preset's)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --out")
+    return parser
+
+
+def resolve_family(kind: str | None, for_model: str | None) -> str:
+    from spmdlm.config import ArgumentError
+
+    if for_model is None and kind is None:
+        raise ArgumentError("give --for_model (gpt2, roberta, t5, bart) or --kind (bpe, unigram)")
+    if for_model is None:
+        return MODEL_OF_KIND[kind]
+    if kind is not None and KIND_OF[for_model] != kind:
+        raise ArgumentError(f"--kind {kind} does not fit --for_model {for_model}, which uses {KIND_OF[for_model]}; "
+                            "leave out --kind")
+    return for_model
+
+
+def _write(tok, out: Path, family, model_max_length: int, overwrite: bool) -> None:
+    """Write the files into a temp dir beside `out`, then move them in (no half-written tokenizer)."""
+    from spmdlm.data.tokenizer import save_tokenizer
+
+    tmp = out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    try:
+        save_tokenizer(tok, tmp, family, model_max_length=model_max_length)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUT_FILES:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spmdlm.config import ArgumentError
+    from spmdlm.data.tokenizer import TokenizerError, train_tokenizer
+    from spmdlm.models.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        model = resolve_family(args.kind, args.for_model)
+        out = Path(args.out).expanduser()
+        if (out / "tokenizer.json").exists() and not args.overwrite:
+            raise ArgumentError(f"--out {out} already holds a tokenizer.json; pass --overwrite to replace it")
+        corpus = sources.open_corpus(args.inputs, dataset_name=args.dataset_name,
+                                     dataset_config_name=args.dataset_config_name, text_column=args.text_column)
+        from spmdlm.families import get_family, load_config
+
+        family = get_family(model)
+        max_length = args.model_max_length or load_config(family.default_preset, family.name).max_length
+        stats = sources.ReadStats()
+        total = corpus.total_bytes
+        bar = sources._progress_bar(total, "reading", unit="B" if total else "doc")
+
+        def texts():
+            for document in corpus.documents("train", stats):
+                yield document
+                if stats.documents % 256 == 0:
+                    bar.update((stats.bytes_read - bar.n) if total else 256)
+            bar.update((stats.bytes_read - bar.n) if total else stats.documents % 256)
+
+        with bar:
+            tok = train_tokenizer(family, texts(), args.vocab_size, min_frequency=args.min_frequency,
+                                  lowercase=args.lowercase, show_progress=sys.stderr.isatty())
+        _write(tok, out, family, max_length, args.overwrite)
+    except (DataError, TokenizerError, ArgumentError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spmdlm.tokenizer: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(f"{out}: {tok.get_vocab_size()}-token {KIND_OF[family.name]} tokenizer for {family.name}, trained on "
+          f"{stats.documents} documents ({stats.invalid_bytes} invalid UTF-8 bytes replaced, {stats.empty_lines} "
+          "empty lines skipped)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
