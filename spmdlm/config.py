@@ -80,6 +80,9 @@ class RunArgs:
     eval_steps: int | None = _field(None, "evaluate every N steps (default: --logging_steps)")
     save_steps: int = _field(500, "checkpoint every N steps")
     save_total_limit: int | None = _field(None, "keep at most N checkpoints")
+    sample_prompts: str | None = _field(None, "prompts separated by | whose continuations (greedy and one sampled; "
+                                        "RoBERTa: fill-mask of texts with <mask>) are logged while training")
+    sample_every: int | None = _field(None, "log samples every N steps (default: --eval_steps)")
     seed: int = _field(42, "seed for init, shuffling, objectives and dropout")
     # -- optimisation --------------------------------------------------------------------------------------------
     learning_rate: float = _field(5e-5, "peak learning rate")
@@ -101,6 +104,11 @@ class RunArgs:
     num_processes: int | None = _field(None, "multi-host: number of processes")
     process_id: int | None = _field(None, "multi-host: this process's index")
     dry_run: bool = _field(False, "build, compile and report the train step's compile time and memory, then stop")
+    compile_for: str | None = _field(None, "compile the train and eval steps for a TPU slice this machine does not "
+                                     "have (e.g. v3:2x2, v5e:16x16; needs libtpu: pip install -e '.[tpu]') and "
+                                     "report memory, FLOPs and a roofline estimate; nothing is trained")
+    num_slices: int = _field(1, "with --compile_for: the number of such slices (multi-slice, joined by DCN)")
+    dcn_mesh: str | None = _field(None, "multi-slice: the mesh across slices, e.g. data=2 (outside data/fsdp)")
     # -- output --------------------------------------------------------------------------------------------------
     export_hf: bool = _field(True, "export to OUTPUT_DIR/hf in transformers format at the end")
     push_to_hub: bool = _field(False, "upload to the Hugging Face Hub (needs network)")
@@ -274,6 +282,10 @@ def validate(args: RunArgs) -> RunArgs:
         args = args.replace(eval_steps=args.logging_steps)
     elif args.eval_steps < 1:
         raise ArgumentError(f"--eval_steps must be at least 1, got {args.eval_steps}")
+    if args.sample_every is None:
+        args = args.replace(sample_every=args.eval_steps)
+    elif args.sample_every < 1:
+        raise ArgumentError(f"--sample_every must be at least 1, got {args.sample_every}")
     if args.scan_unroll < 0:
         raise ArgumentError(f"--scan_unroll must be 0 (fully unrolled) or a positive number, got {args.scan_unroll}")
     for name in ("block_size", "max_seq_length", "max_train_samples", "max_eval_samples", "save_total_limit",

@@ -1,12 +1,12 @@
 """`python -m spmdlm.launch [flags | args.json]`: pretrain on a device mesh, from a laptop CPU to a TPU pod.
 
 Process set-up happens here, before JAX touches a device: simulated CPU devices when the mesh asks for more than a
-CPU-only machine has, and `jax.distributed.initialize` for multi-host runs.
+CPU-only machine has, and `jax.distributed.initialize` for multi-host runs (with a bounded wait for a lost process).
+`--compile_for TOPOLOGY` compiles the run for a TPU slice instead of running it (spmdlm/train/aot.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
@@ -15,32 +15,34 @@ from spmdlm.config import ArgumentError, RunArgs, parse_args
 
 log = logging.getLogger("spmdlm")
 
-ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm_plugin", "libtpu", "jax_plugins.xla_cuda12")
-
-
-def _cpu_only() -> bool:
-    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
-        return True
-    return not any(importlib.util.find_spec(name.split(".")[0]) for name in ACCELERATOR_PLUGINS)
+# A multi-host job whose process stops sending heartbeats for this long (killed, crashed machine, lost network) is
+# over: the others stop with LOST_PROCESS_EXIT_CODE and a line naming it. JAX's default is 100 s.
+HEARTBEAT_TIMEOUT_ENV = "SPMDLM_HEARTBEAT_TIMEOUT"
+DEFAULT_HEARTBEAT_TIMEOUT_S = 60
+LOST_PROCESS_EXIT_CODE = 4
 
 
 def setup_devices(args: RunArgs) -> None:
     """Simulate CPU devices for the mesh if needed, and join a multi-host job when one is described."""
-    from spmdlm.mesh import requested_device_count, simulate_cpu_devices
+    from spmdlm.mesh import requested_device_count, simulate_cpu_devices, skip_absent_tpu
 
+    skip_absent_tpu()  # an installed libtpu on a machine without a TPU: straight to the CPU backend
     wanted = requested_device_count(args.mesh)
     multi_host = args.coordinator_address is not None or (args.num_processes or 1) > 1
-    if wanted and wanted > 1 and _cpu_only() and not multi_host:  # JAX's CPU backend has one device by default
-        if simulate_cpu_devices(wanted):
-            print(f"spmdlm: CPU-only machine: simulating {wanted} CPU devices for --mesh {args.mesh}", flush=True)
+    cluster = not multi_host and _detected_cluster()
+    # JAX's CPU backend has one device by default. The flag shapes only that backend, so it is set whatever the
+    # machine has; whether the devices are simulated is known once JAX has chosen its backend.
+    simulated = bool(wanted and wanted > 1 and not (multi_host or cluster) and simulate_cpu_devices(wanted))
 
     import jax
 
     if multi_host:
-        jax.distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                                   process_id=args.process_id)
-    elif _detected_cluster():
-        jax.distributed.initialize()  # TPU pod / SLURM: JAX reads the topology from the environment
+        join_job(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                 process_id=args.process_id)
+    elif cluster:
+        join_job()  # TPU pod / SLURM: JAX reads the topology from the environment
+    if simulated and jax.default_backend() == "cpu":
+        print(f"spmdlm: CPU-only machine: simulating {wanted} CPU devices for --mesh {args.mesh}", flush=True)
 
 
 def _detected_cluster() -> bool:
@@ -48,6 +50,111 @@ def _detected_cluster() -> bool:
         return True
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     return "," in hosts
+
+
+def heartbeat_timeout() -> int:
+    value = os.environ.get(HEARTBEAT_TIMEOUT_ENV, "")
+    try:
+        seconds = int(value) if value else DEFAULT_HEARTBEAT_TIMEOUT_S
+    except ValueError:
+        raise ArgumentError(f"{HEARTBEAT_TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+    if seconds < 1:
+        raise ArgumentError(f"{HEARTBEAT_TIMEOUT_ENV} must be at least 1 second, got {seconds}")
+    return seconds
+
+
+def join_job(**kwargs) -> None:
+    """`jax.distributed.initialize`, then a watch on the other processes (PeerWatch)."""
+    import jax
+
+    timeout = heartbeat_timeout()
+    # JAX's own heartbeat check is the backstop: it aborts every process (a C++ stack trace, SIGABRT) once one has
+    # been silent for its timeout. Ours fires first and says which process was lost.
+    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=2 * timeout + 10)
+    global _peer_watch
+    if jax.process_count() > 1:
+        _peer_watch = PeerWatch(timeout).start()
+
+
+class PeerWatch:
+    """Each process of a multi-host job writes a beat to the job's key-value store (on the coordinator) every few
+    seconds and reads the others'. One that has been silent for `timeout` seconds (killed, crashed, cut off), or that
+    exited with an error that long ago, ends this process too: one line naming it on stderr, exit code 4. Without
+    this, the survivors would wait in their next collective until JAX's own heartbeat check aborts them.
+
+    A process that finished normally is not waited for. When process 0, the coordinator, dies, JAX itself stops the
+    others at once ("... the leader task was preempted/died ...": the store lives there).
+    """
+
+    PREFIX = "spmdlm/peer_watch/"
+
+    def __init__(self, timeout: float):
+        import threading
+
+        from jax._src import distributed
+
+        self.timeout, self.interval = timeout, max(0.5, min(5.0, timeout / 10))
+        self.client = distributed.global_state.client
+        self.me, self.count = distributed.global_state.process_id, distributed.global_state.num_processes
+        self._finished: int | None = None
+        self._thread = threading.Thread(target=self._run, name="spmdlm-peer-watch", daemon=True)
+
+    def start(self) -> "PeerWatch":
+        self._thread.start()
+        return self
+
+    def finish(self, exit_code: int) -> None:
+        """This process is leaving in order: a normal end is not waited for, an error is reported to the others.
+        The watch goes on while JAX's shutdown waits for the others, so a peer lost then is still reported."""
+        self._finished = exit_code
+        try:
+            self.client.key_value_set(f"{self.PREFIX}{self.me}", f"exit {exit_code}", allow_overwrite=True)
+        except Exception:  # the coordinator is gone: nobody is left to tell
+            pass
+
+    def _run(self) -> None:
+        import time
+
+        seen = {p: (None, time.monotonic()) for p in range(self.count) if p != self.me}
+        beat = 0
+        while True:
+            time.sleep(self.interval)
+            beat += 1
+            if self._finished == 0:  # done: JAX's shutdown waits for the others (its heartbeat check bounds it)
+                return
+            try:
+                if self._finished is None:
+                    self.client.key_value_set(f"{self.PREFIX}{self.me}", f"beat {beat}", allow_overwrite=True)
+                values = {key.rsplit("/", 1)[-1]: value for key, value in self.client.key_value_dir_get(self.PREFIX)}
+            except Exception as e:
+                if self._finished is not None:  # the job is ending anyway
+                    return
+                reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+                self._leave(f"lost process 0, the coordinator ({reason})")
+            now = time.monotonic()
+            for peer, (value, since) in seen.items():
+                current = values.get(str(peer))
+                if current != value:
+                    seen[peer] = (current, now)
+                elif current != "exit 0" and now - since >= self.timeout:
+                    if current and current.startswith("exit"):
+                        self._leave(f"process {peer} stopped with exit status {current.split()[1]} "
+                                    f"{now - since:.0f} s ago")
+                    self._leave(f"lost process {peer} (no sign of life for {now - since:.0f} s: killed, crashed or "
+                                "cut off)")
+
+    def _leave(self, what: str) -> None:
+        """Report and leave at once: the main thread may be blocked in a collective that will never complete (or,
+        after an error here, in JAX's shutdown, waiting for the lost process)."""
+        try:
+            sys.stdout.flush()
+            print(f"error: process {self.me} of {self.count}: {what}; stopping this process too (exit "
+                  f"{LOST_PROCESS_EXIT_CODE}); nothing is saved after the last checkpoint", file=sys.stderr, flush=True)
+        finally:
+            os._exit(LOST_PROCESS_EXIT_CODE)
+
+
+_peer_watch: PeerWatch | None = None
 
 
 def setup_logging() -> None:
@@ -71,6 +178,16 @@ def _reported_by_us(record: logging.LogRecord) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = 1  # an unexpected exception
+    try:
+        code = _main(argv)
+    finally:
+        if _peer_watch is not None:  # tell the other processes of a multi-host job how this one ended
+            _peer_watch.finish(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     from spmdlm.checkpoint import CheckpointError
     from spmdlm.data.sources import DataError
     from spmdlm.data.tokenizer import TokenizerError
@@ -78,19 +195,30 @@ def main(argv: list[str] | None = None) -> int:
     from spmdlm.mesh import MeshError
     from spmdlm.models.config import ConfigError
 
+    from spmdlm.train.aot import DoesNotFit
     from spmdlm.train.guard import LockError, Preempted
     from spmdlm.train.loop import DivergenceError, RunError
 
     user_errors = (ArgumentError, MeshError, DataError, TokenizerError, ConfigError, CheckpointError, RunError,
-                   ExportError, LockError)
+                   ExportError, LockError, DoesNotFit)
     try:
         args, _ = parse_args(argv)
-        from spmdlm.mesh import parse_mesh
+        if args.compile_for:  # compile for a TPU slice this machine does not have: nothing runs, nothing is written
+            from spmdlm.train.aot import run_compile_for, use_cpu_backend
+
+            use_cpu_backend()
+            setup_logging()
+            run_compile_for(args)
+            return 0
+        if args.num_slices != 1:
+            raise ArgumentError("--num_slices describes the slices --compile_for compiles for; a real multi-slice "
+                                "run takes its slices from the devices (give --dcn_mesh)")
+        from spmdlm.mesh import plan_mesh
 
         setup_devices(args)
         import jax
 
-        parse_mesh(args.mesh, jax.device_count())  # fail on a bad mesh before reading any data
+        plan_mesh(args.mesh, args.dcn_mesh, jax.devices())  # fail on a bad mesh before reading any data
         setup_logging()
         from spmdlm.train.loop import run
 
@@ -110,6 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full disk, a path that is not writable: the OS says what and where
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from jax.errors import JaxRuntimeError
+
+        if _peer_watch is None or not isinstance(e, JaxRuntimeError):
+            raise
+        # In a multi-host job a failed collective usually means a lost process: the watch names it (exit 4)
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        print(f"error: {first}; waiting up to {_peer_watch.timeout} s to learn whether another process was lost",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

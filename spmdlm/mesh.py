@@ -46,52 +46,97 @@ class MeshError(ValueError):
     """A --mesh value that cannot describe this machine's devices."""
 
 
-def _given_sizes(spec: str) -> dict[str, int]:
+def _given_sizes(spec: str, flag: str = "--mesh") -> dict[str, int]:
     """The axis=size pairs of a --mesh value as written (-1 kept), with one-line errors."""
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         m = re.fullmatch(r"(\w+)\s*=\s*(-?\d+)", part)
         if not m:
-            raise MeshError(f"--mesh: cannot read {part!r}; write axis=size pairs such as 'data=2,fsdp=4'")
+            raise MeshError(f"{flag}: cannot read {part!r}; write axis=size pairs such as 'data=2,fsdp=4'")
         name, size = m.group(1), int(m.group(2))
         if name not in MESH_AXES:
-            raise MeshError(f"--mesh: unknown axis {name!r}; the axes are {', '.join(MESH_AXES)}")
+            raise MeshError(f"{flag}: unknown axis {name!r}; the axes are {', '.join(MESH_AXES)}")
         if name in sizes:
-            raise MeshError(f"--mesh: axis {name!r} is given twice")
+            raise MeshError(f"{flag}: axis {name!r} is given twice")
         if size == 0 or size < -1:
-            raise MeshError(f"--mesh: {name}={size} is not a size; use a positive number or -1 for 'the rest'")
+            raise MeshError(f"{flag}: {name}={size} is not a size; use a positive number or -1 for 'the rest'")
         sizes[name] = size
     if not sizes:
-        raise MeshError("--mesh is empty; give e.g. 'data=-1' to use every device for data parallelism")
+        raise MeshError(f"{flag} is empty; give e.g. 'data=-1' to use every device for data parallelism")
     return sizes
 
 
-def parse_mesh(spec: str, device_count: int) -> dict[str, int]:
+def parse_mesh(spec: str, device_count: int, *, flag: str = "--mesh", unit: str = "devices") -> dict[str, int]:
     """'data=2,fsdp=-1' -> {'data': 2, 'fsdp': 4, 'tensor': 1} for 8 devices, with one-line errors."""
-    sizes = _given_sizes(spec)
+    sizes = _given_sizes(spec, flag)
     wildcards = [n for n, s in sizes.items() if s == -1]
     if len(wildcards) > 1:
-        raise MeshError(f"--mesh: only one axis may be -1, got {', '.join(wildcards)}")
+        raise MeshError(f"{flag}: only one axis may be -1, got {', '.join(wildcards)}")
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if wildcards:
         if device_count % fixed:
-            raise MeshError(f"--mesh {spec!r}: {device_count} devices are not divisible by the fixed axes' {fixed}")
+            raise MeshError(f"{flag} {spec!r}: {device_count} {unit} are not divisible by the fixed axes' {fixed}")
         sizes[wildcards[0]] = device_count // fixed
     elif fixed != device_count:
         raise MeshError(
-            f"--mesh {spec!r} needs {fixed} devices but {device_count} are available; "
+            f"{flag} {spec!r} needs {fixed} {unit} but {device_count} are available; "
             f"make the sizes multiply to {device_count} or use -1 for one axis"
         )
     return {name: sizes.get(name, 1) for name in MESH_AXES}
 
 
-def make_mesh(spec: str = "data=-1", devices: list | None = None) -> Mesh:
+def make_mesh(spec: str = "data=-1", devices: list | None = None, dcn_spec: str | None = None) -> Mesh:
+    """The ("data", "fsdp", "tensor") mesh of `spec` over `devices` (default: all of them).
+
+    Devices of several slices (a multi-slice TPU job, or --compile_for ... --num_slices K) get a hybrid mesh:
+    `dcn_spec` (default `data=K`) says how many of each axis's devices sit in different slices; those are the outer
+    part of the axis, so only the data-parallel (or fsdp) reduction crosses the slow data-centre network.
+    """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = parse_mesh(spec, len(devices))
-    # Topology-aware device order on TPU/GPU (neighbours on the fast axes); a plain reshape elsewhere.
-    grid = mesh_utils.create_device_mesh([sizes[a] for a in MESH_AXES], devices, allow_split_physical_axes=True)
+    sizes, dcn = plan_mesh(spec, dcn_spec, devices)
+    if dcn is None:
+        # Topology-aware device order on TPU/GPU (neighbours on the fast axes); a plain reshape elsewhere.
+        grid = mesh_utils.create_device_mesh([sizes[a] for a in MESH_AXES], devices, allow_split_physical_axes=True)
+    else:
+        grid = mesh_utils.create_hybrid_device_mesh([sizes[a] // dcn[a] for a in MESH_AXES],
+                                                    [dcn[a] for a in MESH_AXES], devices,
+                                                    allow_split_physical_axes=True)
     # Auto axes: Explicit (jax.make_mesh's default here) breaks the embedding gather (docs/architecture.md §3).
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def slice_count(devices) -> int:
+    """Slices the devices belong to (TPU multi-slice: the `slice_index` of each device); 1 elsewhere."""
+    return len({getattr(d, "slice_index", None) or 0 for d in devices}) or 1
+
+
+def plan_mesh(spec: str, dcn_spec: str | None, devices) -> tuple[dict[str, int], dict[str, int] | None]:
+    """-> (mesh sizes, their across-slice part or None for one slice), with one-line errors; `spec` is the whole
+    mesh (its sizes multiply to the number of devices), `dcn_spec` the part of it that spans slices."""
+    devices = list(devices)
+    sizes = parse_mesh(spec, len(devices))
+    slices = slice_count(devices)
+    if slices == 1:
+        if dcn_spec and any(size > 1 for size in _given_sizes(dcn_spec, "--dcn_mesh").values()):
+            raise MeshError(f"--dcn_mesh {dcn_spec!r} spans several slices but the {len(devices)} devices are one "
+                            "slice; leave it out (with --compile_for, give --num_slices)")
+        return sizes, None
+    if dcn_spec is None:
+        axis = next((a for a in BATCH_AXES if sizes[a] % slices == 0), None)
+        if axis is None:
+            raise MeshError(f"--mesh {spec!r} over {slices} slices: neither data ({sizes['data']}) nor fsdp "
+                            f"({sizes['fsdp']}) is a multiple of {slices}; make one of them so, or give --dcn_mesh")
+        dcn_spec = f"{axis}={slices}"
+    dcn = parse_mesh(dcn_spec, slices, flag="--dcn_mesh", unit="slices")
+    if dcn["tensor"] > 1:
+        raise MeshError(f"--dcn_mesh {dcn_spec!r}: tensor parallelism across slices would put every layer's "
+                        "collectives on the data-centre network; span slices with data (or fsdp)")
+    for axis in BATCH_AXES:
+        if sizes[axis] % dcn[axis]:
+            raise MeshError(f"--dcn_mesh {dcn_spec!r}: {axis}={dcn[axis]} slices does not divide --mesh "
+                            f"{axis}={sizes[axis]}; --mesh gives the whole mesh, --dcn_mesh the part of it across "
+                            "slices")
+    return sizes, dcn
 
 
 def requested_device_count(spec: str) -> int | None:
@@ -101,6 +146,26 @@ def requested_device_count(spec: str) -> int | None:
     except MeshError:
         return None
     return None if -1 in sizes.values() else math.prod(sizes.values())
+
+
+def skip_absent_tpu() -> bool:
+    """With libtpu installed (e.g. `pip install -e '.[tpu]'` for --compile_for) on a machine without a TPU, JAX would
+    still try its TPU backend first, and libtpu prints errors while it fails. Where no TPU chip and no GPU is on the
+    PCI bus (what JAX itself checks, without starting anything), use the CPU backend directly. JAX_PLATFORMS (or
+    JAX_FORCE_TPU_INIT), when set, wins. Must run before JAX initialises its backends. True if it chose CPU."""
+    import importlib.util
+
+    if (os.environ.get("JAX_PLATFORMS", "").strip() or "JAX_FORCE_TPU_INIT" in os.environ
+            or importlib.util.find_spec("libtpu") is None):
+        return False
+    from jax._src import hardware_utils
+
+    if (hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu()
+            or hardware_utils.num_available_amd_gpus(stop_at=1)):
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes; this one read the variable when jax was imported
+    jax.config.update("jax_platforms", "cpu")
+    return True
 
 
 def simulate_cpu_devices(count: int) -> bool:

@@ -233,10 +233,21 @@ def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, mon
 @pytest.mark.parametrize("family", FIXTURES)
 def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
     out = tmp_path / "bf16"
+    prompts = FAMILIES[family].quickstart["sample_prompts"]  # what the quick start shows while training
     assert launch(family, out, tiny_configs[family], cache_dir, "--mesh", SHARDED, "--max_steps", "2", "--do_train",
-                  "--dtype", "bfloat16", "--gradient_checkpointing") == 0
+                  "--dtype", "bfloat16", "--gradient_checkpointing", "--sample_prompts", prompts,
+                  "--sample_every", "1") == 0
     losses = train_losses(out)
     assert len(losses) == 2 and np.isfinite(losses).all()
+    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2]
+    for record in logged:
+        assert [s["prompt"] for s in record["samples"]] == prompts.split("|")
+        for sample in record["samples"]:
+            if "fill_mask" in sample:  # RoBERTa: 3 candidates per <mask>
+                assert sample["fill_mask"] and all(len(c) == 3 for c in sample["fill_mask"])
+            else:
+                assert isinstance(sample["greedy"], str) and isinstance(sample["sampled"], str)
     compiled = [m for m in read_metrics(out) if m.get("event") == "compile"]
     assert compiled and compiled[0]["temp_bytes"] > 0
 

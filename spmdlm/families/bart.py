@@ -131,7 +131,7 @@ FAMILY = Family(
     default_preset="bart-base",
     quickstart=dict(output_dir="runs/bart-tiny-stdlib", config_name="bart-tiny", max_seq_length=128,
                     per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
-                    max_steps=400),
+                    max_steps=400, sample_prompts="def<mask>(self):|import<mask>"),
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,

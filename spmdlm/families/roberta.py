@@ -93,7 +93,7 @@ FAMILY = Family(
     default_preset="roberta-base",
     quickstart=dict(output_dir="runs/roberta-tiny-stdlib", config_name="roberta-tiny", max_seq_length=128,
                     per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
-                    max_steps=400),
+                    max_steps=400, sample_prompts="import<mask>|def<mask>(self):"),
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,

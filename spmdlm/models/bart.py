@@ -6,6 +6,9 @@ Mirrors transformers' `BartForConditionalGeneration`; `spmdlm/families/bart.py` 
 max_position_embeddings + 2 rows and is not padding-aware, unlike RoBERTa's). Token embeddings are shared by both
 stacks and the LM head (tied), times sqrt(d_model) when scale_embedding. The head adds `final_logits_bias`, which HF
 keeps as a (1, vocab) buffer. Layers are stacked and scanned (`encoder.layers.layers`, `decoder.layers.layers`).
+
+Generation: `encode` once, `init_cache` (the encoder output's cross-attention keys and values, projected once), then
+`extend` one decoder token at a time through a preallocated KV cache (`layers.Cache`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import (ACTIVATIONS, Bias, Embed, LayerNorm, LayerStack, PostNormBlock, dropout,
+from spmdlm.models.layers import (ACTIVATIONS, Bias, Cache, Embed, LayerNorm, LayerStack, PostNormBlock, dropout,
                                   make_attention_mask, make_param)
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of the table
@@ -103,10 +106,19 @@ class BartStack(nnx.Module):
         if length > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {length} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        x = embedded + self.embed_positions(jnp.arange(length) + POSITION_OFFSET)[None]
-        x = self.layernorm_embedding(constrain(x, "batch", "length", "act_embed"))
-        x = dropout(x, self.config.dropout, rngs)
+        x = dropout(self.with_positions(embedded, jnp.arange(length)), self.config.dropout, rngs)
         return self.layers(x, mask, context, context_mask, rngs=rngs)
+
+    def with_positions(self, embedded, positions):
+        """Add the position embeddings of `positions` ([T], or [B, T] in generation) and normalise."""
+        x = embedded + self.embed_positions(positions + POSITION_OFFSET)
+        return self.layernorm_embedding(constrain(x, "batch", "length", "act_embed"))
+
+    def extend(self, embedded, cache: Cache) -> tuple[jax.Array, Cache]:
+        """The decoder during generation: the next tokens' embeddings [B, T, d] through the cache (no padding)."""
+        positions, mask, cache = cache.advance(embedded.shape[1])
+        return self.layers.scan_with_cache(self.with_positions(embedded, positions), cache, mask, None,
+                                           make_attention_mask(cache.cross_valid))
 
 
 class BartForConditionalGeneration(nnx.Module):
@@ -137,6 +149,9 @@ class BartForConditionalGeneration(nnx.Module):
                decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
         mask = make_attention_mask(decoder_attention_mask, causal_length=decoder_input_ids.shape[1])
         x = self.decoder(self.embed(decoder_input_ids), mask, encoded, make_attention_mask(attention_mask), rngs=rngs)
+        return self.head(x)
+
+    def head(self, x: jax.Array) -> jax.Array:
         logits = self.shared.attend(x) + self.final_logits_bias[...]  # tied head: the unscaled shared table
         return constrain(logits, "batch", "length", "act_vocab")
 
@@ -144,3 +159,16 @@ class BartForConditionalGeneration(nnx.Module):
                  decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
         encoded = self.encode(input_ids, attention_mask, rngs=rngs)
         return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask, rngs=rngs)
+
+    def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
+        """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""
+        config = self.config
+        heads = config.decoder_attention_heads
+        cross = self.decoder.layers.map(lambda layer: layer.encoder_attn.keys_values(encoded))
+        return Cache.empty(config.decoder_layers, encoded.shape[0], slots, heads, config.d_model // heads,
+                           self.shared.dtype, cross, attention_mask)
+
+    def extend(self, decoder_input_ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """Generation: the next decoder tokens [B, T] attend to the cached ones -> logits [B, T, V] and the cache."""
+        x, cache = self.decoder.extend(self.embed(decoder_input_ids), cache)
+        return self.head(x), cache

@@ -2,6 +2,7 @@
 
 Mirrors transformers' `GPT2LMHeadModel` (attribute names follow it where our shared layers allow;
 `spmdlm/families/gpt2.py` holds the rename table). The blocks are stacked and scanned (`h.layers`). Dropout uses HF's pdrop names and defaults to 0, the pretraining recipe's setting.
+Generation (`init_cache`, `extend`) feeds tokens through a preallocated KV cache (`layers.Cache`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, LayerStack, dropout, make_attention_mask
+from spmdlm.models.layers import MLP, Attention, Cache, Embed, LayerNorm, LayerStack, dropout, make_attention_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +66,8 @@ class Block(nnx.Module):
                        out_init_std=out_std, dtype=dtype, rngs=rngs)
         self.resid_pdrop = config.resid_pdrop
 
-    def __call__(self, x, mask, *, rngs=None):
-        x = x + dropout(self.attn(self.ln_1(x), mask=mask, rngs=rngs), self.resid_pdrop, rngs)
+    def __call__(self, x, mask, *, rngs=None, cache=None):
+        x = x + dropout(self.attn(self.ln_1(x), mask=mask, rngs=rngs, cache=cache), self.resid_pdrop, rngs)
         x = x + dropout(self.mlp(self.ln_2(x), rngs), self.resid_pdrop, rngs)
         return constrain(x, "batch", "length", "act_embed")
 
@@ -97,3 +98,17 @@ class GPT2LMHeadModel(nnx.Module):
         x = self.h(x, mask, rngs=rngs)
         logits = self.wte.attend(self.ln_f(x))
         return constrain(logits, "batch", "length", "act_vocab")
+
+    def init_cache(self, batch: int, slots: int) -> Cache:
+        """An empty cache of `slots` tokens for `batch` rows."""
+        config = self.config
+        return Cache.empty(config.n_layer, batch, slots, config.n_head, config.n_embd // config.n_head, self.wte.dtype)
+
+    def extend(self, input_ids: jax.Array, cache: Cache, attention_mask: jax.Array | None = None
+               ) -> tuple[jax.Array, Cache]:
+        """Generation: the next tokens `input_ids` [B, T] of every row (a left-padded prompt, then one token at a
+        time) attend to the cached ones; -> their logits [B, T, V] and the cache holding their keys and values."""
+        positions, mask, cache = cache.advance(input_ids.shape[1], attention_mask)
+        x = constrain(self.wte(input_ids) + self.wpe(positions), "batch", "length", "act_embed")
+        x, cache = self.h.scan_with_cache(x, cache, mask)
+        return constrain(self.wte.attend(self.ln_f(x)), "batch", "length", "act_vocab"), cache

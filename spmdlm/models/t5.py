@@ -7,6 +7,9 @@ HF keeps in block 0, belongs to each stack here (every block of the stack uses i
 
 transformers 5 quirk (docs/architecture.md §5): it always sets `tie_word_embeddings=True` on T5 configs and keeps the value found
 in config.json only as `scale_decoder_outputs`. Both `from_dict` and `to_hf_dict` below speak that dialect.
+
+Generation: `encode` once, `init_cache` (the encoder output's cross-attention keys and values, projected once), then
+`extend` one decoder token at a time through a preallocated KV cache (`layers.Cache`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import (ACTIVATIONS, MLP, Attention, Dense, Embed, LayerStack, RMSNorm, dropout,
+from spmdlm.models.layers import (ACTIVATIONS, MLP, Attention, Cache, Dense, Embed, LayerStack, RMSNorm, dropout,
                                   make_attention_mask)
 
 
@@ -130,26 +133,27 @@ class Block(nnx.Module):
     def __init__(self, config: T5Config, *, is_decoder: bool, dtype, rngs: nnx.Rngs):
         d, f, heads, d_kv = config.d_model, config.initializer_factor, config.num_heads, config.d_kv
         # HF's init: q absorbs the missing 1/sqrt(d_kv); k, v, wi by fan-in; o, wo by their fan-in.
-        attention = lambda: Attention(d, heads, d_kv, use_bias=False, scale=1.0, dropout_rate=config.dropout_rate,
-                                      q_init_std=f * (d * d_kv) ** -0.5, kv_init_std=f * d**-0.5,
-                                      out_init_std=f * (heads * d_kv) ** -0.5, dtype=dtype, rngs=rngs)
+        attention = lambda cross=False: Attention(d, heads, d_kv, use_bias=False, scale=1.0, cross=cross,
+                                                  dropout_rate=config.dropout_rate, q_init_std=f * (d * d_kv) ** -0.5,
+                                                  kv_init_std=f * d**-0.5, out_init_std=f * (heads * d_kv) ** -0.5,
+                                                  dtype=dtype, rngs=rngs)
         norm = lambda: RMSNorm(d, eps=config.layer_norm_epsilon, rngs=rngs)
         self.self_attention_norm = norm()
         self.self_attention = attention()
         self.cross_attention_norm = norm() if is_decoder else None
-        self.cross_attention = attention() if is_decoder else None
+        self.cross_attention = attention(cross=True) if is_decoder else None
         self.mlp_norm = norm()
         self.mlp = MLP(d, config.d_ff, activation=config.dense_act_fn, gated=True, use_bias=False,
                        dropout_rate=config.dropout_rate, init_std=f * d**-0.5, out_init_std=f * config.d_ff**-0.5,
                        dtype=dtype, rngs=rngs)
         self.dropout_rate = config.dropout_rate
 
-    def __call__(self, x, mask, bias, context, context_mask, *, rngs=None):
+    def __call__(self, x, mask, bias, context, context_mask, *, rngs=None, cache=None):
         rate = self.dropout_rate
-        h = self.self_attention(self.self_attention_norm(x), mask=mask, bias=bias, rngs=rngs)
+        h = self.self_attention(self.self_attention_norm(x), mask=mask, bias=bias, rngs=rngs, cache=cache)
         x = x + dropout(h, rate, rngs)
         if self.cross_attention is not None:
-            h = self.cross_attention(self.cross_attention_norm(x), context, mask=context_mask, rngs=rngs)
+            h = self.cross_attention(self.cross_attention_norm(x), context, mask=context_mask, rngs=rngs, cache=cache)
             x = x + dropout(h, rate, rngs)
         x = x + dropout(self.mlp(self.mlp_norm(x), rngs), rate, rngs)
         return constrain(x, "batch", "length", "act_embed")
@@ -171,12 +175,16 @@ class Stack(nnx.Module):
                                 remat=remat, unroll=scan_unroll)
         self.final_layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon, rngs=rngs)
 
-    def position_bias(self, length: int) -> jax.Array:
-        """[1, heads, T, T] additive self-attention bias from the stack's table (float32)."""
-        buckets = relative_position_buckets(length, length, bidirectional=not self.is_decoder,
-                                            num_buckets=self.config.relative_attention_num_buckets,
-                                            max_distance=self.config.relative_attention_max_distance)
-        values = self.relative_attention_bias(jnp.asarray(buckets, dtype=jnp.int32))  # [T, T, heads]
+    def position_bias(self, length: int, queries: tuple[jax.Array, int] | None = None) -> jax.Array:
+        """[1, heads, T, length] additive self-attention bias from the stack's table (float32): for all `length`
+        positions as queries, or for `queries` = (first, count) of them (generation: the tokens being fed)."""
+        buckets = jnp.asarray(relative_position_buckets(length, length, bidirectional=not self.is_decoder,
+                                                        num_buckets=self.config.relative_attention_num_buckets,
+                                                        max_distance=self.config.relative_attention_max_distance),
+                              dtype=jnp.int32)
+        if queries is not None:
+            buckets = jax.lax.dynamic_slice_in_dim(buckets, *queries, axis=0)
+        values = self.relative_attention_bias(buckets)  # [T, length, heads]
         return jnp.transpose(values, (2, 0, 1))[None].astype(jnp.float32)
 
     def __call__(self, x, mask, context=None, context_mask=None, *, rngs=None):
@@ -185,6 +193,13 @@ class Stack(nnx.Module):
         x = dropout(constrain(x, "batch", "length", "act_embed"), rate, rngs)
         x = self.block(x, mask, bias, context, context_mask, rngs=rngs)
         return dropout(self.final_layer_norm(x), rate, rngs)
+
+    def extend(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """The decoder during generation: the next tokens' embeddings x [B, T, d] through the cache (no padding)."""
+        _, mask, cache = cache.advance(x.shape[1])
+        bias = self.position_bias(cache.valid.shape[1], queries=(cache.index, x.shape[1]))  # slots are positions
+        x, cache = self.block.scan_with_cache(x, cache, mask, bias, None, make_attention_mask(cache.cross_valid))
+        return self.final_layer_norm(x), cache
 
 
 class T5ForConditionalGeneration(nnx.Module):
@@ -223,3 +238,15 @@ class T5ForConditionalGeneration(nnx.Module):
                  decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
         encoded = self.encode(input_ids, attention_mask, rngs=rngs)
         return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask, rngs=rngs)
+
+    def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
+        """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""
+        config = self.config
+        cross = self.decoder.block.map(lambda block: block.cross_attention.keys_values(encoded))
+        return Cache.empty(config.num_decoder_layers, encoded.shape[0], slots, config.num_heads, config.d_kv,
+                           self.shared.dtype, cross, attention_mask)
+
+    def extend(self, decoder_input_ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """Generation: the next decoder tokens [B, T] attend to the cached ones -> logits [B, T, V] and the cache."""
+        x, cache = self.decoder.extend(self.shared(decoder_input_ids), cache)
+        return constrain(self.lm_head(x), "batch", "length", "act_vocab"), cache

@@ -45,10 +45,11 @@ COMMON_RESUME_KEYS = ("model_name_or_path", "tokenizer_name", "train_file", "dat
                       "validation_split_percentage", "max_train_samples", "seed", "weight_decay", "adafactor",
                       "gradient_accumulation_steps")
 LOGGED_CHANGES = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs",
-                  "logging_steps", "eval_steps", "save_steps", "max_grad_norm", "z_loss", "mesh", "dtype")
+                  "logging_steps", "eval_steps", "save_steps", "max_grad_norm", "z_loss", "mesh", "dtype",
+                  "sample_prompts", "sample_every")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-OUR_OUTPUTS = ("checkpoints", checkpoint.DAMAGED_DIR, "tensorboard", "metrics.jsonl", "eval_results.json",
-               "loss_curve.png", "hf", "run_config.json")
+OUR_OUTPUTS = ("checkpoints", checkpoint.DAMAGED_DIR, "tensorboard", "metrics.jsonl", "samples.jsonl",
+               "eval_results.json", "loss_curve.png", "hf", "run_config.json")
 
 
 class RunError(ValueError):
@@ -96,8 +97,8 @@ class RunContext:
 
 
 # -- stage 1: resolve the run's config (everything that can be refused is checked before any file is written) -------
-def resolve(args: RunArgs, run_start: float) -> RunContext:
-    mesh = make_mesh(args.mesh)
+def resolve(args: RunArgs, run_start: float, devices=None) -> RunContext:
+    mesh = make_mesh(args.mesh, devices, dcn_spec=args.dcn_mesh)
     global_batch = global_batch_size(args, mesh)
     out = Path(args.output_dir)
     if "://" in args.output_dir:
@@ -580,6 +581,8 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
             if ctx.data.validation is not None and args.evaluating and step % args.eval_steps == 0 \
                     and step < total_steps:
                 reporter.log_eval(step, evaluate(stepper, state, ctx))
+            if args.sample_prompts and (step % args.sample_every == 0 or step == total_steps):
+                reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
             stopping = stop.should_stop(step)
             if step % args.save_steps == 0 or step == total_steps or stopping:
                 save(manager, step, state, iterator, run_config, pending, last_saved, args)
@@ -588,6 +591,23 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
                 checkpoint.check_saved(manager, step, wait=True)
                 raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(ctx.out) / str(step))
     return {"state": state, "train_loss": train_loss, **reporter.throughput()}
+
+
+def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]:
+    """What the model makes of --sample_prompts now: a greedy and a sampled continuation of each (RoBERTa: its top
+    candidates for each <mask>). Every process takes part (the model is sharded); process 0 reports."""
+    from spmdlm.generate import fill_mask, generate
+
+    model, _ = nnx.merge(graphdef, state)
+    prompts = [p for p in ctx.args.sample_prompts.split("|") if p.strip()]
+    if ctx.family.hf_auto_class == "AutoModelForMaskedLM":
+        return [{"prompt": p, "fill_mask": [[token for token, _, _ in candidates]
+                                            for candidates in fill_mask(model, ctx.config, ctx.tokenizer, p, 3)]}
+                for p in prompts]
+    common = dict(max_new_tokens=min(32, ctx.config.max_length // 2))
+    greedy = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.0, **common)
+    sampled = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.8, top_k=50, seed=step, **common)
+    return [{"prompt": p, "greedy": g, "sampled": s} for p, g, s in zip(prompts, greedy, sampled)]
 
 
 def save(manager, step: int, state, iterator, run_config: dict, pending: list[dict], last_saved: int,

@@ -81,10 +81,10 @@ class Reporter:
 
     def truncate_after(self, step: int):
         """On resume, drop logged lines past the checkpoint: those steps are about to be run again."""
-        path = self.out / "metrics.jsonl"
-        if self.enabled and path.exists():
-            lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            path.write_text("".join(line + "\n" for line in lines))
+        for path in (self.out / "metrics.jsonl", self.out / "samples.jsonl"):
+            if self.enabled and path.exists():
+                lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+                path.write_text("".join(line + "\n" for line in lines))
 
     def compile_stats(self, stats: dict[str, Any]):
         if not self.enabled:
@@ -149,6 +149,20 @@ class Reporter:
         message = (f"eval at step {step}: loss {metrics['eval_loss']:.4f} | perplexity "
                    f"{metrics['eval_perplexity']:.2f} | accuracy {metrics['eval_accuracy']:.4f}")
         (self._bar.write if self._bar is not None else log.info)(message)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]):
+        """Console, samples.jsonl and TensorBoard text."""
+        if not self.enabled:
+            return
+        with open(self.out / "samples.jsonl", "a") as f:
+            f.write(strict_json({"step": step, "samples": samples}) + "\n")
+        lines = [f"samples at step {step}:"]
+        for sample in samples:
+            shown = {k: v for k, v in sample.items() if k != "prompt"}
+            lines += [f"  {sample['prompt']!r} -> {kind}: {value!r}" for kind, value in shown.items()]
+        (self._bar.write if self._bar is not None else log.info)("\n".join(lines))
+        if self._writer is not None:
+            self._writer.add_text("samples", "\n\n".join(f"`{line.strip()}`" for line in lines[1:]), step)
 
     def throughput(self) -> dict[str, float]:
         rates = self._rates[1:] or self._rates  # the first interval includes warm-up

@@ -1,0 +1,5 @@
+import sys
+
+from spmdlm.generate.cli import main
+
+sys.exit(main())

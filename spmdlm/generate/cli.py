@@ -1,0 +1,163 @@
+"""`python -m spmdlm.generate`: continue prompts (GPT-2, T5, BART) or fill masks (RoBERTa) from a training run's
+checkpoint or a transformers export. Prints only the continuations, or JSON lines with --json. Errors are one line
+on stderr and exit 2.
+
+    python -m spmdlm.generate --checkpoint OUTPUT_DIR [--step N] --prompt "Once upon a time" [--max_new_tokens 64]
+        [--temperature 0.8 --top_k 200 --top_p 0.95 --num_samples 3 --seed 0] [--mesh tensor=2] [--json]
+    python -m spmdlm.generate --model_name_or_path HF_DIR --prompt "The capital of France is <mask>." --fill_mask
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from spmdlm import checkpoint as ckpt
+from spmdlm.data.tokenizer import TokenizerError, load_tokenizer
+from spmdlm.export import ExportError, load_hf
+from spmdlm.families import get_family
+from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
+from spmdlm.mesh import MeshError, make_mesh, requested_device_count, simulate_cpu_devices
+from spmdlm.models.config import ConfigError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m spmdlm.generate", allow_abbrev=False,
+                                description="Generate text from an spmdlm checkpoint or a transformers export.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a training run's --output_dir (its newest good checkpoint)")
+    source.add_argument("--model_name_or_path", help="a transformers directory (e.g. OUTPUT_DIR/hf)")
+    p.add_argument("--step", type=int, default=None, help="with --checkpoint: this step instead of the newest")
+    p.add_argument("--prompt", action="append", default=[], help="text to continue; repeat for a batch")
+    p.add_argument("--prompt_file", help="a file of prompts, one per non-empty line")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
+    p.add_argument("--top_k", type=int, default=0,
+                   help="keep the k most likely tokens (0: all); with --fill_mask, the candidates shown (default 5)")
+    p.add_argument("--top_p", type=float, default=1.0, help="keep the most likely tokens up to this mass (1: all)")
+    p.add_argument("--num_samples", type=int, default=1, help="continuations per prompt (needs --temperature > 0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same samples")
+    p.add_argument("--mesh", default="data=-1", help="device mesh, as in training (e.g. tensor=2 shards the heads)")
+    p.add_argument("--with_prompt", action="store_true",
+                   help="print each prompt before its continuation (encoder-decoders: on its own line)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
+    p.add_argument("--fill_mask", action="store_true", help="RoBERTa: the top tokens of each <mask> of the prompt")
+    return p
+
+
+def check(args) -> None:
+    if args.step is not None and not args.checkpoint:
+        raise GenerateError("--step applies to --checkpoint, not to --model_name_or_path")
+    if args.fill_mask:
+        changed = [f"--{k}" for k in ("max_new_tokens", "temperature", "top_p", "num_samples", "seed")
+                   if getattr(args, k) != parser().get_default(k)]
+        if changed:
+            raise GenerateError(f"{', '.join(changed)} do not apply to --fill_mask")
+    elif args.num_samples > 1 and args.temperature == 0:
+        raise GenerateError(f"--num_samples {args.num_samples} with --temperature 0 repeats one greedy continuation; "
+                            "set --temperature > 0 to sample")
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        try:
+            prompts += [line for line in Path(args.prompt_file).read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenerateError(f"--prompt_file {args.prompt_file}: cannot read it ({e})") from None
+    if not prompts:
+        raise GenerateError("no prompt: give --prompt TEXT or a --prompt_file with text")
+    if args.fill_mask and len(prompts) > 1:
+        raise GenerateError("--fill_mask takes one text")
+    return prompts
+
+
+def load_run(run_dir: str | Path, step: int | None, mesh):
+    """(model, config, tokenizer) of a training run's checkpoint: the newest that verifies, or `step`."""
+    run_dir = Path(run_dir)
+    run_config_path = run_dir / "run_config.json"
+    if not run_config_path.is_file():
+        raise ckpt.CheckpointError(f"{run_dir}: no run_config.json, so no spmdlm run here; pass the --output_dir of "
+                                   "a training run, or --model_name_or_path for a transformers directory")
+    try:
+        run_config = json.loads(run_config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ckpt.CheckpointError(f"{run_config_path} is not valid JSON ({e})") from None
+    ckpt.check_format(run_config, run_dir)
+    manager = ckpt.make_manager(run_dir, read_only=True)
+    family = get_family(run_config["model_config"]["model_type"])
+    config = family.config_class.from_dict(run_config["model_config"])
+    with jax.set_mesh(mesh):
+        graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
+        if step is None:  # a damaged newer one is reported and skipped, left in place
+            state, _ = ckpt.restore_newest_good(manager, abstract, model_only=True, move_aside=False)
+        else:
+            state, _ = ckpt.restore(manager, step, abstract, model_only=True)
+    # Where training found its tokenizer: --tokenizer_name, the --model_name_or_path it started from, or the run's.
+    given = [run_config.get("tokenizer_name"), run_config.get("model_name_or_path")]
+    tokenizer_dir = next((p for p in given if p and (Path(p).is_file() or (Path(p) / "tokenizer.json").exists())),
+                         run_dir)
+    return nnx.merge(graphdef, state), config, load_tokenizer(tokenizer_dir)
+
+
+def load_export(path: str | Path, mesh):
+    if not Path(path).is_dir():
+        raise ConfigError(f"--model_name_or_path {path}: no such directory")
+    model, config = load_hf(path, mesh=mesh)
+    return model, config, load_tokenizer(path)
+
+
+def run(args) -> tuple[list[dict], object]:
+    """(one record per continuation or per <mask>, the model config)"""
+    check(args)
+    prompts = read_prompts(args)
+    mesh = make_mesh(args.mesh)
+    model, config, tokenizer = load_run(args.checkpoint, args.step, mesh) if args.checkpoint else \
+        load_export(args.model_name_or_path, mesh)
+    if args.fill_mask:
+        candidates = fill_mask(model, config, tokenizer, prompts[0], top_k=args.top_k or 5)
+        return [{"text": prompts[0], "mask": i, "candidates": [{"token": t, "id": token_id, "probability": p}
+                                                                for t, token_id, p in found]}
+                for i, found in enumerate(candidates)], config
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, num_samples=args.num_samples)
+    rows = generate_ids(model, config, tokenizer, prompts, **kwargs)
+    samples = [(prompt, i) for prompt in prompts for i in range(args.num_samples)]
+    return [{"prompt": prompt, "sample": i, "continuation": continuation_text(config, tokenizer, row),
+             "new_tokens": len(row), "stopped_at_eos": row[-1] == config.eos_token_id}
+            for (prompt, i), row in zip(samples, rows)], config
+
+
+def show(args, records: list[dict], joiner: str) -> None:
+    if args.json:
+        for record in records:
+            print(json.dumps(record, ensure_ascii=False))
+    elif args.fill_mask:
+        for record in records:
+            print(f"<mask> {record['mask'] + 1}:")
+            for c in record["candidates"]:
+                print(f"  {c['probability']:.4f}  {c['token']!r}")
+    else:
+        for n, record in enumerate(records):
+            if n:
+                print("---")
+            print(record["prompt"] + joiner + record["continuation"] if args.with_prompt else record["continuation"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    wanted = requested_device_count(args.mesh)
+    if wanted and wanted > 1:  # on CPU, JAX has one device unless asked before it starts (as the launcher does)
+        simulate_cpu_devices(wanted)
+    try:
+        records, config = run(args)
+    except (GenerateError, ckpt.CheckpointError, ConfigError, ExportError, MeshError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    show(args, records, joiner="\n" if config.is_encoder_decoder else "")
+    return 0

@@ -1,0 +1,334 @@
+"""`--compile_for TOPOLOGY`: compile a run's train and eval steps for a TPU slice this machine does not have.
+
+With libtpu installed (`pip install -e '.[tpu]'`), JAX describes the devices of any TPU slice by name
+(`jax.experimental.topologies.get_topology_desc`, e.g. v3:2x2 = a v3-8, v5e:16x16 = a v5e-256) on a CPU-only
+machine, and XLA compiles programs for them without running anything. This module builds the run's mesh over those
+devices, its sharded state as shapes only (the shardings of the real initialiser), the objective's batch as shapes
+(no data, no tokenizer file), compiles the real train step (dtype, remat, accumulation as the run would) and the eval
+step, and reports per-device memory against the chip's HBM, FLOPs, a roofline MFU and compile times. Every number is
+an estimate of XLA's compiler for that chip, not a measurement. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from spmdlm import flops
+from spmdlm.config import ArgumentError, RunArgs
+from spmdlm.mesh import MESH_AXES, batch_axis_size
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One JAX device of a TPU generation (v2/v3: a TensorCore, two per chip; v4 and later: a chip)."""
+
+    name: str
+    hbm_bytes: int
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bytes_per_s: float
+
+
+# By jax's device_kind. Public Cloud TPU figures per chip, halved for v2/v3 where each core is a device. v4 slices
+# are described in megacore mode (one device per chip), as JAX runs them on Cloud TPU VMs.
+CHIPS: dict[str, Chip] = {
+    "TPU v2": Chip("v2 (per core; 2 per chip)", 8 * GiB, 22.5e12, 350e9),
+    "TPU v3": Chip("v3 (per core; 2 per chip)", 16 * GiB, 61.5e12, 450e9),
+    "TPU v4": Chip("v4", 32 * GiB, 275e12, 1228e9),
+    "TPU v5 lite": Chip("v5e", 16 * GiB, 197e12, 819e9),
+    "TPU v5": Chip("v5p", 95 * GiB, 459e12, 2765e9),
+    "TPU v6 lite": Chip("v6e", 32 * GiB, 918e12, 1640e9),
+}
+INSTALL_HINT = "pip install -e '.[tpu]'"
+
+
+class DoesNotFit(ValueError):
+    """The compiled step needs more memory per device than the chip's HBM (exit code 2)."""
+
+
+def use_cpu_backend() -> None:
+    """This machine only compiles: its own accelerator, if any, is neither needed nor taken (unless JAX_PLATFORMS
+    says otherwise). Before JAX initialises its backends."""
+    if not os.environ.get("JAX_PLATFORMS", "").strip():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
+
+
+def tpu_devices(topology: str, num_slices: int = 1) -> list:
+    """The compile-only devices of `num_slices` slices of `topology` (e.g. 'v5e:16x16'), with one-line errors."""
+    if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
+        raise ArgumentError(f"--compile_for needs libtpu, which is not installed: {INSTALL_HINT}")
+    if num_slices < 1:
+        raise ArgumentError(f"--num_slices must be at least 1, got {num_slices}")
+    from jax.experimental import topologies
+
+    # Only compiled for, never run: another process may hold this machine's TPU (if any) and its lock file.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    kwargs = {"chip_config_name": "megacore"} if topology.lower().startswith("v4") else {}
+    try:
+        with _stderr_hidden():
+            desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=num_slices,
+                                                **kwargs)
+    except Exception as e:  # libtpu's own message names the problem (unknown chip, shape not a slice)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ArgumentError(f"--compile_for {topology}: {reason}; give a TPU slice as GENERATION:TOPOLOGY, "
+                                "e.g. v3:2x2 (a v3-8), v4:2x2x4, v5e:16x16 (a v5e-256), v5p:4x4x4, v6e:8x8") from None
+    return list(desc.devices)
+
+
+@contextlib.contextmanager
+def _stderr_hidden():
+    """libtpu writes warnings about the TPU VM it is not running on (no TPU worker hostnames, accelerator type)
+    straight to file descriptor 2 while it loads; they say nothing about compiling for a slice."""
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def shapes_objective(family, config, args: RunArgs):
+    """The run's objective (its lengths and flags) with a tokenizer trained on a few words: only the batch shapes
+    and special ids matter (as `families.objective_for_shapes`, but with all of the run's objective flags)."""
+    from spmdlm.data.tokenizer import train_tokenizer
+
+    words = [" ".join(f"w{i}{j}" for j in range(50)) for i in range(20)]
+    return family.build_objective(args, config, train_tokenizer(family, words, min(config.vocab_size, 512)))
+
+
+def per_device_bytes(state) -> int:
+    """Bytes of one device's shards of an abstract sharded state (the fullest device)."""
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def global_bytes(state) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+
+def _memory(compiled) -> dict[str, int]:
+    mem = compiled.memory_analysis()
+    out = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+           "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
+           "code_bytes": mem.generated_code_size_in_bytes}
+    # donated arguments are reused for the outputs (alias); the program itself lives in HBM too
+    out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+                          + out["code_bytes"])
+    return out
+
+
+def _cost(compiled) -> dict[str, float | None]:
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    except Exception:
+        cost = None
+    cost = cost or {}
+    optimal = cost.get("optimal_seconds")
+    return {"xla_flops_per_device": cost.get("flops"), "xla_bytes_accessed_per_device": cost.get("bytes accessed"),
+            # libtpu answers -9 (no estimate) when compiling for a topology; only a positive value is one
+            "xla_optimal_seconds": optimal if optimal is not None and optimal > 0 else None}
+
+
+def estimate(args: RunArgs) -> dict[str, Any]:
+    """Compile the run's train and eval steps for args.compile_for x args.num_slices; -> the numbers (estimates)."""
+    from spmdlm.data import pipeline
+    from spmdlm.train import loop
+
+    devices = tpu_devices(args.compile_for, args.num_slices)
+    kind = devices[0].device_kind
+    chip = CHIPS.get(kind)
+    ctx = loop.resolve(args, time.perf_counter(), devices=devices)
+    ctx.objective = shapes_objective(ctx.family, ctx.config, args)
+    ctx.resuming = True  # setup_state then builds the abstract state a resume restores into: shapes, no arrays
+    start = time.perf_counter()
+    graphdef, state, stepper = loop.setup_state(ctx)
+    init_seconds = time.perf_counter() - start
+    mesh = ctx.mesh
+    hosts = len({d.process_index for d in devices})
+    eval_batch = args.per_device_eval_batch_size * batch_axis_size(mesh)
+    result: dict[str, Any] = {
+        "topology": args.compile_for, "num_slices": args.num_slices, "device_kind": kind,
+        "chip": chip.name if chip else kind, "devices": len(devices), "hosts": hosts,
+        "devices_per_host": len(devices) // hosts, "mesh": dict(mesh.shape), "mesh_spec": args.mesh,
+        "dcn_mesh": args.dcn_mesh,
+        "model_type": ctx.family.name, "config": ctx.config_source,
+        "parameters": loop.count_parameters(graphdef, state), "dtype": args.dtype,
+        "remat": args.gradient_checkpointing, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "global_batch": ctx.global_batch, "per_host_batch": ctx.global_batch // hosts,
+        "per_device_batch": ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
+        "sequence_lengths": flops.sequence_lengths(ctx.objective), "eval_batch": eval_batch,
+        "state_bytes_per_device": per_device_bytes(state), "state_bytes_replicated": global_bytes(state),
+        "hbm_bytes_per_device": chip.hbm_bytes if chip else None,
+        "peak_flops_per_device": chip.peak_flops if chip else None,
+        "analytic_flops_per_step": flops.train_flops_per_step(ctx.config, ctx.objective, ctx.global_batch),
+        "init_compile_seconds": init_seconds,
+    }
+    def train_step():
+        stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
+        return stepper._train
+
+    result["train"] = _compiled(train_step)
+    result["eval"] = _compiled(lambda: eval_step(stepper, state, pipeline.batch_spec(ctx.objective, eval_batch))) \
+        if args.evaluating and "error" not in result["train"] else None
+    result.update(roofline(result))
+    steps = [step for step in (result["train"], result["eval"]) if step]
+    if any("error" in step for step in steps):
+        result["fits"] = False  # XLA refused to compile it: more than the chip's HBM
+    else:
+        result["fits"] = None if chip is None else max(step["total_bytes"] for step in steps) <= chip.hbm_bytes
+    return result
+
+
+def _compiled(compile_step) -> dict[str, Any]:
+    """Memory and cost of `compile_step()`'s executable, or XLA's out-of-memory refusal as {'error': ...}."""
+    start = time.perf_counter()
+    try:
+        compiled = compile_step()
+    except jax.errors.JaxRuntimeError as e:
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" not in text and "memory" not in text.lower():
+            raise
+        lines = [line.strip() for line in text.replace("RESOURCE_EXHAUSTED: ", "").splitlines() if line.strip()]
+        return {"error": " ".join(lines[:3]).rstrip("."), "compile_seconds": time.perf_counter() - start}
+    return {**_memory(compiled), **_cost(compiled), "compile_seconds": time.perf_counter() - start}
+
+
+def eval_step(stepper, state, batch_spec):
+    """The eval step compiled as Stepper.eval_step jits it (there lazily, at the first batch)."""
+    fn = jax.jit(stepper._eval_step, in_shardings=(stepper.shardings, stepper._batch_shardings(batch_spec)),
+                 out_shardings=stepper.replicated)
+    with jax.set_mesh(stepper.mesh):
+        return fn.lower(state, batch_spec).compile()
+
+
+def roofline(r: dict[str, Any]) -> dict[str, Any]:
+    """Seconds per train step if each device ran at its peak FLOP/s or its HBM bandwidth, whichever binds (or XLA's
+    own cost_analysis 'optimal_seconds' when it gives one and it is longer), and the MFU that implies. An upper bound
+    on speed: communication is not modelled, and XLA counts a scanned layer's FLOPs and bytes once, so the executed
+    FLOPs are taken as the larger of XLA's count and the model's (x 4/3 with remat)."""
+    chip = CHIPS.get(r["device_kind"])
+    train = r["train"]
+    per_device = r["analytic_flops_per_step"] / r["devices"]
+    if chip is None or not per_device or "error" in train:
+        return {"roofline_seconds": None, "roofline_bound": None, "projected_mfu": None}
+    executed = max(train.get("xla_flops_per_device") or 0.0, per_device * (4 / 3 if r["remat"] else 1.0))
+    compute = executed / chip.peak_flops
+    memory = (train.get("xla_bytes_accessed_per_device") or 0.0) / chip.hbm_bytes_per_s
+    seconds, bound = max((compute, "compute at peak"), (memory, "HBM traffic at full bandwidth"))
+    if (train.get("xla_optimal_seconds") or 0.0) > seconds:  # both are lower bounds on the step time
+        seconds, bound = train["xla_optimal_seconds"], "XLA's optimal_seconds"
+    return {"roofline_seconds": seconds, "roofline_bound": bound,
+            "projected_mfu": per_device / (chip.peak_flops * seconds)}
+
+
+def _size(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= 0.1 * GiB else f"{b / 2**20:.1f} MiB"
+
+
+def _duration(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} µs"
+
+
+def _step_memory(step: dict[str, Any], hbm: int | None) -> str:
+    if "error" in step:
+        return f"does not compile: XLA: {step['error']}"
+    share = f" of {_size(hbm)} HBM ({100 * step['total_bytes'] / hbm:.0f}%)" if hbm else ""
+    return (f"per device: arguments {_size(step['argument_bytes'])}, temporaries {_size(step['temp_bytes'])}, "
+            f"total {_size(step['total_bytes'])}{share}")
+
+
+def report(r: dict[str, Any]) -> list[str]:
+    """The estimate as lines for a terminal."""
+    train, evaluation = r["train"], r["eval"]
+    mesh = ", ".join(f"{a}={r['mesh'][a]}" for a in MESH_AXES)
+    slices = f" x {r['num_slices']} slices" if r["num_slices"] > 1 else ""
+    per_device = r["analytic_flops_per_step"] / r["devices"]
+    lines = [
+        f"spmdlm --compile_for {r['topology']}{slices}: ESTIMATES from XLA's compiler for {r['device_kind']}; "
+        "nothing was run",
+        f"  devices         {r['devices']} x {r['chip']} on {r['hosts']} host(s), {r['devices_per_host']} per host",
+        f"  mesh            {mesh}" + (f" (across slices: {r['dcn_mesh'] or 'data=' + str(r['num_slices'])})"
+                                       if r["num_slices"] > 1 else ""),
+        f"  model           {r['model_type']} ({r['config']}): {r['parameters'] / 1e6:.1f}M parameters, "
+        f"{r['dtype']}, remat {'on' if r['remat'] else 'off'}",
+        f"  batch           global {r['global_batch']} x {' + '.join(map(str, r['sequence_lengths'].values()))} "
+        f"tokens = {r['per_device_batch']} per device x {r['mesh']['data'] * r['mesh']['fsdp']} batch devices x "
+        f"{r['gradient_accumulation_steps']} accumulation; {r['per_host_batch']} per host",
+        f"  state           {_size(r['state_bytes_per_device'])} per device of parameters and optimizer state "
+        f"({_size(r['state_bytes_replicated'])} in all)",
+        f"  train step      {_step_memory(train, r['hbm_bytes_per_device'])}",
+    ]
+    if evaluation:
+        lines.append(f"  eval step       {_step_memory(evaluation, r['hbm_bytes_per_device'])} (batch {r['eval_batch']})")
+    xla = train.get("xla_flops_per_device")
+    lines.append(f"  FLOPs/step      model {r['analytic_flops_per_step']:.3g} ({per_device:.3g} per device)"
+                 + (f"; XLA {xla:.3g} per device (it counts a scanned layer once)" if xla else ""))
+    if r.get("roofline_seconds"):
+        lines.append(f"  roofline        {_duration(r['roofline_seconds'])}/step (bound: {r['roofline_bound']}; "
+                     f"{r['peak_flops_per_device'] / 1e12:.1f} TFLOP/s bf16 peak per device; communication not "
+                     f"modelled) -> MFU at most {100 * r['projected_mfu']:.0f}%")
+    lines.append(f"  compile         train step {train['compile_seconds']:.1f} s"
+                 + (f", eval step {evaluation['compile_seconds']:.1f} s" if evaluation else "")
+                 + f", state {r['init_compile_seconds']:.1f} s (on this machine)")
+    if r["fits"] is not None:
+        use = max((step.get("total_bytes", 0) for step in (train, evaluation) if step), default=0)
+        tight = r["fits"] and use > 0.9 * r["hbm_bytes_per_device"]
+        lines.append(f"  fits in HBM     {'yes' if r['fits'] else 'NO'}"
+                     + (" (less than 10% to spare for the runtime: a smaller micro-batch is safer)" if tight else ""))
+    return lines
+
+
+def refusal(r: dict[str, Any], args: RunArgs) -> str:
+    """One line: which step does not fit, by how much, and what to change."""
+    hbm = r["hbm_bytes_per_device"]
+    train, evaluation = r["train"], r["eval"]
+    too_big = lambda step: bool(step) and ("error" in step or step["total_bytes"] > hbm)
+    name, step = ("train", train) if too_big(train) else ("eval", evaluation)
+    if "error" in step:
+        numbers = f"XLA: {step['error']}"
+    else:
+        numbers = (f"{_size(step['total_bytes'])} per device (arguments {_size(step['argument_bytes'])}, "
+                   f"temporaries {_size(step['temp_bytes'])}) but a {r['chip']} device has {_size(hbm)} of HBM")
+    tries = []
+    if name == "eval":
+        tries.append(f"a smaller --per_device_eval_batch_size (now {args.per_device_eval_batch_size})")
+    else:
+        if not args.gradient_checkpointing:
+            tries.append("--gradient_checkpointing")
+        if r["mesh"]["fsdp"] == 1:
+            tries.append("fsdp (e.g. --mesh data=N,fsdp=M) to shard the parameters and optimizer state "
+                         f"({_size(r['state_bytes_per_device'])} per device now)")
+        tries.append(f"a smaller --per_device_train_batch_size (now {r['per_device_batch']}), with "
+                     "--gradient_accumulation_steps to keep the global batch")
+        if args.dtype != "bfloat16":
+            tries.append("--dtype bfloat16")
+    return (f"estimate: the {name} step does not fit in HBM on {r['topology']} (--mesh {r['mesh_spec']}): {numbers}; "
+            f"try {', '.join(tries)}")
+
+
+def run_compile_for(args: RunArgs) -> dict[str, Any]:
+    """The --compile_for command: print the estimate (and one JSON line), refuse a step that does not fit."""
+    r = estimate(args)
+    print("\n".join(report(r)), flush=True)
+    print("estimate-json: " + json.dumps(r, default=float), flush=True)
+    if r["fits"] is False:
+        raise DoesNotFit(refusal(r, args))
+    return r

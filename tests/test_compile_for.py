@@ -1,0 +1,95 @@
+"""--compile_for: the real train and eval steps compiled for a TPU slice this machine does not have (libtpu), the
+multi-slice mesh, and a CPU-only machine that behaves the same with libtpu installed."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+from spmdlm.launch import main
+from spmdlm.mesh import MeshError, make_mesh
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]'; it is "
+                                                         "not in the test extra: 213 MB download, 684 MB installed)")
+
+
+def compile_for(capsys, tmp_path, config, *flags) -> tuple[int, dict | None, str]:
+    code = main(["--config_name", str(config), "--block_size", "32", "--output_dir", str(tmp_path / "out"), *flags])
+    captured = capsys.readouterr()
+    line = next((x for x in captured.out.splitlines() if x.startswith("estimate-json: ")), None)
+    return code, json.loads(line.split(": ", 1)[1]) if line else None, captured.out + captured.err
+
+
+@needs_libtpu
+def test_gpt2_tiny_for_a_v5e_2x2_reports_memory_and_flops(capsys, tmp_path, tiny_gpt2_config):
+    code, r, text = compile_for(capsys, tmp_path, tiny_gpt2_config, "--compile_for", "v5e:2x2", "--mesh",
+                                "data=2,fsdp=2", "--per_device_train_batch_size", "4", "--dtype", "bfloat16")
+    assert code == 0, text
+    assert r["devices"] == 4 and r["hosts"] == 1 and r["chip"] == "v5e" and r["fits"] is True
+    assert r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and r["global_batch"] == 16 and r["per_host_batch"] == 16
+    for step in ("train", "eval"):
+        assert r[step]["argument_bytes"] > 0 and r[step]["total_bytes"] > 0 and r[step]["xla_flops_per_device"] > 0
+    assert r["analytic_flops_per_step"] > 0 and 0 < r["projected_mfu"] <= 1
+    assert r["state_bytes_per_device"] < r["state_bytes_replicated"]  # fsdp shards the weight matrices
+    assert "ESTIMATES" in text and "train step      per device: arguments" in text and "FLOPs/step" in text
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+@needs_libtpu
+def test_a_step_that_cannot_fit_is_refused_with_the_numbers(capsys, tmp_path, tiny_gpt2_config):
+    code, r, text = compile_for(capsys, tmp_path, tiny_gpt2_config, "--compile_for", "v5e:2x2", "--mesh", "data=4",
+                                "--per_device_train_batch_size", "131072", "--do_eval", "false")
+    assert code == 2 and r["fits"] is False
+    error = text.strip().splitlines()[-1]
+    assert error.startswith("error: estimate: the train step does not fit in HBM on v5e:2x2")
+    assert "G" in error and "--gradient_checkpointing" in error and "fsdp" in error and "131072" in error
+
+
+@needs_libtpu
+def test_two_slices_make_a_hybrid_mesh_with_the_slices_outside():
+    from spmdlm.train.aot import tpu_devices
+
+    devices = tpu_devices("v5e:4x4", 2)
+    mesh = make_mesh("data=4,fsdp=8", devices)  # DCN defaults to data=2
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    assert mesh.devices.shape == (4, 8, 1)
+    assert (slices[:2] == 0).all() and (slices[2:] == 1).all()  # the slice is the outer part of data
+    mesh = make_mesh("data=2,fsdp=16", devices, dcn_spec="fsdp=2")
+    assert (np.vectorize(lambda d: d.slice_index)(mesh.devices)[:, :8] == 0).all()
+    with pytest.raises(MeshError, match="tensor parallelism across slices"):
+        make_mesh("data=2,tensor=16", devices, dcn_spec="tensor=2")
+    with pytest.raises(MeshError, match="does not divide --mesh data=1"):
+        make_mesh("fsdp=32", devices, dcn_spec="data=2")
+    with pytest.raises(MeshError, match="one slice"):
+        make_mesh("data=8", dcn_spec="data=2")  # this machine's 8 CPU devices
+
+
+def test_without_libtpu_the_flag_says_how_to_get_it(monkeypatch):
+    from spmdlm.config import ArgumentError
+    from spmdlm.train import aot
+
+    monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    with pytest.raises(ArgumentError, match=r"pip install -e '\.\[tpu\]'"):
+        aot.tpu_devices("v5e:2x2")
+
+
+def test_a_cpu_only_machine_simulates_devices_without_jax_platforms(tmp_path):
+    """With libtpu installed or not: the mesh's CPU devices are simulated, and nothing tries (and fails) to start a
+    TPU, when JAX_PLATFORMS is not set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    result = subprocess.run(
+        [sys.executable, "-m", "spmdlm.launch", "--mesh", "data=2,fsdp=2", "--train_file",
+         str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+    )
+    assert "simulating 4 CPU devices for --mesh data=2,fsdp=2" in result.stdout
+    assert result.returncode == 2 and "no such file" in result.stderr
+    assert "TPU" not in result.stderr and "libtpu" not in result.stderr, result.stderr
