@@ -214,7 +214,10 @@ def test_same_losses_on_three_meshes(family, tiny_configs):
         assert np.max(np.abs(values - reference) / reference) < 1e-4, (mesh, values, reference)
 
 
-@pytest.mark.parametrize("family", FIXTURES)
+# GPT-2's exact resume is covered at the launcher by test_reliability (SIGTERM and damaged-checkpoint resumes,
+# bitwise) and test_train (onto another mesh); its bf16, remat and training samples by test_gpt2_model and the
+# default run: the suite stays under its 15-minute budget.
+@pytest.mark.parametrize("family", [f for f in FIXTURES if f != "gpt2"])
 def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, monkeypatch):
     args = ("--mesh", "data=2,fsdp=4", "--max_steps", "6", "--save_steps", "3", "--do_train")
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
@@ -230,7 +233,7 @@ def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, mon
         np.testing.assert_array_equal(restored[0][name], restored[1][name], err_msg=name)
 
 
-@pytest.mark.parametrize("family", FIXTURES)
+@pytest.mark.parametrize("family", [f for f in FIXTURES if f != "gpt2"])
 def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
     out = tmp_path / "bf16"
     prompts = FAMILIES[family].quickstart["sample_prompts"]  # what the quick start shows while training
