@@ -215,8 +215,7 @@ def test_same_losses_on_three_meshes(family, tiny_configs):
 
 
 # GPT-2's exact resume is covered at the launcher by test_reliability (SIGTERM and damaged-checkpoint resumes,
-# bitwise) and test_train (onto another mesh); its bf16, remat and training samples by test_gpt2_model and the
-# default run: the suite stays under its 15-minute budget.
+# bitwise) and test_train (onto another mesh): the suite stays under its 15-minute budget.
 @pytest.mark.parametrize("family", [f for f in FIXTURES if f != "gpt2"])
 def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, monkeypatch):
     args = ("--mesh", "data=2,fsdp=4", "--max_steps", "6", "--save_steps", "3", "--do_train")
@@ -233,7 +232,7 @@ def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, mon
         np.testing.assert_array_equal(restored[0][name], restored[1][name], err_msg=name)
 
 
-@pytest.mark.parametrize("family", [f for f in FIXTURES if f != "gpt2"])
+@pytest.mark.parametrize("family", FIXTURES)
 def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
     out = tmp_path / "bf16"
     prompts = FAMILIES[family].quickstart["sample_prompts"]  # what the quick start shows while training
