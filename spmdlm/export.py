@@ -238,44 +238,48 @@ def load_hf_into_state(path: str | Path, graphdef, state):
 # -- command line --------------------------------------------------------------------------------------------------
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None = None, mesh_spec: str = "data=-1",
-                      overwrite: bool = False) -> Path:
+def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass the --output_dir of a training run"):
+    """(model, config, tokenizer dir or None) of a training run's checkpoint: the newest that verifies (a damaged
+    newer one is reported and left in place), or `step`. `hint` ends the error when `run_dir` holds no run."""
     from spmdlm import checkpoint as ckpt
-    from spmdlm.data.tokenizer import load_tokenizer
-    from spmdlm.mesh import make_mesh
 
-    run_dir, out = Path(checkpoint), Path(out)
+    run_dir = Path(run_dir)
     run_config_path = run_dir / "run_config.json"
     if not run_config_path.is_file():
-        raise ckpt.CheckpointError(f"{run_dir}: no run_config.json, so no spmdlm run to export; "
-                                   "pass the --output_dir of a training run")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} is a file; give a directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
+        raise ckpt.CheckpointError(f"{run_dir}: no run_config.json, so no spmdlm run here; {hint}")
     try:
         run_config = json.loads(run_config_path.read_text())
     except json.JSONDecodeError as e:
         raise ckpt.CheckpointError(f"{run_config_path} is not valid JSON ({e})") from None
     ckpt.check_format(run_config, run_dir)
     manager = ckpt.make_manager(run_dir, read_only=True)
-    if step is not None:
-        ckpt.resolve_step(manager, step)  # fail before building anything
-    model_config = run_config["model_config"]
-    family = get_family(model_config["model_type"])
-    config = family.config_class.from_dict(model_config)
-    mesh = make_mesh(mesh_spec)
+    family = get_family(run_config["model_config"]["model_type"])
+    config = family.config_class.from_dict(run_config["model_config"])
     with jax.set_mesh(mesh):
         graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
-        if step is None:  # the newest checkpoint that verifies (a damaged one is reported, left in place)
+        if step is None:
             state, _ = ckpt.restore_newest_good(manager, abstract, model_only=True, move_aside=False)
         else:
             state, _ = ckpt.restore(manager, step, abstract, model_only=True)
-    model = nnx.merge(graphdef, state)
-    tokenizer_path = run_config.get("tokenizer_name") or run_dir
-    tokenizer = load_tokenizer(tokenizer_path) if (Path(tokenizer_path) / "tokenizer.json").exists() or \
-        Path(tokenizer_path).is_file() else None
-    save_hf(model, config, out, tokenizer=tokenizer, release=True)
+    # Where training found its tokenizer: --tokenizer_name, the --model_name_or_path it started from, or the run's.
+    given = [run_config.get("tokenizer_name"), run_config.get("model_name_or_path"), run_dir]
+    tokenizer_dir = next((p for p in given if p and (Path(p).is_file() or (Path(p) / "tokenizer.json").exists())),
+                         None)
+    return nnx.merge(graphdef, state), config, tokenizer_dir
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None = None, mesh_spec: str = "data=-1",
+                      overwrite: bool = False) -> Path:
+    from spmdlm.data.tokenizer import load_tokenizer
+    from spmdlm.mesh import make_mesh
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
+    model, config, tokenizer_dir = load_run(checkpoint, step, make_mesh(mesh_spec))
+    save_hf(model, config, out, tokenizer=load_tokenizer(tokenizer_dir) if tokenizer_dir else None, release=True)
     return out
 
 

@@ -14,13 +14,11 @@ import json
 import sys
 from pathlib import Path
 
-import jax
-from flax import nnx
 
 from spmdlm import checkpoint as ckpt
 from spmdlm.data.tokenizer import TokenizerError, load_tokenizer
+from spmdlm import export
 from spmdlm.export import ExportError, load_hf
-from spmdlm.families import get_family
 from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
 from spmdlm.mesh import MeshError, make_mesh, requested_device_count, simulate_cpu_devices
 from spmdlm.models.config import ConfigError
@@ -79,30 +77,10 @@ def read_prompts(args) -> list[str]:
 
 def load_run(run_dir: str | Path, step: int | None, mesh):
     """(model, config, tokenizer) of a training run's checkpoint: the newest that verifies, or `step`."""
-    run_dir = Path(run_dir)
-    run_config_path = run_dir / "run_config.json"
-    if not run_config_path.is_file():
-        raise ckpt.CheckpointError(f"{run_dir}: no run_config.json, so no spmdlm run here; pass the --output_dir of "
-                                   "a training run, or --model_name_or_path for a transformers directory")
-    try:
-        run_config = json.loads(run_config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ckpt.CheckpointError(f"{run_config_path} is not valid JSON ({e})") from None
-    ckpt.check_format(run_config, run_dir)
-    manager = ckpt.make_manager(run_dir, read_only=True)
-    family = get_family(run_config["model_config"]["model_type"])
-    config = family.config_class.from_dict(run_config["model_config"])
-    with jax.set_mesh(mesh):
-        graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
-        if step is None:  # a damaged newer one is reported and skipped, left in place
-            state, _ = ckpt.restore_newest_good(manager, abstract, model_only=True, move_aside=False)
-        else:
-            state, _ = ckpt.restore(manager, step, abstract, model_only=True)
-    # Where training found its tokenizer: --tokenizer_name, the --model_name_or_path it started from, or the run's.
-    given = [run_config.get("tokenizer_name"), run_config.get("model_name_or_path")]
-    tokenizer_dir = next((p for p in given if p and (Path(p).is_file() or (Path(p) / "tokenizer.json").exists())),
-                         run_dir)
-    return nnx.merge(graphdef, state), config, load_tokenizer(tokenizer_dir)
+    model, config, tokenizer_dir = export.load_run(
+        run_dir, step, mesh, hint="pass the --output_dir of a training run, or --model_name_or_path for a "
+                                  "transformers directory")
+    return model, config, load_tokenizer(tokenizer_dir or run_dir)
 
 
 def load_export(path: str | Path, mesh):
