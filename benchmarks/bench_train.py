@@ -61,9 +61,15 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
     p.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    p.add_argument("--loss_chunk_size", type=int, default=0, help="as the launcher's flag (0 = off)")
+    p.add_argument("--all_positions", dest="labelled_only", action="store_false",
+                   help="the LM head on every position even where the objective labels few (MLM)")
     p.add_argument("--unroll", action="store_true", help="unroll the scanned layers (same parameters)")
     p.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,...]",
                    help="a variant to measure against the base settings in the same run; repeatable")
+    p.add_argument("--profile", metavar="DIR", help="after the measured steps, trace 3 more steps of the base "
+                   "variant into DIR and write DIR/report.json: time per XLA op and per op category (op_profile.py)")
+    p.add_argument("--profile_label", default="spmdlm", help="the report's column title")
     p.add_argument("--learning_rate", type=float, default=1e-4)
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0, help="numpy seed of the synthetic batch and init seed")
@@ -123,16 +129,14 @@ def build_objective(model: str, config, seq_len: int | None):
 
 
 def synthetic_batch(objective, global_batch: int, vocab_size: int, seed: int) -> dict:
-    """Random ids of the objective's exact shapes (masks all ones), from a fixed numpy seed."""
+    """The objective applied to records of random ids (from a fixed numpy seed): a batch of its exact shapes and
+    label density (MLM labels ~15% of positions, as in training)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    batch = {}
-    for name, (shape, dtype) in objective.example_spec().items():
-        shape = (global_batch, *shape)
-        batch[name] = (np.ones(shape, dtype) if "mask" in name
-                       else rng.integers(0, vocab_size, size=shape).astype(dtype))
-    return batch
+    records = rng.integers(8, vocab_size, (global_batch, objective.record_length)).astype(np.int32)
+    examples = [objective(record, np.random.default_rng([seed, i])) for i, record in enumerate(records)]
+    return {name: np.stack([e[name] for e in examples]) for name in examples[0]}
 
 
 def tokens_per_example(objective) -> int:
@@ -148,6 +152,8 @@ class Variant:
     donate: bool = True
     xla: str = ""
     unroll: bool = False  # scanned layers fully unrolled (same parameters, one traced layer per layer)
+    loss_chunk: int = 0  # --loss_chunk_size
+    labelled_only: bool = True  # the LM head on labelled positions only where the objective allows (MLM)
 
     def label(self) -> str:
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
@@ -168,10 +174,12 @@ def parse_variant(text: str, base: Variant) -> Variant:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in ("jit", "attention", "donate", "xla", "unroll"):
-            fail(f"--compare {text!r}: use jit=, attention=, donate=, xla= or unroll= (comma-separated)")
-        flag = key in ("donate", "unroll")
-        changes[key] = value.strip() not in ("0", "false", "no") if flag else value.strip()
+        if not sep or key not in ("jit", "attention", "donate", "xla", "unroll", "loss_chunk", "labelled_only"):
+            fail(f"--compare {text!r}: use jit=, attention=, donate=, xla=, unroll=, loss_chunk= or labelled_only= "
+                 "(comma-separated)")
+        flag = key in ("donate", "unroll", "labelled_only")
+        changes[key] = (value.strip() not in ("0", "false", "no") if flag
+                        else int(value) if key == "loss_chunk" else value.strip())
     variant = dataclasses.replace(base, **changes)
     if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ("einsum", "dpa"):
         fail(f"--compare {text!r}: jit is jax|flat|nnx and attention einsum|dpa")
@@ -220,7 +228,8 @@ def attention_implementation(kind: str):
 class Arm:
     """One variant: its own state (same init), its compiled step, its timings."""
 
-    def __init__(self, variant: Variant, build, mesh, batch_spec, batch, schedule, seed: int):
+    def __init__(self, variant: Variant, build, mesh, batch_spec, batch, schedule, seed: int,
+                 label_capacity: int | None = None):
         import jax
         from flax import nnx
 
@@ -230,7 +239,9 @@ class Arm:
         self.losses: list[float] = []
         graphdef, state = create_train_state(lambda: build(variant.unroll), mesh)
         self.n_params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)))
-        self.stepper = Stepper(graphdef, state, mesh, dropout_seed=seed, schedule=schedule)
+        self.stepper = Stepper(graphdef, state, mesh, dropout_seed=seed, schedule=schedule,
+                               loss_chunk=variant.loss_chunk,
+                               label_capacity=label_capacity if variant.labelled_only else None)
         self.stats: dict[str, Any] = {}
         start = time.perf_counter()
         with attention_implementation(variant.attention):
@@ -238,6 +249,7 @@ class Arm:
                 self._setup_nnx(graphdef, state, batch)
             elif variant.jit == "jax" and variant.donate and not variant.xla:
                 self.stats = self.stepper.compile_train(state, batch_spec)  # exactly the training run's path
+                self.compiled = self.stepper._train
                 self.state = state
                 self._call = lambda batch, step: self.stepper.train_step(self.state, batch, step)
             else:
@@ -272,6 +284,7 @@ class Arm:
         with jax.set_mesh(self.mesh):
             compiled = jitted.lower(abstract, batch_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
         self.stats = {"compile_seconds": time.perf_counter() - start, **compiled_stats(compiled)}
+        self.compiled = compiled
         self.state = state_arg
 
         def call(batch, step):
@@ -285,7 +298,7 @@ class Arm:
         import optax
         from flax import nnx
 
-        from spmdlm.train.step import cross_entropy_sums, forward
+        from spmdlm.train.step import loss_sums
 
         model, optimizer = nnx.merge(graphdef, state)
         base_key = self.stepper.dropout_key
@@ -293,7 +306,7 @@ class Arm:
         def train_step(model, optimizer, batch, step):  # Stepper._train_step's math (no accumulation)
             def loss_fn(model):
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(base_key, step), 0))
-                sums = cross_entropy_sums(forward(model, batch, rngs), batch["labels"])
+                sums = loss_sums(model, batch, rngs, **self.stepper.loss)
                 return sums["loss_sum"] + sums["z_loss_sum"], sums
 
             grads, sums = nnx.grad(loss_fn, has_aux=True)(model)
@@ -330,6 +343,21 @@ class Arm:
             self.times.append(elapsed)
         metrics = jax.device_get(metrics)
         self.losses.append(float(metrics["loss_sum"]) / max(float(metrics["tokens"]), 1.0))
+
+
+def profile_arm(arm: Arm, batch, trace_dir: str, label: str, steps: int = 3) -> None:
+    """Trace `steps` more steps of `arm`; write the per-op report to trace_dir/report.json and print it."""
+    import op_profile
+
+    if getattr(arm, "compiled", None) is None:
+        fail("--profile needs --jit jax or flat (nnx.jit hides the compiled program)")
+    op_profile.trace_steps(lambda: arm.step(batch, measure=False), steps, trace_dir)
+    report = op_profile.report(trace_dir, arm.compiled.as_text(), steps, label)
+    with open(os.path.join(trace_dir, "step.hlo.txt"), "w") as f:
+        f.write(arm.compiled.as_text())
+    with open(os.path.join(trace_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    op_profile.print_reports([report], out=sys.stderr)
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -379,11 +407,13 @@ def run_benchmark(args) -> dict[str, Any]:
                                   scan_unroll=True if unroll else 1)
         return model, nnx.Optimizer(model, make_optimizer(optim, model, total_steps), wrt=nnx.Param)
 
-    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla, unroll=args.unroll)
+    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla, unroll=args.unroll,
+                   loss_chunk=args.loss_chunk_size, labelled_only=args.labelled_only)
     variants = [base] + [parse_variant(text, base) for text in args.compare]
     if base.jit == "nnx" and base.xla:
         fail("--xla needs --jit jax or flat")
-    arms = [Arm(v, build, mesh, spec, batch, schedule, args.seed) for v in variants]
+    capacity = getattr(objective, "label_capacity", None)
+    arms = [Arm(v, build, mesh, spec, batch, schedule, args.seed, capacity) for v in variants]
     for arm in arms:
         for _ in range(max(args.warmup - arm.step_number, 0)):  # nnx.jit's compile call was a first step
             arm.step(batch, measure=False)
@@ -391,6 +421,8 @@ def run_benchmark(args) -> dict[str, Any]:
         for arm in arms:
             arm.step(batch, measure=True)
 
+    if args.profile:
+        profile_arm(arms[0], batch, args.profile, args.profile_label)
     analytic = flops.train_flops_per_step(config, objective, global_batch)
     tokens_per_step = global_batch * tokens_per_example(objective)
 

@@ -98,6 +98,9 @@ class RunArgs:
     scan_unroll: int = _field(1, "layers per iteration of the layer scan (jax.lax.scan's unroll); 0 = fully "
                               "unrolled: slower to compile, faster steps for T5 on CPU (benchmarks/README.md)")
     z_loss: float = _field(0.0, "T5X z-loss coefficient (log-partition regulariser) for bf16 stability")
+    loss_chunk_size: int = _field(0, "compute the LM loss this many positions at a time (logits recomputed in the "
+                                  "backward pass): per-device logit memory drops from batch x length x vocab to "
+                                  "batch x chunk x vocab; 0 = all at once")
     # -- mesh and hosts ------------------------------------------------------------------------------------------
     mesh: str = _field("data=-1", "device mesh, e.g. data=8 or data=2,fsdp=2,tensor=2; one axis may be -1")
     coordinator_address: str | None = _field(None, "multi-host: host:port of process 0")
@@ -288,6 +291,8 @@ def validate(args: RunArgs) -> RunArgs:
         raise ArgumentError(f"--sample_every must be at least 1, got {args.sample_every}")
     if args.scan_unroll < 0:
         raise ArgumentError(f"--scan_unroll must be 0 (fully unrolled) or a positive number, got {args.scan_unroll}")
+    if args.loss_chunk_size < 0:
+        raise ArgumentError(f"--loss_chunk_size must be 0 (off) or a positive number, got {args.loss_chunk_size}")
     for name in ("block_size", "max_seq_length", "max_train_samples", "max_eval_samples", "save_total_limit",
                  "vocab_size", "global_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:

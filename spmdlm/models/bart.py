@@ -146,19 +146,23 @@ class BartForConditionalGeneration(nnx.Module):
         return self.encoder(self.embed(input_ids), make_attention_mask(attention_mask), rngs=rngs)
 
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
-               decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+               decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
+               features_only: bool = False) -> jax.Array:
         mask = make_attention_mask(decoder_attention_mask, causal_length=decoder_input_ids.shape[1])
         x = self.decoder(self.embed(decoder_input_ids), mask, encoded, make_attention_mask(attention_mask), rngs=rngs)
-        return self.head(x)
+        return x if features_only else self.head(x)
 
     def head(self, x: jax.Array) -> jax.Array:
+        """The decoder's final features [..., d] -> logits [..., V]."""
         logits = self.shared.attend(x) + self.final_logits_bias[...]  # tied head: the unscaled shared table
         return constrain(logits, "batch", "length", "act_vocab")
 
     def __call__(self, input_ids: jax.Array, decoder_input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                 decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+                 decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
+                 features_only: bool = False) -> jax.Array:
         encoded = self.encode(input_ids, attention_mask, rngs=rngs)
-        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask, rngs=rngs)
+        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask, rngs=rngs,
+                           features_only=features_only)
 
     def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
         """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""

@@ -88,16 +88,19 @@ class GPT2LMHeadModel(nnx.Module):
         self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-                 rngs: nnx.Rngs | None = None) -> jax.Array:
+                 rngs: nnx.Rngs | None = None, features_only: bool = False) -> jax.Array:
         length = input_ids.shape[1]
         if length > self.config.n_positions:
             raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
         x = self.wte(input_ids) + self.wpe(jnp.arange(length))[None]
         x = dropout(constrain(x, "batch", "length", "act_embed"), self.config.embd_pdrop, rngs)
         mask = make_attention_mask(attention_mask, causal_length=length)
-        x = self.h(x, mask, rngs=rngs)
-        logits = self.wte.attend(self.ln_f(x))
-        return constrain(logits, "batch", "length", "act_vocab")
+        x = self.ln_f(self.h(x, mask, rngs=rngs))
+        return x if features_only else self.head(x)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """The final features [..., d] -> logits [..., V] (tied to the token embedding)."""
+        return constrain(self.wte.attend(x), "batch", "length", "act_vocab")
 
     def init_cache(self, batch: int, slots: int) -> Cache:
         """An empty cache of `slots` tokens for `batch` rows."""
@@ -111,4 +114,4 @@ class GPT2LMHeadModel(nnx.Module):
         positions, mask, cache = cache.advance(input_ids.shape[1], attention_mask)
         x = constrain(self.wte(input_ids) + self.wpe(positions), "batch", "length", "act_embed")
         x, cache = self.h.scan_with_cache(x, cache, mask)
-        return constrain(self.wte.attend(self.ln_f(x)), "batch", "length", "act_vocab"), cache
+        return self.head(self.ln_f(x)), cache

@@ -94,7 +94,8 @@ class RobertaForMaskedLM(nnx.Module):
                                        kind=Bias)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                 token_type_ids: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+                 token_type_ids: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
+                 features_only: bool = False) -> jax.Array:
         config = self.config
         if input_ids.shape[1] > config.max_length:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds the {config.max_length} positions of "
@@ -105,6 +106,10 @@ class RobertaForMaskedLM(nnx.Module):
         x = dropout(self.embeddings_layer_norm(constrain(x, "batch", "length", "act_embed")),
                     config.hidden_dropout_prob, rngs)
         x = self.layer(x, make_attention_mask(attention_mask), rngs=rngs)
+        return x if features_only else self.head(x)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """The encoder's final features [..., d] -> logits [..., V] (the MLM head, tied to the word embedding)."""
         h = self.lm_head_layer_norm(ACTIVATIONS["gelu"](self.lm_head_dense(x)))
         logits = self.word_embeddings.attend(h) + self.lm_head_bias[...]
         return constrain(logits, "batch", "length", "act_vocab")

@@ -227,17 +227,23 @@ class T5ForConditionalGeneration(nnx.Module):
         return self.encoder(self.shared(input_ids), mask, rngs=rngs)
 
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
-               decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+               decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
+               features_only: bool = False) -> jax.Array:
         mask = make_attention_mask(decoder_attention_mask, causal_length=decoder_input_ids.shape[1])
         context_mask = make_attention_mask(attention_mask)
         x = self.decoder(self.shared(decoder_input_ids), mask, encoded, context_mask, rngs=rngs)
-        logits = self.lm_head(x)  # v1.1: no d_model**-0.5 scaling before the untied head
-        return constrain(logits, "batch", "length", "act_vocab")
+        return x if features_only else self.head(x)
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """The decoder's final features [..., d] -> logits [..., V]."""
+        return constrain(self.lm_head(x), "batch", "length", "act_vocab")  # v1.1: no d_model**-0.5 scaling
 
     def __call__(self, input_ids: jax.Array, decoder_input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                 decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None) -> jax.Array:
+                 decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
+                 features_only: bool = False) -> jax.Array:
         encoded = self.encode(input_ids, attention_mask, rngs=rngs)
-        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask, rngs=rngs)
+        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask, rngs=rngs,
+                           features_only=features_only)
 
     def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
         """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""
@@ -249,4 +255,4 @@ class T5ForConditionalGeneration(nnx.Module):
     def extend(self, decoder_input_ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """Generation: the next decoder tokens [B, T] attend to the cached ones -> logits [B, T, V] and the cache."""
         x, cache = self.decoder.extend(self.shared(decoder_input_ids), cache)
-        return constrain(self.lm_head(x), "batch", "length", "act_vocab"), cache
+        return self.head(x), cache

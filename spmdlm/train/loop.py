@@ -359,7 +359,8 @@ def setup_state(ctx: RunContext):
 
         state = load_hf_into_state(args.model_name_or_path, graphdef, state)
     stepper = Stepper(graphdef, state, ctx.mesh, grad_accum=args.gradient_accumulation_steps, z_loss=args.z_loss,
-                      dropout_seed=args.seed, schedule=learning_rate_schedule(optim, steps))
+                      dropout_seed=args.seed, schedule=learning_rate_schedule(optim, steps),
+                      loss_chunk=args.loss_chunk_size, label_capacity=getattr(ctx.objective, "label_capacity", None))
     return graphdef, state, stepper
 
 

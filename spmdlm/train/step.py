@@ -41,12 +41,80 @@ def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0
     }
 
 
-def forward(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None) -> jax.Array:
-    """Logits for a batch of any objective: encoder-decoders also take decoder inputs."""
+def forward(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None, *, features_only: bool = False
+            ) -> jax.Array:
+    """Logits (or the features the LM head reads) for a batch of any objective: encoder-decoders also take decoder
+    inputs."""
     if "decoder_input_ids" in batch:
         return model(batch["input_ids"], batch["decoder_input_ids"], attention_mask=batch.get("attention_mask"),
-                     decoder_attention_mask=batch.get("decoder_attention_mask"), rngs=rngs)
-    return model(batch["input_ids"], attention_mask=batch.get("attention_mask"), rngs=rngs)
+                     decoder_attention_mask=batch.get("decoder_attention_mask"), rngs=rngs,
+                     features_only=features_only)
+    return model(batch["input_ids"], attention_mask=batch.get("attention_mask"), rngs=rngs,
+                 features_only=features_only)
+
+
+def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, labels: jax.Array,
+                               chunk: int, z_loss: float = 0.0) -> dict[str, jax.Array]:
+    """`cross_entropy_sums(head(features), labels)` computed `chunk` positions at a time, so only one chunk's
+    logits [B, chunk, V] exist at once, forward and backward (each chunk's logits are recomputed for its gradient
+    under jax.checkpoint). A length that `chunk` does not divide is padded with ignored positions."""
+    batch, length = labels.shape
+    pad = -length % chunk
+    if pad:
+        features = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
+        labels = jnp.pad(labels, ((0, 0), (0, pad)), constant_values=IGNORE_INDEX)
+    count = (length + pad) // chunk
+    # [B, count * chunk, ...] -> [count, B, chunk, ...]: the scan runs over chunks, the batch axis keeps its sharding.
+    features = jnp.moveaxis(features.reshape(batch, count, chunk, features.shape[-1]), 1, 0)
+    labels = jnp.moveaxis(labels.reshape(batch, count, chunk), 1, 0)
+
+    @jax.checkpoint
+    def chunk_sums(x, y):
+        return cross_entropy_sums(head(x), y, z_loss)
+
+    def body(total, xy):
+        return jax.tree.map(jnp.add, total, chunk_sums(*xy)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(chunk_sums, features[0], labels[0]))
+    return jax.lax.scan(body, zeros, (features, labels))[0]
+
+
+def head_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, labels: jax.Array, *, z_loss: float = 0.0,
+              loss_chunk: int = 0) -> dict[str, jax.Array]:
+    """Loss sums of the LM head over `features` [B, T, d], all positions at once or `loss_chunk` at a time."""
+    if 0 < loss_chunk < labels.shape[1]:
+        return chunked_cross_entropy_sums(head, features, labels, loss_chunk, z_loss)
+    return cross_entropy_sums(head(features), labels, z_loss)
+
+
+def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capacity: int, **loss) -> dict:
+    """`head_sums` computed on each row's labelled positions only (the first `capacity`, in order; the rest of the
+    gathered positions are unlabelled and add nothing), as BERT's pretraining code does: for MLM (15% labelled)
+    the vocabulary projection shrinks ~3x. A batch with a row of more than `capacity` labels takes the exact
+    all-positions path, so the result always equals `head_sums(head, features, labels)`."""
+    valid = labels != IGNORE_INDEX
+    positions = jnp.argsort(~valid, axis=-1, stable=True)[:, :capacity]  # labelled positions first, in order
+
+    def gathered():
+        picked = jnp.take_along_axis(features, positions[..., None], axis=1)
+        return head_sums(head, picked, jnp.take_along_axis(labels, positions, axis=1), **loss)
+
+    return jax.lax.cond(valid.sum(-1).max() <= capacity, gathered, lambda: head_sums(head, features, labels, **loss))
+
+
+def loss_sums(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None, *, z_loss: float = 0.0,
+              loss_chunk: int = 0, label_capacity: int | None = None) -> dict[str, jax.Array]:
+    """The token-summed loss and metrics of one batch. `loss_chunk` > 0 computes them a chunk of positions at a time
+    (`chunked_cross_entropy_sums`); `label_capacity` (the objective's) runs the LM head on labelled positions only
+    (`labelled_positions_sums`). Both give the same sums as the plain loss."""
+    labels = batch["labels"]
+    if (loss_chunk <= 0 or loss_chunk >= labels.shape[1]) and not label_capacity:
+        return cross_entropy_sums(forward(model, batch, rngs), labels, z_loss)
+    features = forward(model, batch, rngs, features_only=True)
+    if label_capacity and label_capacity < labels.shape[1]:
+        return labelled_positions_sums(model.head, features, labels, label_capacity, z_loss=z_loss,
+                                       loss_chunk=loss_chunk)
+    return head_sums(model.head, features, labels, z_loss=z_loss, loss_chunk=loss_chunk)
 
 
 def create_train_state(build: Callable[[], tuple[nnx.Module, nnx.Optimizer]], mesh: Mesh, *, abstract=False):
@@ -74,9 +142,11 @@ class Stepper:
     """Compiles and runs the train and eval steps over the flat (model, optimizer) state, which it donates."""
 
     def __init__(self, graphdef, state, mesh: Mesh, *, grad_accum: int = 1, z_loss: float = 0.0,
-                 dropout_seed: int = 0, schedule: optax.Schedule | None = None):
+                 dropout_seed: int = 0, schedule: optax.Schedule | None = None, loss_chunk: int = 0,
+                 label_capacity: int | None = None):
         self.graphdef, self.mesh = graphdef, mesh
-        self.grad_accum, self.z_loss, self.schedule = grad_accum, z_loss, schedule
+        self.grad_accum, self.schedule = grad_accum, schedule
+        self.loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, label_capacity=label_capacity)
         self.dropout_key = jax.random.key(dropout_seed)
         self.shardings = state_shardings(state)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -93,7 +163,7 @@ class Stepper:
             def loss_of(p):
                 m = nnx.merge(graph, p, rest)
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(step_key, index))
-                sums = cross_entropy_sums(forward(m, micro, rngs), micro["labels"], self.z_loss)
+                sums = loss_sums(m, micro, rngs, **self.loss)
                 return sums["loss_sum"] + sums["z_loss_sum"], sums
             return jax.grad(loss_of, has_aux=True)(p)
 
@@ -123,7 +193,7 @@ class Stepper:
 
     def _eval_step(self, state, batch: Batch):
         model, _ = nnx.merge(self.graphdef, state)
-        return cross_entropy_sums(forward(model, batch), batch["labels"], self.z_loss)
+        return loss_sums(model, batch, **self.loss)
 
     # -- compilation ---------------------------------------------------------------------------------------------
     def _batch_shardings(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):

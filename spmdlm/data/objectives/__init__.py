@@ -20,6 +20,8 @@ class Objective(Protocol):
     """What the pipeline, the train step and the benchmarks need to know about an objective."""
 
     record_length: int  # tokens per prepared record
+    # Optional `label_capacity: int | None`: an objective that labels few positions (MLM) says how many per example
+    # the loss should plan for; the LM head then runs on those positions only (see train/step.py: loss_sums).
 
     def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]: ...
 

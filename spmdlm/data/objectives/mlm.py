@@ -20,6 +20,7 @@ Differences from the HF script (`run_mlm_flax.py` + DataCollatorForLanguageModel
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -55,6 +56,15 @@ class MaskedLM(Framed):
             raise ValueError(f"special_ids {self.special_ids} must lie in [0, vocab_size={self.vocab_size})")
         if self.vocab_size <= len(self.special_ids):
             raise ValueError(f"vocab_size {self.vocab_size} leaves no non-special id to draw random replacements from")
+
+    @property
+    def label_capacity(self) -> int | None:
+        """Labelled positions per example the loss plans for: the chosen count is Binomial(content, p), so mean + 6
+        standard deviations (rounded up to a multiple of 8) is exceeded about once in 10^9 examples, and a batch
+        that does exceed it takes the exact all-positions path (train/step.py). None when it saves little."""
+        n, p = self.record_length, self.mlm_probability
+        capacity = 8 * math.ceil((n * p + 6 * math.sqrt(n * p * (1 - p))) / 8)
+        return capacity if capacity <= 0.75 * self.max_seq_length else None
 
     @property
     def preparation(self) -> str:

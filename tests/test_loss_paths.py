@@ -1,0 +1,109 @@
+"""The LM loss's cheaper paths give the plain loss's sums and gradients: --loss_chunk_size (a chunk of positions at a
+time, for every family; the compiled step holds less logit memory) and MLM's head on labelled positions only."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from family_fixtures import FIXTURES
+from spmdlm.data.objectives import IGNORE_INDEX
+from spmdlm.families import FAMILIES
+from spmdlm.train.step import loss_sums
+
+
+def tiny_model(family: str, **changes):
+    config = FAMILIES[family].config_class.from_dict({**FIXTURES[family].tiny_config, **changes})
+    return config, FAMILIES[family].make_model(config, rngs=nnx.Rngs(params=3))
+
+
+def random_batch(config, family: str, length: int, rng: np.random.Generator) -> dict[str, jax.Array]:
+    vocab = config.vocab_size
+    ids = lambda n: rng.integers(3, vocab, (4, n)).astype(np.int32)
+    labels = ids(length)
+    labels[rng.random(labels.shape) < 0.3] = IGNORE_INDEX  # ignored positions must stay out of every sum
+    batch = {"input_ids": ids(length), "labels": labels}
+    if FAMILIES[family].is_encoder_decoder:
+        batch["decoder_input_ids"] = ids(length)
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_chunked_loss_and_gradients_equal_the_whole_sequence_ones(family):
+    config, model = tiny_model(family)
+    batch = random_batch(config, family, 40, np.random.default_rng(0))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def grads_and_sums(chunk):
+        def loss(p):
+            sums = loss_sums(nnx.merge(graph, p, rest), batch, z_loss=1e-3, loss_chunk=chunk)
+            return sums["loss_sum"] + sums["z_loss_sum"], sums
+        return jax.grad(loss, has_aux=True)(params)
+
+    # One program for both (one compilation); 12 does not divide 40: the last chunk is padded with ignored positions.
+    (whole_grads, whole), (grads, sums) = jax.jit(lambda: (grads_and_sums(0), grads_and_sums(12)))()
+    assert float(whole["tokens"]) == float((batch["labels"] != IGNORE_INDEX).sum())
+    for key in whole:
+        np.testing.assert_allclose(sums[key], whole[key], rtol=1e-5, err_msg=key)
+    flat, whole_flat = jax.tree.leaves(grads), jax.tree.leaves(whole_grads)
+    assert len(flat) == len(whole_flat)
+    for g, w in zip(flat, whole_flat):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()) + 1e-9)
+
+
+def test_mlm_head_on_labelled_positions_only_equals_every_position():
+    from spmdlm.data.objectives.mlm import MaskedLM
+
+    objective = MaskedLM(128, bos_id=0, eos_id=2, pad_id=1, mask_id=4, special_ids=(0, 1, 2, 3, 4), vocab_size=512)
+    capacity = objective.label_capacity
+    assert capacity == 48  # 126 content tokens at p=0.15: mean 18.9, sd 4.0
+    counts = [int((objective(np.arange(5, 131), np.random.default_rng(i))["labels"] != IGNORE_INDEX).sum())
+              for i in range(2000)]
+    assert 10 < np.mean(counts) < 30 and max(counts) <= capacity
+
+    config, model = tiny_model("roberta")
+    rng = np.random.default_rng(1)
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jnp.asarray(rng.integers(5, config.vocab_size, (4, 40)), jnp.int32)
+    sparse = np.where(rng.random((4, 40)) < 0.15, np.asarray(ids), IGNORE_INDEX)
+    assert (sparse != IGNORE_INDEX).sum(-1).max() <= 12  # the gathered path
+    dense_row = sparse.copy()
+    dense_row[2] = np.asarray(ids[2])  # one row labels all 40 positions: more than the capacity of 12
+
+    def grads_and_sums(labels, capacity):
+        def loss(p):
+            batch = {"input_ids": ids, "labels": jnp.asarray(labels, jnp.int32)}
+            sums = loss_sums(nnx.merge(graph, p, rest), batch, label_capacity=capacity)
+            return sums["loss_sum"], sums
+        return jax.grad(loss, has_aux=True)(params)
+
+    for labels in (sparse, dense_row):
+        (whole_grads, whole), (grads, sums) = jax.jit(
+            lambda: (grads_and_sums(labels, None), grads_and_sums(labels, 12)))()
+        for key in whole:
+            np.testing.assert_allclose(sums[key], whole[key], rtol=1e-5, err_msg=key)
+        for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()) + 1e-9)
+
+
+def test_chunking_shrinks_the_compiled_steps_temporaries():
+    """A vocabulary much wider than the model, as in GPT-2 (50k x 768): the step's temporaries are mostly logits."""
+    from spmdlm.mesh import make_mesh
+    from spmdlm.train.optim import OptimConfig, make_optimizer
+    from spmdlm.train.step import Stepper, create_train_state
+
+    config, _ = tiny_model("gpt2", vocab_size=8192, n_positions=256)
+    family = FAMILIES["gpt2"]
+    mesh = make_mesh("data=2,tensor=2", devices=jax.devices()[:4])
+
+    def build():
+        model = family.make_model(config, rngs=nnx.Rngs(params=0))
+        return model, nnx.Optimizer(model, make_optimizer(OptimConfig(), model, 10), wrt=nnx.Param)
+
+    graphdef, state = create_train_state(build, mesh, abstract=True)
+    spec = {k: jax.ShapeDtypeStruct((8, 256), jnp.int32) for k in ("input_ids", "labels")}
+    temp = {chunk: Stepper(graphdef, state, mesh, loss_chunk=chunk).compile_train(state, spec)["temp_bytes"]
+            for chunk in (0, 32)}
+    logits_per_device = 4 * 256 * 8192 * 4 / 2  # batch 8 over data=2, vocab over tensor=2, float32
+    assert temp[0] - temp[32] > logits_per_device, temp
