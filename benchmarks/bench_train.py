@@ -56,7 +56,7 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
     p.add_argument("--jit", default="jax", choices=("jax", "flat", "nnx"),
                    help="jax: Stepper's jax.jit over the split state; flat: jax.jit over a flat list of arrays; "
                         "nnx: nnx.jit over (model, optimizer)")
-    p.add_argument("--attention", default="einsum", choices=("einsum", "dpa"),
+    p.add_argument("--attention", default="einsum", choices=ATTENTIONS,
                    help="einsum: layers.Attention as is; dpa: its core replaced by jax.nn.dot_product_attention")
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
@@ -181,16 +181,21 @@ def parse_variant(text: str, base: Variant) -> Variant:
         changes[key] = (value.strip() not in ("0", "false", "no") if flag
                         else int(value) if key == "loss_chunk" else value.strip())
     variant = dataclasses.replace(base, **changes)
-    if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ("einsum", "dpa"):
-        fail(f"--compare {text!r}: jit is jax|flat|nnx and attention einsum|dpa")
+    if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ATTENTIONS:
+        fail(f"--compare {text!r}: jit is jax|flat|nnx and attention {'|'.join(ATTENTIONS)}")
     if variant.jit == "nnx" and variant.xla:
         fail("xla compiler options need jit=jax or jit=flat")
     return variant
 
 
+ATTENTIONS = ("einsum", "dpa", "cudnn")
+
+
 @contextlib.contextmanager
 def attention_implementation(kind: str):
-    """While tracing: `dpa` swaps the core of layers.Attention for jax.nn.dot_product_attention (same projections).
+    """While tracing: `dpa` swaps the core of layers.Attention for jax.nn.dot_product_attention (same projections,
+    XLA's implementation), `cudnn` for its cuDNN flash attention (NVIDIA GPUs; a [1, 1, T, T] mask, the synthetic
+    CLM batch's, is passed as is_causal=True, which is what that mask is).
 
     The proposed change to spmdlm/models/layers.py, measured here without editing it. Attention dropout keeps the
     einsum path (dot_product_attention has no dropout).
@@ -204,9 +209,9 @@ def attention_implementation(kind: str):
 
     original = layers.Attention.__call__
 
-    def dpa_call(self, x, context=None, *, mask=None, bias=None, rngs=None):
-        if rngs is not None and self.dropout_rate > 0.0:
-            return original(self, x, context, mask=mask, bias=bias, rngs=rngs)
+    def dpa_call(self, x, context=None, *, mask=None, bias=None, rngs=None, cache=None):
+        if (rngs is not None and self.dropout_rate > 0.0) or cache is not None:
+            return original(self, x, context, mask=mask, bias=bias, rngs=rngs, cache=cache)
         split = lambda t: t.reshape(*t.shape[:-1], self.num_heads, self.head_dim)
         if self.qkv is not None:
             q, k, v = (split(t) for t in jax.numpy.moveaxis(self.qkv(x), -2, 0))
@@ -214,8 +219,10 @@ def attention_implementation(kind: str):
             context = x if context is None else context
             q, k, v = split(self.query(x)), split(self.key(context)), split(self.value(context))
         q, k, v = (constrain(t, "batch", "length", "act_heads", None) for t in (q, k, v))
-        out = jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype), mask=mask,
-                                           scale=self.scale)
+        causal = kind == "cudnn" and mask is not None and mask.shape[:2] == (1, 1) and mask.shape[2] == mask.shape[3]
+        out = jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
+                                           mask=None if causal else mask, scale=self.scale, is_causal=causal,
+                                           implementation="cudnn" if kind == "cudnn" else None)
         return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
 
     layers.Attention.__call__ = dpa_call
@@ -457,6 +464,7 @@ def run_benchmark(args) -> dict[str, Any]:
         "global_batch": global_batch,
         "lengths": {k: shape[0] for k, (shape, _) in objective.example_spec().items()},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "device_memory": device_memory(device),
         "device_kind": device.device_kind,
         "platform": device.platform,
         "devices": jax.device_count(),
@@ -474,6 +482,16 @@ def run_benchmark(args) -> dict[str, Any]:
         result["variants"] = records[1:]
     result["_arms"] = arms  # for compare_hf.py; dropped before printing
     return result
+
+
+def device_memory(device) -> dict[str, int] | None:
+    """An accelerator's allocator figures (peak bytes in use, the limit); None on CPU, which keeps none."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:
+        return None
+    keep = {k: stats[k] for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit") if k in stats}
+    return keep or None
 
 
 def cpu_model() -> str:

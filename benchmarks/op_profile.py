@@ -36,30 +36,53 @@ def trace_steps(step: Callable[[], Any], steps: int, trace_dir: str) -> None:
         jax.profiler.stop_trace()
 
 
-def op_times(trace_dir: str) -> dict[str, tuple[float, int]]:
-    """{HLO instruction name: (total seconds, executions)} in the newest trace under `trace_dir`. Nested events (a
-    while loop's body ops inside the while thunk) are counted both in the loop and themselves."""
-    from jax.profiler import ProfileData
-
-    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+def _newest_trace(trace_dir: str) -> list[str]:
     paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}")
     newest_run = max(os.path.dirname(p) for p in paths)  # the profiler's run directories are timestamps
-    for path in (p for p in paths if os.path.dirname(p) == newest_run):
+    return [p for p in paths if os.path.dirname(p) == newest_run]
+
+
+def op_events(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(HLO instruction name, start ns, duration ns) of every op the executor's threads ran, in the newest trace
+    under `trace_dir`. Nested events (a while loop's body ops inside the while thunk) appear both as the loop and
+    themselves."""
+    from jax.profiler import ProfileData
+
+    events = []
+    for path in _newest_trace(trace_dir):
         for plane in ProfileData.from_file(path).planes:
             if not plane.name.startswith("/host:CPU"):
                 continue
             for line in plane.lines:
-                if not line.name.startswith("tf_XLA"):
-                    continue
-                for event in line.events:
-                    if _NOT_OPS.match(event.name):
-                        continue
-                    entry = totals[event.name]
-                    entry[0] += event.duration_ns * 1e-9
-                    entry[1] += 1
+                if line.name.startswith("tf_XLA"):
+                    events += [(e.name, e.start_ns, e.duration_ns) for e in line.events if not _NOT_OPS.match(e.name)]
+    return events
+
+
+def op_times(events) -> dict[str, tuple[float, int]]:
+    """{HLO instruction name: (total seconds, executions)}."""
+    totals: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for name, _, duration in events:
+        totals[name][0] += duration * 1e-9
+        totals[name][1] += 1
     return {name: (seconds, count) for name, (seconds, count) in totals.items()}
+
+
+def timeline(events, steps: int) -> dict[str, float]:
+    """Seconds per step from the first op to the last, with at least one op running, and with two at once (both
+    cores on separate ops). What no op covers is the executor's idle time, or work it does not trace: XLA:CPU's Eigen
+    dots (`dot` ops) return at once and finish on the thread pool, so their time shows up there."""
+    edges = sorted([(start, 1) for _, start, _ in events] + [(start + d, -1) for _, start, d in events])
+    running, last, busy, both = 0, None, 0, 0
+    for t, change in edges:
+        if last is not None:
+            busy += (t - last) if running >= 1 else 0
+            both += (t - last) if running >= 2 else 0
+        running, last = running + change, t
+    span = edges[-1][0] - edges[0][0] if edges else 0
+    return {"span": span * 1e-9 / steps, "any_op": busy * 1e-9 / steps, "two_ops": both * 1e-9 / steps}
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
@@ -81,9 +104,20 @@ def _opcode(line: str) -> str:
     return match.group(1) if match else "?"
 
 
-def classify(hlo_text: str) -> dict[str, tuple[str, str]]:
-    """HLO instruction name -> (category, result shape). The category is its opcode, and for fusions what heavy op
-    is inside ("fusion:dot", "fusion:reduce", "fusion:scatter", "fusion:gather", "fusion:elementwise", ...)."""
+def _phase(line: str) -> str:
+    """forward / backward / update (optimizer, clipping, metrics) from the op_name JAX wrote into the metadata."""
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    if not op_name:
+        return "?"
+    if "transpose(jvp" in op_name.group(1):
+        return "backward"
+    return "forward" if "jvp(" in op_name.group(1) else "update"
+
+
+def classify(hlo_text: str) -> dict[str, tuple[str, str, str]]:
+    """HLO instruction name -> (category, result shape, phase). The category is its opcode, and for fusions what heavy
+    op is inside ("fusion:dot", "fusion:reduce", "fusion:scatter", "fusion:gather", "fusion:elementwise", ...); the
+    phase is forward, backward or update."""
     computations = _computations(hlo_text)
     heavy = ("dot", "convolution", "scatter", "gather", "reduce-window", "reduce", "sort", "dynamic-update-slice",
              "dynamic-slice", "transpose", "concatenate", "pad", "select-and-scatter")
@@ -112,27 +146,31 @@ def classify(hlo_text: str) -> dict[str, tuple[str, str]]:
                 kind = next((op for op in heavy if op in ops), "elementwise")
                 category = f"fusion:{kind}"
             shape = re.search(r"=\s*(\S+?\[[^\]]*\]|\([^)]*\))", line)
-            categories[name_match.group(1)] = (category, shape.group(1) if shape else "")
+            categories[name_match.group(1)] = (category, shape.group(1) if shape else "", _phase(line))
     return categories
 
 
 def report(trace_dir: str, hlo_text: str, steps: int, label: str) -> dict[str, Any]:
     """Per-step seconds per op and per category (excluding while/call wrappers, whose bodies are counted)."""
-    times = op_times(trace_dir)
+    events = op_events(trace_dir)
+    times = op_times(events)
     categories = classify(hlo_text)
     ops = []
     for name, (seconds, count) in times.items():
-        category, shape = categories.get(name, ("?", ""))
-        ops.append({"name": name, "category": category, "shape": shape, "seconds_per_step": seconds / steps,
-                    "runs_per_step": count / steps})
+        category, shape, phase = categories.get(name, ("?", "", "?"))
+        ops.append({"name": name, "category": category, "shape": shape, "phase": phase,
+                    "seconds_per_step": seconds / steps, "runs_per_step": count / steps})
     ops.sort(key=lambda op: -op["seconds_per_step"])
     by_category: dict[str, float] = collections.defaultdict(float)
+    by_phase: dict[str, float] = collections.defaultdict(float)
     for op in ops:
         if op["category"] not in ("while", "call", "conditional"):
             by_category[op["category"]] += op["seconds_per_step"]
+            by_phase[op["phase"]] += op["seconds_per_step"]
     total = sum(by_category.values())
-    return {"label": label, "steps": steps, "op_seconds_per_step": total,
-            "by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])), "top_ops": ops[:40]}
+    ordered = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1]))
+    return {"label": label, "steps": steps, "op_seconds_per_step": total, "by_category": ordered(by_category),
+            "by_phase": ordered(by_phase), "timeline": timeline(events, steps), "top_ops": ops[:40]}
 
 
 def print_reports(reports: list[dict[str, Any]], top: int = 15, out=sys.stdout) -> None:
@@ -145,6 +183,14 @@ def print_reports(reports: list[dict[str, Any]], top: int = 15, out=sys.stdout) 
         print(f"{c:<{width}} " + " ".join(f"{1e3 * r['by_category'].get(c, 0.0):14.1f}" for r in reports), file=out)
     print(f"{'total (ops)':<{width}} " + " ".join(f"{1e3 * r['op_seconds_per_step']:14.1f}" for r in reports),
           file=out)
+    for key, title in (("span", "wall, first op to last"), ("any_op", "  some op running"),
+                       ("two_ops", "  two ops at once")):
+        if all("timeline" in r for r in reports):
+            print(f"{title:<{width}} " + " ".join(f"{1e3 * r['timeline'][key]:14.1f}" for r in reports), file=out)
+    for phase in ("forward", "backward", "update", "?"):
+        if any(r.get("by_phase", {}).get(phase) for r in reports):
+            print(f"{'  ' + phase:<{width}} " + " ".join(f"{1e3 * r.get('by_phase', {}).get(phase, 0.0):14.1f}"
+                                                       for r in reports), file=out)
     for r in reports:
         print(f"\n{r['label']}: top ops (ms per step, runs per step, category)", file=out)
         for op in r["top_ops"][:top]:
