@@ -9,13 +9,15 @@ Integrity: each save records a fingerprint of every array (a position-weighted s
 devices) in its config item, and refuses a state that is not finite. A restore recomputes and compares them, so
 flipped bytes that still decode are caught; a checkpoint that fails is moved aside to OUTPUT_DIR/damaged_checkpoints
 (never deleted) and the run falls back to the newest one that restores.
+
+An output dir in a bucket (gs://) works the same: orbax writes through epath and tensorstore (spmdlm/storage.py
+configures both), and marks a finished step with commit_success.txt instead of a rename, which GCS does not have.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+
+from spmdlm import storage
 
 log = logging.getLogger("spmdlm")
 
@@ -56,7 +60,7 @@ logging.getLogger("absl").addFilter(_QuietReadOnly())
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir).absolute() / "checkpoints"
+    return storage.absolute(storage.path(output_dir, "--output_dir")) / "checkpoints"
 
 
 def make_manager(output_dir: str | Path, *, save_interval_steps: int = 1, max_to_keep: int | None = None,
@@ -249,13 +253,13 @@ def restore_newest_good(manager: ocp.CheckpointManager, state, data_iterator=Non
             log.warning("%s; %s", e, f"moved it to {where}, trying the previous one" if where
                         else "trying the previous one")
     raise CheckpointError(f"no checkpoint in {manager.directory} can be restored (damaged ones are in "
-                          f"{Path(manager.directory).parent / DAMAGED_DIR}); start afresh with --overwrite_output_dir")
+                          f"{storage.path(str(manager.directory)).parent / DAMAGED_DIR}); start afresh with --overwrite_output_dir")
 
 
 def all_complete_steps(manager: ocp.CheckpointManager, *, move_aside: bool) -> list[int]:
     """Steps orbax lists; a numbered step folder it does not list (emptied, its metadata lost) is set aside."""
     steps = list(manager.all_steps())
-    root = Path(manager.directory)
+    root = storage.path(str(manager.directory))
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
         if folder.name.isdigit() and int(folder.name) not in steps:
             where = set_aside(manager, int(folder.name)) if move_aside else None
@@ -268,11 +272,11 @@ def all_complete_steps(manager: ocp.CheckpointManager, *, move_aside: bool) -> l
 
 def set_aside(manager: ocp.CheckpointManager, step: int) -> Path | None:
     """Move a damaged step folder out of the manager's sight (process 0 moves; every process waits for it)."""
-    source = Path(manager.directory) / str(step)
-    target = Path(manager.directory).parent / DAMAGED_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    source = storage.path(str(manager.directory)) / str(step)
+    target = source.parent.parent / DAMAGED_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
     if jax.process_index() == 0 and source.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(source), str(target))
+        storage.move(source, target)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

@@ -6,6 +6,8 @@ written once (transformers re-ties them on load). Tensors are moved one paramete
 holds more than one extra copy of the parameters on the host.
 
     python -m spmdlm.export --checkpoint OUTPUT_DIR [--step N] --out HF_DIR
+
+Every directory may be a gs:// path (spmdlm/storage.py): an export to a bucket is written locally, then uploaded.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmdlm import storage
 from spmdlm.families import FAMILIES, get_family
 from spmdlm.models.config import ConfigError, HFConfig
 
@@ -35,7 +38,7 @@ class ExportError(ValueError):
 
 
 def read_hf_config(path: str | Path) -> HFConfig:
-    config_path = Path(path) / "config.json"
+    config_path = storage.path(path, "--model_name_or_path") / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{path}: no config.json; pass a directory written by save_pretrained or save_hf")
     values = json.loads(config_path.read_text())
@@ -118,18 +121,19 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
     from safetensors.numpy import save_file
 
     tensors = dict(hf_tensors(model, release))  # every process joins the gathers; only process 0 writes
-    out = Path(out_dir)
+    out = storage.path(out_dir, "--out")
     if jax.process_index() != 0:
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _normal_file_mode(out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2, allow_nan=False))
-    (out / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2, allow_nan=False))
-    if tokenizer is not None:
-        from spmdlm.data.tokenizer import save_tokenizer
+    with storage.writing_dir(out) as folder:  # a bucket: written here, uploaded at the end
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        _normal_file_mode(folder / "model.safetensors")
+        (folder / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2, allow_nan=False))
+        (folder / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2,
+                                                                  allow_nan=False))
+        if tokenizer is not None:
+            from spmdlm.data.tokenizer import save_tokenizer
 
-        save_tokenizer(tokenizer, out, get_family(config.model_type), model_max_length=config.max_length)
+            save_tokenizer(tokenizer, folder, get_family(config.model_type), model_max_length=config.max_length)
     return out
 
 
@@ -154,7 +158,7 @@ def _open_safetensors(path: Path):
         other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.index.json"))
         hint = f" (found {', '.join(other)}: re-save with save_pretrained(safe_serialization=True))" if other else ""
         raise ExportError(f"{path}: no model.safetensors{hint}")
-    return safe_open(str(file), framework="numpy")
+    return safe_open(str(storage.local_copy(file)), framework="numpy")  # a bucket's: copied to local disk first
 
 
 def _fill_params(model: nnx.Module, path: Path, mesh=None) -> None:
@@ -208,7 +212,7 @@ def load_hf(path: str | Path, *, mesh=None, dtype=None) -> tuple[nnx.Module, HFC
     """An NNX model with the weights of a transformers checkpoint, sharded on `mesh` (or the current mesh)."""
     import jax.numpy as jnp
 
-    path = Path(path)
+    path = storage.path(path, "--model_name_or_path")
     config = read_hf_config(path)
     family = get_family(config.model_type)
     mesh = mesh if mesh is not None else _current_mesh()
@@ -231,7 +235,7 @@ def _current_mesh():
 def load_hf_into_state(path: str | Path, graphdef, state):
     """Put a transformers checkpoint's weights into a freshly initialised (model, optimizer) train state."""
     model, optimizer = nnx.merge(graphdef, state)
-    _fill_params(model, Path(path))
+    _fill_params(model, storage.path(path, "--model_name_or_path"))
     return nnx.state((model, optimizer))
 
 
@@ -243,7 +247,7 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
     newer one is reported and left in place), or `step`. `hint` ends the error when `run_dir` holds no run."""
     from spmdlm import checkpoint as ckpt
 
-    run_dir = Path(run_dir)
+    run_dir = storage.path(run_dir, "--checkpoint")
     run_config_path = run_dir / "run_config.json"
     if not run_config_path.is_file():
         raise ckpt.CheckpointError(f"{run_dir}: no run_config.json, so no spmdlm run here; {hint}")
@@ -263,8 +267,8 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
             state, _ = ckpt.restore(manager, step, abstract, model_only=True)
     # Where training found its tokenizer: --tokenizer_name, the --model_name_or_path it started from, or the run's.
     given = [run_config.get("tokenizer_name"), run_config.get("model_name_or_path"), run_dir]
-    tokenizer_dir = next((p for p in given if p and (Path(p).is_file() or (Path(p) / "tokenizer.json").exists())),
-                         None)
+    tokenizer_dir = next((p for p in given if p and (storage.path(p).is_file()
+                                                    or (storage.path(p) / "tokenizer.json").exists())), None)
     return nnx.merge(graphdef, state), config, tokenizer_dir
 
 
@@ -273,7 +277,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None 
     from spmdlm.data.tokenizer import load_tokenizer
     from spmdlm.mesh import make_mesh
 
-    out = Path(out)
+    out = storage.path(out, "--out")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.step, args.mesh, args.overwrite)
-    except (ExportError, ConfigError, CheckpointError, MeshError) as e:
+    except (ExportError, ConfigError, CheckpointError, MeshError, storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported to {out}")

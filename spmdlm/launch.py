@@ -163,7 +163,8 @@ def setup_logging() -> None:
     level = logging.INFO if jax.process_index() == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
-    for noisy in ("absl", "jax._src", "orbax", "grain", "asyncio", "datasets", "huggingface_hub", "filelock"):
+    for noisy in ("absl", "jax._src", "orbax", "grain", "asyncio", "datasets", "huggingface_hub", "filelock",
+                  "gcsfs", "fsspec"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
         logging.getLogger(noisy).addFilter(_reported_by_us)
 
@@ -194,13 +195,13 @@ def _main(argv: list[str] | None) -> int:
     from spmdlm.export import ExportError
     from spmdlm.mesh import MeshError
     from spmdlm.models.config import ConfigError
-
+    from spmdlm.storage import StorageError
     from spmdlm.train.aot import DoesNotFit
     from spmdlm.train.guard import LockError, Preempted
     from spmdlm.train.loop import DivergenceError, RunError
 
     user_errors = (ArgumentError, MeshError, DataError, TokenizerError, ConfigError, CheckpointError, RunError,
-                   ExportError, LockError, DoesNotFit)
+                   ExportError, LockError, DoesNotFit, StorageError)
     try:
         args, _ = parse_args(argv)
         if args.compile_for:  # compile for a TPU slice this machine does not have: nothing runs, nothing is written

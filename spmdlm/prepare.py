@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from spmdlm import storage
 from spmdlm.data import sources
 from spmdlm.data.sources import DataError
 
@@ -101,7 +102,7 @@ def _shards_present(folder: Path, card: dict) -> bool:
     for entry in (card.get("splits") or {}).values():
         for shard in (entry or {}).get("shards", []):
             path = folder / shard["file"]
-            if not path.is_file() or path.stat().st_size != shard["bytes"]:
+            if not path.is_file() or storage.size(path) != shard["bytes"]:
                 return False
     return True
 
@@ -126,7 +127,7 @@ def prepare_dataset(corpus: sources.Corpus, tokenizer, out: str | os.PathLike, *
     of other inputs or settings unless `overwrite`. `workers` (default: the CPUs) changes speed, not the bytes."""
     from spmdlm.data.tokenizer import save_tokenizer
 
-    out = Path(out).expanduser()
+    out = storage.path(out, "--out") if storage.is_url(out) else Path(out).expanduser()
     workers = workers or sources.default_workers()
     inside = [p for p in corpus.files if p.resolve().is_relative_to(out.resolve())]
     if inside:  # a directory input that holds --out: not our own output
@@ -178,10 +179,15 @@ def prepare_dataset(corpus: sources.Corpus, tokenizer, out: str | os.PathLike, *
     host = socket.gethostname()
     tmp = out.with_name(f".{out.name}.tmp-{host}-{os.getpid()}")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(out, host)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        if storage.is_remote(out):  # prepared on local disk, then uploaded (the card last)
+            import tempfile
+
+            tmp = Path(tempfile.mkdtemp(prefix="spmdlm-prepare-")) / out.name
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temps(out, host)
+            if tmp.exists():
+                shutil.rmtree(tmp)
         tmp.mkdir()
     except OSError as e:
         raise DataError(f"cannot write in {out.parent}: {e.strerror or e}; choose a writable --out") from None
@@ -191,10 +197,12 @@ def prepare_dataset(corpus: sources.Corpus, tokenizer, out: str | os.PathLike, *
                                                       progress=progress)}
         save_tokenizer(tokenizer, tmp / sources.TOKENIZER_DIR, for_model, model_max_length=model_max_length)
         (tmp / sources.CARD_NAME).write_text(json.dumps(card, indent=2, ensure_ascii=False) + "\n")
-        _swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _upload_in(tmp, out) if storage.is_remote(out) else _swap_in(tmp, out)
+    finally:
+        if storage.is_remote(out):
+            shutil.rmtree(tmp.parent, ignore_errors=True)
+        elif tmp.exists():  # failed before the swap
+            shutil.rmtree(tmp, ignore_errors=True)
     return card
 
 
@@ -210,6 +218,16 @@ def _swap_in(tmp: Path, out: Path) -> None:
     os.rename(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _upload_in(tmp: Path, out) -> None:
+    """A bucket has no rename: the old card goes first (a reader never sees a card over other shards), then the old
+    files, then the new ones, the card last: `out` holds a dataset whenever it has a card."""
+    storage.remove(out / sources.CARD_NAME)
+    storage.remove(out)
+    for file in sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != sources.CARD_NAME):
+        storage.upload(file, out / file.relative_to(tmp).as_posix())
+    storage.upload(tmp / sources.CARD_NAME, out / sources.CARD_NAME)
 
 
 def _write_dataset(corpus: sources.Corpus, tokenizer, folder: Path, head: dict, *, workers: int,
@@ -334,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             separator_id=ids["eos"], pad_id=ids.get("pad"), validation_percentage=args.validation_percentage,
             workers=args.workers, shard_bytes=args.shard_size, overwrite=args.overwrite,
             model_max_length=args.model_max_length or config.max_length)
-    except (DataError, TokenizerError, ArgumentError, ConfigError) as e:
+    except (DataError, TokenizerError, ArgumentError, ConfigError, storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a path that is not writable: the OS says what and where

@@ -20,6 +20,7 @@ import socket
 import sys
 from pathlib import Path
 
+from spmdlm import storage
 from spmdlm.data import sources
 from spmdlm.data.sources import DataError
 
@@ -73,6 +74,9 @@ def _write(tok, out: Path, family, model_max_length: int, overwrite: bool) -> No
     """Write the files into a temp dir beside `out`, then move them in (no half-written tokenizer)."""
     from spmdlm.data.tokenizer import save_tokenizer
 
+    if storage.is_remote(out):  # each object is written whole (no rename in a bucket)
+        save_tokenizer(tok, out, family, model_max_length=model_max_length)
+        return
     tmp = out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     try:
         save_tokenizer(tok, tmp, family, model_max_length=model_max_length)
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         model = resolve_family(args.kind, args.for_model)
-        out = Path(args.out).expanduser()
+        out = storage.path(args.out, "--out") if storage.is_url(args.out) else Path(args.out).expanduser()
         if (out / "tokenizer.json").exists() and not args.overwrite:
             raise ArgumentError(f"--out {out} already holds a tokenizer.json; pass --overwrite to replace it")
         corpus = sources.open_corpus(args.inputs, dataset_name=args.dataset_name,
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             tok = train_tokenizer(family, texts(), args.vocab_size, min_frequency=args.min_frequency,
                                   lowercase=args.lowercase, show_progress=sys.stderr.isatty())
         _write(tok, out, family, max_length, args.overwrite)
-    except (DataError, TokenizerError, ArgumentError, ConfigError) as e:
+    except (DataError, TokenizerError, ArgumentError, ConfigError, storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

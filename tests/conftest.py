@@ -79,3 +79,48 @@ def run_killed_after_first_checkpoint(monkeypatch, launch_fn) -> None:
     finally:
         monkeypatch.setattr(checkpoint, "save", original_save)
     raise AssertionError("the run ended without writing a checkpoint")
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket():
+    """A GCS emulator (gcp-storage-emulator, in memory; see tests/gcs_emulator.py) on a free loopback port for the whole session, with one
+    bucket; STORAGE_EMULATOR_HOST points this process and its subprocesses at it. Yields "gs://BUCKET"."""
+    import importlib.util
+
+    for module in ("gcp_storage_emulator", "gcsfs"):  # (not imported here: spmdlm.storage configures gcsfs)
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is missing: gs:// tests need the test extra (pip install -e '.[test]')")
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bucket = "spmdlm-test"
+    server = subprocess.Popen([sys.executable, str(REPO / "tests" / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
+                               "--port", str(port), "--in-memory", "--default-bucket", bucket, "--quiet"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail("the GCS emulator did not start")
+            time.sleep(0.05)
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")}
+    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
+    try:
+        yield f"gs://{bucket}"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

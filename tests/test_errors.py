@@ -169,6 +169,6 @@ def test_an_args_file_and_flags_combine_and_flags_win(tmp_path):
     assert (args.learning_rate, args.max_steps, args.train_file) == (5e-4, 10, "a.txt")
 
 
-def test_cloud_urls_are_refused_in_one_line(capsys, out):
-    message = run_failing(capsys, out, "--train_file", "gs://bucket/corpus/*.txt")
-    assert "URLs are not read; mount the bucket" in message
+def test_urls_other_than_gs_are_refused_in_one_line(capsys, out):  # gs:// itself: tests/test_gcs.py
+    message = run_failing(capsys, out, "--train_file", "s3://bucket/corpus/*.txt")
+    assert "only gs:// URLs are read and written" in message

@@ -1,4 +1,5 @@
-"""Two processes × 4 CPU devices (gloo) train exactly like one process × 8 devices: the multi-host path works."""
+"""Two processes × 4 CPU devices (gloo) train exactly like one process × 8 devices: the multi-host path works,
+with the output dir and the token cache in a bucket (the GCS emulator of conftest.py) as on a TPU pod."""
 
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, read_metrics
+from spmdlm import storage
 
 STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 
@@ -22,23 +24,29 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path, tiny_gpt2_config):
+def test_two_processes_match_one(tmp_path, tiny_gpt2_config, gcs_bucket):
     flags = ["--mesh", "data=2,fsdp=4", "--train_file", STDLIB_JSON, "--config_name", str(tiny_gpt2_config),
              "--block_size", "32", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
-             "--eval_steps", "2", "--max_eval_samples", "32", "--cache_dir", str(tmp_path / "cache")]
+             "--eval_steps", "2", "--max_eval_samples", "32"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    multi = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", "--", *flags, "--output_dir",
-                            str(tmp_path / "multi")], cwd=REPO, capture_output=True, text=True, timeout=600,
-                           env={**env, "SPMDLM_COORDINATOR_PORT": str(free_port())})
+    multi_out = f"{gcs_bucket}/multi"
+    multi = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", "--", *flags, "--output_dir", multi_out,
+                            "--cache_dir", f"{gcs_bucket}/multi-cache"], cwd=REPO, capture_output=True, text=True,
+                           timeout=600, env={**env, "SPMDLM_COORDINATOR_PORT": str(free_port()),
+                                             "SPMDLM_LOCAL_CACHE": str(tmp_path / "local")})
     assert multi.returncode == 0, multi.stderr[-3000:]
-    single = subprocess.run([sys.executable, "-m", "spmdlm.launch", *flags, "--output_dir", str(tmp_path / "single")],
-                            cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    single = subprocess.run([sys.executable, "-m", "spmdlm.launch", *flags, "--output_dir", str(tmp_path / "single"),
+                             "--cache_dir", str(tmp_path / "cache")], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env=env)
     assert single.returncode == 0, single.stderr[-3000:]
-    pick = lambda out: [(m["step"], m.get("loss", m.get("eval_loss"))) for m in read_metrics(out)
-                        if "loss" in m or "eval_loss" in m]
-    multi_metrics, single_metrics = pick(tmp_path / "multi"), pick(tmp_path / "single")
+    pick = lambda metrics: [(m["step"], m.get("loss", m.get("eval_loss"))) for m in metrics
+                            if "loss" in m or "eval_loss" in m]
+    multi_lines = storage.path(f"{multi_out}/metrics.jsonl").read_text().splitlines()
+    multi_metrics = pick(json.loads(line) for line in multi_lines)
+    single_metrics = pick(read_metrics(tmp_path / "single"))
     assert [s for s, _ in multi_metrics] == [s for s, _ in single_metrics]
     for (_, a), (_, b) in zip(multi_metrics, single_metrics):
         assert a == pytest.approx(b, rel=1e-5)
-    assert (tmp_path / "multi" / "hf" / "model.safetensors").exists()
-    assert json.loads((tmp_path / "multi" / "run_config.json").read_text())["global_batch"] == 64
+    assert storage.path(f"{multi_out}/hf/model.safetensors").is_file()
+    assert json.loads(storage.path(f"{multi_out}/run_config.json").read_text())["global_batch"] == 64
+    assert {p.name for p in storage.files_under(f"{gcs_bucket}/multi-cache")} >= {"train.array_record", "train.json"}

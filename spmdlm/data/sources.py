@@ -19,6 +19,11 @@ Two users of that path:
   record count match the metadata; a damaged cache is rebuilt.
 - `spmdlm.prepare` (python -m spmdlm.prepare): a dataset directory of sharded splits and a `dataset.json` card,
   opened for training with `open_dataset`, which refuses a dataset of another tokenizer, record length or mode.
+
+Buckets (gs://, spmdlm/storage.py): input files are read through gcsfs as they are (streamed); a token cache
+(`--cache_dir gs://...`) or a prepared dataset (`--dataset_dir gs://...`) is copied once to each host's local disk
+(storage.local_mirror, verified by size and sha256, reused while it matches) and read there by Grain's ArrayRecord
+reader, which reads local files only.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from spmdlm import storage
 from spmdlm.data.objectives.denoising import SENTENCE_END
 from spmdlm.data.sentences import mark_sentence_ends, sentence_ends
 
@@ -105,6 +111,10 @@ def _readable(path: Path) -> bool:
 
 
 def _directory_files(folder: Path) -> list[Path]:
+    if storage.is_remote(folder):  # every object under the prefix; hidden names (at any level) skipped
+        inside = lambda p: str(p)[len(str(folder)):].strip("/").split("/")
+        return [p for p in storage.files_under(folder)
+                if _readable(p) and not any(part.startswith(".") for part in inside(p))]
     found = []
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -124,12 +134,14 @@ def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> l
     missing: list[str] = []
     for pattern in patterns:
         pattern = os.path.expanduser(str(pattern).strip())
-        if "://" in pattern:
-            raise DataError(f"{flag} {pattern}: URLs are not read; mount the bucket (e.g. gcsfuse) or copy the data "
-                            "to a local disk and pass that path")
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        if storage.is_url(pattern):
+            storage.path(pattern, flag)  # gs:// only, in a bucket that exists
+        if glob.has_magic(pattern):
+            matches = storage.glob(pattern) if storage.is_url(pattern) else sorted(glob.glob(pattern, recursive=True))
+        else:
+            matches = [pattern]
         found: list[Path] = []
-        for match in map(Path, matches):
+        for match in (storage.path(m, flag) for m in matches):
             if match.is_file():
                 found.append(match)
             elif match.is_dir():
@@ -173,7 +185,7 @@ def _open_binary(path: Path):
         except ImportError:
             raise DataError(f"{path}: reading .zst files needs zstandard: pip install zstandard (or "
                             f"{DATASETS_HINT})") from None
-    raw = open(path, "rb")
+    raw = path.open("rb")  # a local file, or a gs:// object read through gcsfs
     if compression == ".gz":
         return raw, gzip.GzipFile(fileobj=raw, mode="rb")
     if compression == ".zst":
@@ -323,7 +335,7 @@ def _read_parquet(path: Path, text_column: str | None, stats: ReadStats) -> Iter
     if _formats(path)[1]:
         raise DataError(f"{path}: compressed parquet is not read (parquet compresses itself); decompress it")
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(path.open("rb") if storage.is_remote(path) else path)
     except Exception as e:  # pyarrow raises ArrowInvalid and friends
         raise DataError(f"{path}: not a parquet file ({str(e).partition(chr(10))[0]})") from None
     column = text_column or "text"
@@ -367,7 +379,7 @@ def read_documents(files: Iterable[Path], *, text_column: str | None = None,
             count += 1
             stats.documents += 1
             yield document
-        stats.bytes_done += path.stat().st_size
+        stats.bytes_done += storage.size(path)
         if not count:
             stats.empty_files += 1
             log.warning("%s holds no text; skipped", path)
@@ -460,14 +472,14 @@ SAMPLE_BYTES = 1 << 16  # the manifest hashes up to this many bytes at the start
 
 
 def _file_entry(path: Path) -> dict:
-    stat = path.stat()
+    size = storage.size(path)
     digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for offset in sorted({0, max(0, stat.st_size // 2 - SAMPLE_BYTES // 2), max(0, stat.st_size - SAMPLE_BYTES)}):
+    with path.open("rb") as f:
+        for offset in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
             f.seek(offset)
             digest.update(f.read(SAMPLE_BYTES))
-    return {"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "sample_blake2b": digest.hexdigest()}
+    return {"path": str(path) if storage.is_remote(path) else str(path.resolve()), "bytes": size,
+            "mtime_ns": storage.mtime_ns(path), "sample_blake2b": digest.hexdigest()}
 
 
 @dataclasses.dataclass
@@ -502,7 +514,7 @@ class Corpus:
 
     @property
     def total_bytes(self) -> int | None:
-        return sum(p.stat().st_size for p in self.files) if self.files else None
+        return sum(storage.size(p) for p in self.files) if self.files else None
 
     def manifest(self) -> dict:
         """What the inputs are, cheaply: each file's path, size, mtime and a hash of samples of it (a local dataset
@@ -882,20 +894,18 @@ def prepare_split(
     """Tokenize `documents` into fixed-length records, or reuse the cached file for the same content.
 
     `workers` > 1 tokenizes in that many processes (same records); `progress` shows a progress bar (None: on a
-    terminal only).
+    terminal only). A gs:// `cache_dir` keeps the cache in the bucket and a copy on this host's disk.
     """
+    if storage.is_remote(cache_dir):
+        return _prepare_split_in_bucket(documents, tokenizer, record_length=record_length,
+                                        separator_id=separator_id, cache_dir=cache_dir, name=name,
+                                        overwrite_cache=overwrite_cache, mode=mode, pad_id=pad_id, workers=workers,
+                                        progress=progress)
     cut = Cut(record_length, separator_id, mode, pad_id)
     documents = list(documents)
     if not documents:
         raise DataError(f"the {name} corpus is empty; give a file with text in it")
-    content = hashlib.sha256()
-    for doc in documents:
-        content.update(hashlib.sha256(doc.encode("utf-8")).digest())
-    key = hashlib.sha256(
-        b"|".join([content.digest(), tokenizer.to_str().encode(), str(record_length).encode(),
-                   str(separator_id).encode(), f"{mode}:{pad_id}".encode()])
-    ).hexdigest()[:24]
-    folder = Path(cache_dir) / key
+    folder = Path(cache_dir) / _cache_key(documents, tokenizer, cut)
     data_path, meta_path = folder / f"{name}.array_record", folder / f"{name}.json"
     if meta_path.exists() and not overwrite_cache:
         try:
@@ -945,6 +955,48 @@ def prepare_split(
     return PreparedSplit(data_path, stats.examples, stats.tokens, record_length)
 
 
+def _cache_key(documents: list[str], tokenizer, cut: Cut) -> str:
+    """The cache folder's name: the documents' content, the tokenizer, the record length and the mode."""
+    content = hashlib.sha256()
+    for doc in documents:
+        content.update(hashlib.sha256(doc.encode("utf-8")).digest())
+    return hashlib.sha256(
+        b"|".join([content.digest(), tokenizer.to_str().encode(), str(cut.record_length).encode(),
+                   str(cut.separator_id).encode(), f"{cut.mode}:{cut.pad_id}".encode()])
+    ).hexdigest()[:24]
+
+
+def _prepare_split_in_bucket(documents, tokenizer, *, cache_dir, name: str, overwrite_cache: bool, **settings):
+    """The token cache in a bucket: a verified copy of it on this host's disk (downloaded when missing or stale),
+    or, when the bucket has none, one built here and uploaded (the data file first, the metadata last: a reader
+    never sees a cache half-written)."""
+    cut = Cut(settings["record_length"], settings["separator_id"], settings["mode"], settings["pad_id"])
+    documents = list(documents)
+    if not documents:
+        raise DataError(f"the {name} corpus is empty; give a file with text in it")
+    key = _cache_key(documents, tokenizer, cut)
+    remote, local = cache_dir / key, storage.local_mirror(cache_dir) / key
+    data_name, meta_name = f"{name}.array_record", f"{name}.json"
+    fetched = False
+    if not overwrite_cache and (remote / meta_name).is_file():
+        remote_meta = (remote / meta_name).read_text()
+        local_meta = local / meta_name
+        fetched = local_meta.is_file() and local_meta.read_text() == remote_meta
+        if not fetched:
+            log.info("copying the tokenized %s cache %s to %s", name, remote, local)
+            storage.download(remote / data_name, local / data_name, desc=f"copying {name} cache")
+            local.mkdir(parents=True, exist_ok=True)
+            storage.write_atomic(local_meta, remote_meta)
+            fetched = True
+    split = prepare_split(documents, tokenizer, cache_dir=local.parent, name=name, overwrite_cache=overwrite_cache,
+                          **settings)
+    if not fetched or (local / meta_name).read_text() != (remote / meta_name).read_text():  # built (or rebuilt) here
+        storage.upload(local / data_name, remote / data_name)
+        storage.upload(local / meta_name, remote / meta_name)
+        log.info("uploaded the tokenized %s cache to %s", name, remote)
+    return split
+
+
 def record_source(split: PreparedSplit):
     """A random-access Grain source over the records of a prepared split: all its shards, in order."""
     import grain
@@ -971,7 +1023,7 @@ def tokenizer_hash(tokenizer) -> str:
 
 def read_card(dataset_dir: str | os.PathLike) -> dict:
     """The dataset.json of a prepared dataset; DataError (one line) when there is none or it is not ours."""
-    folder = Path(dataset_dir)
+    folder = storage.path(dataset_dir, "--dataset_dir")
     path = folder / CARD_NAME
     if not path.is_file():
         what = "no such directory" if not folder.exists() else f"no {CARD_NAME} in it"
@@ -997,9 +1049,12 @@ def _open_split(folder: Path, card: dict, split: str, verify: bool) -> PreparedS
     for path, shard in zip(paths, entry["shards"]):
         if not path.is_file():
             raise DataError(f"--dataset_dir {folder}: shard {shard['file']} is missing; prepare the dataset again")
-        if (size := path.stat().st_size) != shard["bytes"]:
+        if (size := storage.size(path)) != shard["bytes"]:
             raise DataError(f"--dataset_dir {folder}: shard {shard['file']} has {size} bytes, {shard['bytes']} "
                             "expected; prepare the dataset again")
+    if storage.is_remote(folder):  # Grain reads local files: a verified copy on this host's disk
+        paths = [_local_shard(folder, path, shard) for path, shard in zip(paths, entry["shards"])]
+    for path, shard in zip(paths, entry["shards"]):
         if verify and _sha256(path) != shard["sha256"]:
             raise DataError(f"--dataset_dir {folder}: shard {shard['file']} does not match its sha256; prepare "
                             "the dataset again")
@@ -1014,15 +1069,32 @@ def _open_split(folder: Path, card: dict, split: str, verify: bool) -> PreparedS
     return PreparedSplit(tuple(paths), entry["examples"], entry["tokens"], card["record_length"])
 
 
+def _local_shard(folder, remote, shard: dict) -> Path:
+    """This host's copy of a bucket's shard (storage.local_mirror), downloaded unless a copy of the card's size and
+    sha256 is there already (its sha256 is kept beside it); a copy that does not match the card is refused."""
+    local = storage.local_mirror(folder) / shard["file"]
+    checked = local.with_name(local.name + ".sha256")
+    if local.is_file() and local.stat().st_size == shard["bytes"] and checked.is_file() \
+            and checked.read_text() == shard["sha256"]:
+        return local
+    if storage.download(remote, local, desc=f"copying {shard['file']}") != shard["sha256"]:
+        local.unlink(missing_ok=True)
+        raise DataError(f"--dataset_dir {folder}: shard {shard['file']} does not match its sha256; prepare the "
+                        "dataset again")
+    checked.write_text(shard["sha256"])
+    return local
+
+
 def open_dataset(dataset_dir: str | os.PathLike, *, tokenizer, record_length: int, mode: str,
                  verify: bool = False) -> tuple[PreparedSplit, PreparedSplit | None, dict]:
     """(train, validation or None, card) of a dataset written by `python -m spmdlm.prepare`.
 
     Refuses (DataError, one line) a dataset prepared with another tokenizer (sha256 of tokenizer.to_str()), record
     length or preparation mode than the run's, and one whose shards are missing or of the wrong size or record
-    count; `verify` also checks every shard's sha256 (reads everything). Every host may call it: it only reads.
+    count; `verify` also checks every shard's sha256 (reads everything). Every host may call it: it only reads (a
+    dataset in a bucket is copied to each host's local disk, verified).
     """
-    folder = Path(dataset_dir)
+    folder = storage.path(dataset_dir, "--dataset_dir")
     card = read_card(folder)
     flags = " ".join(f"--{k} {v}" for k, v in (card.get("objective") or {}).items() if v not in (None, False))
     prepared = f"--dataset_dir {folder} was prepared for {card.get('for_model')} {flags}".rstrip()

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from spmdlm import storage
 from spmdlm.families.base import TokenizerSpec
 
 _GENERIC_HF_CLASS = "PreTrainedTokenizerFast"
@@ -162,8 +163,9 @@ SPIECE_NAME = "spiece.model"
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a tokenizer.json file, or the tokenizer.json inside a directory (e.g. a transformers tokenizer dir), or a
     SentencePiece model (a `.model` file, or a directory holding `spiece.model` and no tokenizer.json), which is
-    converted to the tokenizer transformers' T5TokenizerFast builds from it (same ids, 100 sentinels appended)."""
-    path = Path(path)
+    converted to the tokenizer transformers' T5TokenizerFast builds from it (same ids, 100 sentinels appended).
+    A gs:// path is read from the bucket (only the file needed)."""
+    path = storage.path(path, "--tokenizer_name")
     if path.is_dir():
         if (path / "tokenizer.json").is_file() or not (path / SPIECE_NAME).is_file():
             file = path / "tokenizer.json"
@@ -172,14 +174,14 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     else:
         file = path
     if file.is_file() and file.suffix == ".model":
-        return spiece_tokenizer(file)
+        return spiece_tokenizer(storage.local_copy(file))
     if not file.is_file():
         raise TokenizerError(
             f"no tokenizer at {path}: expected a tokenizer.json file, a SentencePiece spiece.model, or a directory "
             "holding one; fix --tokenizer_name or train a new tokenizer"
         )
     try:
-        return Tokenizer.from_file(str(file))
+        return Tokenizer.from_str(file.read_text()) if storage.is_remote(file) else Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception on malformed JSON
         raise TokenizerError(f"cannot read tokenizer {file}: {e}") from e
 
@@ -243,11 +245,10 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max
         if spec.frames_with_bos:
             special_map.update(sep_token="</s>", cls_token="<s>")
             config.update(sep_token="</s>", cls_token="<s>", trim_offsets=True)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
+    with storage.writing_dir(out_dir) as folder:  # a bucket's files are uploaded at the end
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        (folder / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
 
 
 def _hf_class(tok: Tokenizer, spec: TokenizerSpec) -> str:

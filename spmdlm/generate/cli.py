@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 from spmdlm import checkpoint as ckpt
+from spmdlm import storage
 from spmdlm.data.tokenizer import TokenizerError, load_tokenizer
 from spmdlm import export
 from spmdlm.export import ExportError, load_hf
@@ -65,7 +66,7 @@ def read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
     if args.prompt_file:
         try:
-            prompts += [line for line in Path(args.prompt_file).read_text().splitlines() if line.strip()]
+            prompts += [line for line in storage.path(args.prompt_file).read_text().splitlines() if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise GenerateError(f"--prompt_file {args.prompt_file}: cannot read it ({e})") from None
     if not prompts:
@@ -84,7 +85,7 @@ def load_run(run_dir: str | Path, step: int | None, mesh):
 
 
 def load_export(path: str | Path, mesh):
-    if not Path(path).is_dir():
+    if not storage.path(path, "--model_name_or_path").is_dir():
         raise ConfigError(f"--model_name_or_path {path}: no such directory")
     model, config = load_hf(path, mesh=mesh)
     return model, config, load_tokenizer(path)
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         simulate_cpu_devices(wanted)
     try:
         records, config = run(args)
-    except (GenerateError, ckpt.CheckpointError, ConfigError, ExportError, MeshError, TokenizerError) as e:
+    except (GenerateError, ckpt.CheckpointError, ConfigError, ExportError, MeshError, TokenizerError,
+            storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     show(args, records, joiner="\n" if config.is_encoder_decoder else "")

@@ -52,7 +52,11 @@ class HFConfig:
 
 def read_config_source(config_name: str) -> dict[str, Any]:
     """`config_name` is a preset name (models/NAME.json), a JSON file, or a directory with config.json."""
-    candidates = [Path(config_name), Path(config_name) / "config.json", PRESETS_DIR / f"{config_name}.json"]
+    from spmdlm import storage
+
+    given = storage.path(config_name, "--config_name")  # a gs:// JSON file or directory is read from the bucket
+    candidates = [given, given / "config.json"] + ([] if storage.is_url(config_name) else
+                                                   [PRESETS_DIR / f"{config_name}.json"])
     for path in candidates:
         if path.is_file():
             try:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import jax
 
+from spmdlm import storage
+
 log = logging.getLogger("spmdlm")
 
 LOCK_NAME = "run.lock"
@@ -33,11 +35,12 @@ class RunLock:
 
     A lock left by a dead process on this host is taken over with a warning; a live holder, or one on another
     host (whose process we cannot see), is refused in one line. Released (and a dir we created but left empty
-    removed) on exit, whatever happened.
+    removed) on exit, whatever happened. In a bucket the lock object is created with GCS's create-if-absent
+    precondition (storage.create_exclusive).
     """
 
     def __init__(self, out: Path, enabled: bool = True):
-        self.out, self.enabled = Path(out), enabled
+        self.out, self.enabled = storage.path(out), enabled
         self.path = self.out / LOCK_NAME
         self._created_dir = False
 
@@ -62,10 +65,8 @@ class RunLock:
             self._remove_created_dir()
 
     def _create(self) -> None:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"host": socket.gethostname(), "pid": os.getpid(),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        storage.create_exclusive(self.path, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
 
     def _take_over_stale(self) -> None:
         try:
@@ -85,8 +86,9 @@ class RunLock:
                         f"choose another --output_dir{gone}")
 
     def _remove_created_dir(self) -> None:
-        if self._created_dir and self.out.is_dir() and not any(self.out.iterdir()):
-            self.out.rmdir()
+        if self._created_dir and not storage.is_remote(self.out) and self.out.is_dir() \
+                and not any(self.out.iterdir()):
+            self.out.rmdir()  # (a bucket has no empty directories)
 
 
 def _alive(pid: int) -> bool:

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmdlm import checkpoint
+from spmdlm import checkpoint, storage
 from spmdlm.config import ArgumentError, RunArgs
 from spmdlm.data import pipeline, sources
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, special_token_ids, train_tokenizer
@@ -100,10 +99,7 @@ class RunContext:
 def resolve(args: RunArgs, run_start: float, devices=None) -> RunContext:
     mesh = make_mesh(args.mesh, devices, dcn_spec=args.dcn_mesh)
     global_batch = global_batch_size(args, mesh)
-    out = Path(args.output_dir)
-    if "://" in args.output_dir:
-        raise RunError(f"--output_dir {args.output_dir}: URLs are not written; use a shared filesystem mounted at the "
-                       "same path on every host (e.g. gcsfuse or NFS)")
+    out = storage.path(args.output_dir, "--output_dir")  # a local dir or a bucket (gs://)
     if out.exists() and not out.is_dir():
         raise RunError(f"--output_dir {out} is a file; give a directory")
     if args.model_name_or_path:
@@ -223,8 +219,7 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
         if ctx.previous.get("trained_tokenizer"):
             names += TOKENIZER_FILES
         for name in names:
-            path = ctx.out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            storage.remove(ctx.out / name)
         ctx.previous = {}
     ctx.out.mkdir(parents=True, exist_ok=True)
 
@@ -265,8 +260,8 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
     if args.tokenizer_name:
         tok, origin = load_tokenizer(args.tokenizer_name), "given"
     elif args.dataset_dir:
-        tok, origin = load_tokenizer(Path(args.dataset_dir) / sources.TOKENIZER_DIR), "given"
-    elif args.model_name_or_path and (Path(args.model_name_or_path) / "tokenizer.json").exists():
+        tok, origin = load_tokenizer(storage.path(args.dataset_dir) / sources.TOKENIZER_DIR), "given"
+    elif args.model_name_or_path and (storage.path(args.model_name_or_path) / "tokenizer.json").exists():
         tok, origin = load_tokenizer(args.model_name_or_path), "model"
     elif (out / "tokenizer.json").exists():
         log.info("reusing the tokenizer in %s", out)
@@ -291,7 +286,7 @@ def setup_data(ctx: RunContext, train_docs, val_docs) -> None:
     args = ctx.args
     ctx.objective = ctx.family.build_objective(args, ctx.config, ctx.tokenizer)
     ids = special_token_ids(ctx.tokenizer, ctx.family)
-    cache = Path(args.cache_dir or Path.home() / ".cache" / "spmdlm")
+    cache = storage.path(args.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
     mode = getattr(ctx.objective, "preparation", "stream")
     if args.dataset_dir:  # prepared by python -m spmdlm.prepare: checked against this run's tokenizer and lengths
         train, validation, _ = sources.open_dataset(args.dataset_dir, tokenizer=ctx.tokenizer,
@@ -588,6 +583,7 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
             if step % args.save_steps == 0 or step == total_steps or stopping:
                 save(manager, step, state, iterator, run_config, pending, last_saved, args)
                 last_saved = step
+                reporter.sync()  # a bucket output dir: the metrics up to the checkpoint are there with it
             if stopping:
                 checkpoint.check_saved(manager, step, wait=True)
                 raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(ctx.out) / str(step))

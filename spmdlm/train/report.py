@@ -1,6 +1,8 @@
 """What a run shows and leaves behind: progress bar, metrics.jsonl, TensorBoard, loss curve, final summary.
 
-Only process 0 reports; the others keep the bookkeeping silent.
+Only process 0 reports; the others keep the bookkeeping silent. An output dir in a bucket (gs://) gets the same
+files: they are written in a local staging folder (objects cannot be appended to) and uploaded when they changed,
+at most every SYNC_SECONDS, at each checkpoint and at the end (`sync`).
 """
 
 from __future__ import annotations
@@ -8,13 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from spmdlm import storage
 
 log = logging.getLogger("spmdlm")
 
@@ -35,16 +38,21 @@ def strict_json(value: Any, **kwargs) -> str:
 
 
 def write_json(path: Path, value: Any) -> None:
-    """Write-then-rename, so a crash never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(strict_json(value, indent=2))
-    os.replace(tmp, path)
+    """Written whole or not at all (write-then-rename; one upload to a bucket), so a crash never leaves half a file."""
+    storage.write_atomic(path, strict_json(value, indent=2))
+
+
+SYNC_SECONDS = 30.0  # a bucket output dir's reports are uploaded at most this often (and at checkpoints, at the end)
 
 
 class Reporter:
     def __init__(self, out: Path, *, enabled: bool, config, objective, global_batch: int, mesh,
                  dtype: str, run_start: float | None = None):
-        self.out, self.enabled = out, enabled
+        # self.out: where the report files are written; the output dir itself, or a local staging folder for a bucket
+        self.target, self.enabled = out, enabled
+        self.out = self._stage(out) if enabled and storage.is_remote(out) else out
+        self._uploaded: dict[str, tuple[int, int]] = {}
+        self._last_sync = time.perf_counter()
         self._run_start = time.perf_counter() if run_start is None else run_start
         self.tokens_per_step = global_batch * sum(
             shape[0] for name, (shape, _) in objective.example_spec().items() if name.endswith("input_ids"))
@@ -64,6 +72,31 @@ class Reporter:
         self._last_time = time.perf_counter()
         self._last_step = 0
         self._start_time = time.perf_counter()
+
+    # -- a bucket output dir: local staging --------------------------------------------------------------------------
+    def _stage(self, out) -> Path:
+        """A local folder holding the bucket's report files (a resumed run appends to them)."""
+        import tempfile
+
+        local = Path(tempfile.mkdtemp(prefix="spmdlm-report-"))
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if (out / name).is_file():
+                storage.download(out / name, local / name, progress=False)
+        return local
+
+    def sync(self, force: bool = True) -> None:
+        """Upload the staged report files that changed (a bucket output dir; nothing to do for a local one)."""
+        if self.out is self.target or (not force and time.perf_counter() - self._last_sync < SYNC_SECONDS):
+            return
+        if self._writer is not None:
+            self._writer.flush()
+        for file in sorted(p for p in self.out.rglob("*") if p.is_file()):
+            name = file.relative_to(self.out).as_posix()
+            stat = file.stat()
+            if self._uploaded.get(name) != (stat.st_size, stat.st_mtime_ns):
+                storage.upload(file, self.target / name)
+                self._uploaded[name] = (stat.st_size, stat.st_mtime_ns)
+        self._last_sync = time.perf_counter()
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def start(self, step: int, total: int):
@@ -132,6 +165,7 @@ class Reporter:
             else:
                 log.info("step %d/%d | %s | ETA %s", step, self._total,
                          " | ".join(f"{k} {v}" for k, v in shown.items()), self._eta(step, now))
+            self.sync(force=False)
         return loss
 
     def _eta(self, step: int, now: float) -> str:
@@ -149,6 +183,7 @@ class Reporter:
         message = (f"eval at step {step}: loss {metrics['eval_loss']:.4f} | perplexity "
                    f"{metrics['eval_perplexity']:.2f} | accuracy {metrics['eval_accuracy']:.4f}")
         (self._bar.write if self._bar is not None else log.info)(message)
+        self.sync(force=False)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]):
         """Console, samples.jsonl and TensorBoard text."""
@@ -207,6 +242,11 @@ class Reporter:
 
     def __exit__(self, *exc) -> None:
         self.close_bar()  # the progress bar's line ends before any error message
+        if self.enabled and exc[0] is not None:  # a bucket keeps what was logged up to the error
+            try:
+                self.sync()
+            except Exception as e:  # noqa: BLE001 - the run is failing already; that error is the one to show
+                log.warning("could not upload the report files to %s: %s", self.target, e)
 
     def close_bar(self):
         if self._bar is not None:
@@ -223,9 +263,11 @@ class Reporter:
         self.close()
         if (self.out / "metrics.jsonl").exists():
             self.plot_loss_curve()
+        if self.enabled:
+            self.sync()
         labels = {"train_loss": "train loss {:.4f}", "eval_loss": "eval loss {:.4f}",
                   "eval_perplexity": "perplexity {:.2f}", "eval_accuracy": "accuracy {:.4f}",
                   "train_tokens_per_second": "{:,.0f} tokens/s", "total_steps": "{} steps"}
         parts = [fmt.format(results[k]) for k, fmt in labels.items() if k in results]
         log.info("summary: %s | wall time %.0fs | outputs in %s", " | ".join(parts),
-                 time.perf_counter() - self._run_start, self.out)
+                 time.perf_counter() - self._run_start, self.target)

@@ -1,0 +1,303 @@
+"""One path abstraction for every file a run reads or writes: local paths and gs:// buckets (docs/tpu.md).
+
+`path(p)` is a `pathlib.Path` for a local path (exactly as before) and an `etils.epath.Path` for a `gs://` URL: the
+path type orbax itself uses, here backed by gcsfs. Both have the pathlib methods the code uses (`/`, exists,
+is_dir, iterdir, open, read_text, write_text, ...); what pathlib spells through `os`/`shutil` is here: rmtree,
+move, remove, size, atomic and exclusive writes, downloads and uploads. Arrays of checkpoints go through
+tensorstore, which talks to GCS itself (Application Default Credentials, or `TENSORSTORE_GCS_HTTP_URL`).
+
+gs:// needs the `gcs` extra (`pip install 'spmdlm[gcs]'`); without it, or without credentials, or for a bucket that
+does not exist, the first gs:// path is refused in one line (StorageError, exit 2). A GCS emulator is used when
+STORAGE_EMULATOR_HOST is set (as Google's own client libraries do): anonymous access, and tensorstore pointed at it.
+
+Atomicity on GCS: an object appears whole or not at all, so results are written in one request (no rename, which
+GCS does not have); the run lock is created with `ifGenerationMatch=0`, GCS's create-if-absent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import hashlib
+import importlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+GCS_HINT = "pip install 'spmdlm[gcs]'"
+EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+SCHEME = "gs://"
+
+
+class StorageError(ValueError):
+    """A gs:// path that cannot be used: no gcs extra, no credentials, no such bucket, another URL scheme."""
+
+
+def is_url(p) -> bool:
+    return "://" in str(p)
+
+
+def is_remote(p) -> bool:
+    return str(p).startswith(SCHEME)
+
+
+def path(p, what: str = "path"):
+    """A local path as `pathlib.Path`; a gs:// URL as `epath.Path` once the bucket is known to be usable.
+    `what` names the flag in errors (e.g. "--output_dir")."""
+    text = os.fspath(p)
+    if not is_url(text):
+        return Path(text)
+    if not text.startswith(SCHEME):
+        raise StorageError(f"{what} {text}: only gs:// URLs are read and written; give a gs:// or a local path")
+    bucket = text[len(SCHEME):].split("/", 1)[0]
+    if not bucket:
+        raise StorageError(f"{what} {text}: no bucket name; give gs://BUCKET/PATH")
+    check_bucket(bucket, what)
+    from etils import epath
+
+    return epath.Path(text)
+
+
+@functools.cache
+def filesystem():
+    """The gcsfs filesystem (the same instance epath's gs:// paths use), configured once per process."""
+    emulator = os.environ.get(EMULATOR_ENV)
+    if emulator:
+        url = emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
+        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)  # orbax's arrays: tensorstore's own GCS client
+        os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")  # ... anonymous, no credential search
+        # gcsfs's experimental zonal-bucket probe is a gRPC call an emulator cannot answer (a 60 s timeout)
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    try:
+        for module in ("gcsfs", "etils.epath"):
+            importlib.import_module(module)
+        import fsspec
+    except ImportError as e:
+        raise StorageError(f"gs:// paths need the gcs extra ({e.name} is missing): {GCS_HINT}") from None
+    if emulator:  # the plain JSON-API client, even where gcsfs was imported before the variable above was set
+        from gcsfs.core import GCSFileSystem
+
+        for protocol in ("gs", "gcs"):
+            fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
+    token = "anon" if emulator else _default_credentials()
+    fsspec.config.conf.setdefault("gcs", {}).update(token=token)  # also for the instances epath creates
+    return fsspec.filesystem("gcs", finalize_on_close=True)  # epath's arguments: the same cached instance
+
+
+def _default_credentials() -> str:
+    """Application Default Credentials (a VM's service account, `gcloud auth application-default login`, or the key
+    file in GOOGLE_APPLICATION_CREDENTIALS), refused in one line when there are none."""
+    import google.auth
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        google.auth.default()
+    except DefaultCredentialsError as e:
+        first = str(e).strip().partition("\n")[0]
+        raise StorageError(f"gs:// paths need Google Cloud credentials and none were found ({first}); run "
+                           "`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a "
+                           "service-account key file, or run on a VM whose service account may use the bucket") \
+            from None
+    return "google_default"
+
+
+@functools.cache
+def check_bucket(bucket: str, what: str = "path") -> None:
+    fs = filesystem()
+    try:
+        found = fs.exists(bucket)
+    except OSError as e:  # 403: the credentials may not see it
+        first = str(e).strip().partition("\n")[0]
+        raise StorageError(f"{what} gs://{bucket}: cannot reach the bucket ({first}); check that these "
+                           "credentials may use it") from None
+    if not found:
+        raise StorageError(f"{what} gs://{bucket}...: no such bucket (or these credentials cannot see it); create "
+                           f"it (gcloud storage buckets create gs://{bucket}) or fix the path")
+
+
+def _fs_path(p) -> str:
+    return os.fspath(p)
+
+
+# -- what pathlib spells through os/shutil -----------------------------------------------------------------------
+
+
+def size(p) -> int:
+    if is_remote(p):
+        return int(filesystem().size(_fs_path(p)))
+    return Path(p).stat().st_size
+
+
+def mtime_ns(p) -> int:
+    """Modification time in ns (GCS: the object's last update)."""
+    if is_remote(p):
+        info = filesystem().info(_fs_path(p))
+        updated = info.get("mtime") or info.get("updated")
+        return int(updated.timestamp() * 1e9) if hasattr(updated, "timestamp") else 0
+    return Path(p).stat().st_mtime_ns
+
+
+def absolute(p):
+    return p if is_remote(p) else Path(p).absolute()
+
+
+def rmtree(p) -> None:
+    if is_remote(p):
+        filesystem().rm(_fs_path(p), recursive=True)
+    elif Path(p).is_dir():
+        shutil.rmtree(p)
+    else:
+        Path(p).unlink(missing_ok=True)
+
+
+def remove(p) -> None:
+    """Remove a file or a directory tree if it is there."""
+    if is_remote(p):
+        fs = filesystem()
+        if fs.exists(_fs_path(p)):
+            fs.rm(_fs_path(p), recursive=True)
+    else:
+        rmtree(p)
+
+
+def move(source, target) -> None:
+    """Move a file or directory (GCS: copy, then delete the source)."""
+    if is_remote(source):
+        filesystem().mv(_fs_path(source), _fs_path(target), recursive=True)
+    else:
+        shutil.move(str(source), str(target))
+
+
+def write_atomic(p, data: str | bytes) -> None:
+    """Write a whole file so that a reader never sees half of it: local, write-then-rename; GCS, one upload (an
+    object appears whole or not at all)."""
+    raw = data.encode() if isinstance(data, str) else data
+    if is_remote(p):
+        filesystem().pipe_file(_fs_path(p), raw)
+        return
+    p = Path(p)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_bytes(raw)
+    os.replace(tmp, p)
+
+
+def create_exclusive(p, data: str) -> None:
+    """Create a file that must not exist yet (FileExistsError if it does): O_EXCL locally, `ifGenerationMatch=0`
+    on GCS. One request either way, so two runs racing for it cannot both succeed."""
+    if is_remote(p):
+        fs = filesystem()
+        if fs.exists(_fs_path(p)):  # the precondition decides; this spares a request (and covers emulators)
+            raise FileExistsError(_fs_path(p))
+        fs.pipe_file(_fs_path(p), data.encode(), mode="create")
+        return
+    fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(data)
+
+
+def glob(pattern: str) -> list:
+    """Matching paths, sorted; gs:// patterns through gcsfs."""
+    if is_remote(pattern):
+        path(pattern)  # checks the bucket
+        return [path(SCHEME + m) for m in sorted(filesystem().glob(pattern))]
+    import glob as globlib
+
+    return [Path(m) for m in sorted(globlib.glob(pattern, recursive=True))]
+
+
+def files_under(folder) -> list:
+    """Every file under a gs:// folder, sorted (GCS has no directories: every object under the prefix)."""
+    return [path(SCHEME + m) for m in sorted(filesystem().find(_fs_path(folder)))]
+
+
+# -- moving data between a bucket and local disk -------------------------------------------------------------------
+
+
+def download(source, target: Path, *, progress: bool | None = None, desc: str | None = None) -> str:
+    """Copy one remote file to a local path (through a temporary name: a killed copy leaves no partial file);
+    returns its sha256. `progress`: a byte progress bar (None: on a terminal only)."""
+    from tqdm import tqdm
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    digest = hashlib.sha256()
+    total = size(source)
+    try:
+        with tqdm(total=total, desc=desc or f"copying {Path(str(source)).name}", unit="B", unit_scale=True,
+                  leave=False, disable=None if progress is None else not progress) as bar, \
+                path(source).open("rb") as src, open(tmp, "wb") as dst:
+            while chunk := src.read(8 << 20):
+                dst.write(chunk)
+                digest.update(chunk)
+                bar.update(len(chunk))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return digest.hexdigest()
+
+
+def upload(source: Path, target) -> None:
+    """Copy a local file or directory tree to a gs:// path."""
+    source = Path(source)
+    if source.is_dir():
+        for file in sorted(p for p in source.rglob("*") if p.is_file()):
+            upload(file, path(target) / file.relative_to(source).as_posix())
+        return
+    filesystem().put_file(str(source), _fs_path(target))
+
+
+_TEMP_DIRS: list[str] = []
+
+
+def _temp_dir(prefix: str) -> Path:
+    folder = tempfile.mkdtemp(prefix=prefix)
+    if not _TEMP_DIRS:
+        atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _TEMP_DIRS])
+    _TEMP_DIRS.append(folder)
+    return Path(folder)
+
+
+def local_copy(p) -> Path:
+    """A local path holding `p`'s content: `p` itself when local; else a copy of the file or directory in a
+    temporary folder removed when the process exits (for readers that only take local files: safetensors, the
+    SentencePiece converter)."""
+    if not is_remote(p):
+        return Path(p)
+    remote = path(p)
+    local = _temp_dir("spmdlm-gcs-") / remote.name
+    if remote.is_dir():
+        for file in files_under(remote):
+            download(file, local / str(file)[len(str(remote)) + 1:], progress=False)
+    elif remote.exists():
+        download(remote, local, progress=False)
+    return local
+
+
+@contextlib.contextmanager
+def writing_dir(out) -> Iterator[Path]:
+    """A local directory to write `out`'s files into: `out` itself, or for a gs:// `out` a temporary one whose
+    files are uploaded when the block ends without error."""
+    if not is_remote(out):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        yield Path(out)
+        return
+    local = Path(tempfile.mkdtemp(prefix="spmdlm-upload-"))
+    try:
+        yield local
+        upload(local, out)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def local_cache_root() -> Path:
+    """Where copies of bucket files live on this host (SPMDLM_LOCAL_CACHE, default ~/.cache/spmdlm/gcs)."""
+    return Path(os.environ.get("SPMDLM_LOCAL_CACHE") or Path.home() / ".cache" / "spmdlm" / "gcs")
+
+
+def local_mirror(p) -> Path:
+    """The local folder that mirrors the gs:// folder `p` on this host (gs://b/x -> LOCAL_CACHE/b/x)."""
+    return local_cache_root() / str(p)[len(SCHEME):]
