@@ -3,20 +3,17 @@
 # (jax.distributed.initialize() with no arguments), so every worker runs the same command.
 #   launch/tpu_pod.sh TPU_NAME ZONE -- <spmdlm.launch flags>
 # e.g. launch/tpu_pod.sh my-v4-32 us-central2-b -- --mesh data=-1 --model_type gpt2 --config_name gpt2 \
-#        --train_file '/mnt/disks/data/corpus/*.txt' --output_dir /mnt/shared/runs/gpt2 ...
+#        --train_file 'gs://BUCKET/corpus/*.txt' --output_dir gs://BUCKET/runs/gpt2 ...
 # Quote globs: spmdlm expands them itself, on each worker; unquoted, your local shell expands them first.
 #
-# Data: --train_file reads files, not gs:// URLs, so put the corpus at the same path on every worker: mount the
-# bucket there with gcsfuse on each worker, or copy it to each worker's disk, e.g.
-#   gcloud compute tpus tpu-vm ssh TPU_NAME --zone ZONE --worker=all \
-#     --command 'gcloud storage cp -r gs://BUCKET/corpus /mnt/disks/data/'
-# Output: --output_dir must be one shared filesystem mounted at the same path on every worker (e.g. Filestore over
-# NFS); spmdlm writes it with ordinary file paths, not gs:// URLs.
+# Data and output: gs:// URLs (the gcs extra, installed below; the workers' service account needs access to the
+# bucket), or one filesystem mounted at the same path on every worker (e.g. Filestore over NFS). A prepared
+# dataset (--dataset_dir gs://...) is copied once to each worker's disk; see docs/tpu.md, "Buckets".
 # Code: the repository must be at SPMDLM_REPO_DIR on every worker (an absolute path; default: spmdlm in the worker's
 # home). With SPMDLM_GIT_URL set, each worker clones it there first, or pulls if it is already cloned; without it,
 # copy a checkout (without its .venv) yourself, e.g.
 #   gcloud compute tpus tpu-vm scp --recurse --worker=all --zone ZONE spmdlm TPU_NAME:~/
-# The first run on a worker creates .venv there and installs spmdlm with jax[tpu].
+# The first run on a worker creates .venv there and installs spmdlm with jax[tpu] and the gcs extra.
 set -euo pipefail
 TPU_NAME=$1
 ZONE=$2
@@ -36,8 +33,9 @@ if [ ! -d "$REPO_DIR" ]; then
   exit 1
 fi
 cd "$REPO_DIR"
-[ -d .venv ] || (python3 -m venv .venv && . .venv/bin/activate && pip install -e . "jax[tpu]")
+[ -d .venv ] || (python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[gcs]" "jax[tpu]")
 . .venv/bin/activate
+python -c "import gcsfs" 2>/dev/null || pip install -q -e ".[gcs]"
 python -m spmdlm.launch'
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command \
   "REPO_DIR=$(printf %q "${SPMDLM_REPO_DIR:-}"); GIT_URL=$(printf %q "${SPMDLM_GIT_URL:-}");$REMOTE$ARGS"
