@@ -64,7 +64,9 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
     p.add_argument("--loss_chunk_size", type=int, default=0, help="as the launcher's flag (0 = off)")
     p.add_argument("--all_positions", dest="labelled_only", action="store_false",
                    help="the LM head on every position even where the objective labels few (MLM)")
-    p.add_argument("--unroll", action="store_true", help="unroll the scanned layers (same parameters)")
+    p.add_argument("--scan_unroll", type=int, default=1,
+                   help="layers per iteration of the layer scan, as the launcher's flag; 0 = fully unrolled")
+    p.add_argument("--unroll", dest="scan_unroll", action="store_const", const=0, help="= --scan_unroll 0")
     p.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,...]",
                    help="a variant to measure against the base settings in the same run; repeatable")
     p.add_argument("--profile", metavar="DIR", help="after the measured steps, trace 3 more steps of the base "
@@ -151,7 +153,7 @@ class Variant:
     attention: str = "einsum"
     donate: bool = True
     xla: str = ""
-    unroll: bool = False  # scanned layers fully unrolled (same parameters, one traced layer per layer)
+    unroll: int = 1  # layers per scan iteration (--scan_unroll); 0 = fully unrolled (same parameters)
     loss_chunk: int = 0  # --loss_chunk_size
     labelled_only: bool = True  # the LM head on labelled positions only where the objective allows (MLM)
 
@@ -177,9 +179,11 @@ def parse_variant(text: str, base: Variant) -> Variant:
         if not sep or key not in ("jit", "attention", "donate", "xla", "unroll", "loss_chunk", "labelled_only"):
             fail(f"--compare {text!r}: use jit=, attention=, donate=, xla=, unroll=, loss_chunk= or labelled_only= "
                  "(comma-separated)")
-        flag = key in ("donate", "unroll", "labelled_only")
+        flag = key in ("donate", "labelled_only")
+        if key == "unroll":  # unroll=true is full unrolling, unroll=N N layers per iteration
+            value = "0" if value.strip().lower() in ("true", "yes") else value
         changes[key] = (value.strip() not in ("0", "false", "no") if flag
-                        else int(value) if key == "loss_chunk" else value.strip())
+                        else int(value) if key in ("loss_chunk", "unroll") else value.strip())
     variant = dataclasses.replace(base, **changes)
     if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ATTENTIONS:
         fail(f"--compare {text!r}: jit is jax|flat|nnx and attention {'|'.join(ATTENTIONS)}")
@@ -409,12 +413,12 @@ def run_benchmark(args) -> dict[str, Any]:
     family = _families()[config.model_type]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
 
-    def build(unroll: bool):
+    def build(unroll: int):
         model = family.make_model(config, rngs=nnx.Rngs(params=args.seed), dtype=dtype, remat=args.remat,
-                                  scan_unroll=True if unroll else 1)
+                                  scan_unroll=unroll or True)
         return model, nnx.Optimizer(model, make_optimizer(optim, model, total_steps), wrt=nnx.Param)
 
-    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla, unroll=args.unroll,
+    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla, unroll=args.scan_unroll,
                    loss_chunk=args.loss_chunk_size, labelled_only=args.labelled_only)
     variants = [base] + [parse_variant(text, base) for text in args.compare]
     if base.jit == "nnx" and base.xla:
