@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
+from family_fixtures import FIXTURES
 from spmdlm import storage
 from spmdlm.launch import main
 
@@ -61,10 +62,11 @@ def test_a_run_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path, tin
 def test_t5_reads_its_corpus_and_keeps_its_token_cache_in_a_bucket(gcs_bucket, tmp_path, monkeypatch):
     corpus = storage.path(f"{gcs_bucket}/corpus.txt")
     corpus.write_text("".join(Path(p).read_text() for p in sorted(Path(STDLIB_JSON).parent.glob("*.py"))))
-    flags = ["--model_type", "t5", "--config_name", "t5-v1_1-tiny", "--adafactor", "--mesh", "data=4,fsdp=2",
-             "--train_file", str(corpus), "--cache_dir", f"{gcs_bucket}/cache", "--max_seq_length", "64",
-             "--per_device_train_batch_size", "2", "--max_steps", "2", "--logging_steps", "1", "--do_train",
-             "--export_hf", "false"]
+    config = tmp_path / "t5-micro.json"  # the family suite's tiny T5 (fast to compile)
+    config.write_text(json.dumps(FIXTURES["t5"].tiny_config))
+    flags = ["--model_type", "t5", "--config_name", str(config), *FIXTURES["t5"].run_flags, "--mesh", "data=8",
+             "--train_file", str(corpus), "--cache_dir", f"{gcs_bucket}/cache", "--per_device_train_batch_size", "2",
+             "--max_steps", "2", "--logging_steps", "1", "--do_train", "--export_hf", "false"]
     monkeypatch.setenv("SPMDLM_LOCAL_CACHE", str(tmp_path / "local"))  # this host's copy of the bucket's cache
     assert main([*flags, "--output_dir", str(tmp_path / "t5")]) == 0
     cached = storage.files_under(f"{gcs_bucket}/cache")

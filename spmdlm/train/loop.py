@@ -434,6 +434,7 @@ def run_locked(ctx: RunContext, train_docs, val_docs) -> dict[str, Any]:
     stats = compile_train() if training and ctx.latest_step < ctx.total_steps else None
     run_config = write_run_files(ctx)
     if training and args.dry_run:
+        reporter.sync()  # a bucket output dir gets the compile record too
         return {**results, **(stats or {})}
 
     # -- stage 6: train (or restore for evaluation only) ---------------------------------------------------------

@@ -263,8 +263,12 @@ class Reporter:
         self.close()
         if (self.out / "metrics.jsonl").exists():
             self.plot_loss_curve()
-        if self.enabled:
+        if self.enabled and self.out is not self.target:
             self.sync()
+            import shutil
+
+            shutil.rmtree(self.out, ignore_errors=True)  # the staging folder: everything is in the bucket now
+            self.out = self.target
         labels = {"train_loss": "train loss {:.4f}", "eval_loss": "eval loss {:.4f}",
                   "eval_perplexity": "perplexity {:.2f}", "eval_accuracy": "accuracy {:.4f}",
                   "train_tokens_per_second": "{:,.0f} tokens/s", "total_steps": "{} steps"}
