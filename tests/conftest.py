@@ -112,7 +112,8 @@ def gcs_bucket():
                 server.kill()
                 pytest.fail("the GCS emulator did not start")
             time.sleep(0.05)
-    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")}
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
+                                            "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
     os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
     try:
         yield f"gs://{bucket}"
