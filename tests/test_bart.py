@@ -43,7 +43,7 @@ def test_export_reconstructs_a_masked_sentence(tmp_path, cache_dir):
                  "--output_dir", str(out), "--cache_dir", str(cache_dir), "--max_seq_length", "16",
                  "--mesh", "data=8", "--per_device_train_batch_size", "4", "--max_steps", "1200",
                  "--learning_rate", "2e-3", "--warmup_steps", "50", "--lr_scheduler_type", "constant",
-                 "--logging_steps", "200", "--eval_steps", "600", "--max_eval_samples", "256", "--save_steps",
+                 "--logging_steps", "200", "--eval_steps", "1200", "--max_eval_samples", "256", "--save_steps",
                  "5000", "--seed", "2"]) == 0
     evals = [m for m in read_metrics(out) if "eval_loss" in m]
     print("bart eval loss", [round(m["eval_loss"], 3) for m in evals], "accuracy",

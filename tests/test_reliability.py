@@ -226,12 +226,17 @@ def test_sigterm_saves_at_the_current_step_and_the_resume_is_exact(capsys, monke
 def test_a_second_ctrl_c_quits_at_once():
     from spmdlm.train.guard import StopOnSignal
 
-    with StopOnSignal() as stop:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.should_stop(0) and stop.signum == signal.SIGINT
-        with pytest.raises(KeyboardInterrupt):
+    # Python's own Ctrl-C handler, as in a terminal (a shell's background job starts with SIGINT ignored).
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopOnSignal() as stop:
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert stop.should_stop(0) and stop.signum == signal.SIGINT
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outside)
 
 
 def test_ctrl_c_outside_training_is_one_line(capsys, monkeypatch, tmp_path):
