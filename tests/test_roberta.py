@@ -47,7 +47,7 @@ def test_roberta_learns_and_its_export_fills_masks(tmp_path, tiny_config, cache_
     (impossible without using the context), and transformers' fill-mask pipeline must answer from the export."""
     out = tmp_path / "overfit"
     text = str(FIXTURES / "overfit.txt")
-    assert launch(out, tiny_config, cache_dir, "--train_file", text, "--validation_file", text, "--max_steps", "200",
+    assert launch(out, tiny_config, cache_dir, "--train_file", text, "--validation_file", text, "--max_steps", "300",
                   "--learning_rate", "5e-3", "--lr_scheduler_type", "constant", "--logging_steps", "50",
                   "--eval_steps", "100", "--weight_decay", "0") == 0
     evals = [m for m in read_metrics(out) if "eval_loss" in m]

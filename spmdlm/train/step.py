@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdlm.data.objectives import IGNORE_INDEX
-from spmdlm.mesh import batch_sharding
+from spmdlm.mesh import batch_sharding, constrain
 
 Batch = dict[str, jax.Array]
 
@@ -94,9 +94,11 @@ def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capaci
     all-positions path, so the result always equals `head_sums(head, features, labels)`."""
     valid = labels != IGNORE_INDEX
     positions = jnp.argsort(~valid, axis=-1, stable=True)[:, :capacity]  # labelled positions first, in order
+    positions = constrain(positions, "batch", None)
 
     def gathered():
-        picked = jnp.take_along_axis(features, positions[..., None], axis=1)
+        # Rows stay where they are (a per-row gather): without the constraint XLA replicates the features first.
+        picked = constrain(jnp.take_along_axis(features, positions[..., None], axis=1), "batch", None, "act_embed")
         return head_sums(head, picked, jnp.take_along_axis(labels, positions, axis=1), **loss)
 
     return jax.lax.cond(valid.sum(-1).max() <= capacity, gathered, lambda: head_sums(head, features, labels, **loss))
