@@ -108,7 +108,9 @@ def test_resuming_with_other_settings_is_refused(capsys, tmp_path, tiny_gpt2_con
 
 
 def test_launcher_simulates_cpu_devices_and_says_so(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """From a plain environment (no XLA_FLAGS, no JAX_PLATFORMS), libtpu installed or not: the mesh's CPU devices are
+    simulated, and nothing tries (and fails) to start a TPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     result = subprocess.run(
         [sys.executable, "-m", "spmdlm.launch", "--mesh", "data=2,fsdp=2", "--train_file",
          str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "out")],
@@ -116,6 +118,7 @@ def test_launcher_simulates_cpu_devices_and_says_so(tmp_path):
     )
     assert "simulating 4 CPU devices for --mesh data=2,fsdp=2" in result.stdout
     assert result.returncode == 2 and "no such file" in result.stderr
+    assert "TPU" not in result.stderr and "libtpu" not in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
 
 
