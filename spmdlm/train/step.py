@@ -110,10 +110,11 @@ def loss_sums(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None, *, 
     (`chunked_cross_entropy_sums`); `label_capacity` (the objective's) runs the LM head on labelled positions only
     (`labelled_positions_sums`). Both give the same sums as the plain loss."""
     labels = batch["labels"]
-    if (loss_chunk <= 0 or loss_chunk >= labels.shape[1]) and not label_capacity:
+    gather = bool(label_capacity) and label_capacity < labels.shape[1]
+    if not gather and not 0 < loss_chunk < labels.shape[1]:
         return cross_entropy_sums(forward(model, batch, rngs), labels, z_loss)
     features = forward(model, batch, rngs, features_only=True)
-    if label_capacity and label_capacity < labels.shape[1]:
+    if gather:
         return labelled_positions_sums(model.head, features, labels, label_capacity, z_loss=z_loss,
                                        loss_chunk=loss_chunk)
     return head_sums(model.head, features, labels, z_loss=z_loss, loss_chunk=loss_chunk)
