@@ -216,14 +216,9 @@ def test_same_losses_on_a_sharded_mesh(family, tiny_configs):
         assert np.max(np.abs(values - reference) / reference) < 1e-4, (mesh, values, reference)
 
 
-# Resuming is the pipeline's and the checkpoint's business, the same for every family: examples are pure functions
-# of (seed, example index), the iterator state is a position. BART (the objective with the most random choices:
-# sentence permutation and Poisson spans) stands for the encoder-decoders here; GPT-2's exact resume is covered at
-# the launcher by test_reliability (SIGTERM and damaged-checkpoint resumes, bitwise), test_gcs (from a bucket) and
-# test_train (onto another mesh); RoBERTa's and T5's objectives give the same example for the same (seed, index)
-# (test_mlm_objective, test_t5_objective) and a restored iterator continues the sequence (test_pipeline). The
-# suite stays under its 15-minute budget.
-@pytest.mark.parametrize("family", ["bart"])
+# Every family through the launcher: each objective's random choices (MLM masking, CLM chunking, T5 spans, BART
+# permutation and infilling) must come back from the checkpointed iterator position exactly.
+@pytest.mark.parametrize("family", FIXTURES)
 def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, monkeypatch):
     args = ("--mesh", "data=2,fsdp=4", "--max_steps", "6", "--save_steps", "3", "--do_train")
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
