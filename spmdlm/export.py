@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -125,9 +125,11 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
     if jax.process_index() != 0:
         return out
     with storage.writing_dir(out) as folder:  # a bucket: written here, uploaded at the end
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        _normal_file_mode(folder / "model.safetensors")
         (folder / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2, allow_nan=False))
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors writes through a 0600 temporary file: give it the mode a new file gets, as config.json has
+        # (copied rather than computed from os.umask, which can only be read by setting it, racing other threads).
+        shutil.copymode(folder / "config.json", folder / "model.safetensors")
         (folder / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2,
                                                                   allow_nan=False))
         if tokenizer is not None:
@@ -135,13 +137,6 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
 
             save_tokenizer(tokenizer, folder, get_family(config.model_type), model_max_length=config.max_length)
     return out
-
-
-def _normal_file_mode(path: Path) -> None:
-    """Give `path` the mode a newly created file gets: safetensors writes through a 0600 temporary file."""
-    umask = os.umask(0)  # the portable way to read the umask; restored at once
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
 
 
 def export_state(graphdef, state, config: HFConfig, out_dir: str | Path, tokenizer=None) -> Path:

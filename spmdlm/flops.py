@@ -25,6 +25,7 @@ from typing import Any, Mapping
 # Dense bf16 peak FLOP/s per chip, matched case-insensitively against jax's `device_kind` (first hit wins, so the
 # more specific names come first). The same figure is used whatever the run's dtype: MFU against the bf16 peak.
 PEAK_FLOPS_BY_DEVICE_KIND: tuple[tuple[str, float], ...] = (
+    ("tpu v2", 22.5e12),  # per core (a JAX device); 45 TFLOP/s per chip
     ("tpu v3", 61.5e12),  # per core (a JAX device); 123 TFLOP/s per chip
     ("tpu v4", 275e12),
     ("tpu v5 lite", 197e12),  # v5e's device_kind

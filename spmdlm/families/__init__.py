@@ -41,16 +41,18 @@ def load_config(config_name: str, model_type: str | None = None, **overrides):
     return family.config_class.from_dict(values)
 
 
-def objective_for_shapes(family: Family, config, seq_len: int | None = None):
+def objective_for_shapes(family: Family, config, seq_len: int | None = None, *, args=None):
     """The family's objective at the run's shapes, for synthetic batches (benchmarks, compile checks).
 
-    Built from a small tokenizer trained on a few words: only lengths and special ids matter for shapes.
-    `seq_len` is the family's first sequence flag (--block_size for GPT-2, --max_seq_length for the others).
+    Built from a small tokenizer trained on a few words: only lengths and special ids matter for shapes. `args`: the
+    run's flags (all of its objective flags); without them, the defaults with `seq_len` as the family's first
+    sequence flag (--block_size for GPT-2, --max_seq_length for the others).
     """
     from spmdlm.config import RunArgs
     from spmdlm.data.tokenizer import train_tokenizer
 
     words = [" ".join(f"w{i}{j}" for j in range(50)) for i in range(20)]
     tokenizer = train_tokenizer(family, words, min(config.vocab_size, 512))
-    args = RunArgs(**({family.sequence_flags[0]: seq_len} if seq_len else {}))
+    if args is None:
+        args = RunArgs(**({family.sequence_flags[0]: seq_len} if seq_len else {}))
     return family.build_objective(args, config, tokenizer)

@@ -36,19 +36,19 @@ class Chip:
 
     name: str
     hbm_bytes: int
-    peak_flops: float  # dense bf16 FLOP/s
     hbm_bytes_per_s: float
 
 
-# By jax's device_kind. Public Cloud TPU figures per chip, halved for v2/v3 where each core is a device. v4 slices
-# are described in megacore mode (one device per chip), as JAX runs them on Cloud TPU VMs.
+# Memory by jax's device_kind (peak FLOP/s: flops.PEAK_FLOPS_BY_DEVICE_KIND). Public Cloud TPU figures per chip,
+# halved for v2/v3 where each core is a device. v4 slices are described in megacore mode (one device per chip), as
+# JAX runs them on Cloud TPU VMs.
 CHIPS: dict[str, Chip] = {
-    "TPU v2": Chip("v2 (per core; 2 per chip)", 8 * GiB, 22.5e12, 350e9),
-    "TPU v3": Chip("v3 (per core; 2 per chip)", 16 * GiB, 61.5e12, 450e9),
-    "TPU v4": Chip("v4", 32 * GiB, 275e12, 1228e9),
-    "TPU v5 lite": Chip("v5e", 16 * GiB, 197e12, 819e9),
-    "TPU v5": Chip("v5p", 95 * GiB, 459e12, 2765e9),
-    "TPU v6 lite": Chip("v6e", 32 * GiB, 918e12, 1640e9),
+    "TPU v2": Chip("v2 (per core; 2 per chip)", 8 * GiB, 350e9),
+    "TPU v3": Chip("v3 (per core; 2 per chip)", 16 * GiB, 450e9),
+    "TPU v4": Chip("v4", 32 * GiB, 1228e9),
+    "TPU v5 lite": Chip("v5e", 16 * GiB, 819e9),
+    "TPU v5": Chip("v5p", 95 * GiB, 2765e9),
+    "TPU v6 lite": Chip("v6e", 32 * GiB, 1640e9),
 }
 INSTALL_HINT = "pip install -e '.[tpu]'"
 
@@ -101,15 +101,6 @@ def _stderr_hidden():
             os.close(saved)
 
 
-def shapes_objective(family, config, args: RunArgs):
-    """The run's objective (its lengths and flags) with a tokenizer trained on a few words: only the batch shapes
-    and special ids matter (as `families.objective_for_shapes`, but with all of the run's objective flags)."""
-    from spmdlm.data.tokenizer import train_tokenizer
-
-    words = [" ".join(f"w{i}{j}" for j in range(50)) for i in range(20)]
-    return family.build_objective(args, config, train_tokenizer(family, words, min(config.vocab_size, 512)))
-
-
 def per_device_bytes(state) -> int:
     """Bytes of one device's shards of an abstract sharded state (the fullest device)."""
     total = 0
@@ -150,13 +141,14 @@ def _cost(compiled) -> dict[str, float | None]:
 def estimate(args: RunArgs) -> dict[str, Any]:
     """Compile the run's train and eval steps for args.compile_for x args.num_slices; -> the numbers (estimates)."""
     from spmdlm.data import pipeline
+    from spmdlm.families import objective_for_shapes
     from spmdlm.train import loop
 
     devices = tpu_devices(args.compile_for, args.num_slices)
     kind = devices[0].device_kind
     chip = CHIPS.get(kind)
     ctx = loop.resolve(args, time.perf_counter(), devices=devices)
-    ctx.objective = shapes_objective(ctx.family, ctx.config, args)
+    ctx.objective = objective_for_shapes(ctx.family, ctx.config, args=args)
     ctx.resuming = True  # setup_state then builds the abstract state a resume restores into: shapes, no arrays
     start = time.perf_counter()
     graphdef, state, stepper = loop.setup_state(ctx)
@@ -177,7 +169,7 @@ def estimate(args: RunArgs) -> dict[str, Any]:
         "sequence_lengths": flops.sequence_lengths(ctx.objective), "eval_batch": eval_batch,
         "state_bytes_per_device": per_device_bytes(state), "state_bytes_replicated": global_bytes(state),
         "hbm_bytes_per_device": chip.hbm_bytes if chip else None,
-        "peak_flops_per_device": chip.peak_flops if chip else None,
+        "peak_flops_per_device": flops.peak_flops_for_device_kind(kind) if chip else None,
         "analytic_flops_per_step": flops.train_flops_per_step(ctx.config, ctx.objective, ctx.global_batch),
         "init_compile_seconds": init_seconds,
     }
@@ -230,13 +222,13 @@ def roofline(r: dict[str, Any]) -> dict[str, Any]:
     if chip is None or not per_device or "error" in train:
         return {"roofline_seconds": None, "roofline_bound": None, "projected_mfu": None}
     executed = max(train.get("xla_flops_per_device") or 0.0, per_device * (4 / 3 if r["remat"] else 1.0))
-    compute = executed / chip.peak_flops
+    compute = executed / r["peak_flops_per_device"]
     memory = (train.get("xla_bytes_accessed_per_device") or 0.0) / chip.hbm_bytes_per_s
     seconds, bound = max((compute, "compute at peak"), (memory, "HBM traffic at full bandwidth"))
     if (train.get("xla_optimal_seconds") or 0.0) > seconds:  # both are lower bounds on the step time
         seconds, bound = train["xla_optimal_seconds"], "XLA's optimal_seconds"
     return {"roofline_seconds": seconds, "roofline_bound": bound,
-            "projected_mfu": per_device / (chip.peak_flops * seconds)}
+            "projected_mfu": per_device / (r["peak_flops_per_device"] * seconds)}
 
 
 def _size(b: float) -> str:
