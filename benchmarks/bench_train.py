@@ -60,7 +60,8 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
                    help="einsum: layers.Attention as is; dpa: its core replaced by jax.nn.dot_product_attention")
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
-    p.add_argument("--remat", action="store_true", help="recompute each block in the backward pass")
+    p.add_argument("--remat", default="dots", choices=("none", "dots", "full"),
+                   help="what each layer keeps for its backward pass, as the launcher's flag")
     p.add_argument("--loss_chunk_size", type=int, default=0, help="as the launcher's flag (0 = off)")
     p.add_argument("--all_positions", dest="labelled_only", action="store_false",
                    help="the LM head on every position even where the objective labels few (MLM)")
@@ -156,6 +157,7 @@ class Variant:
     unroll: int = 1  # layers per scan iteration (--scan_unroll); 0 = fully unrolled (same parameters)
     loss_chunk: int = 0  # --loss_chunk_size
     labelled_only: bool = True  # the LM head on labelled positions only where the objective allows (MLM)
+    remat: str = "dots"  # --remat: none | dots | full
 
     def label(self) -> str:
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
@@ -176,17 +178,19 @@ def parse_variant(text: str, base: Variant) -> Variant:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in ("jit", "attention", "donate", "xla", "unroll", "loss_chunk", "labelled_only"):
-            fail(f"--compare {text!r}: use jit=, attention=, donate=, xla=, unroll=, loss_chunk= or labelled_only= "
-                 "(comma-separated)")
+        if not sep or key not in ("jit", "attention", "donate", "xla", "unroll", "loss_chunk", "labelled_only",
+                                "remat"):
+            fail(f"--compare {text!r}: use jit=, attention=, donate=, xla=, unroll=, loss_chunk=, labelled_only= or "
+                 "remat= (comma-separated)")
         flag = key in ("donate", "labelled_only")
         if key == "unroll":  # unroll=true is full unrolling, unroll=N N layers per iteration
             value = "0" if value.strip().lower() in ("true", "yes") else value
         changes[key] = (value.strip() not in ("0", "false", "no") if flag
                         else int(value) if key in ("loss_chunk", "unroll") else value.strip())
     variant = dataclasses.replace(base, **changes)
-    if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ATTENTIONS:
-        fail(f"--compare {text!r}: jit is jax|flat|nnx and attention {'|'.join(ATTENTIONS)}")
+    if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ATTENTIONS or \
+            variant.remat not in ("none", "dots", "full"):
+        fail(f"--compare {text!r}: jit is jax|flat|nnx, attention {'|'.join(ATTENTIONS)}, remat none|dots|full")
     if variant.jit == "nnx" and variant.xla:
         fail("xla compiler options need jit=jax or jit=flat")
     return variant
@@ -248,7 +252,7 @@ class Arm:
 
         self.variant, self.mesh, self.times = variant, mesh, []
         self.losses: list[float] = []
-        graphdef, state = create_train_state(lambda: build(variant.unroll), mesh)
+        graphdef, state = create_train_state(lambda: build(variant.unroll, variant.remat), mesh)
         self.n_params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)))
         self.stepper = Stepper(graphdef, state, mesh, dropout_seed=seed, schedule=schedule,
                                loss_chunk=variant.loss_chunk,
@@ -413,13 +417,13 @@ def run_benchmark(args) -> dict[str, Any]:
     family = _families()[config.model_type]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
 
-    def build(unroll: int):
-        model = family.make_model(config, rngs=nnx.Rngs(params=args.seed), dtype=dtype, remat=args.remat,
+    def build(unroll: int, remat: str):
+        model = family.make_model(config, rngs=nnx.Rngs(params=args.seed), dtype=dtype, remat=remat,
                                   scan_unroll=unroll or True)
         return model, nnx.Optimizer(model, make_optimizer(optim, model, total_steps), wrt=nnx.Param)
 
     base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla, unroll=args.scan_unroll,
-                   loss_chunk=args.loss_chunk_size, labelled_only=args.labelled_only)
+                   loss_chunk=args.loss_chunk_size, labelled_only=args.labelled_only, remat=args.remat)
     variants = [base] + [parse_variant(text, base) for text in args.compare]
     if base.jit == "nnx" and base.xla:
         fail("--xla needs --jit jax or flat")

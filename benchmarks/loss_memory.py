@@ -25,7 +25,8 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 256])
-    p.add_argument("--remat", action="store_true", help="--gradient_checkpointing (each block recomputed)")
+    p.add_argument("--remat", default="dots", choices=("none", "dots", "full"),
+                   help="what each layer keeps for its backward pass, as the launcher's flag")
     args = p.parse_args()
 
     import jax

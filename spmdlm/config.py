@@ -94,7 +94,10 @@ class RunArgs:
     max_grad_norm: float = _field(1.0, "clip gradients to this global norm; 0 = off")
     warmup_steps: int = _field(0, "linear warmup steps")
     lr_scheduler_type: str = _field("linear", "linear | cosine | constant")
-    gradient_checkpointing: bool = _field(False, "recompute each block in the backward pass (remat)")
+    remat: str = _field("dots", "what each layer keeps for its backward pass: dots = its weight matmuls' outputs, the "
+                        "rest recomputed (less memory than none, and faster through the layer scan); none = "
+                        "everything; full = its input only (least memory, a third more compute)")
+    gradient_checkpointing: bool = _field(False, "= --remat full (the HF scripts' name)")
     scan_unroll: int = _field(1, "layers per iteration of the layer scan (jax.lax.scan's unroll); 0 = fully "
                               "unrolled: slower to compile, faster steps for T5 on CPU (benchmarks/README.md)")
     z_loss: float = _field(0.0, "T5X z-loss coefficient (log-partition regulariser) for bf16 stability")
@@ -291,6 +294,10 @@ def validate(args: RunArgs) -> RunArgs:
         raise ArgumentError(f"--sample_every must be at least 1, got {args.sample_every}")
     if args.scan_unroll < 0:
         raise ArgumentError(f"--scan_unroll must be 0 (fully unrolled) or a positive number, got {args.scan_unroll}")
+    if args.remat not in ("none", "dots", "full"):
+        raise ArgumentError(f"--remat must be none, dots or full, got {args.remat!r}")
+    if args.gradient_checkpointing:
+        args = args.replace(remat="full")
     if args.loss_chunk_size < 0:
         raise ArgumentError(f"--loss_chunk_size must be 0 (off) or a positive number, got {args.loss_chunk_size}")
     for name in ("block_size", "max_seq_length", "max_train_samples", "max_eval_samples", "save_total_limit",

@@ -49,8 +49,10 @@ def family_case(family: str):
 
 def compile_step(config, objective, global_batch: int, mesh):
     def build():
-        # Unrolled layers: XLA's cost analysis counts a while loop's body once, not once per layer.
-        model = FAMILIES[config.model_type].make_model(config, rngs=nnx.Rngs(params=0), scan_unroll=True)
+        # Unrolled layers: XLA's cost analysis counts a while loop's body once, not once per layer. Nothing
+        # recomputed (remat none): the formulas count the model's FLOPs, not the recomputation of --remat dots.
+        model = FAMILIES[config.model_type].make_model(config, rngs=nnx.Rngs(params=0), scan_unroll=True,
+                                                       remat="none")
         return model, nnx.Optimizer(model, make_optimizer(OptimConfig(), model, 10), wrt=nnx.Param)
 
     graphdef, state = create_train_state(build, mesh)

@@ -80,7 +80,7 @@ def _forward(model, *inputs):
     return model(*inputs)  # jitted: one compile is far quicker than eager op-by-op dispatch
 
 
-def _init(config: T5Config, remat: bool = False) -> T5ForConditionalGeneration:
+def _init(config: T5Config, remat: str = "none") -> T5ForConditionalGeneration:
     # Jitted, with the rbg generator: XLA:CPU compiles threefry sampling (init and dropout) several times slower.
     rngs = lambda: nnx.Rngs(jax.random.key(0, impl="rbg"))
     return nnx.jit(lambda: T5ForConditionalGeneration(config, rngs=rngs(), remat=remat))()
@@ -194,7 +194,7 @@ def test_train_step_with_dropout_and_remat():
         return nnx.value_and_grad(loss_fn)(model, nnx.Rngs(dropout=key))
 
     model = _init(config)
-    model_remat = nnx.eval_shape(lambda: T5ForConditionalGeneration(config, rngs=nnx.Rngs(0), remat=True))
+    model_remat = nnx.eval_shape(lambda: T5ForConditionalGeneration(config, rngs=nnx.Rngs(0), remat="full"))
     nnx.update(model_remat, nnx.state(model))
     key, other_key = jax.random.key(1, impl="rbg"), jax.random.key(2, impl="rbg")
     (loss, grads), (loss_remat, grads_remat) = step(model, key), step(model_remat, key)

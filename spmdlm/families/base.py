@@ -106,7 +106,7 @@ class Family:
     def is_encoder_decoder(self) -> bool:
         return getattr(self.config_class, "is_encoder_decoder", False)
 
-    def make_model(self, config, *, rngs, dtype=None, remat: bool = False, scan_unroll: int | bool = 1):
+    def make_model(self, config, *, rngs, dtype=None, remat: str = "dots", scan_unroll: int | bool = 1):
         import jax.numpy as jnp
 
         return self.model_class(config, rngs=rngs, dtype=dtype or jnp.float32, remat=remat, scan_unroll=scan_unroll)

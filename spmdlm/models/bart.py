@@ -85,7 +85,7 @@ class BartStack(nnx.Module):
     """The encoder (bidirectional) or the decoder (causal, with cross-attention): positions, layernorm_embedding,
     then post-LN layers. It takes the (scaled) token embeddings: the table is shared, so it lives in the model."""
 
-    def __init__(self, config: BartConfig, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: bool,
+    def __init__(self, config: BartConfig, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: str,
                  scan_unroll: int | bool = 1):
         self.config = config
         d, std = config.d_model, config.init_std
@@ -127,7 +127,7 @@ class BartForConditionalGeneration(nnx.Module):
 
     config_class = BartConfig
 
-    def __init__(self, config: BartConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False,
+    def __init__(self, config: BartConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots",
                  scan_unroll: int | bool = 1):
         self.config = config
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0

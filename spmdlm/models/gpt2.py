@@ -77,7 +77,7 @@ class GPT2LMHeadModel(nnx.Module):
 
     config_class = GPT2Config
 
-    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False,
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots",
                  scan_unroll: int | bool = 1):
         self.config = config
         self.wte = Embed(config.vocab_size, config.n_embd, init_std=config.initializer_range, dtype=dtype, rngs=rngs)

@@ -298,17 +298,27 @@ class Attention(nnx.Module):
         return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
 
 
+# What each layer keeps for its backward pass (the launcher's --remat), as jax.checkpoint policies. "dots" keeps the
+# outputs of its weight matmuls and recomputes the rest from them (norms, activations, attention scores and
+# probabilities): less memory than "none" and, through the layer scan, faster, because fewer saved activations are
+# stacked per layer and sliced back out (benchmarks/README.md). "full" keeps only the layer's input.
+REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
+
+
 class LayerStack(nnx.Module):
     """`count` identical layers with stacked parameters (leading `layers` axis), applied with one scan.
 
     One traced layer instead of `count`: compile time stays nearly flat with depth. `make_layer(rngs)` builds one
     layer; every call of the stack passes `x` through the layers as the scan carry, with the other arguments the
-    same for each layer. Under `remat` each layer keeps only its input for the backward pass. Dropout gets one key
-    per layer. `unroll` is jax.lax.scan's (True = fully unrolled, same parameters; for benchmarks).
+    same for each layer. `remat` names what each layer keeps for the backward pass (REMAT_POLICIES). Dropout gets
+    one key per layer. `unroll` is jax.lax.scan's (True = fully unrolled, same parameters; for benchmarks).
     """
 
     def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs,
-                 remat: bool = False, unroll: int | bool = 1):
+                 remat: str = "dots", unroll: int | bool = 1):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         self.count, self.remat, self.unroll = count, remat, unroll
 
         # The layers axis is never sharded (PARTITION_NAME None); the logical name is added for the rule table.
@@ -328,8 +338,8 @@ class LayerStack(nnx.Module):
         def apply(layer, x, key):
             return layer(x, *args, rngs=None if key is None else nnx.Rngs(dropout=key))
 
-        if self.remat:
-            apply = nnx.remat(apply)
+        if self.remat != "none":
+            apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
 
         @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry, unroll=self.unroll)
         def body(layer, x, key):

@@ -73,7 +73,7 @@ class RobertaForMaskedLM(nnx.Module):
 
     config_class = RobertaConfig
 
-    def __init__(self, config: RobertaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False,
+    def __init__(self, config: RobertaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots",
                  scan_unroll: int | bool = 1):
         self.config = config
         d, std, eps = config.hidden_size, config.initializer_range, config.layer_norm_eps

@@ -162,7 +162,7 @@ class Block(nnx.Module):
 class Stack(nnx.Module):
     """The encoder (bidirectional) or the decoder (causal, with cross-attention): blocks + final RMSNorm."""
 
-    def __init__(self, config: T5Config, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: bool,
+    def __init__(self, config: T5Config, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: str,
                  scan_unroll: int | bool = 1):
         self.config = config
         self.is_decoder = is_decoder
@@ -208,7 +208,7 @@ class T5ForConditionalGeneration(nnx.Module):
 
     config_class = T5Config
 
-    def __init__(self, config: T5Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: bool = False,
+    def __init__(self, config: T5Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots",
                  scan_unroll: int | bool = 1):
         self.config = config
         f = config.initializer_factor

@@ -163,7 +163,7 @@ def estimate(args: RunArgs) -> dict[str, Any]:
         "dcn_mesh": args.dcn_mesh,
         "model_type": ctx.family.name, "config": ctx.config_source,
         "parameters": loop.count_parameters(graphdef, state), "dtype": args.dtype,
-        "remat": args.gradient_checkpointing, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "remat": args.remat, "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "global_batch": ctx.global_batch, "per_host_batch": ctx.global_batch // hosts,
         "per_device_batch": ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
         "sequence_lengths": flops.sequence_lengths(ctx.objective), "eval_batch": eval_batch,
@@ -221,7 +221,7 @@ def roofline(r: dict[str, Any]) -> dict[str, Any]:
     per_device = r["analytic_flops_per_step"] / r["devices"]
     if chip is None or not per_device or "error" in train:
         return {"roofline_seconds": None, "roofline_bound": None, "projected_mfu": None}
-    executed = max(train.get("xla_flops_per_device") or 0.0, per_device * (4 / 3 if r["remat"] else 1.0))
+    executed = max(train.get("xla_flops_per_device") or 0.0, per_device * (4 / 3 if r["remat"] == "full" else 1.0))
     compute = executed / r["peak_flops_per_device"]
     memory = (train.get("xla_bytes_accessed_per_device") or 0.0) / chip.hbm_bytes_per_s
     seconds, bound = max((compute, "compute at peak"), (memory, "HBM traffic at full bandwidth"))
@@ -260,7 +260,7 @@ def report(r: dict[str, Any]) -> list[str]:
         f"  mesh            {mesh}" + (f" (across slices: {r['dcn_mesh'] or 'data=' + str(r['num_slices'])})"
                                        if r["num_slices"] > 1 else ""),
         f"  model           {r['model_type']} ({r['config']}): {r['parameters'] / 1e6:.1f}M parameters, "
-        f"{r['dtype']}, remat {'on' if r['remat'] else 'off'}",
+        f"{r['dtype']}, remat {r['remat']}",
         f"  batch           global {r['global_batch']} x {' + '.join(map(str, r['sequence_lengths'].values()))} "
         f"tokens = {r['per_device_batch']} per device x {r['mesh']['data'] * r['mesh']['fsdp']} batch devices x "
         f"{r['gradient_accumulation_steps']} accumulation; {r['per_host_batch']} per host",
@@ -303,7 +303,7 @@ def refusal(r: dict[str, Any], args: RunArgs) -> str:
     if name == "eval":
         tries.append(f"a smaller --per_device_eval_batch_size (now {args.per_device_eval_batch_size})")
     else:
-        if not args.gradient_checkpointing:
+        if args.remat != "full":
             tries.append("--gradient_checkpointing")
         if r["mesh"]["fsdp"] == 1:
             tries.append("fsdp (e.g. --mesh data=N,fsdp=M) to shard the parameters and optimizer state "

@@ -344,7 +344,7 @@ def setup_state(ctx: RunContext):
 
     def build():
         model = ctx.family.make_model(ctx.config, rngs=nnx.Rngs(params=args.seed), dtype=dtype,
-                                      remat=args.gradient_checkpointing, scan_unroll=args.scan_unroll or True)
+                                      remat=args.remat, scan_unroll=args.scan_unroll or True)
         return model, nnx.Optimizer(model, make_optimizer(optim, model, steps), wrt=nnx.Param)
 
     graphdef, state = create_train_state(build, ctx.mesh, abstract=ctx.resuming)
