@@ -92,6 +92,7 @@ def test_argument_file(tmp_path, suffix):
     (["--block_size", "0"], "--block_size must be at least 1"),
     (["--save_total_limit", "0"], "--save_total_limit must be at least 1"),
     (["--max_train_samples", "-3"], "--max_train_samples must be at least 1"),
+    (["--remat", "some"], "--remat must be none, dots or full"),
 ])
 def test_bad_values(argv, message):
     with pytest.raises(ArgumentError, match=message):
@@ -101,6 +102,11 @@ def test_bad_values(argv, message):
 def test_boolean_flags_take_values_like_hf():
     args, _ = parse_args(["--train_file", "x", "--do_train", "false", "--export_hf=False", "--no_do_eval"])
     assert args.do_train is False and args.export_hf is False and args.do_eval is False
+
+
+def test_remat_defaults_to_dots_and_gradient_checkpointing_means_full():
+    assert parse_args(["--train_file", "x"])[0].remat == "dots"
+    assert parse_args(["--train_file", "x", "--gradient_checkpointing"])[0].remat == "full"
 
 
 def test_help_is_grouped_with_each_default_once_and_the_presets_listed():
