@@ -34,3 +34,11 @@ def test_default_run_end_to_end(tmp_path):
     for name in ("loss_curve.png", "metrics.jsonl", "tensorboard", "checkpoints", "hf/model.safetensors",
                  "hf/tokenizer.json"):
         assert (out / name).exists(), name
+
+    # The same command again: the run is complete, the data cache is reused, nothing is re-tokenized or rewritten.
+    results_bytes = (out / "eval_results.json").read_bytes()
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "reusing the tokenized train cache" in second.stdout
+    assert "is complete (step 40 of 40)" in second.stdout and "nothing to do" in second.stdout
+    assert (out / "eval_results.json").read_bytes() == results_bytes
