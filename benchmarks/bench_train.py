@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from spmdlm.config import REMAT_CHOICES  # no jax import: flags are still set before jax starts
+
 def _families():
     from spmdlm.families import FAMILIES
 
@@ -60,7 +62,7 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
                    help="einsum: layers.Attention as is; dpa: its core replaced by jax.nn.dot_product_attention")
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
-    p.add_argument("--remat", default="dots", choices=("none", "dots", "full"),
+    p.add_argument("--remat", default="dots", choices=REMAT_CHOICES,
                    help="what each layer keeps for its backward pass, as the launcher's flag")
     p.add_argument("--loss_chunk_size", type=int, default=0, help="as the launcher's flag (0 = off)")
     p.add_argument("--all_positions", dest="labelled_only", action="store_false",
@@ -189,7 +191,7 @@ def parse_variant(text: str, base: Variant) -> Variant:
                         else int(value) if key in ("loss_chunk", "unroll") else value.strip())
     variant = dataclasses.replace(base, **changes)
     if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ATTENTIONS or \
-            variant.remat not in ("none", "dots", "full"):
+            variant.remat not in REMAT_CHOICES:
         fail(f"--compare {text!r}: jit is jax|flat|nnx, attention {'|'.join(ATTENTIONS)}, remat none|dots|full")
     if variant.jit == "nnx" and variant.xla:
         fail("xla compiler options need jit=jax or jit=flat")

@@ -18,6 +18,10 @@ from typing import Any
 import yaml
 
 
+# --remat: what each scanned layer keeps for its backward pass (the policies: models/layers.py REMAT_POLICIES).
+REMAT_CHOICES = ("none", "dots", "full")
+
+
 class ArgumentError(ValueError):
     """A flag value that cannot work, with the fix in the message."""
 
@@ -294,7 +298,7 @@ def validate(args: RunArgs) -> RunArgs:
         raise ArgumentError(f"--sample_every must be at least 1, got {args.sample_every}")
     if args.scan_unroll < 0:
         raise ArgumentError(f"--scan_unroll must be 0 (fully unrolled) or a positive number, got {args.scan_unroll}")
-    if args.remat not in ("none", "dots", "full"):
+    if args.remat not in REMAT_CHOICES:
         raise ArgumentError(f"--remat must be none, dots or full, got {args.remat!r}")
     if args.gradient_checkpointing:
         args = args.replace(remat="full")
