@@ -3,12 +3,12 @@
     python benchmarks/bench_gcs_read.py                       # 8 MB corpus, gpt2 and t5 at length 128, batch 32
     python benchmarks/bench_gcs_read.py --mb 32 --models gpt2 --batches 400
 
-1. A synthetic corpus (benchmarks/bench_prepare.py's) is prepared by `spmdlm.prepare.prepare_dataset` straight into
-   gs://bench/<model>-<len> on the emulator (tests/gcs_emulator.py, in memory, on a free loopback port).
+1. A synthetic corpus (benchmarks/bench_prepare.py's) is prepared by `spmdlm.data.datasets.prepare_dataset` straight
+   into gs://bench/<model>-<len> on the emulator (tests/gcs_emulator.py, in memory, on a free loopback port).
 2. `stream` lines: every shard read through the path abstraction (spmdlm.storage: gcsfs) in 8 MiB chunks, as a
    reader without a local copy would: MB/s and record tokens/s.
-3. `copy` lines: `sources.open_dataset` on the bucket, cold (each shard downloaded to this host's disk with its
-   sha256 checked) and warm (the verified copy reused): seconds, MB/s, record tokens/s.
+3. `copy` lines: `spmdlm.data.datasets.open_dataset` on the bucket, cold (each shard downloaded to this host's disk
+   with its sha256 checked) and warm (the verified copy reused): seconds, MB/s, record tokens/s.
 4. `read` lines: the Grain pipeline (`spmdlm.data.pipeline.train_batches`: shuffle, the objective, batches) over
    that local copy: tokens/s of model input, the number to set against a model's training tokens/s.
 
@@ -52,24 +52,24 @@ def start_emulator(bucket: str) -> tuple[subprocess.Popen, str]:
 def bench(model: str, corpus: Path, folder: Path, bucket: str, seq_len: int, global_batch: int, batches: int,
           vocab: int) -> list[dict]:
     from spmdlm import storage
-    from spmdlm.data import pipeline, sources
+    from spmdlm.data import datasets, pipeline, readers
     from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
     from spmdlm.families import get_family
-    from spmdlm.prepare import prepare_dataset, resolve_objective
+    from spmdlm.prepare import resolve_objective
 
     family = get_family(model)
     docs = [line for line in corpus.read_text(encoding="utf-8").splitlines() if line.strip()]
     tok = train_tokenizer(family, docs[:20000], vocab)
-    family, objective, flags, _ = resolve_objective(model, tok, {family.sequence_flags[0]: seq_len},
+    family, objective, flags, _ = resolve_objective(model, tok, {family.flags[0].name: seq_len},
                                                     config_name=family.quickstart["config_name"])
     ids = special_token_ids(tok, family)
-    mode = getattr(objective, "preparation", "stream")
+    mode = objective.preparation
     remote = f"{bucket}/{model}-{seq_len}"
     start = time.perf_counter()
-    card = prepare_dataset(sources.open_corpus([str(corpus)]), tok, remote, for_model=model, objective=flags,
-                           record_length=objective.record_length, mode=mode, separator_id=ids["eos"],
-                           pad_id=ids.get("pad"), validation_percentage=0, workers=1, progress=False,
-                           shard_bytes=4 << 20)
+    card = datasets.prepare_dataset(readers.open_corpus([str(corpus)]), tok, remote, family=family, objective=flags,
+                                    record_length=objective.record_length, mode=mode, separator_id=ids["eos"],
+                                    pad_id=ids.get("pad"), validation_percentage=0, workers=1, progress=False,
+                                    shard_bytes=4 << 20)
     shards = card["splits"]["train"]["shards"]
     size = sum(s["bytes"] for s in shards)
     record_tokens = card["splits"]["train"]["examples"] * objective.record_length
@@ -89,7 +89,7 @@ def bench(model: str, corpus: Path, folder: Path, bucket: str, seq_len: int, glo
     os.environ["SPMDLM_LOCAL_CACHE"] = str(folder / f"local-{model}")
     for kind in ("cold", "warm"):
         start = time.perf_counter()
-        train, _, _ = sources.open_dataset(remote, tokenizer=tok, record_length=objective.record_length, mode=mode)
+        train, _, _ = datasets.open_dataset(remote, tokenizer=tok, record_length=objective.record_length, mode=mode)
         seconds = time.perf_counter() - start
         lines.append({"bench": "copy", "kind": kind, **common, "seconds": round(seconds, 3),
                       "mb_per_s": round(size / 1e6 / seconds, 1), "record_tokens_per_s": round(record_tokens / seconds)})

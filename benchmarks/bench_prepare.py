@@ -5,10 +5,10 @@
     python benchmarks/bench_prepare.py --sizes 50,200 --workers 1,2,4 --read_threads 0,4,16 --batches 100
 
 1. A synthetic corpus (Zipf-distributed made-up words, sentences with . ! ?, one document per line) of each size.
-2. `prepare` lines: `python -m spmdlm.prepare`'s library path (`spmdlm.prepare.prepare_dataset`) run in a fresh
-   subprocess per (size, workers) for GPT-2 records of 1025 tokens: tokens/s of the preparation (reading,
-   tokenizing, cutting, writing, hashing) and peak RSS: of the preparing process (getrusage; it has imported JAX
-   through spmdlm.families), of the largest worker and of all processes together (VmRSS sampled every 50 ms);
+2. `prepare` lines: `python -m spmdlm.prepare`'s library path (`spmdlm.data.datasets.prepare_dataset`) run in a fresh
+   subprocess per (size, workers) for GPT-2 records of 1025 tokens: tokens/s of the preparation (reading, tokenizing,
+   cutting, writing, hashing) and peak RSS: of the preparing process (getrusage; it has imported JAX through
+   spmdlm.families), of the largest worker and of all processes together (VmRSS sampled every 50 ms);
    `dataset_sha256` hashes all the files written, to compare worker counts.
 3. `read` lines: per objective (gpt2 CLM, roberta MLM, t5 span corruption, bart denoising) at the quick-start
    length (128) and a global batch of 32: a dataset prepared from the first few MB, read with
@@ -112,17 +112,18 @@ def sample():
         peak["worker"] = max([peak["worker"], *kids])
         time.sleep(0.05)
 threading.Thread(target=sample, daemon=True).start()
-from spmdlm.data import sources
+from spmdlm.data.datasets import prepare_dataset
+from spmdlm.data.readers import open_corpus
 from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
-from spmdlm.prepare import prepare_dataset, resolve_objective
+from spmdlm.prepare import resolve_objective
 corpus_path, tok_dir, out, workers, block = sys.argv[1:6]
 tok = load_tokenizer(tok_dir)
 family, objective, flags, config = resolve_objective("gpt2", tok, {"block_size": int(block)})
 ids = special_token_ids(tok, family)
-corpus = sources.open_corpus([corpus_path])
+corpus = open_corpus([corpus_path])
 start = time.perf_counter()
-card = prepare_dataset(corpus, tok, out, for_model="gpt2", objective=flags, record_length=objective.record_length,
-                       mode=objective.preparation if hasattr(objective, "preparation") else "stream",
+card = prepare_dataset(corpus, tok, out, family=family, objective=flags, record_length=objective.record_length,
+                       mode=objective.preparation,
                        separator_id=ids["eos"], pad_id=ids.get("pad"), workers=int(workers), progress=False)
 seconds = time.perf_counter() - start
 tokens = sum(s["tokens"] for s in card["splits"].values() if s)
@@ -159,10 +160,10 @@ def bench_read(corpus: Path, tok_dir: Path, folder: Path, model: str, seq_len: i
                batches: int, threads: list[int], megabytes: float) -> list[dict]:
     import grain
 
-    from spmdlm.data import pipeline, sources
+    from spmdlm.data import datasets, pipeline, readers
     from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
     from spmdlm.families import get_family
-    from spmdlm.prepare import prepare_dataset, resolve_objective
+    from spmdlm.prepare import resolve_objective
 
     family = get_family(model)
     small = folder / f"read-{megabytes:g}mb.txt"
@@ -170,16 +171,16 @@ def bench_read(corpus: Path, tok_dir: Path, folder: Path, model: str, seq_len: i
         with open(corpus, encoding="utf-8") as f:
             small.write_text("".join(f.readlines(int(megabytes * 1e6))), encoding="utf-8")
     tok = load_tokenizer(tok_dir)
-    flag = family.sequence_flags[0]
+    flag = family.flags[0].name
     family, objective, flags, config = resolve_objective(model, tok, {flag: seq_len},
                                                          config_name=family.quickstart["config_name"])
     ids = special_token_ids(tok, family)
-    mode = getattr(objective, "preparation", "stream")
+    mode = objective.preparation
     out = folder / f"read-{model}-{seq_len}"
-    card = prepare_dataset(sources.open_corpus([str(small)]), tok, out, for_model=model, objective=flags,
-                           record_length=objective.record_length, mode=mode, separator_id=ids["eos"],
-                           pad_id=ids.get("pad"), validation_percentage=0, workers=2, progress=False)
-    train, _, _ = sources.open_dataset(out, tokenizer=tok, record_length=objective.record_length, mode=mode)
+    card = datasets.prepare_dataset(readers.open_corpus([str(small)]), tok, out, family=family, objective=flags,
+                                    record_length=objective.record_length, mode=mode, separator_id=ids["eos"],
+                                    pad_id=ids.get("pad"), validation_percentage=0, workers=2, progress=False)
+    train, _, _ = datasets.open_dataset(out, tokenizer=tok, record_length=objective.record_length, mode=mode)
     first = next(iter(objective.example_spec()))
     input_tokens = int(np.prod(objective.example_spec()[first][0]))
     lines = []

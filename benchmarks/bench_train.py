@@ -2,18 +2,18 @@
 
     python benchmarks/bench_train.py --model gpt2 --config gpt2-tiny --mesh data=1 --steps 10
     python benchmarks/bench_train.py --model gpt2 --config benchmarks/gpt2-d768-l4.json --seq_len 256 \
-        --batch_size 4 --steps 4 --warmup 1 --compare attention=dpa --compare jit=nnx
+        --batch_size 4 --steps 4 --warmup 1 --compare attention=dot_product --compare jit=nnx
 
 Prints ONE JSON line: tokens/s (median/min/max over the measured steps), step and compile time, peak host RSS,
 per-device memory of the compiled step, analytic and XLA FLOPs per step, MFU against the device's peak (measured
 with a large matmul on CPU), versions, device kind and the settings.
 
 `--compare KEY=VALUE[,KEY=VALUE]` (repeatable) adds variants of the base settings — `jit` (jax | flat | nnx),
-`attention` (einsum | dpa), `donate` (1 | 0), `xla` (XLA compiler options,
+`attention` (the model's option: xla | dot_product | cudnn), `donate` (1 | 0), `xla` (XLA compiler options,
 `name:value;name:value`). All variants are built up front and their steps are interleaved round-robin in the same
 process, so a machine shared with other work slows them alike; the JSON gains `variants` with each one's numbers
-and its speed relative to the base. `attention=dpa` patches spmdlm code while the step is traced:
-they measure proposed changes without editing those files.
+and its speed relative to the base. Everything goes through spmdlm's public surface: `build_train_state`,
+`Stepper.lower_train` (compiler options, donation), `Stepper.train_fn`, `devices.compiled_stats`.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ import sys
 import time
 from typing import Any, Callable
 
-from spmdlm.config import REMAT_CHOICES  # no jax import: flags are still set before jax starts
+# Importing jax starts no backend: the device flags (prepare_devices) are read when the first one starts.
+from spmdlm.config import REMAT_CHOICES
+from spmdlm.models.layers import ATTENTION_IMPLEMENTATIONS as ATTENTIONS
 
 def _families():
-    from spmdlm.families import FAMILIES
+    from spmdlm.families import families
 
-    return FAMILIES
+    return families()
 
 
 def default_config(model: str) -> str:
@@ -58,8 +60,9 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
     p.add_argument("--jit", default="jax", choices=("jax", "flat", "nnx"),
                    help="jax: Stepper's jax.jit over the split state; flat: jax.jit over a flat list of arrays; "
                         "nnx: nnx.jit over (model, optimizer)")
-    p.add_argument("--attention", default="einsum", choices=ATTENTIONS,
-                   help="einsum: layers.Attention as is; dpa: its core replaced by jax.nn.dot_product_attention")
+    p.add_argument("--attention", default="xla", choices=ATTENTIONS,
+                   help="the model's attention option: xla = einsums; dot_product = jax.nn.dot_product_attention; "
+                        "cudnn = its cuDNN kernel (NVIDIA GPUs)")
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
     p.add_argument("--remat", default="dots", choices=REMAT_CHOICES,
@@ -146,14 +149,14 @@ def synthetic_batch(objective, global_batch: int, vocab_size: int, seed: int) ->
 
 def tokens_per_example(objective) -> int:
     """Input tokens of one example (encoder + decoder inputs), as the run's reporter counts them."""
-    return sum(shape[0] for name, (shape, _) in objective.example_spec().items() if name.endswith("input_ids"))
+    return sum(objective.sequence_lengths().values())
 
 
 # -- variants ------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Variant:
     jit: str = "jax"
-    attention: str = "einsum"
+    attention: str = "xla"
     donate: bool = True
     xla: str = ""
     unroll: int = 1  # layers per scan iteration (--scan_unroll); 0 = fully unrolled (same parameters)
@@ -198,79 +201,34 @@ def parse_variant(text: str, base: Variant) -> Variant:
     return variant
 
 
-ATTENTIONS = ("einsum", "dpa", "cudnn")
-
-
-@contextlib.contextmanager
-def attention_implementation(kind: str):
-    """While tracing: `dpa` swaps the core of layers.Attention for jax.nn.dot_product_attention (same projections,
-    XLA's implementation), `cudnn` for its cuDNN flash attention (NVIDIA GPUs; a [1, 1, T, T] mask, the synthetic
-    CLM batch's, is passed as is_causal=True, which is what that mask is).
-
-    The proposed change to spmdlm/models/layers.py, measured here without editing it. Attention dropout keeps the
-    einsum path (dot_product_attention has no dropout).
-    """
-    if kind == "einsum":
-        yield
-        return
-    import jax
-    from spmdlm.mesh import constrain
-    from spmdlm.models import layers
-
-    original = layers.Attention.__call__
-
-    def dpa_call(self, x, context=None, *, mask=None, bias=None, rngs=None, cache=None):
-        if (rngs is not None and self.dropout_rate > 0.0) or cache is not None:
-            return original(self, x, context, mask=mask, bias=bias, rngs=rngs, cache=cache)
-        split = lambda t: t.reshape(*t.shape[:-1], self.num_heads, self.head_dim)
-        if self.qkv is not None:
-            q, k, v = (split(t) for t in jax.numpy.moveaxis(self.qkv(x), -2, 0))
-        else:
-            context = x if context is None else context
-            q, k, v = split(self.query(x)), split(self.key(context)), split(self.value(context))
-        q, k, v = (constrain(t, "batch", "length", "act_heads", None) for t in (q, k, v))
-        causal = kind == "cudnn" and mask is not None and mask.shape[:2] == (1, 1) and mask.shape[2] == mask.shape[3]
-        out = jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
-                                           mask=None if causal else mask, scale=self.scale, is_causal=causal,
-                                           implementation="cudnn" if kind == "cudnn" else None)
-        return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
-
-    layers.Attention.__call__ = dpa_call
-    try:
-        yield
-    finally:
-        layers.Attention.__call__ = original
-
-
 class Arm:
     """One variant: its own state (same init), its compiled step, its timings."""
 
-    def __init__(self, variant: Variant, build, mesh, batch_spec, batch, schedule, seed: int,
+    def __init__(self, variant: Variant, build, forward, mesh, batch_spec, batch, schedule, seed: int,
                  label_capacity: int | None = None):
         import jax
-        from flax import nnx
 
-        from spmdlm.train.step import Stepper, create_train_state
+        from spmdlm.train.state import count_parameters
+        from spmdlm.train.step import Stepper
 
-        self.variant, self.mesh, self.times = variant, mesh, []
+        self.variant, self.mesh, self.forward, self.times = variant, mesh, forward, []
         self.losses: list[float] = []
-        graphdef, state = create_train_state(lambda: build(variant.unroll, variant.remat), mesh)
-        self.n_params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)))
-        self.stepper = Stepper(graphdef, state, mesh, dropout_seed=seed, schedule=schedule,
+        graphdef, state = build(variant)
+        self.n_params = count_parameters(graphdef, state)
+        self.stepper = Stepper(graphdef, state, mesh, forward, dropout_seed=seed, schedule=schedule,
                                loss_chunk=variant.loss_chunk,
                                label_capacity=label_capacity if variant.labelled_only else None)
         self.stats: dict[str, Any] = {}
         start = time.perf_counter()
-        with attention_implementation(variant.attention):
-            if variant.jit == "nnx":
-                self._setup_nnx(graphdef, state, batch)
-            elif variant.jit == "jax" and variant.donate and not variant.xla:
-                self.stats = self.stepper.compile_train(state, batch_spec)  # exactly the training run's path
-                self.compiled = self.stepper._train
-                self.state = state
-                self._call = lambda batch, step: self.stepper.train_step(self.state, batch, step)
-            else:
-                self._setup_jax(state, batch_spec, flat=variant.jit == "flat")
+        if variant.jit == "nnx":
+            self._setup_nnx(graphdef, state, batch)
+        elif variant.jit == "jax" and variant.donate and not variant.xla:
+            self.stats = self.stepper.compile_train(state, batch_spec)  # exactly the training run's path
+            self.compiled = self.stepper.compiled_train
+            self.state = state
+            self._call = lambda batch, step: self.stepper.train_step(self.state, batch, step)
+        else:
+            self._setup_jax(state, batch_spec, flat=variant.jit == "flat")
         self.stats.setdefault("compile_seconds", time.perf_counter() - start)
         self.step_number = getattr(self, "first_step", 0)
         self._jax = jax
@@ -279,27 +237,29 @@ class Arm:
         import jax
         import jax.numpy as jnp
 
-        from spmdlm.train.step import compiled_stats
+        from spmdlm.devices import compiled_stats
+        from spmdlm.train.step import abstract
 
         st = self.stepper
-        batch_shardings = st._batch_shardings(batch_spec)
-        if flat:
+        options = self.variant.compiler_options() or None
+        start = time.perf_counter()
+        if flat:  # jax.jit over a flat list of arrays: no pytree of Variables to walk per call
             leaves, treedef = jax.tree.flatten(state)
             shardings = [x.sharding for x in leaves]
 
             def fn(leaves, batch, step):
-                new_state, metrics = st._train_step(jax.tree.unflatten(treedef, leaves), batch, step)
+                new_state, metrics = st.train_fn(jax.tree.unflatten(treedef, leaves), batch, step)
                 return jax.tree.leaves(new_state), metrics
-            state_arg, abstract = leaves, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+            jitted = jax.jit(fn, in_shardings=(shardings, st.batch_shardings(batch_spec), st.replicated),
+                             out_shardings=(shardings, st.replicated), donate_argnums=0 if self.variant.donate else (),
+                             compiler_options=options)
+            state_arg = leaves
+            with jax.set_mesh(self.mesh):
+                compiled = jitted.lower(abstract(leaves), batch_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
         else:
-            fn, shardings, state_arg = st._train_step, st.shardings, state
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        jitted = jax.jit(fn, in_shardings=(shardings, batch_shardings, st.replicated),
-                         out_shardings=(shardings, st.replicated), donate_argnums=0 if self.variant.donate else (),
-                         compiler_options=self.variant.compiler_options() or None)
-        start = time.perf_counter()
-        with jax.set_mesh(self.mesh):
-            compiled = jitted.lower(abstract, batch_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+            state_arg = state
+            compiled = st.lower_train(state, batch_spec, donate=self.variant.donate,
+                                      compiler_options=options).compile()
         self.stats = {"compile_seconds": time.perf_counter() - start, **compiled_stats(compiled)}
         self.compiled = compiled
         self.state = state_arg
@@ -323,7 +283,7 @@ class Arm:
         def train_step(model, optimizer, batch, step):  # Stepper._train_step's math (no accumulation)
             def loss_fn(model):
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(base_key, step), 0))
-                sums = loss_sums(model, batch, rngs, **self.stepper.loss)
+                sums = loss_sums(model, batch, self.forward, rngs, **self.stepper.loss)
                 return sums["loss_sum"] + sums["z_loss_sum"], sums
 
             grads, sums = nnx.grad(loss_fn, has_aux=True)(model)
@@ -339,8 +299,7 @@ class Arm:
             with jax.set_mesh(self.mesh):
                 return None, step_fn(model, optimizer, batch, jnp.int32(step))
         self._call = call
-        # nnx.jit traces and compiles on its first call, which must happen under this variant's patches: a first
-        # step here, counted as compilation.
+        # nnx.jit traces and compiles on its first call: a first step here, counted as compilation.
         start = time.perf_counter()
         metrics = jax.device_get(self._call(batch, 0)[1])
         self.stats = {"compile_seconds": time.perf_counter() - start, "compile_includes_one_step": True}
@@ -388,15 +347,14 @@ def run_benchmark(args) -> dict[str, Any]:
     config = load_model_config(args)
     import flax
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     import spmdlm
-    from spmdlm import flops
+    from spmdlm import devices, flops
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.mesh import MeshError, batch_axis_size, make_mesh
-    from spmdlm.train.optim import OptimConfig, learning_rate_schedule, make_optimizer
+    from spmdlm.train.optim import OptimConfig, learning_rate_schedule
+    from spmdlm.train.state import build_train_state
 
     try:
         mesh = make_mesh(args.mesh)
@@ -405,8 +363,8 @@ def run_benchmark(args) -> dict[str, Any]:
     device = jax.devices()[0]
     load_start = os.getloadavg()[0]  # the host's other work skews CPU numbers: record it
     # The CPU reference first, on an idle process (cached; ~1 s).
-    peak = flops.peak_flops_per_device(args.dtype)
-    host_peak = flops.measure_cpu_matmul_flops(args.dtype) if device.platform == "cpu" else None
+    peak = devices.peak_flops_per_device(args.dtype)
+    host_peak = devices.measure_cpu_matmul_flops(args.dtype) if device.platform == "cpu" else None
 
     objective = build_objective(args.model, config, args.seq_len)
     global_batch = args.batch_size * batch_axis_size(mesh)
@@ -417,20 +375,19 @@ def run_benchmark(args) -> dict[str, Any]:
     optim = OptimConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay)
     schedule = learning_rate_schedule(optim, total_steps)
     family = _families()[config.model_type]
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
 
-    def build(unroll: int, remat: str):
-        model = family.make_model(config, rngs=nnx.Rngs(params=args.seed), dtype=dtype, remat=remat,
-                                  scan_unroll=unroll or True)
-        return model, nnx.Optimizer(model, make_optimizer(optim, model, total_steps), wrt=nnx.Param)
+    def build(variant: Variant):
+        return build_train_state(family, config, mesh, optim=optim, total_steps=total_steps, seed=args.seed,
+                                 dtype=args.dtype, remat=variant.remat, scan_unroll=variant.unroll,
+                                 attention=variant.attention)
 
     base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla, unroll=args.scan_unroll,
                    loss_chunk=args.loss_chunk_size, labelled_only=args.labelled_only, remat=args.remat)
     variants = [base] + [parse_variant(text, base) for text in args.compare]
     if base.jit == "nnx" and base.xla:
         fail("--xla needs --jit jax or flat")
-    capacity = getattr(objective, "label_capacity", None)
-    arms = [Arm(v, build, mesh, spec, batch, schedule, args.seed, capacity) for v in variants]
+    capacity = objective.label_capacity
+    arms = [Arm(v, build, family.forward, mesh, spec, batch, schedule, args.seed, capacity) for v in variants]
     for arm in arms:
         for _ in range(max(args.warmup - arm.step_number, 0)):  # nnx.jit's compile call was a first step
             arm.step(batch, measure=False)
@@ -440,7 +397,7 @@ def run_benchmark(args) -> dict[str, Any]:
 
     if args.profile:
         profile_arm(arms[0], batch, args.profile, args.profile_label)
-    analytic = flops.train_flops_per_step(config, objective, global_batch)
+    analytic = family.train_flops_per_step(config, objective, global_batch)
     tokens_per_step = global_batch * tokens_per_example(objective)
 
     def arm_record(arm: Arm) -> dict[str, Any]:

@@ -32,30 +32,23 @@ def main() -> None:
     args = p.parse_args()
 
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     from bench_train import build_objective
     from spmdlm.data.pipeline import batch_spec
-    from spmdlm.families import FAMILIES, load_config
+    from spmdlm.families import families, load_config
     from spmdlm.mesh import make_mesh
-    from spmdlm.train.optim import OptimConfig, make_optimizer
-    from spmdlm.train.step import Stepper, create_train_state
+    from spmdlm.train.state import build_train_state
+    from spmdlm.train.step import Stepper
 
     config = load_config(args.config)
-    family = FAMILIES[config.model_type]
+    family = families()[config.model_type]
     objective = build_objective(config.model_type, config, args.seq_len)
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-
-    def build():
-        model = family.make_model(config, rngs=nnx.Rngs(params=0), dtype=dtype, remat=args.remat)
-        return model, nnx.Optimizer(model, make_optimizer(OptimConfig(), model, 10), wrt=nnx.Param)
-
-    graphdef, state = create_train_state(build, mesh, abstract=True)
+    graphdef, state = build_train_state(family, config, mesh, total_steps=10, dtype=args.dtype, remat=args.remat,
+                                        abstract=True)
     spec = batch_spec(objective, args.batch_size)
     for chunk in args.chunks:
-        stats = Stepper(graphdef, state, mesh, loss_chunk=chunk).compile_train(state, spec)
+        stats = Stepper(graphdef, state, mesh, family.forward, loss_chunk=chunk).compile_train(state, spec)
         print(json.dumps({"config": args.config, "batch": args.batch_size,
                           "lengths": {k: v.shape[1] for k, v in spec.items()}, "vocab": config.vocab_size,
                           "dtype": args.dtype, "remat": args.remat, "loss_chunk_size": chunk,

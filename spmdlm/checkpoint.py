@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from spmdlm import storage
+from spmdlm.errors import CheckpointError, NonFiniteStateError
 
 log = logging.getLogger("spmdlm")
 
@@ -41,12 +42,8 @@ FORMAT = 2
 DAMAGED_DIR = "damaged_checkpoints"
 
 
-class CheckpointError(ValueError):
-    """No checkpoint where one was expected, a step that does not exist, or one that cannot be restored."""
 
 
-class NonFiniteStateError(ValueError):
-    """The train state holds NaN or infinity: it must not be saved or exported."""
 
 
 class _QuietReadOnly(logging.Filter):

@@ -1,8 +1,11 @@
 """Run arguments with the Hugging Face scripts' names, parsed from the command line or one .json/.yaml file.
 
-Every flag has a default that works: `python -m spmdlm.launch` with no data flags trains GPT-2 tiny on the embedded
-corpus (the Python standard library) with the quick-start settings (QUICKSTART_COMMON below plus the family's own;
-`--model_type t5|roberta|bart` for the others).
+Every flag has a default that works: `python -m spmdlm.launch` with no data flags trains the default family's tiny
+model on the embedded corpus (the Python standard library) with the quick-start settings (QUICKSTART_COMMON below
+plus the family's own; `--model_type NAME` for the others).
+
+The parser knows no model family: the objective flags, the family names and their quick starts are handed in as a
+`FamilyChoices` (the launcher asks the family registry for them: `spmdlm.launch.parse_args`).
 """
 
 from __future__ import annotations
@@ -11,19 +14,21 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
+from spmdlm.data.objectives import Flag
+from spmdlm.errors import ArgumentError
 
 # --remat: what each scanned layer keeps for its backward pass (the policies: models/layers.py REMAT_POLICIES).
 REMAT_CHOICES = ("none", "dots", "full")
+DEFAULT_MODEL_TYPE = "gpt2"  # the family of a run that names none (and of the embedded quick start)
 
 
-class ArgumentError(ValueError):
-    """A flag value that cannot work, with the fix in the message."""
 
 
 def _field(default, help: str, **kw):
@@ -33,7 +38,8 @@ def _field(default, help: str, **kw):
 @dataclasses.dataclass(frozen=True)
 class RunArgs:
     # -- model ---------------------------------------------------------------------------------------------------
-    model_type: str | None = _field(None, "model family: gpt2, roberta, t5 or bart (default: the config's, else gpt2)")
+    model_type: str | None = _field(None, "model family, one of those listed above (default: the config's, else "
+                                    f"{DEFAULT_MODEL_TYPE})")
     config_name: str | None = _field(None, "a preset (listed above), a JSON file, or an HF config directory "
                                      "(default: the family's base preset, e.g. gpt2 = 124M)")
     model_name_or_path: str | None = _field(None, "initialise from a transformers checkpoint directory")
@@ -54,17 +60,6 @@ class RunArgs:
     text_column: str | None = _field(None, "json/jsonl/csv: the field holding the text (default: text)")
     validation_file: str | None = _field(None, "held-out files; default: a hash split of the training documents")
     validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
-    block_size: int | None = _field(None, "CLM example length (default: min(1024, n_positions))")
-    max_seq_length: int | None = _field(None, "encoder length for RoBERTa/T5/BART (default: RoBERTa and BART the "
-                                        "model's positions up to 512 and 1024, T5 512)")
-    mlm_probability: float | None = _field(None, "MLM masking rate / T5 noise density (default 0.15); BART: "
-                                           "the HF script's name for --mask_ratio")
-    mean_noise_span_length: float = _field(3.0, "T5 span corruption: mean length of a corrupted span")
-    line_by_line: bool = _field(False, "MLM: one example per non-empty line (truncated, padded) instead of blocks")
-    pad_to_max_length: bool = _field(False, "accepted for compatibility (examples always have fixed shapes)")
-    mask_ratio: float | None = _field(None, "BART text infilling: fraction of tokens masked (default 0.3)")
-    poisson_lambda: float = _field(3.0, "BART text infilling: mean span length (Poisson)")
-    permute_sentence_ratio: float = _field(1.0, "BART: fraction of sentences permuted")
     max_train_samples: int | None = _field(None, "cap on training examples (after chunking)")
     max_eval_samples: int | None = _field(None, "cap on evaluation examples (after chunking)")
     overwrite_cache: bool = _field(False, "re-tokenize even when a cache exists")
@@ -129,8 +124,16 @@ class RunArgs:
     keep_linebreaks: bool = _field(True, "accepted for compatibility (documents are whole lines)")
     token: str | None = _field(None, "accepted for compatibility")
     trust_remote_code: bool = _field(False, "accepted for compatibility")
+    # the objective flags of the model families (spmdlm.data.objectives.Flag), by name: given or default
+    objective: Mapping[str, Any] = dataclasses.field(default_factory=dict, metadata={"help": None})
 
     def replace(self, **changes) -> "RunArgs":
+        """A copy with `changes`, run-argument fields or objective flags by name."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        objective = {k: v for k, v in changes.items() if k not in fields}
+        if objective:
+            changes = {k: v for k, v in changes.items() if k in fields}
+            changes["objective"] = {**self.objective, **objective}
         return dataclasses.replace(self, **changes)
 
     @property
@@ -147,9 +150,19 @@ class RunArgs:
         return self.do_eval is not False and not (self.do_train and self.do_eval is None)
 
     def to_json(self) -> dict[str, Any]:
+        """Flat, as run_config.json records it: the objective flags beside the others."""
         out = dataclasses.asdict(self)
         out.pop("hub_token"), out.pop("token")  # never write secrets to disk
-        return out
+        return {**out, **out.pop("objective")}
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyChoices:
+    """What the parser needs to know of the model families, handed in by the launcher."""
+
+    objective_flags: tuple[Flag, ...]  # every family's objective flags (one declaration per name)
+    quickstarts: Mapping[str, Mapping[str, Any]]  # model type -> the embedded quick start's own flags
+    presets: tuple[str, ...]  # --config_name presets
 
 
 # The embedded quick start: sized to finish on a 2-core CPU in a few minutes. Used for every flag the user did not
@@ -158,11 +171,10 @@ QUICKSTART_COMMON = dict(per_device_eval_batch_size=8, warmup_steps=30, logging_
                          save_steps=100, max_eval_samples=256, lr_scheduler_type="cosine")
 
 
-def quickstart(model_type: str) -> dict[str, Any]:
-    from spmdlm.families import FAMILIES
+def quickstart(choices: FamilyChoices, model_type: str) -> dict[str, Any]:
+    family = choices.quickstarts.get(model_type)
+    return dict(QUICKSTART_COMMON, **family) if family is not None else {}
 
-    family = FAMILIES.get(model_type)
-    return dict(QUICKSTART_COMMON, **family.quickstart) if family else {}
 
 _BOOL_TRUE, _BOOL_FALSE = {"true", "1", "yes", "y", "on"}, {"false", "0", "no", "n", "off"}
 
@@ -192,12 +204,7 @@ HELP_GROUPS = (("model", "model_type"), ("data", "train_file"), ("run control", 
                ("accepted for compatibility with the HF scripts", "use_fast_tokenizer"))
 
 
-def _description() -> str:
-    from spmdlm.families import FAMILIES
-    from spmdlm.models.config import preset_names
-
-    import textwrap
-
+def _description(choices: FamilyChoices) -> str:
     fill = lambda text, indent="": textwrap.fill(text, 100, initial_indent=indent,
                                                  subsequent_indent=indent * 2)
     values = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())
@@ -208,42 +215,49 @@ def _description() -> str:
         fill("With no --train_file the run trains on the embedded corpus (this Python's standard library) with the "
              "quick-start values, which replace the defaults below for every flag not given: "
              f"{values(QUICKSTART_COMMON)}; and per family (--model_type):") + "\n" + "\n".join(
-            fill(f"{name}: {values(family.quickstart)}", "  ") for name, family in FAMILIES.items()),
-        fill("presets (--config_name): " + ", ".join(preset_names())),
+            fill(f"{name}: {values(flags)}", "  ") for name, flags in choices.quickstarts.items()),
+        fill("presets (--config_name): " + ", ".join(choices.presets)),
     ])
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(choices: FamilyChoices) -> argparse.ArgumentParser:
     parser = _Parser(
         allow_abbrev=False,  # a mistyped flag is an error, never silently another flag
         prog="python -m spmdlm.launch",
         usage="%(prog)s [ARGS_FILE.json|.yaml] [--flag VALUE ...]",
-        description=_description(),
+        description=_description(choices),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     hints = typing.get_type_hints(RunArgs)
     starts = dict((field, title) for title, field in HELP_GROUPS)
+    flags = [(f.name, _base_type(hints[f.name]), f.default, f.metadata["help"]) for f in dataclasses.fields(RunArgs)
+             if f.name != "objective"]
+    objective_at = next(i for i, flag in enumerate(flags) if flag[0] == "output_dir")
+    flags[objective_at:objective_at] = [(f.name, f.type, f.default, f.help) for f in choices.objective_flags]
+    starts[choices.objective_flags[0].name] = "objective (each family's; --help lists which apply where)"
     group = parser
-    for f in dataclasses.fields(RunArgs):
-        if f.name in starts:
-            group = parser.add_argument_group(starts[f.name])
-        tp = _base_type(hints[f.name])
-        help_text = f.metadata["help"]
-        if "default" not in help_text and "compatibility" not in help_text and f.default is not None:
-            help_text += f" (default: {f.default})"
-        if tp is bool:
-            # Both `--flag` and `--flag true/false` like HfArgumentParser; `--no_flag` turns it off.
-            group.add_argument(f"--{f.name}", type=_to_bool, nargs="?", const=True, default=argparse.SUPPRESS,
-                               help=help_text, metavar="BOOL")
-            group.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
-                               help=argparse.SUPPRESS)
-        else:
-            group.add_argument(f"--{f.name}", type=tp, default=argparse.SUPPRESS, help=help_text,
-                               metavar=tp.__name__.upper())
+    for name, tp, default, help_text in flags:
+        if name in starts:
+            group = parser.add_argument_group(starts[name])
+        _add_flag(group, name, tp, default, help_text)
     return parser
 
 
-def _read_args_file(path: Path) -> list[str]:
+def _add_flag(group, name: str, tp: type, default, help_text: str) -> None:
+    if "default" not in help_text and "compatibility" not in help_text and default is not None:
+        help_text += f" (default: {default})"
+    if tp is bool:
+        # Both `--flag` and `--flag true/false` like HfArgumentParser; `--no_flag` turns it off.
+        group.add_argument(f"--{name}", type=_to_bool, nargs="?", const=True, default=argparse.SUPPRESS,
+                           help=help_text, metavar="BOOL")
+        group.add_argument(f"--no_{name}", dest=name, action="store_false", default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS)
+    else:
+        group.add_argument(f"--{name}", type=tp, default=argparse.SUPPRESS, help=help_text,
+                           metavar=tp.__name__.upper())
+
+
+def _read_args_file(path: Path, known: set[str]) -> list[str]:
     """A .json/.yaml mapping of flag names to values, as command-line flags (so values get the flags' types)."""
     if not path.is_file():
         raise ArgumentError(f"argument file {path} does not exist")
@@ -251,37 +265,37 @@ def _read_args_file(path: Path) -> list[str]:
     values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     if not isinstance(values, dict):
         raise ArgumentError(f"argument file {path} must hold a mapping of flag names to values")
-    known = {f.name for f in dataclasses.fields(RunArgs)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ArgumentError(f"argument file {path}: unknown keys {', '.join(unknown)}")
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items() if v is not None]
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
+def parse_args(argv: list[str] | None, choices: FamilyChoices) -> tuple[RunArgs, set[str]]:
     """-> (args, names given explicitly). A first argument ending in .json/.yaml is a file of flags; flags after
     it override its values."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    fields = {f.name for f in dataclasses.fields(RunArgs)} - {"objective"}
+    objective_flags = {flag.name: flag for flag in choices.objective_flags}
     if argv and not argv[0].startswith("-") and Path(argv[0]).suffix in (".json", ".yaml", ".yml"):
-        argv = _read_args_file(Path(argv[0])) + argv[1:]
-    given = vars(build_parser().parse_args(argv))
-    args = RunArgs(**given)
+        argv = _read_args_file(Path(argv[0]), fields | set(objective_flags)) + argv[1:]
+    given = vars(build_parser(choices).parse_args(argv))
+    objective = {name: given.get(name, flag.default) for name, flag in objective_flags.items()}
+    args = RunArgs(**{k: v for k, v in given.items() if k in fields}, objective=objective)
     if args.uses_embedded_corpus:
-        defaults = quickstart(args.model_type or "gpt2")
+        defaults = quickstart(choices, args.model_type or DEFAULT_MODEL_TYPE)
         args = args.replace(**{k: v for k, v in defaults.items() if k not in given})
-    return validate(args), set(given)
+    return validate(args, choices), set(given)
 
 
-def validate(args: RunArgs) -> RunArgs:
+def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
     if sum(x is not None for x in (args.train_file, args.dataset_dir, args.dataset_name)) > 1:
         raise ArgumentError("give one of --train_file, --dataset_dir and --dataset_name")
     if args.dataset_config_name and not args.dataset_name:
         raise ArgumentError("--dataset_config_name needs --dataset_name")
-    from spmdlm.families import FAMILIES
-
-    if args.model_type is not None and args.model_type not in FAMILIES:
+    if args.model_type is not None and args.model_type not in choices.quickstarts:
         raise ArgumentError(f"--model_type {args.model_type!r} is not a model family; use one of "
-                            f"{', '.join(FAMILIES)}")
+                            f"{', '.join(choices.quickstarts)}")
     if args.dtype not in ("float32", "bfloat16"):
         raise ArgumentError(f"--dtype {args.dtype!r} is not supported; use float32 or bfloat16")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -304,22 +318,23 @@ def validate(args: RunArgs) -> RunArgs:
         args = args.replace(remat="full")
     if args.loss_chunk_size < 0:
         raise ArgumentError(f"--loss_chunk_size must be 0 (off) or a positive number, got {args.loss_chunk_size}")
-    for name in ("block_size", "max_seq_length", "max_train_samples", "max_eval_samples", "save_total_limit",
-                 "vocab_size", "global_batch_size"):
+    for name in ("max_train_samples", "max_eval_samples", "save_total_limit", "vocab_size", "global_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.lr_scheduler_type not in ("linear", "cosine", "constant"):
         raise ArgumentError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not supported; "
                             "use linear, cosine or constant")
-    for name in ("mlm_probability", "mask_ratio"):
-        if getattr(args, name) is not None and not 0 < getattr(args, name) < 1:
-            raise ArgumentError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
-    if not 0 <= args.permute_sentence_ratio <= 1:
-        raise ArgumentError(f"--permute_sentence_ratio must be in [0, 1], got {args.permute_sentence_ratio}")
-    if args.poisson_lambda <= 0:
-        raise ArgumentError(f"--poisson_lambda must be positive, got {args.poisson_lambda}")
+    check_objective_flags(args.objective, choices.objective_flags)
     if not 0 <= args.validation_split_percentage < 100:
         raise ArgumentError("--validation_split_percentage must be in [0, 100)")
     if args.num_train_epochs <= 0 and args.max_steps <= 0:
         raise ArgumentError("--num_train_epochs must be positive (or set --max_steps)")
     return args
+
+
+def check_objective_flags(values: Mapping[str, Any], flags: tuple[Flag, ...]) -> None:
+    """Each given objective flag's own rule (e.g. a probability between 0 and 1)."""
+    for flag in flags:
+        value = values.get(flag.name, flag.default)
+        if value is not None and not flag.check(value):
+            raise ArgumentError(f"--{flag.name} {flag.rule}, got {value}")

@@ -22,34 +22,25 @@ from pathlib import Path
 from typing import Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
+from spmdlm import checkpoint as ckpt
 from spmdlm import storage
-from spmdlm.families import FAMILIES, get_family
-from spmdlm.models.config import ConfigError, HFConfig
+from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer
+from spmdlm.errors import ExportError, UserError
+from spmdlm.families import checked_config, get_family, load_pretrained_config
+from spmdlm.mesh import make_mesh
+from spmdlm.models.config import HFConfig
 
-class ExportError(ValueError):
-    """A transformers directory or checkpoint that cannot be converted."""
 
 
 # -- config --------------------------------------------------------------------------------------------------------
-
-
-def read_hf_config(path: str | Path) -> HFConfig:
-    config_path = storage.path(path, "--model_name_or_path") / "config.json"
-    if not config_path.is_file():
-        raise ConfigError(f"{path}: no config.json; pass a directory written by save_pretrained or save_hf")
-    values = json.loads(config_path.read_text())
-    model_type = values.get("model_type")
-    if model_type not in FAMILIES:
-        found = ", ".join(values.get("architectures") or []) or "no architectures listed"
-        raise ConfigError(f"{path} holds a {model_type!r} model ({found}); supported model types: "
-                          f"{', '.join(FAMILIES)}")
-    family = get_family(model_type)
-    family.check_hf_config(values)
-    return family.config_class.from_dict(values)
 
 
 def hf_config_dict(config: HFConfig) -> dict:
@@ -80,8 +71,6 @@ def _param_variables(model: nnx.Module) -> dict[str, nnx.Variable]:
 
 def _to_host(x: jax.Array) -> np.ndarray:
     if jax.process_count() > 1 and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
 
@@ -118,8 +107,6 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
 
     With `release`, the model's parameters are freed as they are copied out (the model is unusable after).
     """
-    from safetensors.numpy import save_file
-
     tensors = dict(hf_tensors(model, release))  # every process joins the gathers; only process 0 writes
     out = storage.path(out_dir, "--out")
     if jax.process_index() != 0:
@@ -133,8 +120,6 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
         (folder / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2,
                                                                   allow_nan=False))
         if tokenizer is not None:
-            from spmdlm.data.tokenizer import save_tokenizer
-
             save_tokenizer(tokenizer, folder, get_family(config.model_type), model_max_length=config.max_length)
     return out
 
@@ -146,8 +131,6 @@ def export_state(graphdef, state, config: HFConfig, out_dir: str | Path, tokeniz
 
 
 def _open_safetensors(path: Path):
-    from safetensors import safe_open
-
     file = path / "model.safetensors"
     if not file.is_file():
         other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.index.json"))
@@ -205,10 +188,8 @@ def _sharding_of(var: nnx.Variable, mesh):
 
 def load_hf(path: str | Path, *, mesh=None, dtype=None) -> tuple[nnx.Module, HFConfig]:
     """An NNX model with the weights of a transformers checkpoint, sharded on `mesh` (or the current mesh)."""
-    import jax.numpy as jnp
-
     path = storage.path(path, "--model_name_or_path")
-    config = read_hf_config(path)
+    config = load_pretrained_config(path)
     family = get_family(config.model_type)
     mesh = mesh if mesh is not None else _current_mesh()
     build = lambda: family.make_model(config, rngs=nnx.Rngs(0), dtype=dtype or jnp.float32)
@@ -240,8 +221,6 @@ def load_hf_into_state(path: str | Path, graphdef, state):
 def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass the --output_dir of a training run"):
     """(model, config, tokenizer dir or None) of a training run's checkpoint: the newest that verifies (a damaged
     newer one is reported and left in place), or `step`. `hint` ends the error when `run_dir` holds no run."""
-    from spmdlm import checkpoint as ckpt
-
     run_dir = storage.path(run_dir, "--checkpoint")
     run_config_path = run_dir / "run_config.json"
     if not run_config_path.is_file():
@@ -251,9 +230,9 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
     except json.JSONDecodeError as e:
         raise ckpt.CheckpointError(f"{run_config_path} is not valid JSON ({e})") from None
     ckpt.check_format(run_config, run_dir)
+    config = checked_config(run_config.get("model_config") or {}, None, str(run_config_path))
+    family = get_family(config.model_type)
     manager = ckpt.make_manager(run_dir, read_only=True)
-    family = get_family(run_config["model_config"]["model_type"])
-    config = family.config_class.from_dict(run_config["model_config"])
     with jax.set_mesh(mesh):
         graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
         if step is None:
@@ -269,9 +248,6 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None = None, mesh_spec: str = "data=-1",
                       overwrite: bool = False) -> Path:
-    from spmdlm.data.tokenizer import load_tokenizer
-    from spmdlm.mesh import make_mesh
-
     out = storage.path(out, "--out")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory")
@@ -291,12 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", default="data=-1", help="mesh to restore on (default: all devices, data axis)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     args = parser.parse_args(argv)
-    from spmdlm.checkpoint import CheckpointError
-    from spmdlm.mesh import MeshError
-
     try:
         out = export_checkpoint(args.checkpoint, args.out, args.step, args.mesh, args.overwrite)
-    except (ExportError, ConfigError, CheckpointError, MeshError, storage.StorageError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported to {out}")

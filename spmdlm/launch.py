@@ -10,8 +10,21 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 
-from spmdlm.config import ArgumentError, RunArgs, parse_args
+import jax  # importing starts no backend: the device flags below are read when one starts
+from jax._src import distributed
+from jax.errors import JaxRuntimeError
+
+from spmdlm import config
+from spmdlm.config import RunArgs
+from spmdlm.errors import ArgumentError, DivergenceError, UserError
+from spmdlm.families import family_choices
+from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu
+from spmdlm.train.aot import run_compile_for, use_cpu_backend
+from spmdlm.train.guard import Preempted
+from spmdlm.train.loop import run
 
 log = logging.getLogger("spmdlm")
 
@@ -24,8 +37,6 @@ LOST_PROCESS_EXIT_CODE = 4
 
 def setup_devices(args: RunArgs) -> None:
     """Simulate CPU devices for the mesh if needed, and join a multi-host job when one is described."""
-    from spmdlm.mesh import requested_device_count, simulate_cpu_devices, skip_absent_tpu
-
     skip_absent_tpu()  # an installed libtpu on a machine without a TPU: straight to the CPU backend
     wanted = requested_device_count(args.mesh)
     multi_host = args.coordinator_address is not None or (args.num_processes or 1) > 1
@@ -33,9 +44,6 @@ def setup_devices(args: RunArgs) -> None:
     # JAX's CPU backend has one device by default. The flag shapes only that backend, so it is set whatever the
     # machine has; whether the devices are simulated is known once JAX has chosen its backend.
     simulated = bool(wanted and wanted > 1 and not (multi_host or cluster) and simulate_cpu_devices(wanted))
-
-    import jax
-
     if multi_host:
         join_job(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
                  process_id=args.process_id)
@@ -65,8 +73,6 @@ def heartbeat_timeout() -> int:
 
 def join_job(**kwargs) -> None:
     """`jax.distributed.initialize`, then a watch on the other processes (PeerWatch)."""
-    import jax
-
     timeout = heartbeat_timeout()
     # JAX's own heartbeat check is the backstop: it aborts every process (a C++ stack trace, SIGABRT) once one has
     # been silent for its timeout. Ours fires first and says which process was lost.
@@ -89,10 +95,6 @@ class PeerWatch:
     PREFIX = "spmdlm/peer_watch/"
 
     def __init__(self, timeout: float):
-        import threading
-
-        from jax._src import distributed
-
         self.timeout, self.interval = timeout, max(0.5, min(5.0, timeout / 10))
         self.client = distributed.global_state.client
         self.me, self.count = distributed.global_state.process_id, distributed.global_state.num_processes
@@ -113,8 +115,6 @@ class PeerWatch:
             pass
 
     def _run(self) -> None:
-        import time
-
         seen = {p: (None, time.monotonic()) for p in range(self.count) if p != self.me}
         beat = 0
         while True:
@@ -158,8 +158,6 @@ _peer_watch: PeerWatch | None = None
 
 
 def setup_logging() -> None:
-    import jax
-
     level = logging.INFO if jax.process_index() == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
@@ -188,25 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _main(argv: list[str] | None) -> int:
-    from spmdlm.checkpoint import CheckpointError
-    from spmdlm.data.sources import DataError
-    from spmdlm.data.tokenizer import TokenizerError
-    from spmdlm.export import ExportError
-    from spmdlm.mesh import MeshError
-    from spmdlm.models.config import ConfigError
-    from spmdlm.storage import StorageError
-    from spmdlm.train.aot import DoesNotFit
-    from spmdlm.train.guard import LockError, Preempted
-    from spmdlm.train.loop import DivergenceError, RunError
+def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
+    """The launcher's flags (the families' objective flags and quick starts included) -> (args, names given)."""
+    return config.parse_args(argv, family_choices())
 
-    user_errors = (ArgumentError, MeshError, DataError, TokenizerError, ConfigError, CheckpointError, RunError,
-                   ExportError, LockError, DoesNotFit, StorageError)
+
+def _main(argv: list[str] | None) -> int:
     try:
         args, _ = parse_args(argv)
         if args.compile_for:  # compile for a TPU slice this machine does not have: nothing runs, nothing is written
-            from spmdlm.train.aot import run_compile_for, use_cpu_backend
-
             use_cpu_backend()
             setup_logging()
             run_compile_for(args)
@@ -214,17 +202,11 @@ def _main(argv: list[str] | None) -> int:
         if args.num_slices != 1:
             raise ArgumentError("--num_slices describes the slices --compile_for compiles for; a real multi-slice "
                                 "run takes its slices from the devices (give --dcn_mesh)")
-        from spmdlm.mesh import plan_mesh
-
         setup_devices(args)
-        import jax
-
         plan_mesh(args.mesh, args.dcn_mesh, jax.devices())  # fail on a bad mesh before reading any data
         setup_logging()
-        from spmdlm.train.loop import run
-
         run(args)
-    except user_errors as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except DivergenceError as e:
@@ -240,8 +222,6 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from jax.errors import JaxRuntimeError
-
         if _peer_watch is None or not isinstance(e, JaxRuntimeError):
             raise
         # In a multi-host job a failed collective usually means a lost process: the watch names it (exit 4)

@@ -13,6 +13,7 @@ import re
 import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from spmdlm.errors import MeshError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over both: fsdp is data parallelism with sharded weights
@@ -42,8 +43,6 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(LOGICAL_RULES)
 
 
-class MeshError(ValueError):
-    """A --mesh value that cannot describe this machine's devices."""
 
 
 def _given_sizes(spec: str, flag: str = "--mesh") -> dict[str, int]:

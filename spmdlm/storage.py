@@ -26,14 +26,13 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+from spmdlm.errors import StorageError
 
 GCS_HINT = "pip install 'spmdlm[gcs]'"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 SCHEME = "gs://"
 
 
-class StorageError(ValueError):
-    """A gs:// path that cannot be used: no gcs extra, no credentials, no such bucket, another URL scheme."""
 
 
 def is_url(p) -> bool:

@@ -21,15 +21,32 @@ import sys
 from pathlib import Path
 
 from spmdlm import storage
-from spmdlm.data import sources
-from spmdlm.data.sources import DataError
+from spmdlm.config import DEFAULT_MODEL_TYPE
+from spmdlm.data.readers import ReadStats, open_corpus
+from spmdlm.data.records import progress_bar
+from spmdlm.data.tokenizer import save_tokenizer, train_tokenizer
+from spmdlm.errors import ArgumentError, UserError
+from spmdlm.families import families, get_family, load_config
 
-KIND_OF = {"gpt2": "bpe", "roberta": "bpe", "bart": "bpe", "t5": "unigram"}
-MODEL_OF_KIND = {"bpe": "gpt2", "unigram": "t5"}
+KINDS = ("bpe", "unigram")  # spmdlm.data.tokenizer.train_tokenizer's
 OUTPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def kind_of() -> dict[str, str]:
+    """Each family's tokenizer kind, by model type."""
+    return {name: family.tokenizer.kind for name, family in families().items()}
+
+
+def model_of_kind(kind: str) -> str:
+    """The family whose special tokens a tokenizer of `kind` gets when no --for_model is given: the default family
+    if it uses that kind, else the first that does."""
+    kinds = kind_of()
+    return DEFAULT_MODEL_TYPE if kinds.get(DEFAULT_MODEL_TYPE) == kind else min(n for n, k in kinds.items() if k == kind)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    kinds = kind_of()
+    by_kind = {kind: ", ".join(sorted(n for n, k in kinds.items() if k == kind)) for kind in KINDS}
     parser = argparse.ArgumentParser(
         allow_abbrev=False,
         prog="python -m spmdlm.tokenizer",
@@ -37,11 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "with transformers.AutoTokenizer and with --tokenizer_name. See docs/data.md.")
     parser.add_argument("inputs", nargs="*", metavar="INPUTS",
                         help="files, globs or directories: txt/json/jsonl/csv/parquet, plain, .gz or .zst")
-    parser.add_argument("--kind", choices=["bpe", "unigram"], default=None,
-                        help="bpe: byte-level BPE (gpt2, roberta, bart); unigram: SentencePiece-style (t5). "
-                             "Default: the model's")
-    parser.add_argument("--for_model", choices=sorted(KIND_OF), default=None,
-                        help="the family whose special tokens to add (default: gpt2 for bpe, t5 for unigram)")
+    parser.add_argument("--kind", choices=KINDS, default=None,
+                        help=f"bpe: byte-level BPE ({by_kind['bpe']}); unigram: SentencePiece-style "
+                             f"({by_kind['unigram']}). Default: the model's")
+    parser.add_argument("--for_model", choices=sorted(kinds), default=None,
+                        help="the family whose special tokens to add (default: "
+                             + ", ".join(f"{model_of_kind(k)} for {k}" for k in KINDS) + ")")
     parser.add_argument("--vocab_size", type=int, required=True,
                         help="the whole vocabulary, specials included (T5: with the 100 sentinels, e.g. 32100)")
     parser.add_argument("--min_frequency", type=int, default=2, help="BPE: least count of a merged pair (default 2)")
@@ -58,22 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_family(kind: str | None, for_model: str | None) -> str:
-    from spmdlm.config import ArgumentError
-
+    kinds = kind_of()
     if for_model is None and kind is None:
-        raise ArgumentError("give --for_model (gpt2, roberta, t5, bart) or --kind (bpe, unigram)")
+        raise ArgumentError(f"give --for_model ({', '.join(kinds)}) or --kind ({', '.join(KINDS)})")
     if for_model is None:
-        return MODEL_OF_KIND[kind]
-    if kind is not None and KIND_OF[for_model] != kind:
-        raise ArgumentError(f"--kind {kind} does not fit --for_model {for_model}, which uses {KIND_OF[for_model]}; "
+        return model_of_kind(kind)
+    if kind is not None and kinds[for_model] != kind:
+        raise ArgumentError(f"--kind {kind} does not fit --for_model {for_model}, which uses {kinds[for_model]}; "
                             "leave out --kind")
     return for_model
 
 
 def _write(tok, out: Path, family, model_max_length: int, overwrite: bool) -> None:
     """Write the files into a temp dir beside `out`, then move them in (no half-written tokenizer)."""
-    from spmdlm.data.tokenizer import save_tokenizer
-
     if storage.is_remote(out):  # each object is written whole (no rename in a bucket)
         save_tokenizer(tok, out, family, model_max_length=model_max_length)
         return
@@ -88,25 +103,19 @@ def _write(tok, out: Path, family, model_max_length: int, overwrite: bool) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spmdlm.config import ArgumentError
-    from spmdlm.data.tokenizer import TokenizerError, train_tokenizer
-    from spmdlm.models.config import ConfigError
-
     args = build_parser().parse_args(argv)
     try:
         model = resolve_family(args.kind, args.for_model)
         out = storage.path(args.out, "--out") if storage.is_url(args.out) else Path(args.out).expanduser()
         if (out / "tokenizer.json").exists() and not args.overwrite:
             raise ArgumentError(f"--out {out} already holds a tokenizer.json; pass --overwrite to replace it")
-        corpus = sources.open_corpus(args.inputs, dataset_name=args.dataset_name,
-                                     dataset_config_name=args.dataset_config_name, text_column=args.text_column)
-        from spmdlm.families import get_family, load_config
-
+        corpus = open_corpus(args.inputs, dataset_name=args.dataset_name,
+                             dataset_config_name=args.dataset_config_name, text_column=args.text_column)
         family = get_family(model)
         max_length = args.model_max_length or load_config(family.default_preset, family.name).max_length
-        stats = sources.ReadStats()
+        stats = ReadStats()
         total = corpus.total_bytes
-        bar = sources._progress_bar(total, "reading", unit="B" if total else "doc")
+        bar = progress_bar(total, "reading", unit="B" if total else "doc")
 
         def texts():
             for document in corpus.documents("train", stats):
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             tok = train_tokenizer(family, texts(), args.vocab_size, min_frequency=args.min_frequency,
                                   lowercase=args.lowercase, show_progress=sys.stderr.isatty())
         _write(tok, out, family, max_length, args.overwrite)
-    except (DataError, TokenizerError, ArgumentError, ConfigError, storage.StorageError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("spmdlm.tokenizer: interrupted; nothing was written", file=sys.stderr)
         return 130
-    print(f"{out}: {tok.get_vocab_size()}-token {KIND_OF[family.name]} tokenizer for {family.name}, trained on "
+    print(f"{out}: {tok.get_vocab_size()}-token {family.tokenizer.kind} tokenizer for {family.name}, trained on "
           f"{stats.documents} documents ({stats.invalid_bytes} invalid UTF-8 bytes replaced, {stats.empty_lines} "
           "empty lines skipped)")
     return 0

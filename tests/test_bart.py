@@ -6,8 +6,9 @@ import json
 import numpy as np
 
 from conftest import read_metrics
-from spmdlm.data import sources
-from spmdlm.data.objectives.denoising import SENTENCE_END
+from spmdlm.families import get_family
+from spmdlm.data import token_cache
+from spmdlm.data.sentences import SENTENCE_END
 from spmdlm.data.tokenizer import train_tokenizer
 from spmdlm.launch import main
 
@@ -68,8 +69,8 @@ def test_export_reconstructs_a_masked_sentence(tmp_path, cache_dir):
 
 def test_sentence_ends_are_flagged_in_prepared_records(tmp_path):
     docs = ["One sentence here. Another one follows! And a third?", "Second document without punctuation"]
-    tok = train_tokenizer("bart", docs * 5, 300)
-    split = sources.prepare_split(docs, tok, record_length=8, separator_id=2, cache_dir=tmp_path, name="train",
+    tok = train_tokenizer(get_family("bart"), docs * 5, 300)
+    split = token_cache.prepare_split(docs, tok, record_length=8, separator_id=2, cache_dir=tmp_path, name="train",
                                   mode="sentences")
     from array_record.python.array_record_module import ArrayRecordReader
 

@@ -67,7 +67,7 @@ def test_two_slices_make_a_hybrid_mesh_with_the_slices_outside():
 
 
 def test_without_libtpu_the_flag_says_how_to_get_it(monkeypatch):
-    from spmdlm.config import ArgumentError
+    from spmdlm.errors import ArgumentError
     from spmdlm.train import aot
 
     monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)

@@ -6,7 +6,9 @@ import shlex
 
 import pytest
 
-from spmdlm.config import ArgumentError, parse_args, quickstart
+from spmdlm.errors import ArgumentError
+from spmdlm.families import family_choices, quickstart
+from spmdlm.launch import parse_args
 
 GPT2_RECIPE = """--output_dir=./norwegian-gpt2 --model_type=gpt2 --config_name=./norwegian-gpt2
 --tokenizer_name=./norwegian-gpt2 --train_file=corpus.txt --do_train --do_eval --block_size=512
@@ -34,15 +36,15 @@ BART_RECIPE = """--output_dir=./norwegian-bart-base --config_name=./norwegian-ba
 
 def test_roberta_and_bart_recipes_are_accepted_unchanged():
     args, _ = parse_args(shlex.split(ROBERTA_RECIPE))
-    assert args.model_type == "roberta" and args.max_seq_length == 128 and args.num_train_epochs == 18
+    assert args.model_type == "roberta" and args.objective["max_seq_length"] == 128 and args.num_train_epochs == 18
     args, _ = parse_args(shlex.split(BART_RECIPE))
     # no --model_type: the config's model_type decides (the recipe's config says bart)
-    assert args.model_type is None and args.max_seq_length == 1024 and args.learning_rate == 1e-4
+    assert args.model_type is None and args.objective["max_seq_length"] == 1024 and args.learning_rate == 1e-4
 
 
 def test_gpt2_recipe_is_accepted_unchanged():
     args, given = parse_args(shlex.split(GPT2_RECIPE))
-    assert args.model_type == "gpt2" and args.block_size == 512 and args.learning_rate == 5e-3
+    assert args.model_type == "gpt2" and args.objective["block_size"] == 512 and args.learning_rate == 5e-3
     assert args.do_train and args.do_eval and args.overwrite_output_dir and args.push_to_hub
     assert args.num_train_epochs == 20 and args.adam_beta2 == 0.98 and args.eval_steps == 2500
     assert "max_steps" not in given and args.max_steps == -1  # quick-start defaults only for the embedded corpus
@@ -50,21 +52,21 @@ def test_gpt2_recipe_is_accepted_unchanged():
 
 def test_t5_recipe_is_accepted_unchanged():
     args, _ = parse_args(shlex.split(T5_RECIPE))
-    assert args.model_type == "t5" and args.adafactor and args.max_seq_length == 512
+    assert args.model_type == "t5" and args.adafactor and args.objective["max_seq_length"] == 512
     assert args.training and args.evaluating  # the recipe gives neither --do_train nor --do_eval: both run
 
 
 def test_defaults_never_crash():
     args, _ = parse_args(["--train_file", "x.txt"])
     assert args.eval_steps == args.logging_steps == 500  # HF's eval_steps=None crashed on `step % None`
-    assert args.block_size is None and args.max_seq_length is None  # resolved from the model later
+    assert args.objective["block_size"] is None and args.objective["max_seq_length"] is None  # resolved from the model later
 
 
 def test_embedded_corpus_uses_the_quickstart_unless_overridden():
     args, _ = parse_args(["--max_steps", "7"])
     assert args.config_name == quickstart("gpt2")["config_name"] == "gpt2-tiny" and args.max_steps == 7
     args, _ = parse_args(["--model_type", "t5"])
-    assert args.config_name == "t5-v1_1-tiny" and args.adafactor and args.max_seq_length == 128
+    assert args.config_name == "t5-v1_1-tiny" and args.adafactor and args.objective["max_seq_length"] == 128
     assert args.output_dir == "runs/t5-v1_1-tiny-stdlib"
     for family in ("roberta", "bart"):
         args, _ = parse_args(["--model_type", family])
@@ -77,7 +79,7 @@ def test_argument_file(tmp_path, suffix):
     path = tmp_path / f"args{suffix}"
     path.write_text(json.dumps(values))  # JSON is valid YAML
     args, _ = parse_args([str(path)])
-    assert args.learning_rate == 0.1 and args.do_train and args.mesh == "data=2,fsdp=-1" and args.block_size == 16
+    assert args.learning_rate == 0.1 and args.do_train and args.mesh == "data=2,fsdp=-1" and args.objective["block_size"] == 16
     path.write_text(json.dumps({**values, "learning_rte": 1}))
     with pytest.raises(ArgumentError, match="unknown keys learning_rte"):
         parse_args([str(path)])
@@ -113,7 +115,7 @@ def test_help_is_grouped_with_each_default_once_and_the_presets_listed():
     from spmdlm.config import HELP_GROUPS, build_parser
     from spmdlm.models.config import preset_names
 
-    text = build_parser().format_help()
+    text = build_parser(family_choices()).format_help()
     assert text.startswith("usage: python -m spmdlm.launch [ARGS_FILE.json|.yaml] [--flag VALUE ...]\n")
     for title, _ in HELP_GROUPS:
         assert f"\n{title}:\n" in text
@@ -124,7 +126,5 @@ def test_help_is_grouped_with_each_default_once_and_the_presets_listed():
 
 
 def test_an_unknown_model_type_names_the_families():
-    from spmdlm.config import ArgumentError, parse_args
-
     with pytest.raises(ArgumentError, match="'robertaa' is not a model family; use one of bart, gpt2, roberta, t5"):
         parse_args(["--model_type", "robertaa"])

@@ -164,7 +164,7 @@ def test_export_to_a_file(capsys, out):
 
 
 def test_an_args_file_and_flags_combine_and_flags_win(tmp_path):
-    from spmdlm.config import parse_args
+    from spmdlm.launch import parse_args
 
     args_file = tmp_path / "args.json"
     args_file.write_text(json.dumps({"learning_rate": 1e-3, "max_steps": 10, "train_file": "a.txt"}))

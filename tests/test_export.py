@@ -35,13 +35,13 @@ def test_trained_export_gives_the_same_eval_loss_in_transformers(trained):
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     ours = json.loads((trained / "eval_results.json").read_text())["eval_loss"]
     # Rebuild the held-out examples exactly as the run did and score them with PyTorch.
-    from spmdlm.data import pipeline, sources
+    from spmdlm.data import pipeline, records
     from spmdlm.data.objectives.clm import CausalLM
 
     cache = next(p for p in Path(json.loads((trained / "run_config.json").read_text())["cache_dir"] or
                                  Path.home()).rglob("validation.json"))
     meta = json.loads(cache.read_text())
-    split = sources.PreparedSplit(cache.with_suffix(".array_record"), meta["num_records"], meta["num_tokens"], 32 + 1)
+    split = records.PreparedSplit(cache.with_suffix(".array_record"), meta["num_records"], meta["num_tokens"], 32 + 1)
     batches = list(pipeline.eval_batches(split, CausalLM(32), seed=42, global_batch=16, max_examples=32))
     total, count = 0.0, 0
     for batch in batches:

@@ -15,6 +15,7 @@ import transformers
 from flax import nnx
 
 from conftest import FIXTURES, REPO
+from spmdlm.families import get_family
 from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
 from spmdlm.export import hf_config_dict, save_hf
 from spmdlm.families import load_config
@@ -23,7 +24,7 @@ from spmdlm.models.t5 import T5ForConditionalGeneration
 
 @pytest.fixture(scope="module")
 def t5_tokenizer():
-    return train_tokenizer("t5", FIXTURES.joinpath("overfit.txt").read_text().splitlines(), 300)
+    return train_tokenizer(get_family("t5"), FIXTURES.joinpath("overfit.txt").read_text().splitlines(), 300)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_t5_export_tokenizer_ids_match_ours(t5_export, t5_tokenizer):
     hf = transformers.AutoTokenizer.from_pretrained(t5_export, local_files_only=True)
     # The generic class: T5TokenizerFast rebuilds the pipeline without our normalizer and pre-tokenizer.
     assert type(hf) is transformers.PreTrainedTokenizerFast
-    ids = special_token_ids(t5_tokenizer, "t5")
+    ids = special_token_ids(t5_tokenizer, get_family("t5"))
     assert (hf.pad_token_id, hf.eos_token_id, hf.unk_token_id) == (ids["pad"], ids["eos"], ids["unk"])
     texts = ["The lighthouse keeper lit the lamp.", "a <extra_id_0> b <extra_id_1> c <extra_id_99>",
              "year 2024, not 1999! ﬁ  ⁂", ""]

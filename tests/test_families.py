@@ -16,8 +16,9 @@ from safetensors.numpy import load_file
 
 from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
 from family_fixtures import FIXTURES, STDLIB_JSON
+from spmdlm.families import get_family
 from spmdlm import checkpoint, export
-from spmdlm.families import FAMILIES, load_config
+from spmdlm.families import families, load_config
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 from spmdlm.models.config import preset_names
@@ -27,7 +28,7 @@ SHARDED = "data=2,fsdp=2,tensor=2"
 
 
 def test_every_family_has_fixtures():
-    assert set(FIXTURES) == set(FAMILIES)
+    assert set(FIXTURES) == set(families())
 
 
 CASES = [(family, name) for family in FIXTURES for name in FIXTURES[family].configs]
@@ -100,10 +101,10 @@ def test_unrolled_layers_compute_the_same(family):
     """--scan_unroll 0 unrolls the layer scan over the same stacked parameters: same logits."""
     name = next(iter(FIXTURES[family].configs))
     hf_config = FIXTURES[family].hf_config_class(**FIXTURES[family].configs[name])
-    config = FAMILIES[family].config_class.from_dict(hf_config.to_dict())
+    config = families()[family].config_class.from_dict(hf_config.to_dict())
     batch = {k: jnp.asarray(v) for k, v in
              FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(2)).items()}
-    logits = [np.asarray(FAMILIES[family].make_model(config, rngs=nnx.Rngs(0), scan_unroll=unroll)(**batch))
+    logits = [np.asarray(families()[family].make_model(config, rngs=nnx.Rngs(0), scan_unroll=unroll)(**batch))
               for unroll in (1, True)]
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-5, rtol=0)
 
@@ -111,7 +112,7 @@ def test_unrolled_layers_compute_the_same(family):
 def partition_specs(family: str, mesh_spec: str) -> tuple[dict[str, str], dict[str, int]]:
     config = load_config(tiny_preset(family))
     with jax.set_mesh(make_mesh(mesh_spec)):
-        state = jax.jit(lambda: nnx.state(FAMILIES[family].make_model(config, rngs=nnx.Rngs(0)), nnx.Param))()
+        state = jax.jit(lambda: nnx.state(families()[family].make_model(config, rngs=nnx.Rngs(0)), nnx.Param))()
     specs, sizes = {}, {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         parts = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path[:-1]]  # [-1]: .value
@@ -137,7 +138,7 @@ def test_partition_specs_match_golden(family):
 @pytest.mark.parametrize("family,preset", [(f, p) for f in FIXTURES for p in preset_names(f)])
 def test_every_preset_builds_abstractly(family, preset):
     config = load_config(preset)
-    model = nnx.eval_shape(lambda: FAMILIES[family].make_model(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: families()[family].make_model(config, rngs=nnx.Rngs(0)))
     params = nnx.state(model, nnx.Param)
     count = sum(x.size for x in jax.tree.leaves(params))
     stacked = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)
@@ -174,16 +175,17 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4
     """Losses of `steps` train steps of the real Stepper on a fixed global batch of 16 examples of the family's
     objective (tokenizer trained on a small text), on the given mesh."""
     from conftest import FIXTURES as DATA
-    from spmdlm.config import parse_args
+    from spmdlm.launch import parse_args
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.data.tokenizer import train_tokenizer
-    from spmdlm.train.optim import OptimConfig, make_optimizer
-    from spmdlm.train.step import Stepper, create_train_state
+    from spmdlm.train.optim import OptimConfig
+    from spmdlm.train.state import build_train_state
+    from spmdlm.train.step import Stepper
 
     args, _ = parse_args(["--train_file", "x", *FIXTURES[family].run_flags])
     config = load_config(str(config_path))
-    tok = train_tokenizer(family, (DATA / "overfit.txt").read_text().splitlines(), config.vocab_size)
-    objective = FAMILIES[family].build_objective(args, config, tok)
+    tok = train_tokenizer(get_family(family), (DATA / "overfit.txt").read_text().splitlines(), config.vocab_size)
+    objective = families()[family].build_objective(args, config, tok)
     rng = np.random.default_rng(0)
     records = rng.integers(5, tok.get_vocab_size() - 100, (16, objective.record_length)).astype(np.int32)
     examples = [objective(r, np.random.default_rng(i)) for i, r in enumerate(records)]
@@ -191,12 +193,8 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4
     mesh = make_mesh(mesh_spec)
     optim = OptimConfig(learning_rate=args.learning_rate, adafactor=args.adafactor, warmup_steps=1)
 
-    def build():
-        model = FAMILIES[family].make_model(config, rngs=nnx.Rngs(params=0))
-        return model, nnx.Optimizer(model, make_optimizer(optim, model, steps), wrt=nnx.Param)
-
-    graphdef, state = create_train_state(build, mesh)
-    stepper = Stepper(graphdef, state, mesh)
+    graphdef, state = build_train_state(get_family(family), config, mesh, optim=optim, total_steps=steps)
+    stepper = Stepper(graphdef, state, mesh, get_family(family).forward)
     stepper.compile_train(state, batch_spec(objective, 16))
     losses = []
     for step in range(steps):
@@ -237,7 +235,7 @@ def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, mon
 @pytest.mark.parametrize("family", FIXTURES)
 def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
     out = tmp_path / "bf16"
-    prompts = FAMILIES[family].quickstart["sample_prompts"]  # what the quick start shows while training
+    prompts = families()[family].quickstart["sample_prompts"]  # what the quick start shows while training
     assert launch(family, out, tiny_configs[family], cache_dir, "--mesh", SHARDED, "--max_steps", "2", "--do_train",
                   "--dtype", "bfloat16", "--gradient_checkpointing", "--sample_prompts", prompts,
                   "--sample_every", "1") == 0

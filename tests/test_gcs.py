@@ -104,7 +104,7 @@ def test_bad_gs_paths_are_one_line_exit_2(gcs_bucket, tmp_path, capsys, monkeypa
 
 
 def test_a_tokenizer_and_a_prepared_dataset_in_a_bucket(gcs_bucket, tmp_path, monkeypatch):
-    from spmdlm.data import sources
+    from spmdlm.data import datasets, records
     from spmdlm.data.tokenizer import load_tokenizer
     from spmdlm.prepare import main as prepare_main
     from spmdlm.tokenizer import main as tokenizer_main
@@ -120,8 +120,8 @@ def test_a_tokenizer_and_a_prepared_dataset_in_a_bucket(gcs_bucket, tmp_path, mo
     card = json.loads(storage.path(f"{data}/dataset.json").read_text())
     assert len(card["splits"]["train"]["shards"]) > 1 and card["inputs"]["files"][0]["path"].startswith(inputs)
     tokenizer = load_tokenizer(f"{data}/tokenizer")
-    train, validation, _ = sources.open_dataset(data, tokenizer=tokenizer, record_length=33, mode="stream")
+    train, validation, _ = datasets.open_dataset(data, tokenizer=tokenizer, record_length=33, mode="stream")
     assert all(str(p).startswith(str(tmp_path / "local")) for p in train.paths)  # this host's verified copy
-    assert len(sources.record_source(train)) == card["splits"]["train"]["examples"]
+    assert len(records.record_source(train)) == card["splits"]["train"]["examples"]
     assert prepare_main(["--tokenizer", tok, "--for_model", "gpt2", "--block_size", "32", "--out", data,
                          "--workers", "1", "--shard_size", "8K", inputs]) == 0  # up to date: nothing to do

@@ -22,6 +22,7 @@ from conftest import FIXTURES as DATA
 from spmdlm import export
 from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
 from spmdlm.families import get_family
+from spmdlm.families.base import Generation
 from spmdlm.generate import GenerateError, fill_mask, generate, generate_ids
 from spmdlm.generate import decoding
 from spmdlm.generate.cli import main
@@ -216,7 +217,7 @@ def test_sharded_generation_equals_unsharded(exports, sharded):
     ids = np.ones((4, decoding.PROMPT_BUCKET), np.int32)  # the prefill just compiled: its cache is sharded too
     with jax.set_mesh(make_mesh(MESH)):
         state = decoding.prefill(*nnx.split(model), ids, ids, slots=decoding.SLOT_BUCKET,
-                                 specials=decoding.Specials.of(config))
+                                 specials=decoding.Specials.of(config, Generation.DECODER_ONLY))
     assert state.cache.key.sharding.spec[1:3] == (("data", "fsdp"), "tensor")  # [layers, batch, heads, ...]
 
 

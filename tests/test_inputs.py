@@ -12,8 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spmdlm.data import sources
+from spmdlm.families import get_family
+from spmdlm.data.readers import expand_files, read_documents
+from spmdlm.data.records import decode_record, file_sha256, record_source
+from spmdlm.data.token_cache import prepare_split
 from spmdlm.data.tokenizer import train_tokenizer
+from spmdlm.errors import DataError
 
 LINES = ["café crème brûlée", "naïve Ærøskøbing straße", "Привет 東京 🙂"]
 _WORDS = np.random.default_rng(0).integers(0, 200, (60, 30))
@@ -21,7 +25,7 @@ DOCS = [f"document {i}: " + " ".join(f"w{w}" for w in row) for i, row in enumera
 
 
 def read(path: Path, **kwargs) -> list[str]:
-    return list(sources.read_documents([path], **kwargs))
+    return list(read_documents([path], **kwargs))
 
 
 def warnings_of(caplog) -> list[str]:
@@ -33,16 +37,16 @@ def warnings_of(caplog) -> list[str]:
 
 @pytest.mark.skipif(not Path("/bin/ls").is_file(), reason="no /bin/ls")
 def test_an_executable_given_as_train_file_is_refused():
-    with pytest.raises(sources.DataError, match=r"^/bin/ls looks binary .*give text files"):
-        read(sources.expand_files("/bin/ls")[0])
+    with pytest.raises(DataError, match=r"^/bin/ls looks binary .*give text files"):
+        read(expand_files("/bin/ls")[0])
 
 
 def test_nul_bytes_or_mostly_undecodable_bytes_mean_binary(tmp_path):
     (tmp_path / "nul.txt").write_bytes(b"hello\0world\n")
     (tmp_path / "noise.txt").write_bytes(bytes(range(128, 256)) * 40)
-    with pytest.raises(sources.DataError, match="nul.txt looks binary \\(NUL bytes"):
+    with pytest.raises(DataError, match="nul.txt looks binary \\(NUL bytes"):
         read(tmp_path / "nul.txt")
-    with pytest.raises(sources.DataError, match="noise.txt looks binary \\(5120 of its first 5120 bytes"):
+    with pytest.raises(DataError, match="noise.txt looks binary \\(5120 of its first 5120 bytes"):
         read(tmp_path / "noise.txt")
 
 
@@ -79,7 +83,7 @@ def test_latin1_bytes_are_replaced_with_one_warning_per_file(tmp_path, caplog):
 def test_json_lines_without_the_text_field_name_the_line_and_the_flag(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "one"}\n\n{"id": 7, "body": "two"}\n')
-    with pytest.raises(sources.DataError, match=re.escape(f"{path}:3 has no 'text' field; pass --text_column NAME, "
+    with pytest.raises(DataError, match=re.escape(f"{path}:3 has no 'text' field; pass --text_column NAME, "
                                                           "NAME one of its fields: id, body")):
         read(path)
 
@@ -91,21 +95,21 @@ def test_text_column_picks_the_field_and_skips_empty_values(tmp_path):
     assert read(path, text_column="body") == ["one", "3"]
     array = tmp_path / "a.json"
     array.write_text(json.dumps([{"body": "x"}, {"id": 2}]))
-    with pytest.raises(sources.DataError, match=re.escape(f"{array} record 1 has no 'body' field")):
+    with pytest.raises(DataError, match=re.escape(f"{array} record 1 has no 'body' field")):
         read(array, text_column="body")
 
 
 def test_a_bad_json_line_is_named(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "one"}\n{"text": \n')
-    with pytest.raises(sources.DataError, match=re.escape(f"{path}:2: not JSON lines")):
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: not JSON lines")):
         read(path)
 
 
 def test_csv_without_the_text_column_names_the_row_line(tmp_path):
     path = tmp_path / "a.csv"
     path.write_text('id,body\n1,"two\nlines"\n2,world\n')
-    with pytest.raises(sources.DataError, match=re.escape(f"{path}:3 has no 'text' field; pass --text_column")):
+    with pytest.raises(DataError, match=re.escape(f"{path}:3 has no 'text' field; pass --text_column")):
         read(path)
     assert read(path, text_column="body") == ["two\nlines", "world"]
 
@@ -115,17 +119,17 @@ def test_csv_without_the_text_column_names_the_row_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer("gpt2", DOCS, 300)
+    return train_tokenizer(get_family("gpt2"), DOCS, 300)
 
 
 def prepare(tokenizer, cache_dir, **kwargs):
-    return sources.prepare_split(DOCS, tokenizer, record_length=16, separator_id=0, cache_dir=cache_dir,
+    return prepare_split(DOCS, tokenizer, record_length=16, separator_id=0, cache_dir=cache_dir,
                                  name="train", **kwargs)
 
 
 def records(split) -> list[np.ndarray]:
-    source = sources.record_source(split)
-    return [sources.decode_record(source[i]) for i in range(len(source))]
+    source = record_source(split)
+    return [decode_record(source[i]) for i in range(len(source))]
 
 
 def truncate(split):
@@ -165,14 +169,14 @@ def miscount_the_records(split):
 
 def truncate_and_forge_the_metadata(split):  # size and hash agree: only opening the file finds the damage
     truncate(split)
-    rewrite_the_metadata(split, bytes=split.path.stat().st_size, sha256=sources._sha256(split.path))
+    rewrite_the_metadata(split, bytes=split.path.stat().st_size, sha256=file_sha256(split.path))
 
 
 def test_the_metadata_records_the_size_and_hash_of_the_data(tokenizer, tmp_path):
     split = prepare(tokenizer, tmp_path)
     meta = json.loads(split.path.with_suffix(".json").read_text())
     assert meta["bytes"] == split.path.stat().st_size
-    assert meta["sha256"] == sources._sha256(split.path)
+    assert meta["sha256"] == file_sha256(split.path)
     assert meta["num_records"] == split.num_records == len(records(split))
 
 
@@ -218,6 +222,6 @@ def test_temp_files_of_dead_preparations_on_this_host_are_removed(tokenizer, tmp
 def test_an_unwritable_cache_dir_names_the_folder(tokenizer, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with pytest.raises(sources.DataError, match=re.escape(f"cannot write the token cache in {blocker}/sub/") +
+    with pytest.raises(DataError, match=re.escape(f"cannot write the token cache in {blocker}/sub/") +
                        ".*pass a writable --cache_dir"):
         prepare(tokenizer, blocker / "sub")

@@ -9,13 +9,13 @@ from flax import nnx
 
 from family_fixtures import FIXTURES
 from spmdlm.data.objectives import IGNORE_INDEX
-from spmdlm.families import FAMILIES
+from spmdlm.families import families
 from spmdlm.train.step import loss_sums
 
 
 def tiny_model(family: str, **changes):
-    config = FAMILIES[family].config_class.from_dict({**FIXTURES[family].tiny_config, **changes})
-    return config, FAMILIES[family].make_model(config, rngs=nnx.Rngs(params=3))
+    config = families()[family].config_class.from_dict({**FIXTURES[family].tiny_config, **changes})
+    return config, families()[family].make_model(config, rngs=nnx.Rngs(params=3))
 
 
 def random_batch(config, family: str, length: int, rng: np.random.Generator) -> dict[str, jax.Array]:
@@ -24,12 +24,12 @@ def random_batch(config, family: str, length: int, rng: np.random.Generator) -> 
     labels = ids(length)
     labels[rng.random(labels.shape) < 0.3] = IGNORE_INDEX  # ignored positions must stay out of every sum
     batch = {"input_ids": ids(length), "labels": labels}
-    if FAMILIES[family].is_encoder_decoder:
+    if families()[family].is_encoder_decoder:
         batch["decoder_input_ids"] = ids(length)
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(families()))
 def test_chunked_loss_and_gradients_equal_the_whole_sequence_ones(family):
     config, model = tiny_model(family)
     batch = random_batch(config, family, 40, np.random.default_rng(0))
@@ -37,7 +37,8 @@ def test_chunked_loss_and_gradients_equal_the_whole_sequence_ones(family):
 
     def grads_and_sums(chunk):
         def loss(p):
-            sums = loss_sums(nnx.merge(graph, p, rest), batch, z_loss=1e-3, loss_chunk=chunk)
+            sums = loss_sums(nnx.merge(graph, p, rest), batch, families()[family].forward, z_loss=1e-3,
+                             loss_chunk=chunk)
             return sums["loss_sum"] + sums["z_loss_sum"], sums
         return jax.grad(loss, has_aux=True)(params)
 
@@ -74,7 +75,8 @@ def test_mlm_head_on_labelled_positions_only_equals_every_position():
     def grads_and_sums(labels, capacity):
         def loss(p):
             batch = {"input_ids": ids, "labels": jnp.asarray(labels, jnp.int32)}
-            sums = loss_sums(nnx.merge(graph, p, rest), batch, label_capacity=capacity)
+            sums = loss_sums(nnx.merge(graph, p, rest), batch, families()["roberta"].forward,
+                             label_capacity=capacity)
             return sums["loss_sum"], sums
         return jax.grad(loss, has_aux=True)(params)
 
@@ -90,20 +92,16 @@ def test_mlm_head_on_labelled_positions_only_equals_every_position():
 def test_chunking_shrinks_the_compiled_steps_temporaries():
     """A vocabulary much wider than the model, as in GPT-2 (50k x 768): the step's temporaries are mostly logits."""
     from spmdlm.mesh import make_mesh
-    from spmdlm.train.optim import OptimConfig, make_optimizer
-    from spmdlm.train.step import Stepper, create_train_state
+    from spmdlm.train.state import build_train_state
+    from spmdlm.train.step import Stepper
 
     config, _ = tiny_model("gpt2", vocab_size=8192, n_positions=256)
-    family = FAMILIES["gpt2"]
+    family = families()["gpt2"]
     mesh = make_mesh("data=2,tensor=2", devices=jax.devices()[:4])
 
-    def build():
-        model = family.make_model(config, rngs=nnx.Rngs(params=0))
-        return model, nnx.Optimizer(model, make_optimizer(OptimConfig(), model, 10), wrt=nnx.Param)
-
-    graphdef, state = create_train_state(build, mesh, abstract=True)
+    graphdef, state = build_train_state(family, config, mesh, total_steps=10, abstract=True)
     spec = {k: jax.ShapeDtypeStruct((8, 256), jnp.int32) for k in ("input_ids", "labels")}
-    temp = {chunk: Stepper(graphdef, state, mesh, loss_chunk=chunk).compile_train(state, spec)["temp_bytes"]
+    temp = {chunk: Stepper(graphdef, state, mesh, family.forward, loss_chunk=chunk).compile_train(state, spec)["temp_bytes"]
             for chunk in (0, 32)}
     logits_per_device = 4 * 256 * 8192 * 4 / 2  # batch 8 over data=2, vocab over tensor=2, float32
     assert temp[0] - temp[32] > logits_per_device, temp

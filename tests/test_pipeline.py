@@ -5,9 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from spmdlm.data import pipeline, sources
+from spmdlm.families import get_family
+from spmdlm.data import pipeline, readers, records, token_cache
 from spmdlm.data.objectives.clm import CausalLM
 from spmdlm.data.tokenizer import train_tokenizer
+from spmdlm.errors import DataError
 
 _WORDS = np.random.default_rng(0).integers(0, 500, (300, 60))
 DOCS = [f"document {i}: " + " ".join(f"w{w}" for w in row[: 40 + i % 13]) for i, row in enumerate(_WORDS)]
@@ -15,12 +17,12 @@ DOCS = [f"document {i}: " + " ".join(f"w{w}" for w in row[: 40 + i % 13]) for i,
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer("gpt2", DOCS, 300)
+    return train_tokenizer(get_family("gpt2"), DOCS, 300)
 
 
 @pytest.fixture(scope="module")
 def split(tokenizer, tmp_path_factory):
-    return sources.prepare_split(DOCS, tokenizer, record_length=17, separator_id=0,
+    return token_cache.prepare_split(DOCS, tokenizer, record_length=17, separator_id=0,
                                  cache_dir=tmp_path_factory.mktemp("cache"), name="train")
 
 
@@ -34,9 +36,9 @@ def test_records_are_the_token_stream_cut_in_blocks(split, tokenizer):
     stream = np.concatenate([np.append(tokenizer.encode(d, add_special_tokens=False).ids, 0) for d in DOCS])
     assert split.num_tokens == len(stream)
     assert split.num_records == len(stream) // 17
-    source = sources.record_source(split)
+    source = records.record_source(split)
     for i in (0, 1, split.num_records - 1):
-        np.testing.assert_array_equal(sources.decode_record(source[i]), stream[i * 17:(i + 1) * 17])
+        np.testing.assert_array_equal(records.decode_record(source[i]), stream[i * 17:(i + 1) * 17])
 
 
 def test_second_preparation_reuses_the_cache(split, tokenizer):
@@ -47,11 +49,11 @@ def test_second_preparation_reuses_the_cache(split, tokenizer):
         def encode_batch(self, *args, **kwargs):
             raise AssertionError("the cache should have been reused")
 
-    again = sources.prepare_split(DOCS, NoTokenizing(), record_length=17, separator_id=0,
+    again = token_cache.prepare_split(DOCS, NoTokenizing(), record_length=17, separator_id=0,
                                   cache_dir=split.path.parent.parent, name="train")
     assert again == split
     with pytest.raises(AssertionError, match="reused"):  # other content -> a new key -> tokenizes
-        sources.prepare_split(DOCS[:-1], NoTokenizing(), record_length=17, separator_id=0,
+        token_cache.prepare_split(DOCS[:-1], NoTokenizing(), record_length=17, separator_id=0,
                               cache_dir=split.path.parent.parent, name="train")
 
 
@@ -99,8 +101,8 @@ def test_max_train_samples_keeps_only_a_prefix_of_the_records(split):
     capped = dataclasses.replace(split, num_records=8)
     ds = pipeline.global_examples(capped, CausalLM(16), seed=0, num_epochs=3)
     seen = {tuple(ds[i]["input_ids"]) for i in range(len(ds))}
-    source = sources.record_source(split)
-    assert seen == {tuple(sources.decode_record(source[i])[:-1]) for i in range(8)}
+    source = records.record_source(split)
+    assert seen == {tuple(records.decode_record(source[i])[:-1]) for i in range(8)}
 
 
 def test_eval_batches_pad_with_loss_free_rows(split):
@@ -119,25 +121,25 @@ def test_eval_batches_pad_with_loss_free_rows(split):
 def test_readers(tmp_path, name, text, expected):
     path = tmp_path / name
     path.write_text(text)
-    assert list(sources.read_documents([path])) == expected
+    assert list(readers.read_documents([path])) == expected
 
 
 def test_missing_and_unknown_files(tmp_path):
-    with pytest.raises(sources.DataError, match="no such file"):
-        sources.expand_files(str(tmp_path / "nope.txt"))
+    with pytest.raises(DataError, match="no such file"):
+        readers.expand_files(str(tmp_path / "nope.txt"))
     (tmp_path / "a.bin").write_bytes(b"\0")
-    with pytest.raises(sources.DataError, match="unknown file type"):
-        list(sources.read_documents([tmp_path / "a.bin"]))
+    with pytest.raises(DataError, match="unknown file type"):
+        list(readers.read_documents([tmp_path / "a.bin"]))
 
 
 def test_validation_split_is_stable_and_close_to_the_percentage():
-    held = [d for d in DOCS * 10 if sources.in_validation_split(d + str(hash(d) % 7), 5.0)]
+    held = [d for d in DOCS * 10 if readers.in_validation_split(d + str(hash(d) % 7), 5.0)]
     assert 0.02 < len(held) / 3000 < 0.08
-    assert sources.in_validation_split("abc", 5.0) == sources.in_validation_split("abc", 5.0)
+    assert readers.in_validation_split("abc", 5.0) == readers.in_validation_split("abc", 5.0)
 
 
 def test_embedded_corpus_is_the_stdlib():
-    files = sources.embedded_corpus_files()
+    files = readers.embedded_corpus_files()
     assert len(files) > 100 and files == sorted(files)
     assert any(f.name == "json" or f.parent.name == "json" for f in files)
     assert not any("site-packages" in f.parts or "test" in f.parts for f in files)

@@ -13,9 +13,15 @@ import sys
 import numpy as np
 import pytest
 
-from spmdlm.data import pipeline, sources
+from spmdlm.families import get_family
+from spmdlm.data import pipeline
+from spmdlm.data.datasets import open_dataset
 from spmdlm.data.objectives.clm import CausalLM
+from spmdlm.data.readers import open_corpus, read_documents
+from spmdlm.data.records import _chunks, _writer, decode_record, default_workers, record_source
+from spmdlm.data.token_cache import prepare_split
 from spmdlm.data.tokenizer import save_tokenizer, train_tokenizer
+from spmdlm.errors import DataError
 from spmdlm.prepare import main
 
 _RNG = np.random.default_rng(1)
@@ -38,8 +44,8 @@ def tokenizers(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tokenizers")
     out = {}
     for model in ("gpt2", "roberta", "bart"):
-        tok = train_tokenizer(model, DOCS[:300], 500)
-        save_tokenizer(tok, folder / model, model, model_max_length=1024)
+        tok = train_tokenizer(get_family(model), DOCS[:300], 500)
+        save_tokenizer(tok, folder / model, get_family(model), model_max_length=1024)
         out[model] = (tok, folder / model)
     return out
 
@@ -51,8 +57,8 @@ def prepare(out, tokenizers, *inputs, model="gpt2", length=("--block_size", "32"
 
 
 def records(split) -> np.ndarray:
-    source = sources.record_source(split)
-    return np.stack([sources.decode_record(source[i]) for i in range(len(source))])
+    source = record_source(split)
+    return np.stack([decode_record(source[i]) for i in range(len(source))])
 
 
 def tree(folder):
@@ -83,9 +89,9 @@ def test_records_are_those_of_the_launcher_cache(corpus, tokenizers, tmp_path, m
     assert prepare(out, tokenizers, corpus, model=model, length=length, extra=["--validation_percentage", "0"]) == 0
     tok = tokenizers[model][0]
     card = json.loads((out / "dataset.json").read_text())
-    train, validation, _ = sources.open_dataset(out, tokenizer=tok, record_length=record_length, mode=mode)
+    train, validation, _ = open_dataset(out, tokenizer=tok, record_length=record_length, mode=mode)
     assert validation is None and card["mode"] == mode and len(train.paths) > 1
-    cached = sources.prepare_split(DOCS, tok, record_length=record_length, separator_id=card["separator_id"],
+    cached = prepare_split(DOCS, tok, record_length=record_length, separator_id=card["separator_id"],
                                    cache_dir=tmp_path / "cache", name="train", mode=mode, pad_id=card["pad_id"])
     np.testing.assert_array_equal(records(train), records(cached))
     assert (train.num_records, train.num_tokens) == (cached.num_records, cached.num_tokens)
@@ -96,7 +102,7 @@ def test_a_second_run_does_nothing_and_changed_inputs_are_refused(corpus, tokeni
     assert prepare(out, tokenizers, corpus) == 0
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="spmdlm.prepare"):
+    with caplog.at_level(logging.INFO, logger="spmdlm.data.datasets"):
         assert prepare(out, tokenizers, corpus) == 0
     assert f"{out} is up to date (same inputs and settings): nothing to do" in caplog.messages
     assert not any("tokenized" in m for m in caplog.messages)
@@ -123,13 +129,13 @@ def test_compressed_inputs_give_the_same_records(corpus, tokenizers, tmp_path):
     tok = tokenizers["gpt2"][0]
     for path in [corpus / "a.txt", *inputs]:
         assert prepare(tmp_path / path.name.replace(".", "_"), tokenizers, path) == 0
-    splits = [sources.open_dataset(tmp_path / p.name.replace(".", "_"), tokenizer=tok, record_length=33,
+    splits = [open_dataset(tmp_path / p.name.replace(".", "_"), tokenizer=tok, record_length=33,
                                    mode="stream")[0] for p in [corpus / "a.txt", *inputs]]
     for split in splits[1:]:
         np.testing.assert_array_equal(records(split), records(splits[0]))
     (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(text)[:200])
-    with pytest.raises(sources.DataError, match=r"bad.txt.gz: cannot decompress \(.*\); the file is truncated"):
-        list(sources.read_documents([tmp_path / "bad.txt.gz"]))
+    with pytest.raises(DataError, match=r"bad.txt.gz: cannot decompress \(.*\); the file is truncated"):
+        list(read_documents([tmp_path / "bad.txt.gz"]))
 
 
 def test_bad_bytes_empty_lines_and_empty_files_are_counted(tokenizers, tmp_path):
@@ -163,7 +169,7 @@ def test_missing_inputs_are_listed_in_one_line(tokenizers, tmp_path):
 
 
 def test_a_failure_while_writing_leaves_no_dataset(corpus, tokenizers, tmp_path, monkeypatch, capsys):
-    real = sources._writer
+    real = _writer
 
     class DiskFull:
         def __init__(self, path):
@@ -178,7 +184,7 @@ def test_a_failure_while_writing_leaves_no_dataset(corpus, tokenizers, tmp_path,
         def close(self):
             self.inner.close()
 
-    monkeypatch.setattr(sources, "_writer", DiskFull)
+    monkeypatch.setattr("spmdlm.data.records._writer", DiskFull)
     assert prepare(tmp_path / "ds", tokenizers, corpus) == 2
     assert capsys.readouterr().err == "error: [Errno 28] No space left on device\n"
     assert list(tmp_path.iterdir()) == []  # neither the dataset nor its temp dir
@@ -188,7 +194,7 @@ def test_open_dataset_refuses_another_tokenizer_length_or_mode(corpus, tokenizer
     out = tmp_path / "ds"
     assert prepare(out, tokenizers, corpus) == 0
     tok = tokenizers["gpt2"][0]
-    train, validation, card = sources.open_dataset(out, tokenizer=tok, record_length=33, mode="stream", verify=True)
+    train, validation, card = open_dataset(out, tokenizer=tok, record_length=33, mode="stream", verify=True)
     assert train.num_records == card["splits"]["train"]["examples"] == len(records(train))
     assert validation.num_records == card["splits"]["validation"]["examples"]
     batch = next(pipeline.train_batches(train, CausalLM(32), seed=0, global_batch=4, num_epochs=1))
@@ -205,24 +211,24 @@ def test_open_dataset_refuses_another_tokenizer_length_or_mode(corpus, tokenizer
          "needs 'sentences' records: prepare the data again for this objective$"),
     ]
     for kwargs, message in refusals:
-        with pytest.raises(sources.DataError, match=f"^{message}"):
-            sources.open_dataset(out, **kwargs)
+        with pytest.raises(DataError, match=f"^{message}"):
+            open_dataset(out, **kwargs)
     from spmdlm.data.tokenizer import load_tokenizer
 
-    assert sources.open_dataset(out, tokenizer=load_tokenizer(out / "tokenizer"), record_length=33,
+    assert open_dataset(out, tokenizer=load_tokenizer(out / "tokenizer"), record_length=33,
                                 mode="stream")[0] == train  # the copy is the same tokenizer
     shard = out / card["splits"]["train"]["shards"][1]["file"]
     data = bytearray(shard.read_bytes())
     data[100:164] = bytes(64)
     shard.write_bytes(bytes(data))
-    sources.open_dataset(out, tokenizer=tok, record_length=33, mode="stream")  # sizes only: not noticed
-    with pytest.raises(sources.DataError, match=f"shard {shard.name} does not match its sha256"):
-        sources.open_dataset(out, tokenizer=tok, record_length=33, mode="stream", verify=True)
+    open_dataset(out, tokenizer=tok, record_length=33, mode="stream")  # sizes only: not noticed
+    with pytest.raises(DataError, match=f"shard {shard.name} does not match its sha256"):
+        open_dataset(out, tokenizer=tok, record_length=33, mode="stream", verify=True)
     shard.unlink()
-    with pytest.raises(sources.DataError, match=f"shard {shard.name} is missing; prepare the dataset again"):
-        sources.open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
-    with pytest.raises(sources.DataError, match="no dataset.json in it; prepare one with python -m spmdlm.prepare"):
-        sources.open_dataset(tmp_path, tokenizer=tok, record_length=33, mode="stream")
+    with pytest.raises(DataError, match=f"shard {shard.name} is missing; prepare the dataset again"):
+        open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
+    with pytest.raises(DataError, match="no dataset.json in it; prepare one with python -m spmdlm.prepare"):
+        open_dataset(tmp_path, tokenizer=tok, record_length=33, mode="stream")
 
 
 def test_a_non_dataset_out_dir_and_objective_flags_of_another_model_are_refused(corpus, tokenizers, tmp_path, capsys):
@@ -243,7 +249,7 @@ def test_parquet_input(corpus, tokenizers, tmp_path):
     assert prepare(tmp_path / "ds", tokenizers, tmp_path / "docs.parquet", extra=["--text_column", "body"]) == 0
     assert prepare(tmp_path / "plain", tokenizers, corpus) == 0
     tok = tokenizers["gpt2"][0]
-    a, b = (sources.open_dataset(tmp_path / d, tokenizer=tok, record_length=33, mode="stream")[0]
+    a, b = (open_dataset(tmp_path / d, tokenizer=tok, record_length=33, mode="stream")[0]
             for d in ("ds", "plain"))
     np.testing.assert_array_equal(records(a), records(b))
 
@@ -260,11 +266,11 @@ def test_dataset_name_reads_save_to_disk_and_parquet_dirs_offline(corpus, tokeni
     data.to_parquet(str(tmp_path / "pq" / "train.parquet"))
     assert prepare(tmp_path / "plain", tokenizers, corpus) == 0
     tok = tokenizers["gpt2"][0]
-    expected = records(sources.open_dataset(tmp_path / "plain", tokenizer=tok, record_length=33, mode="stream")[0])
+    expected = records(open_dataset(tmp_path / "plain", tokenizer=tok, record_length=33, mode="stream")[0])
     for name in ("saved", "pq", "pq/train.parquet"):
         out = tmp_path / f"ds-{name.replace('/', '-')}"
         assert prepare(out, tokenizers, extra=["--dataset_name", str(tmp_path / name)]) == 0
-        train, _, card = sources.open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
+        train, _, card = open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
         np.testing.assert_array_equal(records(train), expected)
         assert card["validation"] == {"from": "document hash", "percentage": 5.0}
 
@@ -275,23 +281,23 @@ def test_dataset_name_reads_save_to_disk_and_parquet_dirs_offline(corpus, tokeni
     card = json.loads((tmp_path / "ds-dict" / "dataset.json").read_text())
     assert card["validation"] == {"from": "the dataset's validation split"}
     assert (card["splits"]["train"]["documents"], card["splits"]["validation"]["documents"]) == (1000, 200)
-    with pytest.raises(sources.DataError, match=r"split train has no 'body' column; pass --text_column NAME, NAME "
+    with pytest.raises(DataError, match=r"split train has no 'body' column; pass --text_column NAME, NAME "
                                                 r"one of its columns: text, id"):
-        list(sources.open_corpus(dataset_name=str(tmp_path / "saved"), text_column="body").documents())
+        list(open_corpus(dataset_name=str(tmp_path / "saved"), text_column="body").documents())
 
 
 def test_without_datasets_dataset_name_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as if not installed
-    with pytest.raises(sources.DataError, match=re.escape("--dataset_name needs the datasets library: "
+    with pytest.raises(DataError, match=re.escape("--dataset_name needs the datasets library: "
                                                           "pip install 'spmdlm[datasets]'")):
-        sources.open_corpus(dataset_name="wikitext").splits
+        open_corpus(dataset_name="wikitext").splits
 
 
 def test_workers_read_documents_in_order_with_bounded_chunks(tokenizers, monkeypatch):
-    monkeypatch.setattr(sources, "TOKENIZE_BATCH", 7)
-    chunks = list(sources._chunks(iter(DOCS[:50])))
+    monkeypatch.setattr("spmdlm.data.records.TOKENIZE_BATCH", 7)
+    chunks = list(_chunks(iter(DOCS[:50])))
     assert [len(c) for c in chunks] == [7] * 7 + [1] and sum(chunks, []) == DOCS[:50]
-    assert os.cpu_count() >= 1 and sources.default_workers() >= 1
+    assert os.cpu_count() >= 1 and default_workers() >= 1
 
 
 @needs_datasets

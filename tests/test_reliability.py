@@ -19,7 +19,10 @@ import pytest
 from conftest import FIXTURES, final_params, read_metrics
 from spmdlm import checkpoint
 from spmdlm.launch import main
-from spmdlm.train import loop
+import spmdlm.launch
+from spmdlm import devices
+from spmdlm.train import setup
+from spmdlm.train.step import Stepper
 
 
 def flags(out, cache_dir, config, *extra) -> list[str]:
@@ -102,16 +105,15 @@ def _edit_fingerprint(path):
 @pytest.fixture(scope="module")
 def restore_target(base_run, cache_dir, tiny_gpt2_config):
     """The run's abstract (model, optimizer) state and data iterator, built by the loop's own stages."""
-    from spmdlm.config import parse_args
+    from spmdlm.launch import parse_args
     from spmdlm.data import pipeline
 
     args, _ = parse_args(flags(base_run, cache_dir, tiny_gpt2_config))
-    ctx = loop.resolve(args, 0.0)
-    ctx.resuming = True
-    train_docs, val_docs = loop.read_corpora(args)
-    loop.setup_tokenizer(ctx, train_docs)
-    loop.setup_data(ctx, train_docs, val_docs)
-    _, state, _ = loop.setup_state(ctx)
+    ctx = setup.resolve(args, 0.0)
+    train_docs, val_docs = setup.read_corpora(args)
+    setup.setup_tokenizer(ctx, train_docs)
+    setup.setup_data(ctx, train_docs, val_docs)
+    _, state, _ = setup.setup_state(ctx, abstract=True)
     iterator = pipeline.train_batches(ctx.data.train, ctx.objective, seed=args.seed, global_batch=ctx.global_batch,
                                       num_epochs=ctx.schedule.num_epochs)
     return state, iterator
@@ -205,7 +207,7 @@ def test_a_full_disk_stops_the_run_at_the_failed_save(capsys, tmp_path, cache_di
 def test_sigterm_saves_at_the_current_step_and_the_resume_is_exact(capsys, monkeypatch, base_run, tmp_path, cache_dir,
                                                                    tiny_gpt2_config):
     out = tmp_path / "run"
-    original = loop.Stepper.train_step
+    original = Stepper.train_step
 
     def step_then_sigterm(self, state, batch, step):
         result = original(self, state, batch, step)
@@ -213,7 +215,7 @@ def test_sigterm_saves_at_the_current_step_and_the_resume_is_exact(capsys, monke
             os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler between two steps
         return result
 
-    monkeypatch.setattr(loop.Stepper, "train_step", step_then_sigterm)
+    monkeypatch.setattr(Stepper, "train_step", step_then_sigterm)
     code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--save_steps", "100"))
     assert code == 143 and err.strip().startswith("spmdlm: stopped by SIGTERM at step 1")
     assert checkpoint.make_manager(out, read_only=True).all_steps() == [1]
@@ -243,7 +245,7 @@ def test_ctrl_c_outside_training_is_one_line(capsys, monkeypatch, tmp_path):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop, "run", interrupted)
+    monkeypatch.setattr(spmdlm.launch, "run", interrupted)
     code, _, err = launch(capsys, "--output_dir", str(tmp_path / "x"), "--train_file", str(FIXTURES / "overfit.txt"))
     assert code == 130 and len(err.strip().splitlines()) == 1
 
@@ -251,7 +253,7 @@ def test_ctrl_c_outside_training_is_one_line(capsys, monkeypatch, tmp_path):
 # -- memory and mesh checks ----------------------------------------------------------------------------------------
 def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(capsys, monkeypatch, tmp_path, cache_dir,
                                                                         tiny_gpt2_config):
-    monkeypatch.setattr(loop, "device_memory_bytes", lambda: (2**20, "device"))  # a 1 MiB accelerator
+    monkeypatch.setattr(devices, "device_memory_bytes", lambda: (2**20, "device"))  # a 1 MiB accelerator
     out = tmp_path / "run"
     code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config))
     assert code == 2

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, read_metrics
+from spmdlm.families import get_family
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.launch import main
 
@@ -85,8 +86,8 @@ def one_error_line(capsys) -> str:
 
 def test_tokenizer_without_mask_token_is_refused(tmp_path, tiny_config, cache_dir, capsys):
     gpt2_tok = tmp_path / "gpt2-tokenizer"
-    save_tokenizer(train_tokenizer("gpt2", (FIXTURES / "overfit.txt").read_text().splitlines(), 300), gpt2_tok,
-                   "gpt2", model_max_length=64)
+    save_tokenizer(train_tokenizer(get_family("gpt2"), (FIXTURES / "overfit.txt").read_text().splitlines(), 300), gpt2_tok,
+                   get_family("gpt2"), model_max_length=64)
     out = tmp_path / "out"
     assert launch(out, tiny_config, cache_dir, "--train_file", str(FIXTURES / "overfit.txt"),
                   "--tokenizer_name", str(gpt2_tok), "--max_steps", "2") == 2
@@ -97,8 +98,8 @@ def test_vocab_smaller_than_the_tokenizer_is_refused(tmp_path, cache_dir, capsys
     config = tmp_path / "small-vocab.json"
     config.write_text(json.dumps({**TINY, "vocab_size": 300}))
     tok_dir = tmp_path / "tok"
-    save_tokenizer(train_tokenizer("roberta", (FIXTURES / "overfit.txt").read_text().splitlines(), 400), tok_dir,
-                   "roberta", model_max_length=64)
+    save_tokenizer(train_tokenizer(get_family("roberta"), (FIXTURES / "overfit.txt").read_text().splitlines(), 400), tok_dir,
+                   get_family("roberta"), model_max_length=64)
     assert launch(tmp_path / "out", config, cache_dir, "--train_file", str(FIXTURES / "overfit.txt"),
                   "--tokenizer_name", str(tok_dir), "--max_steps", "2") == 2
     assert "vocab_size is 300" in one_error_line(capsys)

@@ -11,8 +11,8 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from spmdlm.export import load_hf, read_hf_config, save_hf  # noqa: E402
-from spmdlm.families import load_config  # noqa: E402
+from spmdlm.export import load_hf, save_hf  # noqa: E402
+from spmdlm.families import load_config, load_pretrained_config  # noqa: E402
 from spmdlm.models.config import ConfigError  # noqa: E402
 from spmdlm.models.t5 import T5Config, T5ForConditionalGeneration, relative_position_buckets  # noqa: E402
 
@@ -210,7 +210,7 @@ def test_train_step_with_dropout_and_remat():
 def test_config_checks(tmp_path):
     def read(values):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", **values}))
-        return read_hf_config(tmp_path)
+        return load_pretrained_config(tmp_path)
 
     with pytest.raises(ConfigError, match="feed_forward_proj 'relu'"):
         read({"tie_word_embeddings": False})  # transformers' default feed_forward_proj is relu

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from spmdlm.families import get_family
 from spmdlm.data.objectives.t5 import (
     SpanCorruption,
     compute_input_and_target_lengths,
@@ -199,8 +200,8 @@ def test_with_a_trained_tokenizer():
     from spmdlm.data.tokenizer import sentinel_ids, special_token_ids, train_tokenizer
 
     texts = [f"sentence {i} about apples, pears and {i * 7} plums." for i in range(200)]
-    tok = train_tokenizer("t5", texts, vocab_size=200)
-    objective = SpanCorruption(64, tuple(sentinel_ids(tok)), special_token_ids(tok, "t5")["eos"])
+    tok = train_tokenizer(get_family("t5"), texts, vocab_size=200)
+    objective = SpanCorruption(64, tuple(sentinel_ids(tok)), special_token_ids(tok, get_family("t5"))["eos"])
     record = np.array(tok.encode(" ".join(texts), add_special_tokens=False).ids[: objective.record_length])
     example = objective(record, np.random.default_rng(0))
     assert tok.id_to_token(int(example["labels"][0])) == "<extra_id_0>"

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import transformers
 
-from spmdlm.families import FAMILIES
+from spmdlm.errors import ConfigError
+from spmdlm.families import get_family
+from spmdlm.families import families
 from spmdlm.data.tokenizer import (
     TokenizerError,
     load_tokenizer,
@@ -61,7 +63,7 @@ def texts():
 
 @pytest.fixture(scope="module")
 def trained(texts):
-    return {model_type: train_tokenizer(model_type, texts, VOCAB_SIZE) for model_type in MODEL_TYPES}
+    return {model_type: train_tokenizer(get_family(model_type), texts, VOCAB_SIZE) for model_type in MODEL_TYPES}
 
 
 def load_hf(path):
@@ -77,13 +79,13 @@ def assert_same_ids(tok, hf):
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_autotokenizer_round_trip(model_type, trained, tmp_path):
     tok = trained[model_type]
-    save_tokenizer(tok, tmp_path, model_type, model_max_length=512)
+    save_tokenizer(tok, tmp_path, get_family(model_type), model_max_length=512)
     hf = load_hf(tmp_path)
     assert type(hf) is HF_CLASS[model_type]
     assert len(hf) == tok.get_vocab_size() == VOCAB_SIZE
     assert hf.model_max_length == 512
     assert_same_ids(tok, hf)
-    for role, token_id in special_token_ids(tok, model_type).items():
+    for role, token_id in special_token_ids(tok, get_family(model_type)).items():
         assert getattr(hf, f"{role}_token_id") == token_id, role
 
 
@@ -91,7 +93,7 @@ def test_autotokenizer_round_trip(model_type, trained, tmp_path):
 def test_round_trip_from_an_exported_model_dir(model_type, config_class, trained, tmp_path):
     # With a config.json beside it, AutoTokenizer weighs the model type against tokenizer_class.
     config_class().save_pretrained(tmp_path)
-    save_tokenizer(trained[model_type], tmp_path, model_type, model_max_length=128)
+    save_tokenizer(trained[model_type], tmp_path, get_family(model_type), model_max_length=128)
     hf = load_hf(tmp_path)
     assert type(hf) is HF_CLASS[model_type]
     assert_same_ids(trained[model_type], hf)
@@ -99,21 +101,21 @@ def test_round_trip_from_an_exported_model_dir(model_type, config_class, trained
 
 @pytest.mark.parametrize("model_type", ["gpt2", "t5"])
 def test_lowercase_round_trip(model_type, texts, tmp_path):
-    tok = train_tokenizer(model_type, texts, VOCAB_SIZE, lowercase=True)
+    tok = train_tokenizer(get_family(model_type), texts, VOCAB_SIZE, lowercase=True)
     assert tok.encode("HeLLo WoRLD").ids == tok.encode("hello world").ids
-    save_tokenizer(tok, tmp_path, model_type, model_max_length=128)
+    save_tokenizer(tok, tmp_path, get_family(model_type), model_max_length=128)
     hf = load_hf(tmp_path)
     assert type(hf) is transformers.PreTrainedTokenizerFast  # the GPT-2 class would drop the Lowercase step
     assert_same_ids(tok, hf)
 
 
 def test_special_token_ids_per_model_type(trained):
-    assert special_token_ids(trained["gpt2"], "gpt2") == {"bos": 0, "eos": 0, "unk": 0, "pad": None, "mask": None}
+    assert special_token_ids(trained["gpt2"], get_family("gpt2")) == {"bos": 0, "eos": 0, "unk": 0, "pad": None, "mask": None}
     roberta_style = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "mask": 4}
-    assert special_token_ids(trained["roberta"], "roberta") == roberta_style
-    assert special_token_ids(trained["bart"], "bart") == roberta_style
-    assert special_token_ids(trained["t5"], "t5") == {"pad": 0, "eos": 1, "unk": 2, "bos": None, "mask": None}
-    assert set(FAMILIES) == set(MODEL_TYPES)
+    assert special_token_ids(trained["roberta"], get_family("roberta")) == roberta_style
+    assert special_token_ids(trained["bart"], get_family("bart")) == roberta_style
+    assert special_token_ids(trained["t5"], get_family("t5")) == {"pad": 0, "eos": 1, "unk": 2, "bos": None, "mask": None}
+    assert set(families()) == set(MODEL_TYPES)
 
 
 def test_t5_sentinels_follow_google_layout(trained, tmp_path):
@@ -122,7 +124,7 @@ def test_t5_sentinels_follow_google_layout(trained, tmp_path):
     assert ids.dtype == np.int32 and ids.shape == (100,)
     np.testing.assert_array_equal(ids, VOCAB_SIZE - 1 - np.arange(100))  # <extra_id_0> = len-1
     assert tok.encode("a <extra_id_7> b", add_special_tokens=False).ids.count(VOCAB_SIZE - 8) == 1
-    save_tokenizer(tok, tmp_path, "t5", model_max_length=512)
+    save_tokenizer(tok, tmp_path, get_family("t5"), model_max_length=512)
     hf = load_hf(tmp_path)
     assert len(hf) == VOCAB_SIZE  # no second set of 100 extra ids
     assert hf.convert_tokens_to_ids([f"<extra_id_{k}>" for k in range(100)]) == ids.tolist()
@@ -143,11 +145,11 @@ def test_t5_pipeline(trained):
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_training_is_deterministic(model_type, texts, trained):
-    assert train_tokenizer(model_type, texts, VOCAB_SIZE).to_str() == trained[model_type].to_str()
+    assert train_tokenizer(get_family(model_type), texts, VOCAB_SIZE).to_str() == trained[model_type].to_str()
 
 
 def test_load_tokenizer_file_dir_and_missing(trained, tmp_path):
-    save_tokenizer(trained["roberta"], tmp_path / "hf", "roberta", model_max_length=512)
+    save_tokenizer(trained["roberta"], tmp_path / "hf", get_family("roberta"), model_max_length=512)
     expected = trained["roberta"].encode(PROBES[3]).ids
     assert load_tokenizer(tmp_path / "hf").encode(PROBES[3]).ids == expected
     assert load_tokenizer(str(tmp_path / "hf" / "tokenizer.json")).encode(PROBES[3]).ids == expected
@@ -163,20 +165,19 @@ def test_load_tokenizer_file_dir_and_missing(trained, tmp_path):
 
 def test_wrong_tokenizer_for_model_type(trained, tmp_path):
     with pytest.raises(TokenizerError, match="no pad token '<pad>'.*--tokenizer_name"):
-        special_token_ids(trained["gpt2"], "t5")
+        special_token_ids(trained["gpt2"], get_family("t5"))
     with pytest.raises(TokenizerError, match="no bos token '<s>'"):
-        special_token_ids(trained["gpt2"], "roberta")
+        special_token_ids(trained["gpt2"], get_family("roberta"))
     with pytest.raises(TokenizerError, match="100 sentinels.*<extra_id_0>"):
         sentinel_ids(trained["roberta"])
     with pytest.raises(TokenizerError, match="<extra_id_0>"):
-        save_tokenizer(trained["roberta"], tmp_path / "out", "t5", model_max_length=512)
+        save_tokenizer(trained["roberta"], tmp_path / "out", get_family("t5"), model_max_length=512)
     assert not (tmp_path / "out").exists()  # nothing written
 
 
 @pytest.mark.parametrize(
     "model_type, vocab_size, texts, match",
     [
-        ("llama", 600, ["x"], "unknown model_type"),
         ("gpt2", 100, ["x"], "vocab_size 100"),
         ("t5", 100, ["x"], "vocab_size 100"),
         ("roberta", 600, [], "no training text"),
@@ -184,4 +185,9 @@ def test_wrong_tokenizer_for_model_type(trained, tmp_path):
 )
 def test_training_errors(model_type, vocab_size, texts, match):
     with pytest.raises(TokenizerError, match=match):
-        train_tokenizer(model_type, texts, vocab_size)
+        train_tokenizer(get_family(model_type), texts, vocab_size)
+
+
+def test_an_unknown_family_is_refused_by_the_registry():
+    with pytest.raises(ConfigError, match="model_type 'llama' is not supported; choose one of bart, gpt2"):
+        get_family("llama")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import transformers
 
+from spmdlm.families import get_family
 from spmdlm.data.tokenizer import (
     load_tokenizer,
     save_tokenizer,
@@ -52,9 +53,9 @@ def test_cli_tokenizer_loads_in_transformers_with_the_same_ids(model, corpus, tm
     assert f"tokenizer for {model}, trained on 600 documents" in capsys.readouterr().out
     tok = load_tokenizer(out)  # what --tokenizer_name DIR gives
     # the library's tokenizer on the same text, streamed from the files in the same order
-    assert tok.to_str() == train_tokenizer(model, LINES, VOCAB[model]).to_str()
+    assert tok.to_str() == train_tokenizer(get_family(model), LINES, VOCAB[model]).to_str()
     same_ids(tok, transformers.AutoTokenizer.from_pretrained(out, local_files_only=True))
-    special_token_ids(tok, model)  # raises if one the family needs is missing
+    special_token_ids(tok, get_family(model))  # raises if one the family needs is missing
     if model == "t5":
         assert list(sentinel_ids(tok)) == list(range(tok.get_vocab_size() - 1, tok.get_vocab_size() - 101, -1))
 
@@ -106,10 +107,10 @@ def test_a_spiece_model_gives_the_ids_of_t5_tokenizer_fast(spiece_dir, tmp_path)
     processor = sentencepiece.SentencePieceProcessor(model_file=str(spiece_dir / "spiece.model"))
     for text in LINES[:20]:  # and those of SentencePiece itself, plus T5's </s>
         assert by_file.encode(text).ids == processor.encode(text) + [1]
-    assert special_token_ids(by_file, "t5") == {"pad": 0, "eos": 1, "unk": 2, "bos": None, "mask": None}
+    assert special_token_ids(by_file, get_family("t5")) == {"pad": 0, "eos": 1, "unk": 2, "bos": None, "mask": None}
     assert sentinel_ids(by_file)[0] == 349 and sentinel_ids(by_file)[99] == 250
     # saved for a run's output dir: AutoTokenizer gives the same ids again
-    save_tokenizer(by_file, tmp_path / "hf", "t5", model_max_length=512)
+    save_tokenizer(by_file, tmp_path / "hf", get_family("t5"), model_max_length=512)
     same_ids(by_file, transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True))
 
 

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from spmdlm.data.objectives import Objective, padding_example
-from spmdlm.data.sources import DataError, PreparedSplit, decode_record, record_source
+from spmdlm.data.records import PreparedSplit, decode_record, record_source
+from spmdlm.errors import DataError
 from spmdlm.mesh import batch_sharding
 
 

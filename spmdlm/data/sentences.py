@@ -15,7 +15,8 @@ that end without punctuation or newline run on into the next one.
 
 `mark_sentence_ends(offsets, ends)` turns the character ends into per-token flags: True at the last token of each
 sentence, i.e. the last token that starts before the sentence's end offset (a token straddling a boundary, such as
-a merged `."`, belongs to the sentence it starts in).
+a merged `."`, belongs to the sentence it starts in). Prepared "sentences" records carry those flags as the
+`SENTENCE_END` bit of the token id (spmdlm.data.records).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import re
 
 import numpy as np
+
+SENTENCE_END = 1 << 30  # flag bit on the last content token of each sentence in a prepared record
 
 # Group 1 captures the first non-space character after the punctuation, to test it for lowercase (any script).
 _BOUNDARY = re.compile(r"\n|[.!?]+[\"')\]”’»]*(?=\s+(\S))")

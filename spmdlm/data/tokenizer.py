@@ -7,6 +7,7 @@ the `tokenizers.Tokenizer` gives during data preparation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -16,25 +17,27 @@ import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from spmdlm import storage
-from spmdlm.families.base import TokenizerSpec
+from spmdlm.errors import TokenizerError
 
 _GENERIC_HF_CLASS = "PreTrainedTokenizerFast"
 
-class TokenizerError(ValueError):
-    """A tokenizer that cannot serve the requested model type, or one that cannot be found."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """The tokenizer a model family trains and the special tokens it relies on."""
+
+    kind: str  # "bpe" (byte-level BPE) or "unigram" (SentencePiece-style, T5)
+    specials: dict[str, str | None]  # role (bos/eos/unk/pad/mask) -> token, None where the model has none
+    trained_order: tuple[str, ...]  # specials in id order when we train a tokenizer (ids 0, 1, 2, ...)
+    hf_class: str | None = None  # tokenizer_config.json class when transformers rebuilds it identically
+    num_sentinels: int = 0  # T5's <extra_id_k>
+    frames_with_bos: bool = False  # RoBERTa/BART: every text is <s> ... </s>
 
 
 def tokenizer_spec(family_or_spec) -> TokenizerSpec:
-    """A family's TokenizerSpec, from the spec itself, a Family or a model_type name."""
-    if isinstance(family_or_spec, TokenizerSpec):
-        return family_or_spec
-    if isinstance(family_or_spec, str):
-        from spmdlm.families import FAMILIES
-
-        if family_or_spec not in FAMILIES:
-            raise TokenizerError(f"unknown model_type {family_or_spec!r}: choose one of {', '.join(FAMILIES)}")
-        return FAMILIES[family_or_spec].tokenizer
-    return family_or_spec.tokenizer
+    """A TokenizerSpec, given itself or a model family (anything with a `tokenizer` spec)."""
+    return family_or_spec if isinstance(family_or_spec, TokenizerSpec) else family_or_spec.tokenizer
 
 
 def _counted(texts: Iterable[str], seen: list[int]) -> Iterator[str]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from spmdlm.config import ArgumentError
-from spmdlm.families.base import LINEAR, ROW, SAME, Family, Table, check_framed_length
-from spmdlm.families.roberta import TOKENIZER as ROBERTA_TOKENIZER
+from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY
+from spmdlm.data.objectives.denoising import MASK_RATIO, PERMUTE_SENTENCE_RATIO, POISSON_LAMBDA, Denoising
+from spmdlm.data.tokenizer import all_special_ids, special_token_ids
+from spmdlm.errors import ArgumentError, ConfigError
+from spmdlm.families.base import (FRAMED_BPE_TOKENIZER, LINEAR, ROW, SAME, Family, Generation, Table,
+                                  check_framed_length, forward_encoder_decoder)
 from spmdlm.flops import attention_matmuls, dense
 from spmdlm.models.bart import BartConfig, BartForConditionalGeneration
-from spmdlm.models.config import ConfigError
 
 
 # torch Linear weights are (out, in): LINEAR. {i} counts encoder layers, {j} decoder layers.
@@ -68,15 +70,16 @@ def check_hf_config(values: dict) -> None:
 
 
 def max_seq_length(args, config) -> int:
-    return args.max_seq_length or min(1024, config.max_position_embeddings)
+    return MAX_SEQ_LENGTH.of(args) or min(1024, config.max_position_embeddings)
 
 
 def mask_ratio(args) -> float:
     # --mlm_probability is the HF script's name for it; both given and different is a mistake.
-    if args.mask_ratio is not None and args.mlm_probability is not None and args.mask_ratio != args.mlm_probability:
-        raise ArgumentError(f"--mask_ratio {args.mask_ratio} and --mlm_probability {args.mlm_probability} disagree; "
+    given, mlm_probability = MASK_RATIO.of(args), MLM_PROBABILITY.of(args)
+    if given is not None and mlm_probability is not None and given != mlm_probability:
+        raise ArgumentError(f"--mask_ratio {given} and --mlm_probability {mlm_probability} disagree; "
                             "for BART they are the same setting: give one")
-    return next((r for r in (args.mask_ratio, args.mlm_probability) if r is not None), 0.3)
+    return next((r for r in (given, mlm_probability) if r is not None), 0.3)
 
 
 def check_lengths(args, config) -> None:
@@ -86,16 +89,13 @@ def check_lengths(args, config) -> None:
 
 
 def build_objective(args, config, tokenizer):
-    from spmdlm.data.objectives.denoising import Denoising
-    from spmdlm.data.tokenizer import all_special_ids, special_token_ids
-
     ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
     try:
         return Denoising(max_seq_length(args, config), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"],
                          mask_id=ids["mask"], decoder_start_id=config.decoder_start_token_id,
                          special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
-                         permute_sentence_ratio=args.permute_sentence_ratio, mask_ratio=mask_ratio(args),
-                         poisson_lambda=args.poisson_lambda)
+                         permute_sentence_ratio=PERMUTE_SENTENCE_RATIO.of(args), mask_ratio=mask_ratio(args),
+                         poisson_lambda=POISSON_LAMBDA.of(args))
     except ValueError as e:
         raise ArgumentError(str(e)) from None
 
@@ -127,7 +127,8 @@ FAMILY = Family(
     model_class=BartForConditionalGeneration,
     hf_auto_class="AutoModelForSeq2SeqLM",
     table=TABLE,
-    tokenizer=dataclasses.replace(ROBERTA_TOKENIZER, hf_class="BartTokenizerFast"),  # same specials and ids
+    tokenizer=dataclasses.replace(FRAMED_BPE_TOKENIZER, hf_class="BartTokenizerFast"),
+    objective_class=Denoising,
     default_preset="bart-base",
     quickstart=dict(output_dir="runs/bart-tiny-stdlib", config_name="bart-tiny", max_seq_length=128,
                     per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
@@ -135,7 +136,7 @@ FAMILY = Family(
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,
-    resume_keys=("max_seq_length", "mask_ratio", "mlm_probability", "poisson_lambda", "permute_sentence_ratio"),
+    forward=forward_encoder_decoder,
+    generation=Generation.ENCODER_DECODER,
     check_hf_config=check_hf_config,
-    sequence_flags=("max_seq_length", "mlm_probability", "mask_ratio", "poisson_lambda", "permute_sentence_ratio"),
 )

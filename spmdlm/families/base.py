@@ -1,20 +1,30 @@
-"""What a model family is: everything the launcher, loop, export, FLOPs and benchmarks need to know about one model.
+"""What a model family is: everything the launcher, loop, export, FLOPs, generation and benchmarks need to know about
+one model, declared in one `Family` object.
 
-A family (gpt2, t5, roberta, bart) is one `Family` object in one file of this package. Nothing outside those files
-branches on `model_type`; see docs/architecture.md ("Adding a model").
+A family is one `Family` (named FAMILY) in one file of this package, or in any installed package that registers it
+under the `spmdlm.families` entry-point group (see spmdlm/families/__init__.py). Nothing outside the family files
+and the models names a family; see docs/architecture.md ("Adding a model").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from spmdlm.data.objectives import Flag, Objective
+from spmdlm.data.tokenizer import TokenizerSpec
+from spmdlm.errors import ArgumentError
+from spmdlm.models.layers import Cache, set_attention
 
 if TYPE_CHECKING:
     from spmdlm.config import RunArgs
-    from spmdlm.data.objectives import Objective
     from spmdlm.models.config import HFConfig
 
 # -- transformers rename tables ------------------------------------------------------------------------------------
@@ -60,23 +70,15 @@ class Table:
                 yield TensorRule(hf.format(**{field: index}), ours, layout, index)
 
 
-# -- tokenizers ----------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class TokenizerSpec:
-    """The tokenizer a family trains and the special tokens it relies on."""
-
-    kind: str  # "bpe" (byte-level BPE) or "unigram" (SentencePiece-style, T5)
-    specials: dict[str, str | None]  # role (bos/eos/unk/pad/mask) -> token, None where the model has none
-    trained_order: tuple[str, ...]  # specials in id order when we train a tokenizer (ids 0, 1, 2, ...)
-    hf_class: str | None = None  # tokenizer_config.json class when transformers rebuilds it identically
-    num_sentinels: int = 0  # T5's <extra_id_k>
-    frames_with_bos: bool = False  # RoBERTa/BART: every text is <s> ... </s>
+# RoBERTa and BART: byte-level BPE whose texts are framed <s> ... </s>, the same specials at the same ids (0-4).
+_FRAMED_SPECIALS = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
+FRAMED_BPE_TOKENIZER = TokenizerSpec(kind="bpe", specials=_FRAMED_SPECIALS,
+                                     trained_order=tuple(_FRAMED_SPECIALS.values()), frames_with_bos=True)
 
 
+# -- lengths ---------------------------------------------------------------------------------------------------------
 def check_framed_length(length: int, limit: int, positions: str) -> None:
     """--max_seq_length of an encoder that frames its input as <s> ... </s>, against the positions it has."""
-    from spmdlm.config import ArgumentError
-
     if length > limit:
         raise ArgumentError(f"--max_seq_length {length} is longer than the model's {positions}; lower "
                             "--max_seq_length or use a config with more positions")
@@ -84,29 +86,105 @@ def check_framed_length(length: int, limit: int, positions: str) -> None:
         raise ArgumentError(f"--max_seq_length {length} leaves no room between <s> and </s>; raise it")
 
 
+# -- what the shared train/eval step calls ----------------------------------------------------------------------------
+Batch = dict[str, jax.Array]
+Forward = Callable[..., jax.Array]  # (model, batch, rngs, *, features_only) -> logits, or the features the head reads
+
+
+def forward_single_stack(model, batch: Batch, rngs: nnx.Rngs | None = None, *, features_only: bool = False):
+    """Decoder-only and encoder-only models: `model(input_ids, attention_mask=...)`."""
+    return model(batch["input_ids"], attention_mask=batch.get("attention_mask"), rngs=rngs,
+                 features_only=features_only)
+
+
+def forward_encoder_decoder(model, batch: Batch, rngs: nnx.Rngs | None = None, *, features_only: bool = False):
+    """Encoder-decoders: the encoder's inputs and the decoder's (teacher-forced) inputs."""
+    return model(batch["input_ids"], batch["decoder_input_ids"], attention_mask=batch.get("attention_mask"),
+                 decoder_attention_mask=batch.get("decoder_attention_mask"), rngs=rngs, features_only=features_only)
+
+
+# -- what generation calls --------------------------------------------------------------------------------------------
+class Generation(enum.Enum):
+    """What a family's model can be asked for at inference (spmdlm/generate), and through which protocol."""
+
+    NONE = "none"  # training only
+    DECODER_ONLY = "decoder_only"  # text continuation: DecoderOnlyGenerator
+    ENCODER_DECODER = "encoder_decoder"  # text from an encoded input: EncoderDecoderGenerator
+    FILL_MASK = "fill_mask"  # candidates for <mask> tokens: the plain forward pass
+
+
+class DecoderOnlyGenerator(Protocol):
+    """A decoder-only model that generates: a left-padded prompt, then one token at a time, through a KV cache."""
+
+    def init_cache(self, batch: int, slots: int) -> Cache:
+        """An empty cache of `slots` tokens for `batch` rows."""
+        ...
+
+    def extend(self, input_ids: jax.Array, cache: Cache, attention_mask: jax.Array | None = None
+               ) -> tuple[jax.Array, Cache]:
+        """The next tokens [B, T] (the prompt's mask the first time) -> logits [B, T, V] and the cache."""
+        ...
+
+
+class EncoderDecoderGenerator(Protocol):
+    """An encoder-decoder that generates: the input encoded once, then decoder tokens through a KV cache."""
+
+    def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+        ...
+
+    def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
+        """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""
+        ...
+
+    def extend(self, decoder_input_ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """The next decoder tokens [B, T] -> logits [B, T, V] and the cache."""
+        ...
+
+
 # -- the family ----------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str  # = the HF model_type
-    config_class: type
-    model_class: type
-    hf_auto_class: str  # the transformers Auto class that loads the export
-    table: Table
-    tokenizer: TokenizerSpec
+    config_class: type  # a frozen dataclass with HF config names (spmdlm.models.config.HFConfig)
+    model_class: type  # the NNX module: (config, *, rngs, dtype, remat, scan_unroll)
+    hf_auto_class: str  # the transformers Auto class that loads the export (named in docs and the model card)
+    table: Table  # the rename table onto the transformers model (export and --model_name_or_path)
+    tokenizer: TokenizerSpec  # the tokenizer it trains (kind) and the special tokens it needs
+    objective_class: type[Objective]  # its objective: the flags (FLAGS) the launcher and prepare take for it
     default_preset: str  # --config_name when none is given with --train_file
     quickstart: dict[str, Any]  # flags of the embedded quick start (python -m spmdlm.launch --model_type NAME)
     check_lengths: Callable[["RunArgs", "HFConfig"], None]  # before any data is read; raises ArgumentError
-    build_objective: Callable[["RunArgs", "HFConfig", Any], "Objective"]  # (args, config, tokenizer)
+    build_objective: Callable[["RunArgs", "HFConfig", Any], Objective]  # (args, config, tokenizer)
     forward_flops: Callable[..., dict[str, float]]  # (config, sequence lengths, full_causal_square) -> by part
-    resume_keys: tuple[str, ...] = ()  # objective flags that must match to resume
+    forward: Forward  # how the shared train and eval step call the model on a batch
+    generation: Generation  # what spmdlm.generate may ask of the model
     check_hf_config: Callable[[dict], None] = lambda values: None  # refuses HF configs we cannot reproduce
-    sequence_flags: tuple[str, ...] = ()  # the objective flags that apply; the first sets the example length
+    presets: dict[str, dict] = dataclasses.field(default_factory=dict)  # its own --config_name presets, by name
+
+    @property
+    def flags(self) -> tuple[Flag, ...]:
+        """The objective flags that apply; the first sets the example length."""
+        return self.objective_class.FLAGS
+
+    @property
+    def resume_keys(self) -> tuple[str, ...]:
+        """Objective flags that must match to resume."""
+        return tuple(flag.name for flag in self.flags if flag.resume)
 
     @property
     def is_encoder_decoder(self) -> bool:
         return getattr(self.config_class, "is_encoder_decoder", False)
 
-    def make_model(self, config, *, rngs, dtype=None, remat: str = "dots", scan_unroll: int | bool = 1):
-        import jax.numpy as jnp
+    def make_model(self, config, *, rngs, dtype=jnp.float32, remat: str = "dots", scan_unroll: int | bool = 1,
+                   attention: str = "xla"):
+        """The model; `attention` chooses how its shared attention layers compute (layers.set_attention)."""
+        model = self.model_class(config, rngs=rngs, dtype=dtype, remat=remat, scan_unroll=scan_unroll)
+        return set_attention(model, attention)
 
-        return self.model_class(config, rngs=rngs, dtype=dtype or jnp.float32, remat=remat, scan_unroll=scan_unroll)
+    def train_flops_per_step(self, config, objective: Objective, global_batch: int, *,
+                             full_causal_square: bool = False) -> float:
+        """Model FLOPs of one optimizer step over a global batch: 3 x forward matmul FLOPs (remat excluded; the
+        conventions are in spmdlm/flops.py). `full_causal_square` also counts the masked half of causal attention,
+        which a dense implementation computes (for cross-checks against what XLA runs; MFU uses the default)."""
+        parts = self.forward_flops(config, objective.sequence_lengths(), full_causal_square=full_causal_square)
+        return 3.0 * global_batch * sum(parts.values())

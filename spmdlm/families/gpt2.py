@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from spmdlm.config import ArgumentError
-from spmdlm.families.base import FLAT, FLAT_OUT, SAME, Family, Table, TokenizerSpec
+from spmdlm.data.objectives.clm import BLOCK_SIZE, CausalLM
+from spmdlm.data.tokenizer import TokenizerSpec
+from spmdlm.errors import ArgumentError, ConfigError
+from spmdlm.families.base import FLAT, FLAT_OUT, SAME, Family, Generation, Table, forward_single_stack
 from spmdlm.flops import attention_matmuls, dense
-from spmdlm.models.config import ConfigError
 from spmdlm.models.gpt2 import GPT2Config, GPT2LMHeadModel
 
 TABLE = Table(
@@ -41,7 +42,7 @@ def check_hf_config(values: dict) -> None:
 
 
 def block_size(args, config) -> int:
-    return args.block_size or min(1024, config.n_positions)
+    return BLOCK_SIZE.of(args) or min(1024, config.n_positions)
 
 
 def check_lengths(args, config) -> None:
@@ -51,8 +52,6 @@ def check_lengths(args, config) -> None:
 
 
 def build_objective(args, config, tokenizer):
-    from spmdlm.data.objectives.clm import CausalLM
-
     return CausalLM(block_size(args, config))
 
 
@@ -72,6 +71,7 @@ FAMILY = Family(
     model_class=GPT2LMHeadModel,
     hf_auto_class="AutoModelForCausalLM",
     table=TABLE,
+    objective_class=CausalLM,
     tokenizer=TokenizerSpec(
         kind="bpe",
         specials={"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>", "pad": None, "mask": None},
@@ -85,7 +85,7 @@ FAMILY = Family(
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,
-    resume_keys=("block_size",),
+    forward=forward_single_stack,
+    generation=Generation.DECODER_ONLY,
     check_hf_config=check_hf_config,
-    sequence_flags=("block_size",),
 )

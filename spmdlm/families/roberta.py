@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from spmdlm.families.base import LINEAR, SAME, Family, Table, TokenizerSpec, check_framed_length
+import dataclasses
+
+from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY
+from spmdlm.data.objectives.mlm import LINE_BY_LINE, MaskedLM
+from spmdlm.data.tokenizer import all_special_ids, special_token_ids
+from spmdlm.errors import ConfigError
+from spmdlm.families.base import (FRAMED_BPE_TOKENIZER, LINEAR, SAME, Family, Generation, Table, check_framed_length,
+                                  forward_single_stack)
 from spmdlm.flops import attention_matmuls, dense
-from spmdlm.models.config import ConfigError
 from spmdlm.models.roberta import RobertaConfig, RobertaForMaskedLM
 
 _LAYER, _OURS = "roberta.encoder.layer.{i}", "layer.layers"
@@ -51,7 +57,7 @@ def check_hf_config(values: dict) -> None:
 
 def max_seq_length(args, config) -> int:
     # The HF script crashed on None; its default is the tokenizer's maximum, i.e. the positions minus the offset.
-    return args.max_seq_length or min(512, config.max_length)
+    return MAX_SEQ_LENGTH.of(args) or min(512, config.max_length)
 
 
 def check_lengths(args, config) -> None:
@@ -61,14 +67,11 @@ def check_lengths(args, config) -> None:
 
 
 def build_objective(args, config, tokenizer):
-    from spmdlm.data.objectives.mlm import MaskedLM
-    from spmdlm.data.tokenizer import all_special_ids, special_token_ids
-
     ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
     return MaskedLM(max_seq_length(args, config), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"],
                     mask_id=ids["mask"], special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
-                    vocab_size=tokenizer.get_vocab_size(), mlm_probability=args.mlm_probability or 0.15,
-                    line_by_line=args.line_by_line)
+                    vocab_size=tokenizer.get_vocab_size(), mlm_probability=MLM_PROBABILITY.of(args) or 0.15,
+                    line_by_line=LINE_BY_LINE.of(args))
 
 
 def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = False) -> dict[str, float]:
@@ -80,16 +83,14 @@ def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = Fa
             "lm_head": seq * (dense(d, d) + dense(d, config.vocab_size))}
 
 
-_SPECIALS = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}  # ids 0-4
-TOKENIZER = TokenizerSpec(kind="bpe", specials=_SPECIALS, trained_order=tuple(_SPECIALS.values()),
-                          hf_class="RobertaTokenizerFast", frames_with_bos=True)
 FAMILY = Family(
     name="roberta",
     config_class=RobertaConfig,
     model_class=RobertaForMaskedLM,
     hf_auto_class="AutoModelForMaskedLM",
     table=TABLE,
-    tokenizer=TOKENIZER,
+    tokenizer=dataclasses.replace(FRAMED_BPE_TOKENIZER, hf_class="RobertaTokenizerFast"),
+    objective_class=MaskedLM,
     default_preset="roberta-base",
     quickstart=dict(output_dir="runs/roberta-tiny-stdlib", config_name="roberta-tiny", max_seq_length=128,
                     per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
@@ -97,7 +98,7 @@ FAMILY = Family(
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,
-    resume_keys=("max_seq_length", "mlm_probability", "line_by_line"),
+    forward=forward_single_stack,
+    generation=Generation.FILL_MASK,
     check_hf_config=check_hf_config,
-    sequence_flags=("max_seq_length", "mlm_probability", "line_by_line", "pad_to_max_length"),
 )

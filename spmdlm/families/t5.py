@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from spmdlm.config import ArgumentError
-from spmdlm.families.base import LINEAR, SAME, Family, Table, TokenizerSpec
+from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY
+from spmdlm.data.objectives.t5 import MEAN_NOISE_SPAN_LENGTH, SpanCorruption
+from spmdlm.data.tokenizer import TokenizerSpec, sentinel_ids, special_token_ids
+from spmdlm.errors import ArgumentError, ConfigError
+from spmdlm.families.base import LINEAR, SAME, Family, Generation, Table, forward_encoder_decoder
 from spmdlm.flops import attention_matmuls, dense
-from spmdlm.models.config import ConfigError
 from spmdlm.models.t5 import T5Config, T5ForConditionalGeneration, dense_activation, hf_scales_decoder_outputs
 
 NUM_SENTINELS = 100
-MAX_SEQ_LENGTH = 512  # relative positions have no model maximum: the T5 recipes' length
+DEFAULT_LENGTH = 512  # relative positions have no model maximum: the T5 recipes' length
 
 
 # torch Linear weights are (out, in): LINEAR. {i} counts encoder blocks, {j} decoder blocks.
@@ -58,23 +60,24 @@ TABLE = Table(
 
 
 def check_hf_config(values: dict) -> None:
-    proj = values.get("feed_forward_proj", "relu")  # transformers' default
+    # A key the file leaves out means what transformers reads: its default (relu; a tied, scaled head).
+    proj = values.get("feed_forward_proj", "relu")
     if dense_activation(proj) is None:
-        raise ConfigError(f"T5 feed_forward_proj {proj!r} is not supported; only gated ones such as 'gated-gelu' "
-                          "(T5 v1.1, Flan-T5) are")
+        given = "" if "feed_forward_proj" in values else " (absent: transformers' default)"
+        raise ConfigError(f"T5 feed_forward_proj {proj!r}{given} is not supported; only gated ones such as "
+                          "'gated-gelu' (T5 v1.1, Flan-T5) are: set \"feed_forward_proj\": \"gated-gelu\"")
     if hf_scales_decoder_outputs(values):
-        raise ConfigError("T5 with a tied, d_model**-0.5-scaled LM head (original T5) is not supported; only T5 v1.1 "
-                          "(tie_word_embeddings false or scale_decoder_outputs false) is")
+        raise ConfigError("T5 with a tied, d_model**-0.5-scaled LM head (original T5; transformers' default when "
+                          "tie_word_embeddings is absent) is not supported; only T5 v1.1 (tie_word_embeddings false "
+                          "or scale_decoder_outputs false) is")
 
 
 def _span_corruption(args, sentinels, eos_id: int, decoder_start_id: int):
-    from spmdlm.data.objectives.t5 import SpanCorruption
-
     try:
         return SpanCorruption(
-            inputs_length=args.max_seq_length or MAX_SEQ_LENGTH, sentinel_ids=tuple(int(s) for s in sentinels),
-            eos_id=eos_id, noise_density=args.mlm_probability or 0.15,
-            mean_noise_span_length=args.mean_noise_span_length, decoder_start_id=decoder_start_id,
+            inputs_length=MAX_SEQ_LENGTH.of(args) or DEFAULT_LENGTH, sentinel_ids=tuple(int(s) for s in sentinels),
+            eos_id=eos_id, noise_density=MLM_PROBABILITY.of(args) or 0.15,
+            mean_noise_span_length=MEAN_NOISE_SPAN_LENGTH.of(args), decoder_start_id=decoder_start_id,
         )
     except ValueError as e:
         raise ArgumentError(str(e)) from None
@@ -86,8 +89,6 @@ def check_lengths(args, config) -> None:
 
 
 def build_objective(args, config, tokenizer):
-    from spmdlm.data.tokenizer import sentinel_ids, special_token_ids
-
     return _span_corruption(args, sentinel_ids(tokenizer), special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
                             config.decoder_start_token_id)
 
@@ -121,6 +122,7 @@ FAMILY = Family(
     model_class=T5ForConditionalGeneration,
     hf_auto_class="AutoModelForSeq2SeqLM",
     table=TABLE,
+    objective_class=SpanCorruption,
     tokenizer=TokenizerSpec(
         kind="unigram",
         specials={"pad": "<pad>", "eos": "</s>", "unk": "<unk>", "bos": None, "mask": None},
@@ -134,7 +136,7 @@ FAMILY = Family(
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,
-    resume_keys=("max_seq_length", "mlm_probability", "mean_noise_span_length"),
+    forward=forward_encoder_decoder,
+    generation=Generation.ENCODER_DECODER,
     check_hf_config=check_hf_config,
-    sequence_flags=("max_seq_length", "mlm_probability", "mean_noise_span_length"),
 )

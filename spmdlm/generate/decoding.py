@@ -1,5 +1,5 @@
-"""Batched generation under jit: a prefill, then a decode loop over a preallocated KV cache, for GPT-2, T5 and BART;
-fill-mask for RoBERTa.
+"""Batched generation under jit: a prefill, then a decode loop over a preallocated KV cache, for every family whose
+`generation` is decoder-only or encoder-decoder (families/base.py: the two protocols); fill-mask for masked LMs.
 
 Shapes are static: the cache has `slots` positions (prompt + new tokens, rounded up to a bucket), so the prefill
 compiles once per (batch, prompt bucket, slots) and the decode loop once per (batch, slots), whatever the prompts,
@@ -26,16 +26,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from spmdlm.families import get_family
+from spmdlm.families.base import Generation
 from spmdlm.generate.sampling import Sampling, choose
 from spmdlm.mesh import constrain
 from spmdlm.models.layers import Cache
+from spmdlm.errors import GenerateError
 
 PROMPT_BUCKET = 16  # prompt lengths are rounded up to a multiple of this (left padding), ...
 SLOT_BUCKET = 64  # ... and cache lengths to a multiple of this: fewer shapes to compile
 
 
-class GenerateError(ValueError):
-    """Input that cannot be generated from: an empty or too long prompt, a model that does not generate text."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +48,11 @@ class Specials:
     forced_eos: int | None  # BART: the last new token is forced to EOS (transformers' forced_eos_token_id)
 
     @classmethod
-    def of(cls, config) -> Specials:
+    def of(cls, config, generation: Generation) -> Specials:
         pad = getattr(config, "pad_token_id", None)
+        start = config.decoder_start_token_id if generation is Generation.ENCODER_DECODER else None
         return cls(config.eos_token_id, config.eos_token_id if pad is None else pad,  # GPT-2 pads with EOS, as HF
-                   getattr(config, "decoder_start_token_id", None), getattr(config, "forced_eos_token_id", None))
+                   start, getattr(config, "forced_eos_token_id", None))
 
 
 @jax.tree_util.register_dataclass
@@ -79,11 +80,11 @@ def prefill(graphdef, params, input_ids, attention_mask, *, slots: int, specials
     cache."""
     model = nnx.merge(graphdef, params)
     batch = input_ids.shape[0]
-    if specials.decoder_start is not None:
+    if specials.decoder_start is not None:  # an EncoderDecoderGenerator
         cache = model.init_cache(model.encode(input_ids, attention_mask), attention_mask, slots)
         first = jnp.full((batch, 1), specials.decoder_start, jnp.int32)
         logits, cache = model.extend(first, cache)
-    else:
+    else:  # a DecoderOnlyGenerator
         first = input_ids
         logits, cache = model.extend(first, model.init_cache(batch, slots), attention_mask)
     tokens = jnp.full((batch, slots), specials.pad, jnp.int32).at[:, :first.shape[1]].set(first)
@@ -144,8 +145,10 @@ def generate_ids(model, config, tokenizer, prompts: list[str], *, max_new_tokens
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1) -> list[list[int]]:
     """The new token ids of each prompt's `num_samples` continuations (prompt-major), each up to and including its
     EOS if it emitted one. `temperature` 0 decodes greedily."""
-    if not hasattr(model, "extend"):
-        raise GenerateError(f"a {config.model_type} model does not generate text; use fill-mask")
+    generation = get_family(config.model_type).generation
+    if generation not in (Generation.DECODER_ONLY, Generation.ENCODER_DECODER):
+        use = "use fill-mask" if generation is Generation.FILL_MASK else "it is trained only"
+        raise GenerateError(f"a {config.model_type} model does not generate text; {use}")
     sampling = Sampling(float(temperature), int(top_k), float(top_p))
     try:
         sampling.check()
@@ -154,7 +157,7 @@ def generate_ids(model, config, tokenizer, prompts: list[str], *, max_new_tokens
     if max_new_tokens < 1 or num_samples < 1:
         raise GenerateError(f"max_new_tokens ({max_new_tokens}) and num_samples ({num_samples}) must be at least 1")
     rows = [ids for ids in encode_prompts(config, tokenizer, prompts) for _ in range(num_samples)]
-    specials = Specials.of(config)
+    specials = Specials.of(config, generation)
     longest = max(map(len, rows))
     ids = np.full((len(rows), min(_round_up(longest, PROMPT_BUCKET), config.max_length)), specials.pad, np.int32)
     mask = np.zeros(ids.shape, np.int32)
@@ -193,8 +196,8 @@ def generate(model, config, tokenizer, prompts: list[str], *, max_new_tokens: in
 
 
 def continuation_text(config, tokenizer, ids: list[int]) -> str:
-    specials = Specials.of(config)
-    drop = {specials.eos, specials.pad, getattr(config, "bos_token_id", None)}
+    pad = getattr(config, "pad_token_id", None)
+    drop = {config.eos_token_id, pad, getattr(config, "bos_token_id", None)}
     return tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
 
 
@@ -208,7 +211,7 @@ def fill_mask(model, config, tokenizer, text: str, top_k: int = 5) -> list[list[
     (transformers' fill-mask pipeline: the softmax over the vocabulary at the masked position)."""
     family = get_family(config.model_type)
     mask_token = family.tokenizer.specials.get("mask")
-    if family.hf_auto_class != "AutoModelForMaskedLM":
+    if family.generation is not Generation.FILL_MASK:
         raise GenerateError(f"fill-mask needs a masked language model; a {config.model_type} model generates text")
     if top_k < 1:
         raise GenerateError(f"--top_k {top_k}: fill-mask needs at least 1 candidate")

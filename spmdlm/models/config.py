@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Mapping, TypeVar
+
+from spmdlm import storage
+from spmdlm.errors import ConfigError
 
 C = TypeVar("C", bound="HFConfig")
 
@@ -20,8 +23,6 @@ def _presets_dir() -> Path:
 PRESETS_DIR = _presets_dir()
 
 
-class ConfigError(ValueError):
-    """A model config that cannot be found or used."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,23 +51,39 @@ class HFConfig:
         return out
 
 
-def read_config_source(config_name: str) -> dict[str, Any]:
-    """`config_name` is a preset name (models/NAME.json), a JSON file, or a directory with config.json."""
-    from spmdlm import storage
-
+def read_config_source(config_name: str, presets: Mapping[str, dict] | None = None) -> dict[str, Any]:
+    """`config_name` is a preset name (models/NAME.json, or a key of `presets`: the families' own), a JSON file, or
+    a directory with config.json."""
+    if presets and config_name in presets:
+        return dict(presets[config_name])
     given = storage.path(config_name, "--config_name")  # a gs:// JSON file or directory is read from the bucket
     candidates = [given, given / "config.json"] + ([] if storage.is_url(config_name) else
                                                    [PRESETS_DIR / f"{config_name}.json"])
     for path in candidates:
         if path.is_file():
-            try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--config_name {config_name}: {path} is not valid JSON ({e})") from None
-    presets = ", ".join(preset_names())
+            return _read_json(path, f"--config_name {config_name}")
+    names = ", ".join(preset_names() + sorted(presets or ()))
     raise ConfigError(
-        f"--config_name {config_name!r}: no such preset, JSON file or directory with config.json (presets: {presets})"
+        f"--config_name {config_name!r}: no such preset, JSON file or directory with config.json (presets: {names})"
     )
+
+
+def read_pretrained_config(path: str) -> dict[str, Any]:
+    """The config.json of a transformers checkpoint directory (--model_name_or_path, an export)."""
+    config_path = storage.path(path, "--model_name_or_path") / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"{path}: no config.json; pass a directory written by save_pretrained or save_hf")
+    return _read_json(config_path, str(path))
+
+
+def _read_json(path, what: str) -> dict[str, Any]:
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what}: {path} is not valid JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{what}: {path} does not hold a config (a JSON object)")
+    return values
 
 
 def preset_names(model_type: str | None = None) -> list[str]:

@@ -238,12 +238,21 @@ class Cache:
         return self.key[self.layer], self.value[self.layer]
 
 
+# How attention's core (scores, mask, softmax, weighted values) is computed, a model option (`set_attention`):
+# xla = our einsums, which materialise [B, heads, T, S] scores; dot_product = jax.nn.dot_product_attention's XLA
+# path; cudnn = its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16). The last two have no attention dropout
+# and no cache layout: a call with either falls back to the einsums.
+ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product", "cudnn")
+
+
 class Attention(nnx.Module):
     """Multi-head attention (self or cross). Separate q/k/v/o projections, or GPT-2's fused qkv kernel.
 
     `scale=None` divides scores by sqrt(head_dim); T5 passes scale=1.0 (its init absorbs the scaling).
     `cross` marks a decoder's attention over the encoder output, whose keys and values generation projects once.
     """
+
+    implementation = "xla"  # ATTENTION_IMPLEMENTATIONS; set per model by set_attention
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, use_bias: bool = True, fused_qkv: bool = False,
                  scale: float | None = None, dropout_rate: float = 0.0, init_std: float = 0.02,
@@ -287,6 +296,8 @@ class Attention(nnx.Module):
                 q, (k, v) = self.heads(self.query(x)), self.keys_values(x if context is None else context)
             if cache is not None:
                 k, v = cache.write(k, v)
+        if self.implementation != "xla" and cache is None and not (rngs is not None and self.dropout_rate > 0.0):
+            return self._fused(q, k, v, mask, bias)
         scores = jnp.einsum(f"bthd,{layout}->bhts", q, k, preferred_element_type=jnp.float32) * self.scale
         if bias is not None:
             scores = scores + bias.astype(jnp.float32)
@@ -296,6 +307,25 @@ class Attention(nnx.Module):
         probs = dropout(probs, self.dropout_rate, rngs)
         out = jnp.einsum(f"bhts,{layout}->bthd", probs, v)
         return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
+
+    def _fused(self, q, k, v, mask, bias):
+        # A [1, 1, T, T] mask is make_attention_mask's causal mask alone (no padding): the kernels' is_causal.
+        causal = mask is not None and mask.shape[:2] == (1, 1) and mask.shape[2] == mask.shape[3]
+        out = jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
+                                           mask=None if causal else mask, scale=self.scale, is_causal=causal,
+                                           implementation="cudnn" if self.implementation == "cudnn" else None)
+        return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
+
+
+def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
+    """Compute every attention layer of `model` with `implementation` (ATTENTION_IMPLEMENTATIONS): part of the
+    model's graph, so it holds for training, evaluation and generation alike."""
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention {implementation!r}: choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, Attention):
+            module.implementation = implementation
+    return model
 
 
 # What each layer keeps for its backward pass (the launcher's --remat), as jax.checkpoint policies. "dots" keeps the

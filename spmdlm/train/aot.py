@@ -12,7 +12,6 @@ an estimate of XLA's compiler for that chip, not a measurement. Nothing is writt
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import math
@@ -22,39 +21,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import topologies
 
-from spmdlm import flops
-from spmdlm.config import ArgumentError, RunArgs
+from spmdlm import devices
+from spmdlm.config import RunArgs
+from spmdlm.data import pipeline
+from spmdlm.errors import ArgumentError, DoesNotFit
+from spmdlm.families import objective_for_shapes
 from spmdlm.mesh import MESH_AXES, batch_axis_size
+from spmdlm.train.setup import resolve, setup_state
+from spmdlm.train.state import count_parameters
 
 GiB = 2**30
 
 
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """One JAX device of a TPU generation (v2/v3: a TensorCore, two per chip; v4 and later: a chip)."""
-
-    name: str
-    hbm_bytes: int
-    hbm_bytes_per_s: float
-
-
-# Memory by jax's device_kind (peak FLOP/s: flops.PEAK_FLOPS_BY_DEVICE_KIND). Public Cloud TPU figures per chip,
-# halved for v2/v3 where each core is a device. v4 slices are described in megacore mode (one device per chip), as
-# JAX runs them on Cloud TPU VMs.
-CHIPS: dict[str, Chip] = {
-    "TPU v2": Chip("v2 (per core; 2 per chip)", 8 * GiB, 350e9),
-    "TPU v3": Chip("v3 (per core; 2 per chip)", 16 * GiB, 450e9),
-    "TPU v4": Chip("v4", 32 * GiB, 1228e9),
-    "TPU v5 lite": Chip("v5e", 16 * GiB, 819e9),
-    "TPU v5": Chip("v5p", 95 * GiB, 2765e9),
-    "TPU v6 lite": Chip("v6e", 32 * GiB, 1640e9),
-}
 INSTALL_HINT = "pip install -e '.[tpu]'"
 
 
-class DoesNotFit(ValueError):
-    """The compiled step needs more memory per device than the chip's HBM (exit code 2)."""
 
 
 def use_cpu_backend() -> None:
@@ -71,8 +54,6 @@ def tpu_devices(topology: str, num_slices: int = 1) -> list:
         raise ArgumentError(f"--compile_for needs libtpu, which is not installed: {INSTALL_HINT}")
     if num_slices < 1:
         raise ArgumentError(f"--num_slices must be at least 1, got {num_slices}")
-    from jax.experimental import topologies
-
     # Only compiled for, never run: another process may hold this machine's TPU (if any) and its lock file.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs = {"chip_config_name": "megacore"} if topology.lower().startswith("v4") else {}
@@ -114,78 +95,47 @@ def global_bytes(state) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
 
 
-def _memory(compiled) -> dict[str, int]:
-    mem = compiled.memory_analysis()
-    out = {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
-           "temp_bytes": mem.temp_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
-           "code_bytes": mem.generated_code_size_in_bytes}
-    # donated arguments are reused for the outputs (alias); the program itself lives in HBM too
-    out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
-                          + out["code_bytes"])
-    return out
-
-
-def _cost(compiled) -> dict[str, float | None]:
-    try:
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    except Exception:
-        cost = None
-    cost = cost or {}
-    optimal = cost.get("optimal_seconds")
-    return {"xla_flops_per_device": cost.get("flops"), "xla_bytes_accessed_per_device": cost.get("bytes accessed"),
-            # libtpu answers -9 (no estimate) when compiling for a topology; only a positive value is one
-            "xla_optimal_seconds": optimal if optimal is not None and optimal > 0 else None}
-
-
 def estimate(args: RunArgs) -> dict[str, Any]:
     """Compile the run's train and eval steps for args.compile_for x args.num_slices; -> the numbers (estimates)."""
-    from spmdlm.data import pipeline
-    from spmdlm.families import objective_for_shapes
-    from spmdlm.train import loop
-
-    devices = tpu_devices(args.compile_for, args.num_slices)
-    kind = devices[0].device_kind
-    chip = CHIPS.get(kind)
-    ctx = loop.resolve(args, time.perf_counter(), devices=devices)
+    slice_devices = tpu_devices(args.compile_for, args.num_slices)
+    kind = slice_devices[0].device_kind
+    chip = devices.chip(kind)
+    ctx = resolve(args, time.perf_counter(), mesh_devices=slice_devices)
     ctx.objective = objective_for_shapes(ctx.family, ctx.config, args=args)
-    ctx.resuming = True  # setup_state then builds the abstract state a resume restores into: shapes, no arrays
     start = time.perf_counter()
-    graphdef, state, stepper = loop.setup_state(ctx)
+    graphdef, state, stepper = setup_state(ctx, abstract=True)  # shapes and shardings, no arrays
     init_seconds = time.perf_counter() - start
     mesh = ctx.mesh
-    hosts = len({d.process_index for d in devices})
+    hosts = len({d.process_index for d in slice_devices})
     eval_batch = args.per_device_eval_batch_size * batch_axis_size(mesh)
     result: dict[str, Any] = {
         "topology": args.compile_for, "num_slices": args.num_slices, "device_kind": kind,
-        "chip": chip.name if chip else kind, "devices": len(devices), "hosts": hosts,
-        "devices_per_host": len(devices) // hosts, "mesh": dict(mesh.shape), "mesh_spec": args.mesh,
+        "chip": chip.name if chip else kind, "devices": len(slice_devices), "hosts": hosts,
+        "devices_per_host": len(slice_devices) // hosts, "mesh": dict(mesh.shape), "mesh_spec": args.mesh,
         "dcn_mesh": args.dcn_mesh,
         "model_type": ctx.family.name, "config": ctx.config_source,
-        "parameters": loop.count_parameters(graphdef, state), "dtype": args.dtype,
+        "parameters": count_parameters(graphdef, state), "dtype": args.dtype,
         "remat": args.remat, "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "global_batch": ctx.global_batch, "per_host_batch": ctx.global_batch // hosts,
         "per_device_batch": ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
-        "sequence_lengths": flops.sequence_lengths(ctx.objective), "eval_batch": eval_batch,
+        "sequence_lengths": ctx.objective.sequence_lengths(), "eval_batch": eval_batch,
         "state_bytes_per_device": per_device_bytes(state), "state_bytes_replicated": global_bytes(state),
         "hbm_bytes_per_device": chip.hbm_bytes if chip else None,
-        "peak_flops_per_device": flops.peak_flops_for_device_kind(kind) if chip else None,
-        "analytic_flops_per_step": flops.train_flops_per_step(ctx.config, ctx.objective, ctx.global_batch),
+        "peak_flops_per_device": chip.peak_flops if chip else None,
+        "analytic_flops_per_step": ctx.family.train_flops_per_step(ctx.config, ctx.objective, ctx.global_batch),
         "init_compile_seconds": init_seconds,
     }
-    def train_step():
-        stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
-        return stepper._train
-
-    result["train"] = _compiled(train_step)
-    result["eval"] = _compiled(lambda: eval_step(stepper, state, pipeline.batch_spec(ctx.objective, eval_batch))) \
+    train_spec, eval_spec = (pipeline.batch_spec(ctx.objective, n) for n in (ctx.global_batch, eval_batch))
+    result["train"] = _compiled(lambda: stepper.lower_train(state, train_spec).compile())
+    result["eval"] = _compiled(lambda: stepper.lower_eval(state, eval_spec).compile()) \
         if args.evaluating and "error" not in result["train"] else None
     result.update(roofline(result))
     steps = [step for step in (result["train"], result["eval"]) if step]
     if any("error" in step for step in steps):
         result["fits"] = False  # XLA refused to compile it: more than the chip's HBM
     else:
-        result["fits"] = None if chip is None else max(step["total_bytes"] for step in steps) <= chip.hbm_bytes
+        hbm = chip.hbm_bytes if chip else None
+        result["fits"] = None if hbm is None else max(step["total_bytes"] for step in steps) <= hbm
     return result
 
 
@@ -200,15 +150,7 @@ def _compiled(compile_step) -> dict[str, Any]:
             raise
         lines = [line.strip() for line in text.replace("RESOURCE_EXHAUSTED: ", "").splitlines() if line.strip()]
         return {"error": " ".join(lines[:3]).rstrip("."), "compile_seconds": time.perf_counter() - start}
-    return {**_memory(compiled), **_cost(compiled), "compile_seconds": time.perf_counter() - start}
-
-
-def eval_step(stepper, state, batch_spec):
-    """The eval step compiled as Stepper.eval_step jits it (there lazily, at the first batch)."""
-    fn = jax.jit(stepper._eval_step, in_shardings=(stepper.shardings, stepper._batch_shardings(batch_spec)),
-                 out_shardings=stepper.replicated)
-    with jax.set_mesh(stepper.mesh):
-        return fn.lower(state, batch_spec).compile()
+    return {**devices.compiled_stats(compiled), "compile_seconds": time.perf_counter() - start}
 
 
 def roofline(r: dict[str, Any]) -> dict[str, Any]:
@@ -216,7 +158,7 @@ def roofline(r: dict[str, Any]) -> dict[str, Any]:
     own cost_analysis 'optimal_seconds' when it gives one and it is longer), and the MFU that implies. An upper bound
     on speed: communication is not modelled, and XLA counts a scanned layer's FLOPs and bytes once, so the executed
     FLOPs are taken as the larger of XLA's count and the model's (x 4/3 with remat)."""
-    chip = CHIPS.get(r["device_kind"])
+    chip = devices.chip(r["device_kind"])
     train = r["train"]
     per_device = r["analytic_flops_per_step"] / r["devices"]
     if chip is None or not per_device or "error" in train:

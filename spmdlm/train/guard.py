@@ -20,14 +20,13 @@ from pathlib import Path
 import jax
 
 from spmdlm import storage
+from spmdlm.errors import LockError
 
 log = logging.getLogger("spmdlm")
 
 LOCK_NAME = "run.lock"
 
 
-class LockError(ValueError):
-    """The output dir is in use by another run, or cannot be written."""
 
 
 class RunLock:

@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from spmdlm import storage
+from spmdlm import devices, storage
+from spmdlm.data.objectives import Objective
+from spmdlm.families.base import Family
 
 log = logging.getLogger("spmdlm")
 
@@ -46,26 +50,18 @@ SYNC_SECONDS = 30.0  # a bucket output dir's reports are uploaded at most this o
 
 
 class Reporter:
-    def __init__(self, out: Path, *, enabled: bool, config, objective, global_batch: int, mesh,
-                 dtype: str, run_start: float | None = None):
+    def __init__(self, out: Path, *, enabled: bool, family: Family, config, objective: Objective, global_batch: int,
+                 mesh, dtype: str, run_start: float | None = None):
         # self.out: where the report files are written; the output dir itself, or a local staging folder for a bucket
         self.target, self.enabled = out, enabled
         self.out = self._stage(out) if enabled and storage.is_remote(out) else out
         self._uploaded: dict[str, tuple[int, int]] = {}
         self._last_sync = time.perf_counter()
         self._run_start = time.perf_counter() if run_start is None else run_start
-        self.tokens_per_step = global_batch * sum(
-            shape[0] for name, (shape, _) in objective.example_spec().items() if name.endswith("input_ids"))
+        self.tokens_per_step = global_batch * sum(objective.sequence_lengths().values())
         self.config, self.mesh, self.dtype = config, mesh, dtype
-        self.flops_per_step = None
-        self.peak_flops = None
-        from spmdlm import flops
-
-        try:
-            self.flops_per_step = flops.train_flops_per_step(config, objective, global_batch)
-            self.peak_flops = flops.peak_flops_per_device(dtype)
-        except NotImplementedError:
-            pass  # no FLOP formula for this architecture yet: report tokens/s only
+        self.flops_per_step = family.train_flops_per_step(config, objective, global_batch)
+        self.peak_flops = devices.peak_flops_per_device(dtype)
         self._bar = None
         self._writer = None
         self._rates: list[float] = []
@@ -76,8 +72,6 @@ class Reporter:
     # -- a bucket output dir: local staging --------------------------------------------------------------------------
     def _stage(self, out) -> Path:
         """A local folder holding the bucket's report files (a resumed run appends to them)."""
-        import tempfile
-
         local = Path(tempfile.mkdtemp(prefix="spmdlm-report-"))
         for name in ("metrics.jsonl", "samples.jsonl"):
             if (out / name).is_file():
@@ -265,8 +259,6 @@ class Reporter:
             self.plot_loss_curve()
         if self.enabled and self.out is not self.target:
             self.sync()
-            import shutil
-
             shutil.rmtree(self.out, ignore_errors=True)  # the staging folder: everything is in the bucket now
             self.out = self.target
         labels = {"train_loss": "train loss {:.4f}", "eval_loss": "eval loss {:.4f}",

@@ -18,9 +18,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmdlm.data.objectives import IGNORE_INDEX
+from spmdlm.devices import compiled_stats
+from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
-
-Batch = dict[str, jax.Array]
 
 
 def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0) -> dict[str, jax.Array]:
@@ -39,18 +39,6 @@ def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0
         # an exact tie for the top logit counts as correct.
         "correct": jnp.sum((target >= jnp.max(logits, axis=-1)) & valid).astype(jnp.float32),
     }
-
-
-def forward(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None, *, features_only: bool = False
-            ) -> jax.Array:
-    """Logits (or the features the LM head reads) for a batch of any objective: encoder-decoders also take decoder
-    inputs."""
-    if "decoder_input_ids" in batch:
-        return model(batch["input_ids"], batch["decoder_input_ids"], attention_mask=batch.get("attention_mask"),
-                     decoder_attention_mask=batch.get("decoder_attention_mask"), rngs=rngs,
-                     features_only=features_only)
-    return model(batch["input_ids"], attention_mask=batch.get("attention_mask"), rngs=rngs,
-                 features_only=features_only)
 
 
 def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, labels: jax.Array,
@@ -104,9 +92,10 @@ def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capaci
     return jax.lax.cond(valid.sum(-1).max() <= capacity, gathered, lambda: head_sums(head, features, labels, **loss))
 
 
-def loss_sums(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None, *, z_loss: float = 0.0,
-              loss_chunk: int = 0, label_capacity: int | None = None) -> dict[str, jax.Array]:
-    """The token-summed loss and metrics of one batch. `loss_chunk` > 0 computes them a chunk of positions at a time
+def loss_sums(model: nnx.Module, batch: Batch, forward: Forward, rngs: nnx.Rngs | None = None, *,
+              z_loss: float = 0.0, loss_chunk: int = 0, label_capacity: int | None = None) -> dict[str, jax.Array]:
+    """The token-summed loss and metrics of one batch, the model called by its family's `forward`.
+    `loss_chunk` > 0 computes them a chunk of positions at a time
     (`chunked_cross_entropy_sums`); `label_capacity` (the objective's) runs the LM head on labelled positions only
     (`labelled_positions_sums`). Both give the same sums as the plain loss."""
     labels = batch["labels"]
@@ -120,23 +109,6 @@ def loss_sums(model: nnx.Module, batch: Batch, rngs: nnx.Rngs | None = None, *, 
     return head_sums(model.head, features, labels, z_loss=z_loss, loss_chunk=loss_chunk)
 
 
-def create_train_state(build: Callable[[], tuple[nnx.Module, nnx.Optimizer]], mesh: Mesh, *, abstract=False):
-    """Build (model, optimizer) inside jit under the mesh so every array is born sharded (no replicated copy).
-
-    `abstract=True` allocates nothing: it returns shapes with the exact shardings the initialiser would produce
-    (read from its compiled program), a restore target that keeps a resume at one copy of the state.
-    """
-    with jax.set_mesh(mesh):
-        graphdef, _ = nnx.split(nnx.eval_shape(build))
-        init = jax.jit(lambda: nnx.state(build()))
-        if not abstract:
-            return graphdef, init()
-        shapes = jax.eval_shape(init)
-        shardings = init.lower().compile().output_shardings
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-    return graphdef, state
-
-
 def state_shardings(state) -> Any:
     return jax.tree.map(lambda x: x.sharding, state)
 
@@ -144,20 +116,21 @@ def state_shardings(state) -> Any:
 class Stepper:
     """Compiles and runs the train and eval steps over the flat (model, optimizer) state, which it donates."""
 
-    def __init__(self, graphdef, state, mesh: Mesh, *, grad_accum: int = 1, z_loss: float = 0.0,
+    def __init__(self, graphdef, state, mesh: Mesh, forward: Forward, *, grad_accum: int = 1, z_loss: float = 0.0,
                  dropout_seed: int = 0, schedule: optax.Schedule | None = None, loss_chunk: int = 0,
                  label_capacity: int | None = None):
-        self.graphdef, self.mesh = graphdef, mesh
+        self.graphdef, self.mesh, self.forward = graphdef, mesh, forward
         self.grad_accum, self.schedule = grad_accum, schedule
         self.loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, label_capacity=label_capacity)
         self.dropout_key = jax.random.key(dropout_seed)
         self.shardings = state_shardings(state)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self._train = self._eval = None
+        self.compiled_train = self._eval = None
         self.compile_stats: dict[str, Any] = {}
 
     # -- the step functions (pure; traced once) ------------------------------------------------------------------
-    def _train_step(self, state, batch: Batch, step: jax.Array):
+    def train_fn(self, state, batch: Batch, step: jax.Array):
+        """One optimizer step: (state, global batch, step number) -> (new state, metric sums)."""
         model, optimizer = nnx.merge(self.graphdef, state)
         graph, params, rest = nnx.split(model, nnx.Param, ...)
         step_key = jax.random.fold_in(self.dropout_key, step)
@@ -166,7 +139,7 @@ class Stepper:
             def loss_of(p):
                 m = nnx.merge(graph, p, rest)
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(step_key, index))
-                sums = loss_sums(m, micro, rngs, **self.loss)
+                sums = loss_sums(m, micro, self.forward, rngs, **self.loss)
                 return sums["loss_sum"] + sums["z_loss_sum"], sums
             return jax.grad(loss_of, has_aux=True)(p)
 
@@ -194,51 +167,50 @@ class Stepper:
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), metrics
 
-    def _eval_step(self, state, batch: Batch):
+    def eval_fn(self, state, batch: Batch):
+        """The loss sums of a batch under the current parameters."""
         model, _ = nnx.merge(self.graphdef, state)
-        return loss_sums(model, batch, **self.loss)
+        return loss_sums(model, batch, self.forward, **self.loss)
 
     # -- compilation ---------------------------------------------------------------------------------------------
-    def _batch_shardings(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):
+    def batch_shardings(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):
         return {k: batch_sharding(self.mesh, len(v.shape)) for k, v in batch_spec.items()}
 
-    def compile_train(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]):
-        """AOT-compile the train step once; record compile time, memory and XLA's FLOP count."""
-        fn = jax.jit(self._train_step, in_shardings=(self.shardings, self._batch_shardings(batch_spec),
-                                                     self.replicated),
-                     out_shardings=(self.shardings, self.replicated), donate_argnums=0)
-        start = time.perf_counter()
+    def lower_train(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct], *, donate: bool = True,
+                    compiler_options: dict[str, Any] | None = None):
+        """The train step lowered for `state`'s shapes and shardings (arrays or ShapeDtypeStructs) and a batch of
+        `batch_spec`; `.compile()` it. `compiler_options`: XLA's, e.g. for benchmarks."""
+        fn = jax.jit(self.train_fn, in_shardings=(self.shardings, self.batch_shardings(batch_spec), self.replicated),
+                     out_shardings=(self.shardings, self.replicated), donate_argnums=0 if donate else (),
+                     compiler_options=compiler_options)
         with jax.set_mesh(self.mesh):
-            abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-            self._train = fn.lower(abstract_state, batch_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
-        self.compile_stats = {"compile_seconds": time.perf_counter() - start, **compiled_stats(self._train)}
+            return fn.lower(abstract(state), batch_spec, jax.ShapeDtypeStruct((), jnp.int32))
+
+    def lower_eval(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]):
+        fn = jax.jit(self.eval_fn, in_shardings=(self.shardings, self.batch_shardings(batch_spec)),
+                     out_shardings=self.replicated)
+        with jax.set_mesh(self.mesh):
+            return fn.lower(abstract(state), batch_spec)
+
+    def compile_train(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
+        """AOT-compile the train step once (what `train_step` runs); -> compile time, memory and XLA's cost."""
+        start = time.perf_counter()
+        self.compiled_train = self.lower_train(state, batch_spec).compile()
+        self.compile_stats = {"compile_seconds": time.perf_counter() - start, **compiled_stats(self.compiled_train)}
         return self.compile_stats
 
     def train_step(self, state, batch: Batch, step: int):
         with jax.set_mesh(self.mesh):
-            return self._train(state, batch, np.int32(step))
+            return self.compiled_train(state, batch, np.int32(step))
 
     def eval_step(self, state, batch: Batch):
-        if self._eval is None:
-            self._eval = jax.jit(self._eval_step, in_shardings=(self.shardings, self._batch_shardings(batch)),
+        if self._eval is None:  # compiled at the first batch: evaluation may never run
+            self._eval = jax.jit(self.eval_fn, in_shardings=(self.shardings, self.batch_shardings(batch)),
                                  out_shardings=self.replicated)
         with jax.set_mesh(self.mesh):
             return self._eval(state, batch)
 
 
-def compiled_stats(compiled) -> dict[str, Any]:
-    """Per-device memory of a compiled step and XLA's own FLOP estimate (None where the backend does not say)."""
-    out: dict[str, Any] = {}
-    try:
-        mem = compiled.memory_analysis()
-        out.update(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
-                   temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes)
-    except Exception:  # some backends have no memory analysis
-        pass
-    try:
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        out["xla_flops_per_device"] = float(cost.get("flops", 0.0)) if cost else None
-    except Exception:
-        pass
-    return out
+def abstract(state):
+    """Shapes, dtypes and shardings of a state (of arrays, or already abstract)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)

@@ -6,9 +6,15 @@ import dataclasses
 
 import numpy as np
 
+from spmdlm.data.objectives import Flag, Objective, at_least_one
+
+BLOCK_SIZE = Flag("block_size", int, None, "CLM example length (default: min(1024, n_positions))", at_least_one,
+                  "must be at least 1")
+
 
 @dataclasses.dataclass(frozen=True)
-class CausalLM:
+class CausalLM(Objective):
+    FLAGS = (BLOCK_SIZE,)
     block_size: int
 
     @property

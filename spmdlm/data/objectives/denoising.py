@@ -35,9 +35,16 @@ import math
 
 import numpy as np
 
-from spmdlm.data.objectives import Framed
+from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Framed, open_unit
+from spmdlm.data.sentences import SENTENCE_END
 
-SENTENCE_END = 1 << 30  # flag bit on the last content token of each sentence in a prepared record
+MASK_RATIO = Flag("mask_ratio", float, None, "BART text infilling: fraction of tokens masked (default 0.3)", open_unit,
+                  "must be between 0 and 1")
+POISSON_LAMBDA = Flag("poisson_lambda", float, 3.0, "BART text infilling: mean span length (Poisson)",
+                      lambda value: value > 0, "must be positive")
+PERMUTE_SENTENCE_RATIO = Flag("permute_sentence_ratio", float, 1.0, "BART: fraction of sentences permuted",
+                              lambda value: 0 <= value <= 1, "must be in [0, 1]")
+
 _ID_BITS = SENTENCE_END - 1
 
 
@@ -47,6 +54,7 @@ def _ceil(x: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Denoising(Framed):
+    FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, MASK_RATIO, POISSON_LAMBDA, PERMUTE_SENTENCE_RATIO)
     max_seq_length: int
     bos_id: int
     eos_id: int
@@ -72,10 +80,7 @@ class Denoising(Framed):
             if getattr(self, role) not in self.special_ids:
                 raise ValueError(f"{role} {getattr(self, role)} is not among special_ids {self.special_ids}")
 
-    @property
-    def preparation(self) -> str:
-        """Records carry sentence-end flags (see spmdlm.data.sources)."""
-        return "sentences"
+    preparation = "sentences"  # records carry sentence-end flags (spmdlm.data.records)
 
     def noise_spans(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(starts, lengths) of the infilling spans over n maskable tokens, sorted by start.

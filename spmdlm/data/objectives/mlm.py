@@ -24,7 +24,12 @@ import math
 
 import numpy as np
 
-from spmdlm.data.objectives import IGNORE_INDEX, Framed
+from spmdlm.data.objectives import IGNORE_INDEX, MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Framed
+
+LINE_BY_LINE = Flag("line_by_line", bool, False, "MLM: one example per non-empty line (truncated, padded) instead of "
+                    "blocks")
+PAD_TO_MAX_LENGTH = Flag("pad_to_max_length", bool, False, "accepted for compatibility (examples always have fixed "
+                         "shapes)", resume=False)
 
 MASK_FRACTION = 0.8  # of the chosen tokens: become <mask>
 RANDOM_FRACTION = 0.1  # become a random non-special id; the remaining 0.1 stay unchanged
@@ -32,6 +37,7 @@ RANDOM_FRACTION = 0.1  # become a random non-special id; the remaining 0.1 stay 
 
 @dataclasses.dataclass(frozen=True)
 class MaskedLM(Framed):
+    FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, LINE_BY_LINE, PAD_TO_MAX_LENGTH)
     max_seq_length: int
     bos_id: int
     eos_id: int

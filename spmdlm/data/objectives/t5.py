@@ -18,6 +18,11 @@ import functools
 
 import numpy as np
 
+from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Objective
+
+MEAN_NOISE_SPAN_LENGTH = Flag("mean_noise_span_length", float, 3.0, "T5 span corruption: mean length of a corrupted "
+                              "span")
+
 
 def compute_input_and_target_lengths(
     inputs_length: int, noise_density: float, mean_noise_span_length: float
@@ -94,7 +99,8 @@ def _replace_spans(ids: np.ndarray, spans: np.ndarray, sentinels: np.ndarray, eo
 
 
 @dataclasses.dataclass(frozen=True)
-class SpanCorruption:
+class SpanCorruption(Objective):
+    FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, MEAN_NOISE_SPAN_LENGTH)
     inputs_length: int  # encoder length (--max_seq_length)
     sentinel_ids: tuple[int, ...]  # [k] = id of <extra_id_k>, from the real tokenizer
     eos_id: int

@@ -1,0 +1,122 @@
+"""Decoding one input file into text lines, for spmdlm.data.readers: .gz and .zst decompressed as they stream, the
+encoding from a BOM (else UTF-8), a file that looks binary refused, bytes that are not UTF-8 replaced by U+FFFD and
+counted.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import io
+import logging
+import re
+from pathlib import Path
+from typing import Iterator
+
+from spmdlm.errors import DataError
+
+log = logging.getLogger(__name__)
+
+COMPRESSION_SUFFIXES = {".gz", ".zst"}
+DATASETS_HINT = "pip install 'spmdlm[datasets]'"  # the extra that brings zstandard, pyarrow and datasets
+
+BINARY_PROBE = 8192  # bytes looked at to tell text from binary
+MAX_INVALID_SHARE = 0.3  # a text file with more undecodable bytes than this in the probe is taken for binary
+# A BOM says the encoding; the UTF-32 ones come first, as the UTF-32 LE BOM begins with the UTF-16 LE one.
+BOMS = [
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+]
+# Bytes that are not UTF-8, as the "surrogateescape" error handler decodes them: one per byte, so they can be counted.
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def formats(path: Path) -> tuple[str, str | None]:
+    """(format suffix, compression suffix or None): 'a.jsonl.gz' -> ('.jsonl', '.gz'), 'a.gz' -> ('', '.gz')."""
+    suffixes = [s.lower() for s in path.suffixes]
+    compression = suffixes.pop() if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES else None
+    return (suffixes[-1] if suffixes else ""), compression
+
+
+def _open_binary(path: Path):
+    """(raw file, readable binary stream): .gz through gzip, .zst through zstandard, else the file itself."""
+    _, compression = formats(path)
+    if compression == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(f"{path}: reading .zst files needs zstandard: pip install zstandard (or "
+                            f"{DATASETS_HINT})") from None
+    raw = path.open("rb")  # a local file, or a gs:// object read through gcsfs
+    if compression == ".gz":
+        return raw, gzip.GzipFile(fileobj=raw, mode="rb")
+    if compression == ".zst":
+        return raw, io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+    return raw, raw
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [EOFError, gzip.BadGzipFile]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _bad_compressed(path: Path, e: BaseException) -> DataError:
+    return DataError(f"{path}: cannot decompress ({str(e).partition(chr(10))[0] or type(e).__name__}); "
+                     "the file is truncated or not what its suffix says")
+
+
+def _encoding(path: Path) -> str:
+    """The file's encoding from its BOM, else UTF-8; a file that looks binary is refused."""
+    raw, f = _open_binary(path)
+    try:
+        with raw, f:
+            head = f.read(BINARY_PROBE)
+    except _decompression_errors() as e:
+        raise _bad_compressed(path, e) from None
+    encoding = next((encoding for bom, encoding in BOMS if head.startswith(bom)), "utf-8")
+    if encoding in ("utf-16", "utf-32"):
+        return encoding  # UTF-16/32 text is full of NUL bytes: no binary check
+    if b"\0" in head:
+        raise DataError(f"{path} looks binary (NUL bytes in its first {len(head)} bytes); "
+                        "give text files (.txt, .json, .jsonl, .csv)")
+    invalid = len(_ESCAPED_BYTE.findall(head.decode("utf-8", errors="surrogateescape")))
+    if invalid > MAX_INVALID_SHARE * len(head):
+        raise DataError(f"{path} looks binary ({invalid} of its first {len(head)} bytes are not UTF-8); "
+                        "give text files (.txt, .json, .jsonl, .csv)")
+    return encoding
+
+
+def text_lines(path: Path, newline: str | None = None, stats=None) -> Iterator[str]:
+    """The lines of a text file; bytes that are not UTF-8 become U+FFFD, with one warning per file. `stats` (a
+    readers.ReadStats), if given, is shown the raw file being read and counts the replaced bytes."""
+    encoding = _encoding(path)
+    # UTF-8 files are read with escapes so the bad bytes can be counted; UTF-16/32 ones are rare enough to replace.
+    errors = "replace" if encoding in ("utf-16", "utf-32") else "surrogateescape"
+    invalid = 0
+    raw, binary = _open_binary(path)
+    if stats is not None:
+        stats.reading = raw
+    try:
+        with raw, binary, io.TextIOWrapper(binary, encoding=encoding, errors=errors, newline=newline) as f:
+            for line in f:
+                line, count = _ESCAPED_BYTE.subn("\ufffd", line)
+                invalid += count
+                yield line
+    except _decompression_errors() as e:
+        raise _bad_compressed(path, e) from None
+    finally:
+        if stats is not None:
+            stats.reading = None
+            stats.invalid_bytes += invalid
+    if invalid:
+        log.warning("%s: %d bytes are not valid UTF-8 and were replaced by U+FFFD (convert the file to UTF-8, "
+                    "e.g. iconv -f latin1 -t utf-8)", path, invalid)

@@ -1,0 +1,347 @@
+"""Tokenizing documents into fixed-length int32 records written as ArrayRecord files (docs/data.md): the one
+preparation path of the launcher's token cache (spmdlm.data.token_cache) and of dataset directories
+(spmdlm.data.datasets), with the record types and small file helpers both use.
+
+`tokenize_into` tokenizes documents in chunks, in-process or in N spawned worker processes, and the parent cuts and
+writes the records in input order, so the output is the same bytes whatever the worker count. Records are
+`record_length` int32 tokens; the objective says which mode it needs (its `preparation` attribute, "stream" by
+default):
+- "stream": documents joined by the separator (EOS), the stream cut into records (only the last partial one is
+  dropped) — CLM, T5, grouped MLM;
+- "sentences": the same, with the SENTENCE_END flag bit on the last token of each sentence (BART);
+- "lines": one record per document (line), truncated and right-padded with pad_id (MLM --line_by_line).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import hashlib
+import logging
+import multiprocessing
+import os
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from spmdlm.data.readers import in_validation_split
+from spmdlm.data.sentences import SENTENCE_END, mark_sentence_ends, sentence_ends
+
+log = logging.getLogger(__name__)
+
+TOKENIZE_BATCH = 512  # documents per tokenizer call: parallel in Rust, bounded memory
+CHUNK_CHARS = 1 << 20  # ... and at most about this many characters per call (long documents)
+
+MODES = ("stream", "sentences", "lines")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """How documents become records (see the module docstring)."""
+
+    record_length: int
+    separator_id: int
+    mode: str = "stream"
+    pad_id: int | None = None
+    validation_percentage: float = 0.0  # > 0: documents whose hash falls in it go to the "validation" split
+
+    def __post_init__(self):
+        if self.mode not in MODES or (self.mode == "lines" and self.pad_id is None):
+            raise ValueError(f"preparation mode {self.mode!r} (pad_id {self.pad_id}) is not one of stream, "
+                             "sentences, lines+pad_id")
+        if self.record_length < 1:
+            raise ValueError(f"record_length {self.record_length} must be positive")
+
+
+@dataclasses.dataclass
+class SplitStats:
+    documents: int = 0
+    tokens: int = 0  # tokens in the prepared stream, separators included (lines: after truncation)
+    examples: int = 0
+    tokens_dropped: int = 0  # the last partial record (stream), the truncated tails (lines)
+
+    def card(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _tokenize_chunk(tokenizer, documents: list[str], cut: Cut) -> dict[str, tuple]:
+    """{split: (array, documents, tokens, dropped)} of one chunk: for stream modes the token stream (each document
+    then the separator), for "lines" the (n, record_length) records. Pure: the same for any process."""
+    encoded = tokenizer.encode_batch(documents, add_special_tokens=False)
+    held_out = ([in_validation_split(doc, cut.validation_percentage) for doc in documents]
+                if cut.validation_percentage > 0 else [False] * len(documents))
+    out = {}
+    for split, wanted in (("train", False), ("validation", True)):
+        picked = [(doc, enc) for doc, enc, held in zip(documents, encoded, held_out) if held is wanted]
+        if not picked:
+            continue
+        if cut.mode == "lines":
+            rows, tokens, dropped = [], 0, 0
+            for _, enc in picked:
+                ids = np.asarray(enc.ids[: cut.record_length], dtype=np.int32)
+                dropped += max(0, len(enc.ids) - cut.record_length)
+                if len(ids):
+                    rows.append(np.pad(ids, (0, cut.record_length - len(ids)), constant_values=cut.pad_id))
+                    tokens += len(ids)
+            array = np.stack(rows) if rows else np.zeros((0, cut.record_length), dtype=np.int32)
+            out[split] = (array, len(picked), tokens, dropped)
+            continue
+        pieces = []
+        separator = np.array([cut.separator_id], dtype=np.int32)
+        for doc, enc in picked:
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            if cut.mode == "sentences":
+                flags = mark_sentence_ends(enc.offsets, sentence_ends(doc))
+                ids = ids | np.where(flags, SENTENCE_END, 0).astype(np.int32)
+            pieces += [ids, separator]
+        stream = np.concatenate(pieces)
+        out[split] = (stream, len(picked), len(stream), 0)
+    return out
+
+
+_WORKER: dict = {}  # a worker process's tokenizer and cut
+
+
+def _worker_init(tokenizer_json: str, cut: Cut) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: the processes are the parallelism
+    from tokenizers import Tokenizer
+
+    _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), cut=cut)
+
+
+def _worker_tokenize(documents: list[str]) -> dict[str, tuple]:
+    return _tokenize_chunk(_WORKER["tokenizer"], documents, _WORKER["cut"])
+
+
+def _chunks(documents: Iterable[str]) -> Iterator[list[str]]:
+    chunk, chars = [], 0
+    for doc in documents:
+        chunk.append(doc)
+        chars += len(doc)
+        if len(chunk) >= TOKENIZE_BATCH or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _writer(path: Path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    return ArrayRecordWriter(str(path), "group_size:1")
+
+
+class RecordShards:
+    """Writes (n, record_length) int32 rows as ArrayRecord files `path_of(0)`, `path_of(1)`, ... of at most
+    `records_per_shard` records each (None: one file). A split with no records writes no file."""
+
+    def __init__(self, path_of: Callable[[int], Path], records_per_shard: int | None = None):
+        self.path_of, self.records_per_shard = path_of, records_per_shard
+        self.shards: list[dict] = []  # closed shards: {"path", "records"}
+        self._writer, self._path, self._count = None, None, 0
+
+    def write(self, rows: np.ndarray) -> None:
+        rows = np.ascontiguousarray(rows, dtype=np.int32)
+        for row in rows:
+            if self._writer is None:
+                self._path = self.path_of(len(self.shards))
+                self._writer, self._count = _writer(self._path), 0
+            self._writer.write(row.tobytes())
+            self._count += 1
+            if self.records_per_shard and self._count >= self.records_per_shard:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        self._writer.close()
+        self.shards.append({"path": self._path, "records": self._count})
+        self._writer = None
+
+    def close(self) -> list[dict]:
+        """The shards written: path, records, bytes, sha256."""
+        if self._writer is not None:
+            self._close_shard()
+        for shard in self.shards:
+            shard.update(bytes=shard["path"].stat().st_size, sha256=file_sha256(shard["path"]))
+        return self.shards
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - already failing; the caller removes the files
+                pass
+            self._writer = None
+
+
+class _Cutter:
+    """Cuts one split's token stream into records, in arrival order."""
+
+    def __init__(self, cut: Cut, sink: RecordShards):
+        self.cut, self.sink, self.stats = cut, sink, SplitStats()
+        self.carry = np.zeros(0, dtype=np.int32)
+
+    def add(self, array: np.ndarray, documents: int, tokens: int, dropped: int) -> None:
+        self.stats.documents += documents
+        self.stats.tokens += tokens
+        self.stats.tokens_dropped += dropped
+        if self.cut.mode == "lines":
+            self.sink.write(array)
+            self.stats.examples += len(array)
+            return
+        stream = np.concatenate([self.carry, array]) if len(self.carry) else array
+        whole = len(stream) // self.cut.record_length
+        self.sink.write(stream[: whole * self.cut.record_length].reshape(whole, self.cut.record_length))
+        self.stats.examples += whole
+        self.carry = stream[whole * self.cut.record_length:].copy()
+
+    def finish(self) -> SplitStats:
+        self.stats.tokens_dropped += len(self.carry)
+        return self.stats
+
+
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def tokenize_into(documents: Iterable[str], tokenizer, sinks: dict[str, RecordShards], cut: Cut, *,
+                  workers: int = 1, on_chunk: Callable[[int, int], None] | None = None) -> dict[str, SplitStats]:
+    """Tokenize `documents` into records written to `sinks["train"]` (and `sinks["validation"]` when
+    cut.validation_percentage > 0). The one preparation path of the token cache and of `spmdlm.prepare`.
+
+    workers <= 1 tokenizes in this process; more spawn that many processes (one tokenizer thread each, no JAX),
+    each given chunks of documents, while this process reads, cuts and writes the results in input order: the
+    records are the same whatever the count. At most 2 chunks per worker are in flight (bounded memory).
+    `on_chunk(documents, tokens)` is called after each chunk is written (progress).
+    """
+    if cut.validation_percentage > 0 and "validation" not in sinks:
+        raise ValueError("a validation percentage needs a validation sink")
+    cutters = {split: _Cutter(cut, sink) for split, sink in sinks.items()}
+
+    def consume(result: dict[str, tuple]) -> None:
+        docs = tokens = 0
+        for split, (array, n_docs, n_tokens, dropped) in result.items():
+            cutters[split].add(array, n_docs, n_tokens, dropped)
+            docs, tokens = docs + n_docs, tokens + n_tokens
+        if on_chunk is not None:
+            on_chunk(docs, tokens)
+
+    try:
+        if workers <= 1:
+            for chunk in _chunks(documents):
+                consume(_tokenize_chunk(tokenizer, chunk, cut))
+        else:
+            _tokenize_in_workers(documents, tokenizer, cut, workers, consume)
+    except BaseException:
+        for sink in sinks.values():
+            sink.abort()
+        raise
+    return {split: cutter.finish() for split, cutter in cutters.items()}
+
+
+def _tokenize_in_workers(documents, tokenizer, cut: Cut, workers: int, consume) -> None:
+    # spawn, not fork: the parent may be a JAX process with running threads; the workers import no JAX.
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_init, initargs=(tokenizer.to_str(), cut))
+    pending: collections.deque = collections.deque()
+    try:
+        for chunk in _chunks(documents):
+            pending.append(pool.submit(_worker_tokenize, chunk))
+            while len(pending) >= 2 * workers:
+                consume(pending.popleft().result())
+        while pending:
+            consume(pending.popleft().result())
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# -- the records on disk, and helpers of the token cache and dataset directories -------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedSplit:
+    """Fixed-length records in one or more ArrayRecord files, read in order as one sequence."""
+
+    paths: tuple[Path, ...]  # the ArrayRecord files (shards), in order; a single Path is accepted
+    num_records: int
+    num_tokens: int
+    record_length: int
+
+    def __post_init__(self):
+        paths = (self.paths,) if isinstance(self.paths, (str, os.PathLike)) else self.paths
+        object.__setattr__(self, "paths", tuple(Path(p) for p in paths))
+
+    @property
+    def path(self) -> Path:
+        """The file of a one-file split (the token cache's)."""
+        if len(self.paths) != 1:
+            raise ValueError(f"this split has {len(self.paths)} shard files; use .paths")
+        return self.paths[0]
+
+
+def record_source(split: PreparedSplit):
+    """A random-access Grain source over the records of a prepared split: all its shards, in order."""
+    import grain
+
+    return grain.sources.ArrayRecordDataSource([str(p) for p in split.paths])
+
+
+def decode_record(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype=np.int32)
+
+
+def count_records(paths: Sequence[Path]) -> int:
+    """Records in ArrayRecord files; RuntimeError/OSError when one does not open."""
+    import grain
+
+    return len(grain.sources.ArrayRecordDataSource([str(p) for p in paths]))
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a local file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether the process `pid` of this host still runs."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
+
+
+def remove_stale_temps(folder: Path, pattern: str, host: str) -> None:
+    """Remove what killed preparations on this host left in `folder`: the temp files and dirs named `pattern` (a
+    glob) + ".tmp-HOST-PID" whose process is gone; a running preparation keeps its own."""
+    for path in folder.glob(f"{pattern}.tmp-{glob.escape(host)}-*"):
+        pid = path.name.rpartition("-")[2]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            log.info("removing %s, left by an interrupted preparation", path)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def progress_bar(total: int | None, desc: str, unit: str = "doc", disable: bool | None = None):
+    """A tqdm bar of `total` `unit`s (None: unknown)."""
+    from tqdm import tqdm
+
+    # disable=None: shown on a terminal only (a log file gets the summary lines instead); stderr, as tqdm does.
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, disable=disable,
+                leave=False)

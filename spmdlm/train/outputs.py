@@ -1,0 +1,146 @@
+"""The output dir's policy: what a run may find there (a run to resume, our own outputs, someone's data), what it
+may remove, and the files it leaves for a resume and for the next run (run_config.json, eval_results.json).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from spmdlm import checkpoint, storage
+from spmdlm.data.tokenizer import save_tokenizer
+from spmdlm.errors import RunError
+from spmdlm.train.guard import LOCK_NAME
+from spmdlm.train.report import write_json
+from spmdlm.train.setup import RunContext, is_main
+
+log = logging.getLogger("spmdlm")
+
+# Run arguments that must match for a run to resume in the same output dir, besides the model config, the global
+# batch and the family's own (its objective's flags). Others may change: logging cadence, the mesh (the state is
+# restored into the new shardings), or the step budget (which also stretches the learning-rate schedule).
+# The model type is compared through the model config. The learning rate, its schedule and warmup may change: the
+# change is logged.
+COMMON_RESUME_KEYS = ("model_name_or_path", "tokenizer_name", "train_file", "dataset_dir", "dataset_name",
+                      "dataset_config_name", "text_column", "validation_file",
+                      "validation_split_percentage", "max_train_samples", "seed", "weight_decay", "adafactor",
+                      "gradient_accumulation_steps")
+LOGGED_CHANGES = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs",
+                  "logging_steps", "eval_steps", "save_steps", "max_grad_norm", "z_loss", "mesh", "dtype",
+                  "sample_prompts", "sample_every")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+OUR_OUTPUTS = ("checkpoints", checkpoint.DAMAGED_DIR, "tensorboard", "metrics.jsonl", "samples.jsonl",
+               "eval_results.json", "loss_curve.png", "hf", "run_config.json")
+
+
+def read_run_config(out: Path) -> dict:
+    path = out / "run_config.json"
+    if not path.exists():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunError(f"{path} is not valid JSON ({e}); restore it, or start afresh with --overwrite_output_dir") \
+            from None
+    if not isinstance(saved, dict):
+        raise RunError(f"{path} is not a run config; restore it, or start afresh with --overwrite_output_dir")
+    return saved
+
+
+# -- stage 2: the output dir: check (refuse or resume), then prepare (remove only our own outputs) ------------------
+def check_output_dir(ctx: RunContext) -> str:
+    """-> 'resume' (a run of these settings is there), 'fresh' (nothing to keep) or 'clear' (our outputs to remove).
+    Refuses anything else unasked; deletes nothing. Reads the run_config.json found there into ctx.previous."""
+    ctx.previous = read_run_config(ctx.out)
+    args, out, saved = ctx.args, ctx.out, ctx.previous or None
+    if not out.exists() or not any(out.iterdir()):
+        return "fresh"
+    if args.overwrite_output_dir:
+        return "clear"
+    has_checkpoints = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
+    if has_checkpoints and saved is not None:
+        # only complete checkpoints count (an interrupted async save leaves a temporary folder)
+        ctx.latest_step = max(checkpoint.make_manager(out, read_only=True).all_steps(), default=0)
+        has_checkpoints = ctx.latest_step > 0
+    if has_checkpoints and saved is None:
+        raise RunError(f"--output_dir {out} holds checkpoints but no run_config.json, so they cannot be checked "
+                       "against this run; restore the file, choose another --output_dir, or --overwrite_output_dir")
+    if has_checkpoints:
+        checkpoint.check_format(saved, out)
+        keys, current = COMMON_RESUME_KEYS + ctx.family.resume_keys, args.to_json()
+        changed = [k for k in keys if saved.get(k) != current.get(k)]
+        # Token ids are set from the tokenizer after this check, so they are not compared here.
+        shape_of = lambda d: {k: v for k, v in (d or {}).items() if not k.endswith("_token_id")}
+        if shape_of(saved.get("model_config")) != shape_of(ctx.config.to_hf_dict()):
+            changed.append("model config")
+        if changed:
+            raise RunError(f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
+                           "use the same flags to resume, another --output_dir, or --overwrite_output_dir")
+        if saved.get("global_batch") != ctx.global_batch:
+            raise RunError(f"--output_dir {out} holds a run with a global batch of {saved.get('global_batch')} "
+                           f"examples, this one has {ctx.global_batch}; resume with --global_batch_size "
+                           f"{saved.get('global_batch')} (any mesh that divides it), or use another --output_dir")
+        logged = [f"{k} {saved.get(k)} -> {getattr(args, k)}" for k in LOGGED_CHANGES
+                  if k in saved and saved[k] != getattr(args, k)]
+        if logged:
+            log.info("resuming with changed settings: %s", ", ".join(logged))
+        return "resume"
+    # A dir holding only a config/tokenizer (as the recipes prepare it) or what a run of ours wrote before its first
+    # checkpoint can be used as is; anything else is someone's data.
+    reusable = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                "merges.txt", "spiece.model", LOCK_NAME, *OUR_OUTPUTS}
+    if {p.name for p in out.iterdir()} - reusable:
+        raise RunError(f"--output_dir {out} is not empty and holds no run to resume; "
+                       "pass --overwrite_output_dir to use it anyway or choose another --output_dir")
+    return "clear"
+
+
+def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
+    """Remove only what a run of ours wrote: recipes keep their config and tokenizer in the output dir (a tokenizer
+    we trained ourselves goes too, or a new corpus would silently reuse it)."""
+    ctx.resuming = verdict == "resume"
+    if not is_main():
+        return
+    if verdict == "clear":
+        names = list(OUR_OUTPUTS)
+        if ctx.previous.get("trained_tokenizer"):
+            names += TOKENIZER_FILES
+        for name in names:
+            storage.remove(ctx.out / name)
+        ctx.previous = {}
+    ctx.out.mkdir(parents=True, exist_ok=True)
+
+
+def write_run_files(ctx: RunContext) -> dict[str, Any]:
+    """The tokenizer (unless one is there: a later export finds it beside the checkpoints) and run_config.json:
+    written once the run is known to fit."""
+    run_config = {**ctx.args.to_json(), "global_batch": ctx.global_batch, "model_config": ctx.config.to_hf_dict(),
+                  "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT}
+    if is_main():
+        if not (ctx.out / "tokenizer.json").exists():
+            save_tokenizer(ctx.tokenizer, ctx.out, ctx.family, model_max_length=ctx.config.max_length)
+        write_json(ctx.out / "run_config.json", run_config)
+    return run_config
+
+
+def read_results(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "eval_results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def export_done(out: Path) -> bool:
+    return (out / "hf" / "config.json").is_file() and (out / "hf" / "model.safetensors").is_file()
+
+
+def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:
+    """What a finished run would still have to write: its evaluation or its export."""
+    missing = []
+    if ctx.data.validation is not None and ctx.args.evaluating and "eval_loss" not in previous_results:
+        missing.append("evaluation")
+    if ctx.args.export_hf and not export_done(ctx.out):
+        missing.append("export")
+    return missing

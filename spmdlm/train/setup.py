@@ -1,0 +1,286 @@
+"""A run's set-up, stage by stage, filling one RunContext: resolve (config, mesh, lengths: everything that can be
+refused before a file is written) -> tokenizer -> objective and data -> the sharded state -> the memory gate.
+
+The train loop (spmdlm/train/loop.py) runs these in order; `--compile_for` (spmdlm/train/aot.py) runs resolve and an
+abstract state only. The output dir's policy is spmdlm/train/outputs.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from spmdlm import devices, storage
+from spmdlm.config import DEFAULT_MODEL_TYPE, RunArgs
+from spmdlm.data import datasets, pipeline, readers, records, token_cache
+from spmdlm.data.objectives import Objective
+from spmdlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
+from spmdlm.errors import ArgumentError, DataError, RunError
+from spmdlm.families import families, get_family, load_config, load_pretrained_config
+from spmdlm.export import load_hf_into_state
+from spmdlm.families.base import Family, Generation
+from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
+from spmdlm.train.optim import OptimConfig, learning_rate_schedule
+from spmdlm.train.state import build_train_state
+from spmdlm.train.step import Stepper
+
+log = logging.getLogger("spmdlm")
+
+
+@dataclasses.dataclass
+class Data:
+    train: records.PreparedSplit | None
+    validation: records.PreparedSplit | None
+
+
+def is_main() -> bool:
+    return jax.process_index() == 0
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What the stages of a run share; filled in stage by stage."""
+
+    args: RunArgs
+    mesh: Mesh
+    out: Path
+    family: Family
+    config: Any
+    global_batch: int
+    run_start: float
+    config_source: str  # the preset, file or directory the model config came from
+    previous: dict = dataclasses.field(default_factory=dict)  # the output dir's run_config.json (outputs.py)
+    resuming: bool = False
+    latest_step: int = 0  # of the checkpoints found when resuming
+    tokenizer: Any = None
+    trained_tokenizer: bool = False
+    objective: Objective | None = None
+    data: Data | None = None
+    schedule: pipeline.Schedule | None = None
+
+    @property
+    def total_steps(self) -> int:
+        return self.schedule.total_steps if self.schedule else 0
+
+
+# -- stage 1: resolve the run's config (everything that can be refused is checked before any file is written) -------
+def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
+    """`mesh_devices`: the devices to build the mesh of (default: this process's JAX devices)."""
+    mesh = make_mesh(args.mesh, mesh_devices, dcn_spec=args.dcn_mesh)
+    global_batch = global_batch_size(args, mesh)
+    out = storage.path(args.output_dir, "--output_dir")  # a local dir or a bucket (gs://)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"--output_dir {out} is a file; give a directory")
+    if args.model_name_or_path:
+        config = load_pretrained_config(args.model_name_or_path)
+        config_name = args.model_name_or_path
+    else:
+        model_type = args.model_type or DEFAULT_MODEL_TYPE
+        default = families()[model_type].default_preset if model_type in families() else model_type
+        config_name = args.config_name or (str(out) if (out / "config.json").exists() else default)
+        config = load_config(config_name, args.model_type)
+        if not args.config_name and not args.uses_embedded_corpus and config_name == default:
+            log.info("no --config_name: using the %s preset (%s); pass --config_name for another size", default,
+                     ", ".join(f"{k}={v}" for k, v in config.to_hf_dict().items()
+                               if type(v) is int and not k.endswith("token_id")))
+        if args.vocab_size:
+            config = config.replace(vocab_size=args.vocab_size)
+    family = get_family(config.model_type)
+    check_flags_apply(args, family)
+    if args.sample_prompts and family.generation is Generation.NONE:
+        raise ArgumentError(f"--sample_prompts: a {family.name} model neither generates nor fills masks; leave it out")
+    family.check_lengths(args, config)
+    return RunContext(args, mesh, out, family, config, global_batch, run_start, config_name)
+
+
+def check_flags_apply(args: RunArgs, family: Family) -> None:
+    """An objective flag of another family (e.g. --block_size for T5) is an error, not silently ignored."""
+    own = {flag.name for flag in family.flags}
+    for other in families().values():
+        for flag in other.flags:
+            if flag.name not in own and flag.of(args) != flag.default:
+                raise ArgumentError(f"--{flag.name} does not apply to {family.name}; its flags are "
+                                    f"{', '.join('--' + f.name for f in family.flags)} (the first sets the "
+                                    "example length)")
+
+
+def global_batch_size(args: RunArgs, mesh) -> int:
+    per_step = batch_axis_size(mesh) * args.gradient_accumulation_steps
+    if args.global_batch_size is not None:
+        if args.global_batch_size % per_step:
+            raise ArgumentError(
+                f"--global_batch_size {args.global_batch_size} is not divisible by the {batch_axis_size(mesh)} "
+                f"batch devices (data x fsdp of --mesh {args.mesh}) x {args.gradient_accumulation_steps} "
+                f"accumulation steps; use a multiple of {per_step}")
+        return args.global_batch_size
+    return args.per_device_train_batch_size * per_step
+
+
+# -- stage 3: tokenizer -----------------------------------------------------------------------------------------------
+def read_corpora(args: RunArgs) -> tuple[list[str], list[str]]:
+    """Training and validation documents; without --validation_file a hash split of the training documents (or the
+    dataset's own validation split). None with --dataset_dir: it is tokenized already."""
+    if args.dataset_dir:
+        return [], []
+    held_out = None
+    if args.train_file or args.dataset_name:
+        corpus = readers.open_corpus([args.train_file] if args.train_file else (), dataset_name=args.dataset_name,
+                                     dataset_config_name=args.dataset_config_name, text_column=args.text_column,
+                                     flag="--train_file")
+        docs = corpus.documents("train")
+        if args.dataset_name and "validation" in corpus.splits and not args.validation_file:
+            held_out = list(corpus.documents("validation"))
+    else:
+        log.info("no --train_file: using the embedded corpus (this Python's standard library sources)")
+        docs = readers.read_embedded_corpus()
+    train, split_off = [], []
+    split = args.validation_split_percentage if held_out is None and not args.validation_file else 0.0
+    for doc in docs:
+        (split_off if split and readers.in_validation_split(doc, split) else train).append(doc)
+    if args.validation_file:
+        held_out = list(readers.read_documents(readers.expand_files(args.validation_file, "--validation_file"),
+                                               text_column=args.text_column))
+    if not train:
+        raise DataError("the training corpus has no text; check --train_file")
+    return train, split_off if held_out is None else held_out
+
+
+def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
+    """Given (--tokenizer_name), the model's, one found in the output dir, or one trained here on the corpus."""
+    args, out, config = ctx.args, ctx.out, ctx.config
+    origin = "trained"
+    if args.tokenizer_name:
+        tok, origin = load_tokenizer(args.tokenizer_name), "given"
+    elif args.dataset_dir:
+        tok, origin = load_tokenizer(storage.path(args.dataset_dir) / datasets.TOKENIZER_DIR), "given"
+    elif args.model_name_or_path and (storage.path(args.model_name_or_path) / "tokenizer.json").exists():
+        tok, origin = load_tokenizer(args.model_name_or_path), "model"
+    elif (out / "tokenizer.json").exists():
+        log.info("reusing the tokenizer in %s", out)
+        tok, origin = load_tokenizer(out), "output_dir"
+    else:
+        vocab = args.vocab_size or config.vocab_size
+        log.info("training a %d-token tokenizer on %d documents", vocab, len(train_docs))
+        tok = train_tokenizer(ctx.family, train_docs, vocab)  # saved with run_config.json (write_run_files)
+    if tok.get_vocab_size() > config.vocab_size:
+        raise ArgumentError(f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
+                            f"{config.vocab_size}; use --vocab_size/a config with vocab_size >= "
+                            f"{tok.get_vocab_size()} or a smaller tokenizer")
+    fields = {f.name for f in dataclasses.fields(config)}
+    ctx.config = config.replace(**{f"{k}_token_id": v for k, v in special_token_ids(tok, ctx.family).items()
+                                   if v is not None and f"{k}_token_id" in fields})
+    ctx.tokenizer = tok
+    ctx.trained_tokenizer = origin == "trained" or (origin == "output_dir" and bool(ctx.previous.get("trained_tokenizer")))
+
+
+# -- stage 4: objective and data ------------------------------------------------------------------------------------
+def setup_data(ctx: RunContext, train_docs, val_docs) -> None:
+    args = ctx.args
+    ctx.objective = ctx.family.build_objective(args, ctx.config, ctx.tokenizer)
+    ids = special_token_ids(ctx.tokenizer, ctx.family)
+    cache = storage.path(args.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
+    mode = ctx.objective.preparation
+    if args.dataset_dir:  # prepared by python -m spmdlm.prepare: checked against this run's tokenizer and lengths
+        train, validation, _ = datasets.open_dataset(args.dataset_dir, tokenizer=ctx.tokenizer,
+                                                    record_length=ctx.objective.record_length, mode=mode)
+        finish_data(ctx, train if args.training else None, validation if args.evaluating else None)
+        return
+    common = dict(record_length=ctx.objective.record_length, separator_id=ids["eos"], cache_dir=cache,
+                  overwrite_cache=args.overwrite_cache, mode=mode, pad_id=ids.get("pad"),
+                  workers=args.preprocessing_num_workers or 1)
+
+    def prepare(docs, name):
+        split = token_cache.prepare_split(docs, ctx.tokenizer, name=name, **common) if is_main() else None
+        if jax.process_count() > 1:  # the others wait for process 0's file, then read the same cache
+            multihost_utils.sync_global_devices(f"prepared {name}")
+            if not is_main():
+                split = token_cache.prepare_split(docs, ctx.tokenizer, name=name,
+                                                  **{**common, "overwrite_cache": False})
+        return split
+
+    train = prepare(train_docs, "train") if args.training else None
+    validation = None
+    if val_docs and args.evaluating:
+        try:
+            validation = prepare(val_docs, "validation")
+        except DataError as e:
+            if args.validation_file:
+                raise
+            log.warning("no evaluation: the held-out %.1f%% of the documents is too small (%s); raise "
+                        "--validation_split_percentage or pass --validation_file", args.validation_split_percentage, e)
+    finish_data(ctx, train, validation)
+
+
+def finish_data(ctx: RunContext, train, validation) -> None:
+    args = ctx.args
+    if train is not None and args.max_train_samples:
+        train = dataclasses.replace(train, num_records=min(train.num_records, args.max_train_samples))
+    ctx.data = Data(train, validation)
+    if train is not None:
+        ctx.schedule = pipeline.make_schedule(train.num_records, ctx.global_batch, args.num_train_epochs,
+                                              args.max_steps)
+
+
+# -- stage 5: the sharded train state -------------------------------------------------------------------------------
+def optim_config(args: RunArgs) -> OptimConfig:
+    return OptimConfig(
+        learning_rate=args.learning_rate, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, adafactor=args.adafactor,
+        max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps, lr_scheduler_type=args.lr_scheduler_type,
+    )
+
+
+def setup_state(ctx: RunContext, *, abstract: bool):
+    """-> (graphdef, state, stepper). `abstract`: shapes and shardings only, nothing allocated — the target a resume
+    restores into (a fresh init would be a second copy) and all that compiling for another machine needs. A fresh
+    state from --model_name_or_path gets that checkpoint's weights."""
+    args = ctx.args
+    optim, steps = optim_config(args), max(ctx.total_steps, 1)
+    graphdef, state = build_train_state(ctx.family, ctx.config, ctx.mesh, optim=optim, total_steps=steps,
+                                        seed=args.seed, dtype=args.dtype, remat=args.remat,
+                                        scan_unroll=args.scan_unroll, abstract=abstract)
+    check_mesh_use(state, ctx)
+    if args.model_name_or_path and not abstract:
+        state = load_hf_into_state(args.model_name_or_path, graphdef, state)
+    stepper = Stepper(graphdef, state, ctx.mesh, ctx.family.forward, grad_accum=args.gradient_accumulation_steps,
+                      z_loss=args.z_loss, dropout_seed=args.seed, schedule=learning_rate_schedule(optim, steps),
+                      loss_chunk=args.loss_chunk_size, label_capacity=ctx.objective.label_capacity)
+    return graphdef, state, stepper
+
+
+def check_mesh_use(state, ctx: RunContext) -> None:
+    """A tensor axis that shards nothing only replicates the work; an idle fsdp axis is plain data parallelism."""
+    idle = idle_axes(state, ctx.mesh)
+    if "tensor" in idle:
+        raise ArgumentError(
+            f"--mesh {ctx.args.mesh}: the tensor axis ({ctx.mesh.shape['tensor']}) divides none of the model's "
+            "sharded dimensions (heads x head size, MLP width, vocabulary), so it would only repeat the same work; "
+            "use a tensor size that divides them, or give those devices to data/fsdp")
+    if "fsdp" in idle:
+        log.warning("--mesh %s: the fsdp axis (%d) divides no parameter dimension, so parameters are replicated "
+                    "(plain data parallelism)", ctx.args.mesh, ctx.mesh.shape["fsdp"])
+
+
+def check_memory(stats: dict[str, Any], ctx: RunContext) -> None:
+    """Refuse a step that cannot fit before running it: an out-of-memory crash (or the kernel's OOM killer) later
+    says nothing about what to change."""
+    need = stats.get("total_bytes", 0)
+    capacity, what = devices.device_memory_bytes()
+    local = jax.local_device_count()
+    if not capacity or need * (local if what == "host" else 1) <= capacity:
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    shared = f"the host's {gib(capacity)} of RAM shared by {local} CPU devices" if what == "host" else \
+        f"the device's {gib(capacity)}"
+    args = ctx.args
+    raise RunError(
+        f"the train step needs {gib(need)} per device (arguments {gib(stats.get('argument_bytes', 0))}, temporaries "
+        f"{gib(stats.get('temp_bytes', 0))}) but has {shared}; try a smaller --per_device_train_batch_size (now "
+        f"{ctx.global_batch // (batch_axis_size(ctx.mesh) * args.gradient_accumulation_steps)}) or sequence length, "
+        "--gradient_checkpointing, fsdp (--mesh fsdp=N), --dtype bfloat16, or a smaller --config_name")

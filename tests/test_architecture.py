@@ -1,0 +1,246 @@
+"""The layer rules of docs/architecture.md §0, checked on the source text with `ast` only.
+
+Imports neither jax nor spmdlm: it runs in a second and works while the code is mid-change.
+`python tests/test_architecture.py` prints the current offenders of every check at once.
+"""
+import ast
+import re
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = "spmdlm"
+FAMILY_NAMES = ("gpt2", "roberta", "t5", "bart")
+MAX_LINES = 600
+LOCAL_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+
+
+def read_floors(doc: Path = REPO / "docs" / "architecture.md") -> dict:
+    """{listed module name: floor} from the `| N ... | `a`, `b` |` rows of the `## §0` section."""
+    section = re.search(r"^## §0\b.*?(?=^## |\Z)", doc.read_text(), re.M | re.S)
+    assert section, f"{doc}: no '## §0' section"
+    floors = {}
+    for row in re.finditer(r"^\|\s*(\d+)[^|]*\|(.*)\|\s*$", section.group(0), re.M):
+        for name in re.findall(r"`([^`]+)`", row.group(2)):
+            floors[name] = int(row.group(1))
+    assert floors, f"{doc}: no table rows in §0"
+    return floors
+
+
+def floor_of(module: str, floors: dict):
+    """Floor of the longest listed name equal to `module` or a dotted prefix of it (bare `spmdlm`: only itself)."""
+    names = [n for n in floors if module == n or (n != PKG and module.startswith(n + "."))]
+    return floors[max(names, key=len)] if names else None
+
+
+class Import(NamedTuple):
+    importer: str
+    target: str
+    path: str  # relative to the root, posix
+    line: int
+    local: bool  # inside a def / class body (at any depth)
+
+
+def is_module(root: Path, dotted: str) -> bool:
+    p = root.joinpath(*dotted.split("."))
+    return p.with_name(p.name + ".py").is_file() or (p / "__init__.py").is_file()
+
+
+@lru_cache(maxsize=None)
+def sources(root: Path) -> dict:
+    """{relative posix path: (module name, text, tree)} for every root/spmdlm/**/*.py."""
+    out = {}
+    for path in sorted((root / PKG).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        text = path.read_text()
+        out[path.relative_to(root).as_posix()] = (name, text, ast.parse(text, filename=str(path)))
+    return out
+
+
+@lru_cache(maxsize=None)
+def scan(root: Path) -> list:
+    """Every import of an spmdlm module, anywhere in any file (module level, defs, classes, if-blocks)."""
+    found = []
+    for rel, (name, _, tree) in sources(root).items():
+        package = name if rel.endswith("__init__.py") else name.rpartition(".")[0]
+
+        def visit(node, local):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.Import):
+                    targets = [a.name for a in child.names]
+                elif isinstance(child, ast.ImportFrom):
+                    base = child.module or ""
+                    if child.level:  # relative: level 1 is this package, 2 its parent, ...
+                        up = package.split(".")[: len(package.split(".")) - child.level + 1]
+                        base = ".".join(up + ([child.module] if child.module else []))
+                    targets = [f"{base}.{a.name}" if is_module(root, f"{base}.{a.name}") else base for a in child.names]
+                else:
+                    visit(child, local or isinstance(child, LOCAL_SCOPES))
+                    continue
+                for t in dict.fromkeys(targets):
+                    if t == PKG or t.startswith(PKG + "."):
+                        found.append(Import(name, t, rel, child.lineno, local))
+
+        visit(tree, False)
+    return found
+
+
+# ---- the checks: each returns its offenders, [] when clean -----------------------------------------------------------
+def unassigned(root, floors):
+    """Modules on no floor (add each to the table in docs/architecture.md §0)"""
+    names = {name for name, _, _ in sources(root).values()} | {i.target for i in scan(root)}
+    return [f"{n}: on no floor; add it to the table in docs/architecture.md §0"
+            for n in sorted(names) if floor_of(n, floors) is None]
+
+
+def upward_imports(root, floors):
+    """Imports of a higher floor"""
+    edges = {}
+    for i in scan(root):
+        a, b = floor_of(i.importer, floors), floor_of(i.target, floors)
+        if a is not None and b is not None and b > a:
+            edges.setdefault(f"{i.importer} (floor {a}) -> {i.target} (floor {b})", []).append(f"{i.path}:{i.line}")
+    return [f"{edge}   [{', '.join(where)}]" for edge, where in sorted(edges.items())]
+
+
+def breadth_first(graph, start):
+    """{module reachable from start: the module it was reached from}, in breadth-first order."""
+    prev, queue = {start: None}, [start]
+    for u in queue:
+        for v in sorted(graph.get(u, set()) - prev.keys()):
+            prev[v] = u
+            queue.append(v)
+    return prev
+
+
+def cycles(root, floors=None):
+    """Import cycles, same-floor edges included (the shortest through the first module of each circle)"""
+    graph = {}
+    for i in scan(root):
+        if i.target != i.importer:
+            graph.setdefault(i.importer, set()).add(i.target)
+    reach = {v: breadth_first(graph, v) for v in graph}
+    found, seen = [], set()
+    for start in sorted(graph):
+        circle = {u for u in reach[start] if start in reach.get(u, ())}  # its strongly connected component
+        if start in seen or len(circle) < 2:
+            continue
+        seen |= circle
+        path = [next(u for u in reach[start] if start in graph.get(u, ()))]
+        while reach[start][path[-1]] is not None:
+            path.append(reach[start][path[-1]])
+        more = f"   ({len(circle)} modules in this circle)" if len(circle) > len(path) else ""
+        found.append(" -> ".join(path[::-1] + [start]) + more)
+    return found
+
+
+def local_imports(root, floors=None):
+    """Function-local (def/class body) imports of spmdlm modules; move them to module level"""
+    return [f"{i.path}:{i.line}: {i.target}" for i in scan(root) if i.local]
+
+
+def family_literals(root, floors=None):
+    """String literals naming a family outside spmdlm/families/ and spmdlm/models/ (one, the default, is allowed)"""
+    hits = []
+    for rel, (_, _, tree) in sources(root).items():
+        if rel.split("/")[1] in ("families", "models"):
+            continue
+        in_fstring = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+        hits += [f"{rel}:{n.lineno}: {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                 and isinstance(n.value, str) and n.value in FAMILY_NAMES and id(n) not in in_fstring]
+    return sorted(hits, key=lambda h: (h.split(":")[0], int(h.split(":")[1]))) if len(hits) > 1 else []
+
+
+def long_files(root, floors=None):
+    """Files longer than MAX_LINES (600) lines"""
+    counts = {rel: len(text.splitlines()) for rel, (_, text, _) in sources(root).items()}
+    return [f"{rel}: {n} lines" for rel, n in counts.items() if n > MAX_LINES]
+
+
+def assert_clean(check, root=REPO):
+    offenders = check(root, read_floors())
+    assert not offenders, f"{check.__doc__}:\n  " + "\n  ".join(offenders)
+
+
+# ---- the tests on the real tree --------------------------------------------------------------------------------------
+def test_every_module_is_on_a_floor():
+    assert_clean(unassigned)
+
+
+def test_imports_go_only_to_the_same_or_a_lower_floor():
+    assert_clean(upward_imports)
+
+
+def test_no_import_cycles():
+    assert_clean(cycles)
+
+
+# TEST 4, KNOWN TO FAIL while the restructuring is under way: it lists the function-local spmdlm imports still to be
+# moved to module level. Do not skip or xfail it; it passes once the last one is gone.
+def test_no_function_local_spmdlm_imports():
+    assert_clean(local_imports)
+
+
+def test_family_names_only_in_families_and_models():
+    assert_clean(family_literals)
+
+
+def test_no_file_over_600_lines():
+    assert_clean(long_files)
+
+
+@pytest.mark.parametrize("module, floor", [("spmdlm", 0), ("spmdlm.errors", 0), ("spmdlm.data.sources", 1),
+                                           ("spmdlm.generate.decoding", 3), ("spmdlm.generate.cli", 4),
+                                           ("spmdlm.tokenizer", 4), ("spmdlm.data.tokenizer", 1), ("spmdlm.new", None)])
+def test_floor_of_the_table(module, floor):
+    assert floor_of(module, read_floors()) == floor
+
+
+# ---- the checks can fail: planted trees ------------------------------------------------------------------------------
+PLANTED_FLOORS = {"spmdlm": 0, "spmdlm.low": 0, "spmdlm.high": 1, "spmdlm.pkg": 1, "spmdlm.models": 1}
+PLANTED = {
+    "cycle": (cycles, {"pkg/__init__.py": "from . import a\n", "pkg/a.py": "from .b import f\n",
+                       "pkg/b.py": "from spmdlm.pkg import a\n"}, ["spmdlm.pkg.a -> spmdlm.pkg.b -> spmdlm.pkg.a"]),
+    "package cycle": (cycles, {"pkg/__init__.py": "from .a import f\nX = 1\n", "pkg/a.py": "from . import X\n"},
+                      ["spmdlm.pkg -> spmdlm.pkg.a -> spmdlm.pkg"]),
+    "no cycle": (cycles, {"low.py": "import os\n", "high.py": "from spmdlm import low\nfrom . import low\n"}, []),
+    "upward": (upward_imports, {"low.py": "import spmdlm.high\n", "high.py": ""},
+               ["spmdlm.low (floor 0) -> spmdlm.high (floor 1)   [spmdlm/low.py:1]"]),
+    "unassigned": (unassigned, {"stray.py": "", "low.py": ""},
+                   ["spmdlm.stray: on no floor; add it to the table in docs/architecture.md §0"]),
+    "local": (local_imports, {"high.py": "", "low.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    import spmdlm.high\nclass C:\n    def f(self):\n        from . import high\n"},
+              ["spmdlm/low.py:6: spmdlm.high"]),
+    "families": (family_literals, {"high.py": 'DEFAULT = "gpt2"\nX = f"t5{DEFAULT}"\n"""a bart docstring"""\n',
+                                   "low.py": 'NAMES = ("roberta",)\n', "models/m.py": 'X = "t5"\n'},
+                 ["spmdlm/high.py:1: 'gpt2'", "spmdlm/low.py:1: 'roberta'"]),
+    "one default family": (family_literals, {"high.py": 'DEFAULT = "gpt2"\n', "models/m.py": 'X = "t5"\n'}, []),
+    "long": (long_files, {"low.py": "x = 1\n" * (MAX_LINES + 1), "high.py": "x = 1\n" * MAX_LINES},
+             [f"spmdlm/low.py: {MAX_LINES + 1} lines"]),
+}
+
+
+@pytest.mark.parametrize("case", PLANTED)
+def test_planted(tmp_path, case):
+    check, files, expected = PLANTED[case]
+    for rel, text in {"__init__.py": "", **files}.items():
+        (tmp_path / PKG / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / PKG / rel).write_text(text)
+    assert check(tmp_path, PLANTED_FLOORS) == expected
+
+
+def report(root=REPO):
+    """Print the current offenders of every check at once."""
+    floors = read_floors()
+    for check in (unassigned, upward_imports, cycles, local_imports, family_literals, long_files):
+        offenders = check(root, floors)
+        print(f"{check.__name__}: {len(offenders) or 'clean'}" + "".join(f"\n  {o}" for o in offenders))
+
+
+if __name__ == "__main__":
+    report(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else REPO)

@@ -1,0 +1,60 @@
+"""One config resolution: a preset, a JSON file, an HF config directory and --model_name_or_path all go through the
+family's config checks, for training and for export alike (a config the model cannot reproduce is refused in one
+line with exit 2, whichever way it comes in)."""
+
+import json
+
+import pytest
+
+from conftest import FIXTURES
+from spmdlm import export, launch
+from spmdlm.errors import ConfigError
+from spmdlm.families import load_config, load_pretrained_config
+
+LAYERDROP = {"model_type": "bart", "vocab_size": 512, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+             "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 64,
+             "decoder_ffn_dim": 64, "max_position_embeddings": 64, "encoder_layerdrop": 0.2}
+
+
+@pytest.fixture
+def layerdrop_dir(tmp_path):
+    folder = tmp_path / "bart-layerdrop"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LAYERDROP))
+    return folder
+
+
+def one_line_error(capsys, code: int) -> str:
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("flag", ["--config_name", "--model_name_or_path"])
+def test_the_launcher_refuses_layerdrop_by_either_flag(flag, layerdrop_dir, tmp_path, capsys):
+    code = launch.main([flag, str(layerdrop_dir), "--train_file", str(FIXTURES / "overfit.txt"),
+                        "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--mesh", "data=8"])
+    assert "encoder_layerdrop 0.2 is not supported" in one_line_error(capsys, code)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_it_from_a_checkpoint_and_from_a_transformers_dir(layerdrop_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run_config.json").write_text(json.dumps({"checkpoint_format": 2, "model_config": LAYERDROP}))
+    code = export.main(["--checkpoint", str(run), "--out", str(tmp_path / "hf")])
+    assert "encoder_layerdrop 0.2 is not supported" in one_line_error(capsys, code)
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ConfigError, match="encoder_layerdrop"):
+        export.load_hf(layerdrop_dir)
+
+
+def test_every_source_runs_the_checks(layerdrop_dir, tmp_path):
+    file = tmp_path / "bart.json"
+    file.write_text(json.dumps(LAYERDROP))
+    for source in (str(layerdrop_dir), str(file)):
+        with pytest.raises(ConfigError, match="encoder_layerdrop"):
+            load_config(source)
+    with pytest.raises(ConfigError, match="encoder_layerdrop"):
+        load_pretrained_config(layerdrop_dir)
+    assert load_config("bart-tiny").encoder_layers == 2  # a shipped preset passes the same checks
