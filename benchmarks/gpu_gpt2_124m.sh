@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPT-2 124M, bf16 compute, 8 x 1024 tokens per step on one NVIDIA GPU: tokens/s, MFU against the dense bf16 peak
-# (flops.PEAK_FLOPS_BY_DEVICE_KIND), peak device memory, with XLA's attention (einsum), jax.nn.dot_product_attention
-# (XLA) and its cuDNN flash attention, all three in one process with their steps interleaved, and the logits' share
+# (spmdlm/devices.py CHIPS), peak device memory, with the model's attention option: xla (einsums), dot_product
+# (jax.nn.dot_product_attention's XLA path) and cudnn (its cuDNN flash attention), all three in one process with their steps interleaved, and the logits' share
 # of memory (--loss_chunk_size). One JSON line per run under $OUT (default /tmp/gpu-bench).
 #
 #   bash benchmarks/gpu_gpt2_124m.sh            # on the GPU machine, from the repository root; ~5 min
@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1
 "$PY" -c "import jax; print(jax.devices())"
 common=(--model gpt2 --config gpt2 --dtype bfloat16 --mesh data=1 --batch_size 8 --seq_len 1024)
 "$PY" benchmarks/bench_train.py "${common[@]}" --steps 20 --warmup 3 \
-  --compare attention=dpa --compare attention=cudnn | tee "$OUT/gpt2-124m-attention.json"
+  --compare attention=dot_product --compare attention=cudnn | tee "$OUT/gpt2-124m-attention.json"
 "$PY" benchmarks/bench_train.py "${common[@]}" --steps 20 --warmup 3 --attention cudnn \
   --compare loss_chunk=256 | tee "$OUT/gpt2-124m-loss-chunk.json"
 "$PY" - "$OUT" <<'EOF'

@@ -161,6 +161,7 @@ class FamilyChoices:
     """What the parser needs to know of the model families, handed in by the launcher."""
 
     objective_flags: tuple[Flag, ...]  # every family's objective flags (one declaration per name)
+    family_flags: Mapping[str, tuple[str, ...]]  # model type -> the names of the objective flags that apply
     quickstarts: Mapping[str, Mapping[str, Any]]  # model type -> the embedded quick start's own flags
     presets: tuple[str, ...]  # --config_name presets
 
@@ -234,11 +235,14 @@ def build_parser(choices: FamilyChoices) -> argparse.ArgumentParser:
              if f.name != "objective"]
     objective_at = next(i for i, flag in enumerate(flags) if flag[0] == "output_dir")
     flags[objective_at:objective_at] = [(f.name, f.type, f.default, f.help) for f in choices.objective_flags]
-    starts[choices.objective_flags[0].name] = "objective (each family's; --help lists which apply where)"
+    objective_group = choices.objective_flags[0].name
+    starts[objective_group] = "objective"
+    applies = "; ".join(f"{name}: {', '.join('--' + f for f in names)}" for name, names in choices.family_flags.items())
     group = parser
     for name, tp, default, help_text in flags:
         if name in starts:
-            group = parser.add_argument_group(starts[name])
+            about = textwrap.fill(f"Each family's own flags ({applies}).", 100) if name == objective_group else None
+            group = parser.add_argument_group(starts[name], about)
         _add_flag(group, name, tp, default, help_text)
     return parser
 

@@ -7,6 +7,8 @@ except the few with exit codes of their own below.
 
 from __future__ import annotations
 
+import signal
+
 
 class UserError(ValueError):
     """Input that cannot work, with the fix in the message (exit status 2)."""
@@ -66,3 +68,17 @@ class DoesNotFit(UserError):
 
 class DivergenceError(RuntimeError):
     """The loss or the gradient norm became NaN or infinite (exit status 3)."""
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after saving a checkpoint at `step` (exit status 128 + the signal's number)."""
+
+    def __init__(self, signum: int, step: int, where):
+        self.signum, self.step = signum, step
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}: the checkpoint is saved in "
+                         f"{where}; run the same command to resume")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+

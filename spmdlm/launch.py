@@ -19,11 +19,10 @@ from jax.errors import JaxRuntimeError
 
 from spmdlm import config
 from spmdlm.config import RunArgs
-from spmdlm.errors import ArgumentError, DivergenceError, UserError
+from spmdlm.errors import ArgumentError, DivergenceError, Preempted, UserError
 from spmdlm.families import family_choices
 from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu
 from spmdlm.train.aot import run_compile_for, use_cpu_backend
-from spmdlm.train.guard import Preempted
 from spmdlm.train.loop import run
 
 log = logging.getLogger("spmdlm")

@@ -28,7 +28,7 @@ import sys
 
 from spmdlm.config import RunArgs, check_objective_flags
 from spmdlm.data.datasets import DEFAULT_SHARD_BYTES, prepare_dataset
-from spmdlm.data.readers import open_corpus
+from spmdlm.data.readers import add_corpus_arguments, corpus_of
 from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
 from spmdlm.errors import ArgumentError, UserError
 from spmdlm.families import families, get_family, load_config, objective_flags
@@ -74,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m spmdlm.prepare",
         description="Tokenize a corpus once into sharded fixed-length records (a dataset directory) for "
                     "python -m spmdlm.launch --dataset_dir. See docs/data.md.")
-    parser.add_argument("inputs", nargs="*", metavar="INPUTS",
-                        help="files, globs or directories: txt/json/jsonl/csv/parquet, plain, .gz or .zst")
+    add_corpus_arguments(parser)
     parser.add_argument("--tokenizer", "--tokenizer_name", dest="tokenizer", required=True,
                         help="tokenizer.json, an HF tokenizer dir, or a SentencePiece spiece.model")
     parser.add_argument("--for_model", required=True, choices=sorted(families()),
@@ -89,12 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(f"--{flag.name}", action="store_true", default=False, help=flag.help)
         else:
             group.add_argument(f"--{flag.name}", type=flag.type, default=None, help=flag.help)
-    parser.add_argument("--dataset_name", default=None,
-                        help="a datasets dataset: a save_to_disk dir, parquet file/dir, or Hub name (needs "
-                             "pip install 'spmdlm[datasets]')")
-    parser.add_argument("--dataset_config_name", default=None, help="the dataset's configuration")
-    parser.add_argument("--text_column", default=None, help="json/jsonl/csv/parquet/datasets: the text field "
-                                                            "(default: text)")
     parser.add_argument("--validation_percentage", "--validation_split_percentage", dest="validation_percentage",
                         type=float, default=5.0,
                         help="percent of documents held out by hash (default 5; 0: none); a dataset's own "
@@ -119,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ArgumentError(f"--workers {args.workers}: give 1 or more")
         if not 0 <= args.validation_percentage < 100:
             raise ArgumentError(f"--validation_percentage {args.validation_percentage}: give a value in [0, 100)")
-        corpus = open_corpus(args.inputs, dataset_name=args.dataset_name,
-                             dataset_config_name=args.dataset_config_name, text_column=args.text_column)
+        corpus = corpus_of(args)
         tokenizer = load_tokenizer(args.tokenizer)
         flags = {flag.name: getattr(args, flag.name) for flag in objective_flags()}
         family, objective, applicable, config = resolve_objective(args.for_model, tokenizer, flags, args.config_name)

@@ -300,3 +300,15 @@ def local_cache_root() -> Path:
 def local_mirror(p) -> Path:
     """The local folder that mirrors the gs:// folder `p` on this host (gs://b/x -> LOCAL_CACHE/b/x)."""
     return local_cache_root() / str(p)[len(SCHEME):]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether the process `pid` of this host still runs (the owner of a lock or temp file we find)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
+

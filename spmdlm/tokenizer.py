@@ -22,7 +22,7 @@ from pathlib import Path
 
 from spmdlm import storage
 from spmdlm.config import DEFAULT_MODEL_TYPE
-from spmdlm.data.readers import ReadStats, open_corpus
+from spmdlm.data.readers import ReadStats, add_corpus_arguments, corpus_of
 from spmdlm.data.records import progress_bar
 from spmdlm.data.tokenizer import save_tokenizer, train_tokenizer
 from spmdlm.errors import ArgumentError, UserError
@@ -52,8 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m spmdlm.tokenizer",
         description="Train a tokenizer (HF tokenizers) on a corpus for a model family; the output directory loads "
                     "with transformers.AutoTokenizer and with --tokenizer_name. See docs/data.md.")
-    parser.add_argument("inputs", nargs="*", metavar="INPUTS",
-                        help="files, globs or directories: txt/json/jsonl/csv/parquet, plain, .gz or .zst")
+    add_corpus_arguments(parser)
     parser.add_argument("--kind", choices=KINDS, default=None,
                         help=f"bpe: byte-level BPE ({by_kind['bpe']}); unigram: SentencePiece-style "
                              f"({by_kind['unigram']}). Default: the model's")
@@ -65,10 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min_frequency", type=int, default=2, help="BPE: least count of a merged pair (default 2)")
     parser.add_argument("--lowercase", action="store_true", help="lowercase the text before tokenizing")
     parser.add_argument("--out", required=True, help="directory to write the tokenizer files to")
-    parser.add_argument("--text_column", default=None, help="json/jsonl/csv/parquet/datasets: the text field")
-    parser.add_argument("--dataset_name", default=None, help="a datasets dataset (save_to_disk dir, parquet, Hub "
-                                                             "name); needs pip install 'spmdlm[datasets]'")
-    parser.add_argument("--dataset_config_name", default=None)
     parser.add_argument("--model_max_length", type=int, default=None,
                         help="tokenizer_config.json's model_max_length (default: the family's base preset's)")
     parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --out")
@@ -109,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         out = storage.path(args.out, "--out") if storage.is_url(args.out) else Path(args.out).expanduser()
         if (out / "tokenizer.json").exists() and not args.overwrite:
             raise ArgumentError(f"--out {out} already holds a tokenizer.json; pass --overwrite to replace it")
-        corpus = open_corpus(args.inputs, dataset_name=args.dataset_name,
-                             dataset_config_name=args.dataset_config_name, text_column=args.text_column)
+        corpus = corpus_of(args)
         family = get_family(model)
         max_length = args.model_max_length or load_config(family.default_preset, family.name).max_length
         stats = ReadStats()

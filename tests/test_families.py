@@ -97,6 +97,33 @@ def test_logits_match_on_a_sharded_mesh(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", FIXTURES)
+def test_attention_implementations_compute_the_same(family):
+    """The model option `attention`: jax.nn.dot_product_attention's XLA path gives the einsums' logits and gradients
+    (padding on both sides, causal masks, T5's relative-position bias)."""
+    name = next(iter(FIXTURES[family].configs))
+    hf_config = FIXTURES[family].hf_config_class(**FIXTURES[family].configs[name])
+    config = families()[family].config_class.from_dict(hf_config.to_dict())
+    batch = {k: jnp.asarray(v) for k, v in
+             FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(3)).items()}
+    valid = np.asarray(batch[FIXTURES[family].output_mask]).astype(bool)
+
+    def logits_and_grads(attention):
+        graph, params = nnx.split(families()[family].make_model(config, rngs=nnx.Rngs(0), attention=attention))
+
+        def loss(p):
+            logits = nnx.merge(graph, p)(**batch)
+            return jnp.sum(jnp.where(valid[..., None], logits, 0.0) ** 2), logits
+
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return logits, grads
+
+    (xla_logits, xla_grads), (dpa_logits, dpa_grads) = (logits_and_grads(a) for a in ("xla", "dot_product"))
+    np.testing.assert_allclose(np.asarray(dpa_logits)[valid], np.asarray(xla_logits)[valid], atol=1e-5, rtol=0)
+    for g, w in zip(jax.tree.leaves(dpa_grads), jax.tree.leaves(xla_grads)):
+        np.testing.assert_allclose(g, w, atol=1e-5 * (float(jnp.abs(w).max()) + 1.0), rtol=0)
+
+
+@pytest.mark.parametrize("family", FIXTURES)
 def test_unrolled_layers_compute_the_same(family):
     """--scan_unroll 0 unrolls the layer scan over the same stacked parameters: same logits."""
     name = next(iter(FIXTURES[family].configs))

@@ -105,3 +105,30 @@ def test_chunking_shrinks_the_compiled_steps_temporaries():
             for chunk in (0, 32)}
     logits_per_device = 4 * 256 * 8192 * 4 / 2  # batch 8 over data=2, vocab over tensor=2, float32
     assert temp[0] - temp[32] > logits_per_device, temp
+
+
+def test_reported_bart_metrics_leave_out_the_special_labels():
+    """A hand-built batch: <s> and </s> predicted with certainty, the content wrong. The scored sums (what a BART run
+    reports, as the HF script counts) cover the content tokens only; the trained loss covers every label."""
+    from spmdlm.train.step import cross_entropy_sums, head_sums
+
+    vocab, bos, pad, eos = 6, 0, 1, 2
+    labels = jnp.asarray([[bos, 3, 4, eos], [bos, 5, eos, IGNORE_INDEX]], jnp.int32)
+    logits = np.zeros((2, 4, vocab), np.float32)
+    for row, positions in enumerate(np.asarray(labels)):
+        for t, label in enumerate(positions):
+            if label in (bos, eos):
+                logits[row, t, label] = 30.0  # certain and right: loss ~0
+            elif label != IGNORE_INDEX:
+                logits[row, t, (label + 1) % vocab] = 2.0  # wrong: loss log(e^2 + 5)
+    sums = cross_entropy_sums(jnp.asarray(logits), labels, unscored=(bos, pad, eos, 3 + 100))
+    wrong = np.log(np.exp(2.0) + vocab - 1)
+    assert float(sums["tokens"]) == 7 and float(sums["scored_tokens"]) == 3
+    np.testing.assert_allclose(float(sums["scored_loss_sum"]) / 3, wrong, rtol=1e-6)
+    np.testing.assert_allclose(float(sums["loss_sum"]) / 7, 3 * wrong / 7, rtol=1e-5)
+    assert float(sums["scored_correct"]) == 0 and float(sums["correct"]) == 4
+    # the chunked path reports the same
+    features = jnp.asarray(logits)
+    chunked = head_sums(lambda x: x, features, labels, loss_chunk=3, unscored=(bos, pad, eos))
+    for key in ("scored_loss_sum", "scored_tokens", "scored_correct", "loss_sum", "tokens"):
+        np.testing.assert_allclose(float(chunked[key]), float(sums[key]), rtol=1e-6, err_msg=key)

@@ -7,8 +7,7 @@ import pytest
 import transformers
 
 from spmdlm.errors import ConfigError
-from spmdlm.families import get_family
-from spmdlm.families import families
+from spmdlm.families import families, get_family
 from spmdlm.data.tokenizer import (
     TokenizerError,
     load_tokenizer,
@@ -87,6 +86,12 @@ def test_autotokenizer_round_trip(model_type, trained, tmp_path):
     assert_same_ids(tok, hf)
     for role, token_id in special_token_ids(tok, get_family(model_type)).items():
         assert getattr(hf, f"{role}_token_id") == token_id, role
+    # Exactly the model's inputs: transformers 4.x's generic class (T5's) returned token_type_ids otherwise, which
+    # the models then refused.
+    names = ["input_ids", "attention_mask"]
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["model_input_names"] == names
+    assert hf.model_input_names == names
+    assert sorted(hf("def main(self):")) == sorted(hf(["a b", "c"])) == sorted(names)
 
 
 @pytest.mark.parametrize("model_type, config_class", [("t5", transformers.T5Config), ("bart", transformers.BartConfig)])

@@ -408,3 +408,23 @@ def open_corpus(inputs: Sequence[str] = (), *, dataset_name: str | None = None,
     if not inputs:
         raise DataError(f"no input: give {flag} (files, globs or directories) or --dataset_name")
     return Corpus(files=tuple(expand_files(inputs, flag)), text_column=text_column)
+
+
+def add_corpus_arguments(parser) -> None:
+    """The corpus flags of the commands that read one (spmdlm.prepare, spmdlm.tokenizer): INPUTS or --dataset_name
+    (read with `corpus_of`)."""
+    parser.add_argument("inputs", nargs="*", metavar="INPUTS",
+                        help="files, globs or directories: txt/json/jsonl/csv/parquet, plain, .gz or .zst")
+    parser.add_argument("--dataset_name", default=None,
+                        help="a datasets dataset: a save_to_disk dir, parquet file/dir, or Hub name (needs "
+                             f"{DATASETS_HINT})")
+    parser.add_argument("--dataset_config_name", default=None, help="the dataset's configuration")
+    parser.add_argument("--text_column", default=None, help="json/jsonl/csv/parquet/datasets: the text field "
+                                                            "(default: text)")
+
+
+def corpus_of(args) -> Corpus:
+    """The corpus that `add_corpus_arguments`' flags name."""
+    return open_corpus(args.inputs, dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
+                       text_column=args.text_column)
+

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from spmdlm import storage
 from spmdlm.data.readers import in_validation_split
 from spmdlm.data.sentences import SENTENCE_END, mark_sentence_ends, sentence_ends
 
@@ -314,23 +315,12 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether the process `pid` of this host still runs."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
-    return True
-
-
 def remove_stale_temps(folder: Path, pattern: str, host: str) -> None:
     """Remove what killed preparations on this host left in `folder`: the temp files and dirs named `pattern` (a
     glob) + ".tmp-HOST-PID" whose process is gone; a running preparation keeps its own."""
     for path in folder.glob(f"{pattern}.tmp-{glob.escape(host)}-*"):
         pid = path.name.rpartition("-")[2]
-        if pid.isdigit() and not pid_alive(int(pid)):
+        if pid.isdigit() and not storage.pid_alive(int(pid)):
             log.info("removing %s, left by an interrupted preparation", path)
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

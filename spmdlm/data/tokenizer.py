@@ -33,6 +33,9 @@ class TokenizerSpec:
     hf_class: str | None = None  # tokenizer_config.json class when transformers rebuilds it identically
     num_sentinels: int = 0  # T5's <extra_id_k>
     frames_with_bos: bool = False  # RoBERTa/BART: every text is <s> ... </s>
+    # What the tokenizer returns (tokenizer_config.json): the model's inputs. transformers 4.x's generic tokenizer
+    # class adds token_type_ids otherwise, which T5 and the others do not take.
+    model_input_names: tuple[str, ...] = ("input_ids", "attention_mask")
 
 
 def tokenizer_spec(family_or_spec) -> TokenizerSpec:
@@ -235,7 +238,8 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max
     spec = tokenizer_spec(family)
     special_token_ids(tok, spec)  # fail before writing anything
     special_map = {f"{role}_token": token for role, token in spec.specials.items() if token is not None}
-    config = {"tokenizer_class": _hf_class(tok, spec), "model_max_length": model_max_length, **special_map}
+    config = {"tokenizer_class": _hf_class(tok, spec), "model_max_length": model_max_length,
+              "model_input_names": list(spec.model_input_names), **special_map}
     if spec.num_sentinels:
         sentinel_ids(tok, spec.num_sentinels)
         sentinels = [f"<extra_id_{k}>" for k in range(spec.num_sentinels)]

@@ -82,7 +82,9 @@ def all_presets() -> dict[str, dict]:
 
 def family_choices() -> FamilyChoices:
     """What the launcher's parser needs to know of the families."""
-    return FamilyChoices(objective_flags(), {name: f.quickstart for name, f in families().items()},
+    known = families()
+    return FamilyChoices(objective_flags(), {name: tuple(flag.name for flag in f.flags) for name, f in known.items()},
+                         {name: f.quickstart for name, f in known.items()},
                          tuple(preset_names()) + tuple(sorted(all_presets())))
 
 

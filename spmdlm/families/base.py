@@ -11,21 +11,19 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from spmdlm.config import RunArgs
 from spmdlm.data.objectives import Flag, Objective
 from spmdlm.data.tokenizer import TokenizerSpec
 from spmdlm.errors import ArgumentError
+from spmdlm.models.config import HFConfig
 from spmdlm.models.layers import Cache, set_attention
-
-if TYPE_CHECKING:
-    from spmdlm.config import RunArgs
-    from spmdlm.models.config import HFConfig
 
 # -- transformers rename tables ------------------------------------------------------------------------------------
 # A layout change is (ours -> HF, HF -> ours given our per-layer shape).
@@ -153,8 +151,8 @@ class Family:
     objective_class: type[Objective]  # its objective: the flags (FLAGS) the launcher and prepare take for it
     default_preset: str  # --config_name when none is given with --train_file
     quickstart: dict[str, Any]  # flags of the embedded quick start (python -m spmdlm.launch --model_type NAME)
-    check_lengths: Callable[["RunArgs", "HFConfig"], None]  # before any data is read; raises ArgumentError
-    build_objective: Callable[["RunArgs", "HFConfig", Any], Objective]  # (args, config, tokenizer)
+    check_lengths: Callable[[RunArgs, HFConfig], None]  # before any data is read; raises ArgumentError
+    build_objective: Callable[[RunArgs, HFConfig, Any], Objective]  # (args, config, tokenizer)
     forward_flops: Callable[..., dict[str, float]]  # (config, sequence lengths, full_causal_square) -> by part
     forward: Forward  # how the shared train and eval step call the model on a batch
     generation: Generation  # what spmdlm.generate may ask of the model

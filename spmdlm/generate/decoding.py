@@ -25,12 +25,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from spmdlm.errors import GenerateError
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
 from spmdlm.generate.sampling import Sampling, choose
 from spmdlm.mesh import constrain
 from spmdlm.models.layers import Cache
-from spmdlm.errors import GenerateError
 
 PROMPT_BUCKET = 16  # prompt lengths are rounded up to a multiple of this (left padding), ...
 SLOT_BUCKET = 64  # ... and cache lengths to a multiple of this: fewer shapes to compile

@@ -73,7 +73,7 @@ class RunLock:
             host, pid, started = holder["host"], int(holder["pid"]), holder.get("started", "?")
         except (OSError, ValueError, KeyError, TypeError):
             host, pid, started = None, None, "?"
-        if host == socket.gethostname() and (pid == os.getpid() or not _alive(pid)):
+        if host == socket.gethostname() and (pid == os.getpid() or not storage.pid_alive(pid)):
             log.warning("taking over the lock of a run that is gone (pid %s, started %s) in %s", pid, started,
                         self.out)
             self.path.unlink(missing_ok=True)
@@ -88,29 +88,6 @@ class RunLock:
         if self._created_dir and not storage.is_remote(self.out) and self.out.is_dir() \
                 and not any(self.out.iterdir()):
             self.out.rmdir()  # (a bucket has no empty directories)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
-class Preempted(Exception):
-    """The run stopped on a signal after saving a checkpoint at `step`."""
-
-    def __init__(self, signum: int, step: int, where: Path):
-        self.signum, self.step = signum, step
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}: the checkpoint is saved in "
-                         f"{where}; run the same command to resume")
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
 
 
 class StopOnSignal:

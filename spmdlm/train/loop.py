@@ -5,6 +5,7 @@ docs/architecture.md.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -16,19 +17,21 @@ from flax import nnx
 from spmdlm import checkpoint
 from spmdlm.config import RunArgs
 from spmdlm.data import pipeline
-from spmdlm.errors import DivergenceError, NonFiniteStateError
+from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted
 from spmdlm.export import export_state
 from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
 from spmdlm.mesh import batch_axis_size
-from spmdlm.train.guard import Preempted, RunLock, StopOnSignal
+from spmdlm.train.guard import RunLock, StopOnSignal
 from spmdlm.train.outputs import (check_output_dir, export_done, missing_outputs, prepare_output_dir, read_results,
                                   write_run_files)
 from spmdlm.train.report import Reporter, write_json
-from spmdlm.train.setup import (RunContext, check_memory, is_main, log, read_corpora, resolve, setup_data,
-                                setup_state, setup_tokenizer)
+from spmdlm.train.setup import (RunContext, check_memory, is_main, read_corpora, resolve, setup_data, setup_state,
+                                setup_tokenizer)
 from spmdlm.train.state import count_parameters
 from spmdlm.train.step import Stepper
+
+log = logging.getLogger("spmdlm")
 
 
 # -- stage 7: evaluation --------------------------------------------------------------------------------------------
@@ -42,10 +45,16 @@ def evaluate(stepper: Stepper, state, ctx: RunContext) -> dict[str, float]:
         sums = stepper.eval_step(state, pipeline.to_global(batch, ctx.mesh))
         totals = sums if not totals else jax.tree.map(jnp.add, totals, sums)
     totals = jax.device_get(totals)
-    tokens = max(float(totals["tokens"]), 1.0)
-    loss = float(totals["loss_sum"]) / tokens
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)),
-            "eval_accuracy": float(totals["correct"]) / tokens, "eval_tokens": tokens}
+
+    def metrics(prefix: str, suffix: str = "") -> dict[str, float]:
+        tokens = max(float(totals[f"{prefix}tokens"]), 1.0)
+        loss = float(totals[f"{prefix}loss_sum"]) / tokens
+        return {f"eval_loss{suffix}": loss, f"eval_perplexity{suffix}": math.exp(min(loss, 50.0)),
+                f"eval_accuracy{suffix}": float(totals[f"{prefix}correct"]) / tokens, f"eval_tokens{suffix}": tokens}
+
+    if "scored_tokens" not in totals:
+        return metrics("")
+    return {**metrics("scored_"), **metrics("", "_all_positions")}  # the objective's scored labels first
 
 
 def run(args: RunArgs) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from spmdlm.data import datasets, pipeline, readers, records, token_cache
 from spmdlm.data.objectives import Objective
 from spmdlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.errors import ArgumentError, DataError, RunError
-from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.export import load_hf_into_state
+from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
 from spmdlm.train.optim import OptimConfig, learning_rate_schedule
@@ -250,7 +250,8 @@ def setup_state(ctx: RunContext, *, abstract: bool):
         state = load_hf_into_state(args.model_name_or_path, graphdef, state)
     stepper = Stepper(graphdef, state, ctx.mesh, ctx.family.forward, grad_accum=args.gradient_accumulation_steps,
                       z_loss=args.z_loss, dropout_seed=args.seed, schedule=learning_rate_schedule(optim, steps),
-                      loss_chunk=args.loss_chunk_size, label_capacity=ctx.objective.label_capacity)
+                      loss_chunk=args.loss_chunk_size, label_capacity=ctx.objective.label_capacity,
+                      unscored=ctx.objective.unscored_label_ids)
     return graphdef, state, stepper
 
 

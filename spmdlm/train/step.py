@@ -23,26 +23,35 @@ from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
 
 
-def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0) -> dict[str, jax.Array]:
-    """Summed fp32 cross-entropy, optional T5X z-loss (coef · logsumexp²), token count and correct predictions."""
+def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0,
+                       unscored: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+    """Summed fp32 cross-entropy, optional T5X z-loss (coef · logsumexp²), token count and correct predictions.
+
+    With `unscored` label ids (BART's special tokens), the same sums over the other labels too (`scored_*`): the
+    figures a run reports, as the HF script does, while it trains on every label."""
     logits = logits.astype(jnp.float32)
     valid = labels != IGNORE_INDEX
     safe_labels = jnp.where(valid, labels, 0)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, safe_labels[..., None], axis=-1)[..., 0]
-    weights = valid.astype(jnp.float32)
-    return {
-        "loss_sum": jnp.sum((lse - target) * weights),
-        "z_loss_sum": z_loss * jnp.sum(jnp.square(lse) * weights),
-        "tokens": jnp.sum(weights),
-        # Reuses the row max logsumexp already took instead of a separate argmax pass (~5% of a CPU step);
-        # an exact tie for the top logit counts as correct.
-        "correct": jnp.sum((target >= jnp.max(logits, axis=-1)) & valid).astype(jnp.float32),
-    }
+    # Reuses the row max logsumexp already took instead of a separate argmax pass (~5% of a CPU step);
+    # an exact tie for the top logit counts as correct.
+    hit = target >= jnp.max(logits, axis=-1)
+
+    def sums(counted, prefix=""):
+        weights = counted.astype(jnp.float32)
+        return {f"{prefix}loss_sum": jnp.sum((lse - target) * weights), f"{prefix}tokens": jnp.sum(weights),
+                f"{prefix}correct": jnp.sum(hit & counted).astype(jnp.float32)}
+
+    out = {**sums(valid), "z_loss_sum": z_loss * jnp.sum(jnp.square(lse) * valid)}
+    if unscored:
+        out.update(sums(valid & ~jnp.isin(labels, jnp.asarray(unscored, labels.dtype)), "scored_"))
+    return out
 
 
 def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, labels: jax.Array,
-                               chunk: int, z_loss: float = 0.0) -> dict[str, jax.Array]:
+                               chunk: int, z_loss: float = 0.0, unscored: tuple[int, ...] = ()
+                               ) -> dict[str, jax.Array]:
     """`cross_entropy_sums(head(features), labels)` computed `chunk` positions at a time, so only one chunk's
     logits [B, chunk, V] exist at once, forward and backward (each chunk's logits are recomputed for its gradient
     under jax.checkpoint). A length that `chunk` does not divide is padded with ignored positions."""
@@ -58,7 +67,7 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features:
 
     @jax.checkpoint
     def chunk_sums(x, y):
-        return cross_entropy_sums(head(x), y, z_loss)
+        return cross_entropy_sums(head(x), y, z_loss, unscored)
 
     def body(total, xy):
         return jax.tree.map(jnp.add, total, chunk_sums(*xy)), None
@@ -68,11 +77,11 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features:
 
 
 def head_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, labels: jax.Array, *, z_loss: float = 0.0,
-              loss_chunk: int = 0) -> dict[str, jax.Array]:
+              loss_chunk: int = 0, unscored: tuple[int, ...] = ()) -> dict[str, jax.Array]:
     """Loss sums of the LM head over `features` [B, T, d], all positions at once or `loss_chunk` at a time."""
     if 0 < loss_chunk < labels.shape[1]:
-        return chunked_cross_entropy_sums(head, features, labels, loss_chunk, z_loss)
-    return cross_entropy_sums(head(features), labels, z_loss)
+        return chunked_cross_entropy_sums(head, features, labels, loss_chunk, z_loss, unscored)
+    return cross_entropy_sums(head(features), labels, z_loss, unscored)
 
 
 def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capacity: int, **loss) -> dict:
@@ -93,20 +102,22 @@ def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capaci
 
 
 def loss_sums(model: nnx.Module, batch: Batch, forward: Forward, rngs: nnx.Rngs | None = None, *,
-              z_loss: float = 0.0, loss_chunk: int = 0, label_capacity: int | None = None) -> dict[str, jax.Array]:
+              z_loss: float = 0.0, loss_chunk: int = 0, label_capacity: int | None = None,
+              unscored: tuple[int, ...] = ()) -> dict[str, jax.Array]:
     """The token-summed loss and metrics of one batch, the model called by its family's `forward`.
-    `loss_chunk` > 0 computes them a chunk of positions at a time
-    (`chunked_cross_entropy_sums`); `label_capacity` (the objective's) runs the LM head on labelled positions only
-    (`labelled_positions_sums`). Both give the same sums as the plain loss."""
+    `loss_chunk` > 0 computes them a chunk of positions at a time (`chunked_cross_entropy_sums`); `label_capacity`
+    (the objective's) runs the LM head on labelled positions only (`labelled_positions_sums`). Both give the same
+    sums as the plain loss. `unscored`: the objective's label ids left out of the reported figures
+    (`cross_entropy_sums`)."""
     labels = batch["labels"]
     gather = bool(label_capacity) and label_capacity < labels.shape[1]
     if not gather and not 0 < loss_chunk < labels.shape[1]:
-        return cross_entropy_sums(forward(model, batch, rngs), labels, z_loss)
+        return cross_entropy_sums(forward(model, batch, rngs), labels, z_loss, unscored)
     features = forward(model, batch, rngs, features_only=True)
+    loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, unscored=unscored)
     if gather:
-        return labelled_positions_sums(model.head, features, labels, label_capacity, z_loss=z_loss,
-                                       loss_chunk=loss_chunk)
-    return head_sums(model.head, features, labels, z_loss=z_loss, loss_chunk=loss_chunk)
+        return labelled_positions_sums(model.head, features, labels, label_capacity, **loss)
+    return head_sums(model.head, features, labels, **loss)
 
 
 def state_shardings(state) -> Any:
@@ -118,10 +129,10 @@ class Stepper:
 
     def __init__(self, graphdef, state, mesh: Mesh, forward: Forward, *, grad_accum: int = 1, z_loss: float = 0.0,
                  dropout_seed: int = 0, schedule: optax.Schedule | None = None, loss_chunk: int = 0,
-                 label_capacity: int | None = None):
+                 label_capacity: int | None = None, unscored: tuple[int, ...] = ()):
         self.graphdef, self.mesh, self.forward = graphdef, mesh, forward
         self.grad_accum, self.schedule = grad_accum, schedule
-        self.loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, label_capacity=label_capacity)
+        self.loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, label_capacity=label_capacity, unscored=unscored)
         self.dropout_key = jax.random.key(dropout_seed)
         self.shardings = state_shardings(state)
         self.replicated = NamedSharding(mesh, PartitionSpec())

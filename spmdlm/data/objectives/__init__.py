@@ -60,6 +60,8 @@ class Objective:
     # An objective that labels few positions (MLM) says how many per example the loss should plan for; the LM head
     # then runs on those positions only (see train/step.py: loss_sums).
     label_capacity: ClassVar[int | None] = None
+    # Label ids the reported loss and accuracy leave out (BART's special tokens, as the HF script counts); trained on.
+    unscored_label_ids: ClassVar[tuple[int, ...]] = ()
     record_length: int  # tokens per prepared record
 
     def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:

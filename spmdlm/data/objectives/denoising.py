@@ -82,6 +82,11 @@ class Denoising(Framed):
 
     preparation = "sentences"  # records carry sentence-end flags (spmdlm.data.records)
 
+    @property
+    def unscored_label_ids(self) -> tuple[int, ...]:
+        """The labels' <s> and </s> (and any other special): easy tokens the HF script's metrics leave out."""
+        return self.special_ids
+
     def noise_spans(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(starts, lengths) of the infilling spans over n maskable tokens, sorted by start.
 

@@ -74,7 +74,7 @@ class MaskedLM(Framed):
 
     @property
     def preparation(self) -> str:
-        """How records are cut from the corpus (see spmdlm.data.sources)."""
+        """How records are cut from the corpus (spmdlm.data.records.MODES)."""
         return "lines" if self.line_by_line else "stream"
 
     def _random_non_special(self, size: int, rng: np.random.Generator) -> np.ndarray:
