@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 
 from spmdlm import storage
 from spmdlm.errors import LockError
@@ -90,11 +91,17 @@ class RunLock:
             self.out.rmdir()  # (a bucket has no empty directories)
 
 
+# The signals that end a run, each handled as a request to save and stop: SIGTERM (schedulers, preemption),
+# SIGINT (Ctrl-C), SIGHUP (the terminal closed), SIGUSR1 (SLURM's --signal warning before the time limit), SIGXCPU
+# (a CPU-time limit). Their default action would end the process with nothing saved and nothing said.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGXCPU)
+
+
 class StopOnSignal:
-    """While active: the first SIGTERM or SIGINT asks the train loop to save and stop; a second SIGINT exits now.
+    """While active: the first of STOP_SIGNALS asks the train loop to save and stop; a second SIGINT exits now.
 
     Single process: our own handlers. Several processes: SIGTERM is JAX's preemption notice (its handler is left in
-    place) and a Ctrl-C is turned into one, so that every process stops at the same, agreed step.
+    place) and the others are turned into one, so that every process stops at the same, agreed step.
     """
 
     def __init__(self):
@@ -104,7 +111,7 @@ class StopOnSignal:
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            for signum in ((signal.SIGINT,) if self._multi else (signal.SIGINT, signal.SIGTERM)):
+            for signum in (s for s in STOP_SIGNALS if not (self._multi and s == signal.SIGTERM)):
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -124,10 +131,13 @@ class StopOnSignal:
     def should_stop(self, step: int) -> bool:
         """Called once per step (every process, same steps)."""
         if self._multi:
-            from jax.experimental import multihost_utils
-
             if multihost_utils.reached_preemption_sync_point(step):
                 self.signum = self.signum or signal.SIGTERM
                 return True
             return False
+        return self.signum is not None
+
+    @property
+    def requested(self) -> bool:
+        """A stop was asked for in this process (an evaluation in progress gives way to the save)."""
         return self.signum is not None

@@ -35,15 +35,28 @@ log = logging.getLogger("spmdlm")
 
 
 # -- stage 7: evaluation --------------------------------------------------------------------------------------------
-def evaluate(stepper: Stepper, state, ctx: RunContext) -> dict[str, float]:
+def abandoned(stop: StopOnSignal | None) -> bool:
+    if stop is not None and stop.requested and jax.process_count() == 1:
+        log.warning("evaluation abandoned: saving first")
+        return True
+    return False
+
+
+def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None = None) -> dict[str, float] | None:
+    """Eval metrics over the validation split; None when a stop signal arrived meanwhile (single process: the save
+    comes first, as a preemption's grace period is short; several processes finish it, as every one must)."""
     args = ctx.args
     global_batch = args.per_device_eval_batch_size * batch_axis_size(ctx.mesh)
     totals: dict[str, Any] = {}
     for batch in pipeline.eval_batches(ctx.data.validation, ctx.objective, seed=args.seed, global_batch=global_batch,
                                        max_examples=args.max_eval_samples, process_index=jax.process_index(),
                                        process_count=jax.process_count()):
+        if abandoned(stop):
+            return None
         sums = stepper.eval_step(state, pipeline.to_global(batch, ctx.mesh))
         totals = sums if not totals else jax.tree.map(jnp.add, totals, sums)
+    if abandoned(stop):
+        return None
     totals = jax.device_get(totals)
 
     def metrics(prefix: str, suffix: str = "") -> dict[str, float]:
@@ -174,7 +187,9 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
             checkpoint.check_saved(manager, last_saved)  # a failed async save stops the run now, not at the next
             if ctx.data.validation is not None and args.evaluating and step % args.eval_steps == 0 \
                     and step < total_steps:
-                reporter.log_eval(step, evaluate(stepper, state, ctx))
+                metrics = evaluate(stepper, state, ctx, stop)
+                if metrics is not None:
+                    reporter.log_eval(step, metrics)
             if args.sample_prompts and (step % args.sample_every == 0 or step == total_steps):
                 reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
             stopping = stop.should_stop(step)
