@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import textwrap
 import typing
@@ -27,6 +28,7 @@ from spmdlm.errors import ArgumentError
 # --remat: what each scanned layer keeps for its backward pass (the policies: models/layers.py REMAT_POLICIES).
 REMAT_CHOICES = ("none", "dots", "full")
 DEFAULT_MODEL_TYPE = "gpt2"  # the family of a run that names none (and of the embedded quick start)
+SEED_MAX = 2**32 - 1  # --seed: Grain's shuffle and random_map take an unsigned 32-bit seed
 
 
 
@@ -265,14 +267,33 @@ def _read_args_file(path: Path, known: set[str]) -> list[str]:
     """A .json/.yaml mapping of flag names to values, as command-line flags (so values get the flags' types)."""
     if not path.is_file():
         raise ArgumentError(f"argument file {path} does not exist")
-    text = path.read_text()
-    values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ArgumentError(f"argument file {path} is not UTF-8 text ({e.reason} at byte {e.start}); give a "
+                            ".json or .yaml file of flags") from None
+    try:
+        values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise ArgumentError(f"argument file {path} is not valid JSON: {e.msg} at line {e.lineno} column "
+                            f"{e.colno}") from None
+    except yaml.YAMLError as e:
+        raise ArgumentError(f"argument file {path} is not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(values, dict):
         raise ArgumentError(f"argument file {path} must hold a mapping of flag names to values")
     unknown = sorted(set(values) - known)
     if unknown:
         raise ArgumentError(f"argument file {path}: unknown keys {', '.join(unknown)}")
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items() if v is not None]
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """One line of a YAML parse error: what and where (PyYAML's own message spans several lines)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1} column {mark.column + 1}"
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def parse_args(argv: list[str] | None, choices: FamilyChoices) -> tuple[RunArgs, set[str]]:
@@ -325,12 +346,27 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
     for name in ("max_train_samples", "max_eval_samples", "save_total_limit", "vocab_size", "global_batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not 0 <= args.seed <= SEED_MAX:  # Grain's shuffle and random_map take a uint32 seed
+        raise ArgumentError(f"--seed must be in [0, {SEED_MAX}] (2**32-1), got {args.seed}")
+    # A negative rate is gradient ascent; 0 is allowed, as in the HF scripts (a run that leaves the weights as they
+    # are: throughput, memory, the pipeline), with a warning when the run starts (spmdlm/train/setup.py).
+    for name, what in (("learning_rate", "0 or more (a negative rate climbs the loss)"),
+                       ("weight_decay", "0 (off) or more"), ("max_grad_norm", "0 (no clipping) or more")):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ArgumentError(f"--{name} must be {what}, got {value}")
+    if args.warmup_steps < 0:
+        raise ArgumentError(f"--warmup_steps must be 0 or more, got {args.warmup_steps}")
     if args.lr_scheduler_type not in ("linear", "cosine", "constant"):
         raise ArgumentError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not supported; "
                             "use linear, cosine or constant")
     check_objective_flags(args.objective, choices.objective_flags)
     if not 0 <= args.validation_split_percentage < 100:
         raise ArgumentError("--validation_split_percentage must be in [0, 100)")
+    if (args.evaluating and not args.training and not args.validation_file and not args.validation_split_percentage
+            and args.dataset_dir is None and args.dataset_name is None):
+        raise ArgumentError("nothing to evaluate: --do_eval without training needs held-out documents; give "
+                            "--validation_file or a --validation_split_percentage above 0")
     if args.num_train_epochs <= 0 and args.max_steps <= 0:
         raise ArgumentError("--num_train_epochs must be positive (or set --max_steps)")
     return args

@@ -13,11 +13,15 @@ Every directory may be a gs:// path (spmdlm/storage.py): an export to a bucket i
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.metadata
 import json
+import os
 import re
 import shutil
+import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -27,11 +31,12 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from spmdlm import checkpoint as ckpt
 from spmdlm import storage
+from spmdlm.data.records import no_space, remove_stale_temps
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer
 from spmdlm.errors import ExportError, UserError
 from spmdlm.families import checked_config, get_family, load_pretrained_config
@@ -101,9 +106,73 @@ def hf_tensors(model: nnx.Module, release: bool = False) -> Iterator[tuple[str, 
             del host[rule.ours]  # a stacked parameter stays on the host until its last layer is out
 
 
+MARKER = "spmdlm_export.json"  # written last: an export directory without it is incomplete
+EXPORT_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                          "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                          "spiece.model", MARKER})
+
+
+def export_complete(out) -> bool:
+    """Whether `out` holds a whole export: its marker, and every file the marker lists at its recorded size."""
+    marker = out / MARKER
+    try:
+        files = json.loads(marker.read_text())["files"]
+        return all(storage.size(out / name) == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _write_files(folder: Path, tensors: dict, config: HFConfig, tokenizer) -> None:
+    """Every file of the export into `folder`, the marker (file names and sizes) last."""
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2, allow_nan=False))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes through a 0600 temporary file: give it the mode a new file gets, as config.json has
+    # (copied rather than computed from os.umask, which can only be read by setting it, racing other threads).
+    shutil.copymode(folder / "config.json", folder / "model.safetensors")
+    (folder / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2,
+                                                              allow_nan=False))
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, folder, get_family(config.model_type), model_max_length=config.max_length)
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    (folder / MARKER).write_text(json.dumps({"format": "spmdlm-export", "files": files}, indent=2) + "\n")
+
+
+def _only_an_export(out: Path) -> bool:
+    """`out` is absent, empty or holds only files an export writes (complete or not): it may be replaced whole."""
+    return not out.exists() or (out.is_dir() and not os.path.ismount(out)
+                                and {p.name for p in out.iterdir()} <= EXPORT_FILES)
+
+
+def _publish(tmp: Path, out: Path, whole: bool) -> None:
+    """Put the finished files of `tmp` at `out`. `whole`: by renaming the directory (a previous export is moved
+    aside first, removed after); else (`out` holds other files too) file by file, the old marker removed first and
+    the new one moved last. Either way `out` has a marker only over a whole export."""
+    if whole:
+        aside = None
+        if out.exists() and any(out.iterdir()):
+            aside = out.with_name(f".{out.name}.old.tmp-{socket.gethostname()}-{os.getpid()}")
+            os.rename(out, aside)
+        try:
+            os.replace(tmp, out)  # over an empty directory, or where nothing is
+        except OSError:
+            if aside is not None:
+                os.rename(aside, out)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        return
+    (out / MARKER).unlink(missing_ok=True)
+    for file in sorted(tmp.iterdir(), key=lambda p: p.name == MARKER):
+        os.replace(file, out / file.name)
+    tmp.rmdir()
+
+
 def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=None, *,
             release: bool = False) -> Path:
-    """Write config.json, model.safetensors, generation_config.json and tokenizer files (process 0 writes).
+    """Write config.json, model.safetensors, generation_config.json, tokenizer files and, last, the marker
+    spmdlm_export.json (process 0 writes). The files are written into a temporary sibling directory that is then
+    renamed into place, so an interrupted export leaves no directory that looks complete; a bucket's are uploaded,
+    the marker last.
 
     With `release`, the model's parameters are freed as they are copied out (the model is unusable after).
     """
@@ -111,16 +180,42 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
     out = storage.path(out_dir, "--out")
     if jax.process_index() != 0:
         return out
-    with storage.writing_dir(out) as folder:  # a bucket: written here, uploaded at the end
-        (folder / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2, allow_nan=False))
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        # safetensors writes through a 0600 temporary file: give it the mode a new file gets, as config.json has
-        # (copied rather than computed from os.umask, which can only be read by setting it, racing other threads).
-        shutil.copymode(folder / "config.json", folder / "model.safetensors")
-        (folder / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2,
-                                                                  allow_nan=False))
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, folder, get_family(config.model_type), model_max_length=config.max_length)
+    host = socket.gethostname()
+    remote = storage.is_remote(out)
+    if remote:
+        tmp = Path(tempfile.mkdtemp(prefix="spmdlm-upload-")) / "hf"
+    else:
+        local = Path(out).absolute()
+        whole = _only_an_export(local)
+        parent = local.parent if whole else local
+        prefix = f".{local.name}" if whole else ".export"
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(parent, glob.escape(prefix), host)
+            if whole:
+                remove_stale_temps(parent, f"{glob.escape(prefix)}.old", host)
+        except OSError as e:
+            raise ExportError(f"cannot write the export in {parent}: {e.strerror or e}; choose a writable --out") \
+                from None
+        tmp = parent / f"{prefix}.tmp-{host}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+        _write_files(tmp, tensors, config, tokenizer)
+        if remote:  # the old marker first, the new one last: a bucket's export is whole whenever it has a marker
+            storage.remove(out / MARKER)
+            for file in sorted(tmp.iterdir(), key=lambda p: p.name == MARKER):
+                storage.upload(file, out / file.name)
+        else:
+            _publish(tmp, local, whole)
+    except (OSError, SafetensorError, RuntimeError) as e:
+        if not no_space(e):
+            raise
+        raise ExportError(f"cannot write the export {out}: no space left on device; free some space or choose "
+                          "another --out") from None
+    finally:
+        shutil.rmtree(tmp.parent if remote else tmp, ignore_errors=True)
     return out
 
 
@@ -251,7 +346,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None 
     out = storage.path(out, "--out")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    # an interrupted export (its files, no marker) may be written over: it is not anyone's data
+    unfinished = not storage.is_remote(out) and _only_an_export(Path(out)) and not export_complete(out)
+    if out.exists() and any(out.iterdir()) and not overwrite and not unfinished:
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
     model, config, tokenizer_dir = load_run(checkpoint, step, make_mesh(mesh_spec))
     save_hf(model, config, out, tokenizer=load_tokenizer(tokenizer_dir) if tokenizer_dir else None, release=True)

@@ -13,6 +13,7 @@ sha256, reused while it matches) and read there by Grain's ArrayRecord reader, w
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import hashlib
 import json
@@ -27,7 +28,7 @@ from pathlib import Path
 from spmdlm import storage
 from spmdlm.data.readers import Corpus, ReadStats
 from spmdlm.data.records import (Cut, PreparedSplit, RecordShards, count_records, default_workers, file_sha256,
-                                 progress_bar, remove_stale_temps, tokenize_into)
+                                 no_space, progress_bar, remove_stale_temps, tokenize_into)
 from spmdlm.data.tokenizer import save_tokenizer
 from spmdlm.errors import DataError
 
@@ -212,11 +213,13 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
 
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file; give a directory")
+    seen = None  # the card this run found in `out` and may replace (None: no dataset there)
     if out.is_dir() and any(out.iterdir()):
         if not (out / CARD_NAME).is_file():
             raise DataError(f"--out {out} is not empty and holds no prepared dataset; choose a new or empty --out")
         try:
-            old = json.loads((out / CARD_NAME).read_text())
+            seen = (out / CARD_NAME).read_text()
+            old = json.loads(seen)
         except (OSError, ValueError):
             old = {}
         if old.get("key") == key and _shards_present(out, old):
@@ -247,7 +250,15 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
                                                       progress=progress)}
         save_tokenizer(tokenizer, tmp / TOKENIZER_DIR, family, model_max_length=model_max_length)
         (tmp / CARD_NAME).write_text(json.dumps(card, indent=2, ensure_ascii=False) + "\n")
-        _upload_in(tmp, out) if storage.is_remote(out) else _swap_in(tmp, out)
+        if storage.is_remote(out):
+            _upload_in(tmp, out)
+        else:
+            card = _swap_in(tmp, out, seen, card)
+    except RuntimeError as e:  # the ArrayRecord writer's, which carries no errno
+        if not no_space(e):
+            raise
+        raise DataError(f"cannot write the dataset {out}: no space left on device in {out.parent}; free some "
+                        "space or choose another --out") from None
     finally:
         if storage.is_remote(out):
             shutil.rmtree(tmp.parent, ignore_errors=True)
@@ -256,18 +267,67 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
     return card
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
-    """Rename the finished temp dir to `out`; an old dataset there is moved aside first, then removed."""
+def _describe(card: dict) -> str:
+    return f"for {card.get('for_model')}, records of {card.get('record_length')} tokens, key {str(card.get('key'))[:12]}"
+
+
+def _raced(out: Path, ours: dict) -> DataError:
+    """The refusal when another preparation put its dataset in `out` while this one was writing."""
+    try:
+        theirs = json.loads((out / CARD_NAME).read_text())
+    except (OSError, ValueError):
+        theirs = {}
+    return DataError(f"--out {out} got another dataset ({_describe(theirs)}) from a preparation that ran at the same "
+                     f"time; this one ({_describe(ours)}) was not written over it: choose another --out, or run "
+                     "again with --overwrite to replace it")
+
+
+def _swap_in(tmp: Path, out: Path, seen: str | None, card: dict) -> dict:
+    """Rename the finished temp dir to `out` -> the card of the dataset `out` then holds. `seen` is the card text
+    this run found there when it started (None: no dataset): that dataset is moved aside first, then removed. A
+    dataset another run put there since is kept and refused (DataError), unless it is this very dataset. The
+    renames are atomic: of two preparations racing for one `out`, one wins."""
     old = None
-    if out.exists():
-        if any(out.iterdir()):
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if seen is not None:
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        try:
             os.rename(out, old)
+        except FileNotFoundError:  # removed meanwhile
+            old = None
         else:
-            out.rmdir()
-    os.rename(tmp, out)
+            try:
+                now = (old / CARD_NAME).read_text()
+            except OSError:
+                now = None
+            if now != seen:  # not the dataset this run decided to replace: put it back
+                os.rename(old, out)
+                return _same_or_refuse(tmp, out, card)
+    try:
+        os.rename(tmp, out)  # fails when `out` is not empty (another run's dataset is there)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            if old is not None:
+                os.rename(old, out)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)  # the old one was to go; the other run's replaced it
+        return _same_or_refuse(tmp, out, card)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    return card
+
+
+def _same_or_refuse(tmp: Path, out: Path, card: dict) -> dict:
+    """`out` got a dataset from another run meanwhile: fine when it is the same one (same key, shards there),
+    else refused. Ours (in `tmp`) is removed by the caller."""
+    try:
+        theirs = json.loads((out / CARD_NAME).read_text())
+    except (OSError, ValueError):
+        theirs = {}
+    if theirs.get("key") == card["key"] and _shards_present(out, theirs):
+        log.info("%s was prepared meanwhile by another run with the same inputs and settings; keeping it", out)
+        return theirs
+    raise _raced(out, card)
 
 
 def _upload_in(tmp: Path, out) -> None:

@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import os
+import stat
 import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -76,8 +77,43 @@ def _directory_files(folder: Path) -> list[Path]:
     found = []
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found.extend(Path(root) / name for name in sorted(names) if _readable(Path(root) / name))
+        for name in sorted(names):
+            path = Path(root) / name
+            if not _readable(path):
+                continue
+            if not path.is_file():  # a FIFO, socket or device of a known name: reading it would block or never end
+                log.warning("skipping %s: %s, not a regular file", path, _kind(path))
+                continue
+            found.append(path)
     return found
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
+
+
+def _kind(path: Path) -> str:
+    """What a local path that exists but is neither a regular file nor a directory is."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "unreadable"
+    return next((name for test, name in _KINDS if test(mode)), "not a file")
+
+
+def _special(path: Path) -> bool:
+    """A local path that exists and is neither a regular file nor a directory (a FIFO, socket, device)."""
+    return not storage.is_remote(path) and os.path.exists(path) and not path.is_file() and not path.is_dir()
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Two inputs naming one file (a local file through any path or link; a bucket object by its URL)."""
+    if storage.is_remote(a) or storage.is_remote(b):
+        return str(a) == str(b)
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> list[Path]:
@@ -104,6 +140,9 @@ def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> l
                 found.append(match)
             elif match.is_dir():
                 found.extend(_directory_files(match))
+            elif _special(match):  # a FIFO has no size and cannot seek (the manifest samples files) or be re-read
+                raise DataError(f"{flag} {match}: is not a regular file ({_kind(match)}); give a file (write the "
+                                "stream to a file first)")
         if not found:
             missing.append(pattern)
         files.extend(found)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import glob
 import hashlib
 import logging
@@ -326,6 +327,13 @@ def remove_stale_temps(folder: Path, pattern: str, host: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
+
+
+def no_space(e: BaseException) -> bool:
+    """Whether a write failed on a full disk: an OSError's errno, or the words of the errors that carry none (the
+    ArrayRecord writer's RuntimeError, safetensors' SafetensorError)."""
+    text = str(e).lower()
+    return getattr(e, "errno", None) == errno.ENOSPC or "no space left" in text or "os error 28" in text
 
 
 def progress_bar(total: int | None, desc: str, unit: str = "doc", disable: bool | None = None):

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Iterable
 
 from spmdlm import storage
-from spmdlm.data.records import (Cut, PreparedSplit, RecordShards, count_records, file_sha256, progress_bar,
-                                 remove_stale_temps, tokenize_into)
+from spmdlm.data.records import (Cut, PreparedSplit, RecordShards, count_records, file_sha256, no_space,
+                                 progress_bar, remove_stale_temps, tokenize_into)
 from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,11 @@ def prepare_split(
             stats = tokenize_into(documents, tokenizer, {"train": sink}, cut, workers=workers,
                                   on_chunk=lambda docs, tokens: bar.update(docs))["train"]
         sink.close()
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, RuntimeError) and no_space(e):  # the ArrayRecord writer's, which carries no errno
+            raise DataError(f"cannot write the token cache in {folder}: no space left on device; free some space "
+                            "or pass another --cache_dir") from None
         raise
     if stats.examples == 0:
         tmp.unlink(missing_ok=True)

@@ -12,6 +12,7 @@ from typing import Any
 from spmdlm import checkpoint, storage
 from spmdlm.data.tokenizer import save_tokenizer
 from spmdlm.errors import RunError
+from spmdlm.export import export_complete
 from spmdlm.train.guard import LOCK_NAME
 from spmdlm.train.report import write_json
 from spmdlm.train.setup import RunContext, is_main
@@ -91,7 +92,8 @@ def check_output_dir(ctx: RunContext) -> str:
     # checkpoint can be used as is; anything else is someone's data.
     reusable = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                 "merges.txt", "spiece.model", LOCK_NAME, *OUR_OUTPUTS}
-    if {p.name for p in out.iterdir()} - reusable:
+    # an interrupted export's temporary sibling of hf/ (spmdlm.export.save_hf) is ours too
+    if {p.name for p in out.iterdir() if not p.name.startswith((".hf.tmp-", ".hf.old.tmp-"))} - reusable:
         raise RunError(f"--output_dir {out} is not empty and holds no run to resume; "
                        "pass --overwrite_output_dir to use it anyway or choose another --output_dir")
     return "clear"
@@ -133,7 +135,9 @@ def read_results(out: Path) -> dict[str, Any]:
 
 
 def export_done(out: Path) -> bool:
-    return (out / "hf" / "config.json").is_file() and (out / "hf" / "model.safetensors").is_file()
+    """Whether the run's hf/ export is whole: its marker, written last, over the files it lists (an interrupted
+    export has none, and is done again)."""
+    return export_complete(out / "hf")
 
 
 def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:

@@ -18,9 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tensorboardX import summary as tb_summary
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto import event_pb2
 
 from spmdlm import devices, storage
 from spmdlm.data.objectives import Objective
+from spmdlm.errors import RunError
 from spmdlm.families.base import Family
 
 log = logging.getLogger("spmdlm")
@@ -46,7 +50,100 @@ def write_json(path: Path, value: Any) -> None:
     storage.write_atomic(path, strict_json(value, indent=2))
 
 
+def read_records(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of each line of a JSON-lines file of ours (metrics.jsonl, samples.jsonl). A line that is not a
+    record — the torn last line of a run that crashed mid-write, or what was appended to one — is dropped with one
+    warning: the file is ours to repair, never a reason to stop."""
+    records, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append((line, record))
+        else:
+            dropped += 1
+    if dropped:
+        log.warning("%s: dropped %d unreadable line%s (torn by a crash mid-write)", path, dropped,
+                    "" if dropped == 1 else "s")
+    return records
+
+
+def repair_torn_tail(path: Path) -> None:
+    """Before appending: a last line without its newline (a crash mid-write) is finished if it is a whole record,
+    else cut off (one warning), so the next record starts on a line of its own."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        end = f.seek(0, 2)
+        if end == 0:
+            return
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        start = end
+        while start > 0:  # back to the byte after the last newline, a block at a time
+            block = min(start, 1 << 16)
+            f.seek(start - block)
+            at = f.read(block).rfind(b"\n")
+            if at >= 0:
+                start = start - block + at + 1
+                break
+            start -= block
+        f.seek(start)
+        tail = f.read()
+        try:
+            whole = isinstance(json.loads(tail), dict)
+        except ValueError:
+            whole = False
+        if whole:
+            f.write(b"\n")
+        else:
+            f.truncate(start)
+            log.warning("%s: dropped its torn last line (%d bytes, a crash mid-write)", path, end - start)
+
+
 SYNC_SECONDS = 30.0  # a bucket output dir's reports are uploaded at most this often (and at checkpoints, at the end)
+
+
+class EventLog:
+    """TensorBoard scalars and text written synchronously, on the caller's thread.
+
+    tensorboardX's SummaryWriter hands events to a writer thread through a bounded queue: when that thread dies
+    (a full disk), the queue fills and the run blocks forever, deaf even to SIGTERM. Here a failed write raises
+    where the run can report it (one line, exit 2). Events come once per logging step, so writing them inline
+    costs nothing measurable. The file format is tensorboardX's own (its EventsWriter and summary protos)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._events = self._io(lambda: (folder.mkdir(parents=True, exist_ok=True),
+                                         EventsWriter(str(folder / "events")))[1])
+
+    def _io(self, write):
+        try:
+            return write()
+        except OSError as e:
+            raise RunError(f"cannot write TensorBoard events in {self.folder}: {e.strerror or e}; free space or "
+                           "choose another --output_dir (the checkpoints saved so far are kept)") from None
+
+    def _write(self, summary, step: int) -> None:
+        event = event_pb2.Event(summary=summary, step=int(step), wall_time=time.time())
+        self._io(lambda: self._events.write_event(event))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._write(tb_summary.scalar(tag, value), step)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self._write(tb_summary.text(tag, text), step)
+
+    def flush(self) -> None:
+        self._io(self._events.flush)
+
+    def close(self) -> None:
+        self._io(self._events.close)
 
 
 class Reporter:
@@ -56,6 +153,7 @@ class Reporter:
         self.target, self.enabled = out, enabled
         self.out = self._stage(out) if enabled and storage.is_remote(out) else out
         self._uploaded: dict[str, tuple[int, int]] = {}
+        self._repaired: set[str] = set()  # the JSON-lines files whose torn tail (if any) was repaired (_append)
         self._last_sync = time.perf_counter()
         self._run_start = time.perf_counter() if run_start is None else run_start
         self.tokens_per_step = global_batch * sum(objective.sequence_lengths().values())
@@ -98,10 +196,9 @@ class Reporter:
         self._first_step, self._start_time = step, time.perf_counter()
         if not self.enabled:
             return
-        from tensorboardX import SummaryWriter
         from tqdm.auto import tqdm
 
-        self._writer = SummaryWriter(str(self.out / "tensorboard"))
+        self._writer = EventLog(self.out / "tensorboard")
         self._total = total
         if sys.stderr.isatty():  # a log file gets plain lines (log_train), not carriage-return bar fragments
             self._bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
@@ -110,7 +207,7 @@ class Reporter:
         """On resume, drop logged lines past the checkpoint: those steps are about to be run again."""
         for path in (self.out / "metrics.jsonl", self.out / "samples.jsonl"):
             if self.enabled and path.exists():
-                lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+                lines = [line for line, record in read_records(path) if record["step"] <= step]
                 path.write_text("".join(line + "\n" for line in lines))
 
     def compile_stats(self, stats: dict[str, Any]):
@@ -183,8 +280,7 @@ class Reporter:
         """Console, samples.jsonl and TensorBoard text."""
         if not self.enabled:
             return
-        with open(self.out / "samples.jsonl", "a") as f:
-            f.write(strict_json({"step": step, "samples": samples}) + "\n")
+        self._append("samples.jsonl", strict_json({"step": step, "samples": samples}))
         lines = [f"samples at step {step}:"]
         for sample in samples:
             shown = {k: v for k, v in sample.items() if k != "prompt"}
@@ -199,9 +295,17 @@ class Reporter:
                 "train_seconds": time.perf_counter() - self._start_time}
 
     # -- outputs -------------------------------------------------------------------------------------------------
+    def _append(self, name: str, line: str) -> None:
+        """One line onto a JSON-lines file; the first append of a run repairs a tail a crash tore."""
+        path = self.out / name
+        if name not in self._repaired:
+            repair_torn_tail(path)
+            self._repaired.add(name)
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
     def _write(self, record: dict[str, Any]):
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(strict_json(record) + "\n")
+        self._append("metrics.jsonl", strict_json(record))
         if self._writer is not None:
             prefix = "eval" if any(k.startswith("eval_") for k in record) else "train"
             for key, value in record.items():
@@ -214,7 +318,7 @@ class Reporter:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        records = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+        records = [record for _, record in read_records(self.out / "metrics.jsonl")]
         train = [(r["step"], r["loss"]) for r in records if "loss" in r]
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
         fig, ax = plt.subplots(figsize=(7, 4.2))

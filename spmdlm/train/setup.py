@@ -96,6 +96,8 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     if args.sample_prompts and family.generation is Generation.NONE:
         raise ArgumentError(f"--sample_prompts: a {family.name} model neither generates nor fills masks; leave it out")
     family.check_lengths(args, config)
+    if args.training and args.learning_rate == 0:
+        log.warning("--learning_rate 0: training will not change the weights (give a positive rate to train)")
     return RunContext(args, mesh, out, family, config, global_batch, run_start, config_name)
 
 
@@ -128,12 +130,13 @@ def read_corpora(args: RunArgs) -> tuple[list[str], list[str]]:
     dataset's own validation split). None with --dataset_dir: it is tokenized already."""
     if args.dataset_dir:
         return [], []
-    held_out = None
+    held_out, train_files = None, ()
     if args.train_file or args.dataset_name:
-        corpus = readers.open_corpus([args.train_file] if args.train_file else (), dataset_name=args.dataset_name,
+        # the string as given: expand_files splits its commas (--train_file a.txt,b.txt, as --validation_file)
+        corpus = readers.open_corpus(args.train_file or (), dataset_name=args.dataset_name,
                                      dataset_config_name=args.dataset_config_name, text_column=args.text_column,
                                      flag="--train_file")
-        docs = corpus.documents("train")
+        docs, train_files = corpus.documents("train"), corpus.files
         if args.dataset_name and "validation" in corpus.splits and not args.validation_file:
             held_out = list(corpus.documents("validation"))
     else:
@@ -144,11 +147,22 @@ def read_corpora(args: RunArgs) -> tuple[list[str], list[str]]:
     for doc in docs:
         (split_off if split and readers.in_validation_split(doc, split) else train).append(doc)
     if args.validation_file:
-        held_out = list(readers.read_documents(readers.expand_files(args.validation_file, "--validation_file"),
-                                               text_column=args.text_column))
+        validation_files = readers.expand_files(args.validation_file, "--validation_file")
+        warn_if_training_files(validation_files, train_files)
+        held_out = list(readers.read_documents(validation_files, text_column=args.text_column))
     if not train:
         raise DataError("the training corpus has no text; check --train_file")
     return train, split_off if held_out is None else held_out
+
+
+def warn_if_training_files(validation_files, train_files) -> None:
+    """A --validation_file that is also a training file makes the evaluation measure training data: said once."""
+    same = [str(f) for f in validation_files if any(readers.same_file(f, t) for t in train_files)]
+    if same:
+        log.warning("--validation_file %s %s also in --train_file: the evaluation measures training data, not "
+                    "held-out text; give held-out files (or leave --validation_file out to hold out "
+                    "--validation_split_percentage of the documents)", ", ".join(same),
+                    "is" if len(same) == 1 else "are")
 
 
 def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
