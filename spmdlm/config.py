@@ -68,6 +68,9 @@ class RunArgs:
     # -- run control ---------------------------------------------------------------------------------------------
     output_dir: str = _field("runs/gpt2-tiny-stdlib", "where checkpoints, logs, metrics and the export go")
     overwrite_output_dir: bool = _field(False, "start afresh in a non-empty output dir instead of refusing")
+    allow_data_change: bool = _field(False, "resume although the training data or the tokenizer changed since the run "
+                                     "started (run_config.json records their fingerprints): the batches from then "
+                                     "on are those of the new data, not an uninterrupted run's")
     do_train: bool | None = _field(None, "train (default: on unless only --do_eval is given)")
     do_eval: bool | None = _field(None, "evaluate (default: on unless only --do_train is given)")
     num_train_epochs: float = _field(3.0, "epochs, fractions allowed; --max_steps wins")

@@ -98,8 +98,10 @@ def hf_greedy(path, config, prompts: list[str]) -> list[list[int]]:
     model, tokenizer = hf_model(path, config)
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
+        # ids the tokenizer never assigned (the model's vocabulary is larger) are never chosen, as in ours
         out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1,
-                                    pad_token_id=tokenizer.pad_token_id)
+                             pad_token_id=tokenizer.pad_token_id,
+                             suppress_tokens=list(range(len(tokenizer), config.vocab_size)) or None)
     new = out[:, 1 if config.is_encoder_decoder else batch["input_ids"].shape[1]:].tolist()
     return [through_eos(row, config.eos_token_id) for row in new]
 
@@ -122,6 +124,22 @@ def test_greedy_equals_transformers_batched_and_alone(family, exports):
                         seed=7) == ours
     if family == "bart":  # forced_eos_token_id: the last new token is EOS (as transformers' generate)
         assert all(row[-1] == config.eos_token_id for row in ours)
+
+
+def test_ids_the_tokenizer_never_assigned_are_never_chosen(exports):
+    """The model's vocabulary (320) is larger than the tokenizer's (300); a model whose unassigned rows dominate
+    would otherwise continue with ids that decode to nothing."""
+    model, config, tokenizer, _ = exports("gpt2")
+    assigned = tokenizer.get_vocab_size()
+    assert assigned < config.vocab_size
+    graph, params = nnx.split(model)
+    loud = nnx.merge(graph, jax.tree.map(lambda x: x, params))
+    table = np.array(loud.wte.embedding[...])
+    table[assigned:] *= 50.0  # tied head: these ids now win every argmax
+    loud.wte.embedding.set_value(jnp.asarray(table))
+    for settings in (dict(temperature=0.0), dict(temperature=1.0, seed=3), dict(temperature=1.0, top_k=5, seed=4)):
+        rows = generate_ids(loud, config, tokenizer, PROMPTS[:4], max_new_tokens=8, **settings)
+        assert all(0 <= i < assigned for row in rows for i in row), settings
 
 
 def test_gpt2_text_and_samples(exports):

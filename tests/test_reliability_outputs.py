@@ -18,7 +18,7 @@ import pytest
 from conftest import FIXTURES
 from spmdlm import export
 from spmdlm.data import datasets
-from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.families import get_family
 from spmdlm.launch import main
 from spmdlm.prepare import main as prepare_main
@@ -228,3 +228,135 @@ def test_a_failed_tensorboard_write_stops_the_run_in_one_line(capsys, monkeypatc
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert f"cannot write TensorBoard events in {out / 'tensorboard'}: No space left on device" in err
     assert checkpoint.make_manager(out, read_only=True).all_steps() == [2]  # saved before the failure
+
+
+# -- what a run may delete -----------------------------------------------------------------------------------------
+def test_outputs_without_a_checkpoint_are_refused_not_replaced(capsys, trained, tmp_path, cache_dir,
+                                                               tiny_gpt2_config):
+    """A finished run whose checkpoints the user removed to save space: a plain run used to empty the dir and
+    replace its export. Now it is refused; --overwrite_output_dir replaces it."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    shutil.rmtree(out / "checkpoints")
+    export_bytes = (out / "hf" / "model.safetensors").read_bytes()
+    code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "holds outputs of an earlier run but no checkpoint to resume" in err and "hf" in err
+    assert (out / "hf" / "model.safetensors").read_bytes() == export_bytes  # nothing touched
+    code, _, _ = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--overwrite_output_dir"))
+    assert code == 0 and export_done(out)
+
+
+def test_checkpoints_set_aside_as_damaged_are_never_deleted(capsys, trained, tmp_path, cache_dir, tiny_gpt2_config):
+    from spmdlm import checkpoint
+
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    aside = out / checkpoint.DAMAGED_DIR
+    aside.mkdir()
+    for step in (out / "checkpoints").iterdir():  # as if every checkpoint had failed verification
+        shutil.move(str(step), aside / step.name)
+    kept = sorted(p.name for p in aside.iterdir())
+    code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config))
+    assert code == 2 and f"({checkpoint.DAMAGED_DIR}/ is kept either way)" in err
+    code, _, _ = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--overwrite_output_dir"))
+    assert code == 0 and sorted(p.name for p in aside.iterdir()) == kept  # still there after a fresh start
+
+
+# -- fingerprints of what a run depends on ----------------------------------------------------------------------
+def test_a_resume_on_changed_data_or_tokenizer_is_refused(capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config):
+    from conftest import run_killed_after_first_checkpoint
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((FIXTURES / "overfit.txt").read_text())
+    out = tmp_path / "run"
+    run = lambda *extra: launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--train_file", str(corpus), *extra))
+    run_killed_after_first_checkpoint(monkeypatch, run)
+    saved = json.loads((out / "run_config.json").read_text())["fingerprints"]
+    assert saved["train_data"] and saved["tokenizer"]
+
+    original = corpus.read_text()
+    corpus.write_text(original + "one more document, appended after the run started\n")
+    code, _, err = run()
+    assert code == 2 and "the training data changed since it started" in err and "--allow_data_change" in err
+    corpus.write_text(original)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())  # another tokenizer of the same size
+    vocab = tokenizer["model"]["vocab"]
+    a, b = sorted(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    code, _, err = run()
+    assert code == 2 and "the tokenizer changed" in err
+    code, stdout, _ = run("--allow_data_change")
+    assert code == 0 and "resuming on changed data (--allow_data_change)" in stdout
+
+
+def test_max_steps_below_the_checkpoint_is_refused(capsys, trained, tmp_path, cache_dir, tiny_gpt2_config):
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    results = (out / "eval_results.json").read_bytes()
+    code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--max_steps", "2"))
+    assert code == 2 and "holds a checkpoint at step 4, past this run's 2 steps" in err
+    assert (out / "eval_results.json").read_bytes() == results
+
+
+# -- workers of a killed preparation ------------------------------------------------------------------------------
+def test_the_workers_of_a_killed_preparation_leave_with_it(tmp_path, gpt2_tokenizer):
+    import os
+    import signal
+    import time
+
+    big = tmp_path / "big.txt"
+    big.write_text("\n".join(DOCS * 60) + "\n")  # a few seconds of tokenizing on two workers
+    proc = subprocess.Popen([sys.executable, "-m", "spmdlm.prepare", "--tokenizer", str(gpt2_tokenizer),
+                             "--for_model", "gpt2", "--block_size", "64", "--workers", "2", "--out",
+                             str(tmp_path / "ds"), str(big)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children = lambda pid: [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    deadline = time.monotonic() + 120
+    while len(children(proc.pid)) < 3 and time.monotonic() < deadline:  # two workers and the resource tracker
+        time.sleep(0.2)
+    workers = children(proc.pid)
+    assert len(workers) >= 2, "the preparation started no workers"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    alive = lambda: [w for w in workers if os.path.exists(f"/proc/{w}") and
+                     open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(), f"workers still running after their preparation was killed: {alive()}"
+
+
+def test_a_full_disk_at_the_loss_plot_names_the_path(capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config):
+    from matplotlib.figure import Figure
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    out = tmp_path / "run"
+    code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"cannot write {out / 'loss_curve.png'}: No space left on device" in err
+
+
+# -- a corpus of one very long line -------------------------------------------------------------------------------
+@pytest.mark.parametrize("model, mode", [("gpt2", "stream"), ("t5", "stream"), ("bart", "sentences")])
+def test_a_long_document_is_tokenized_in_pieces_with_the_same_records(model, mode, monkeypatch):
+    """A 50 MB single-line file, tokenized whole, peaked at 9.6 GB of RAM; pieces of PIECE_CHARS cut at single
+    spaces give the same ids (and sentence ends) as the whole document, so the records do not change."""
+    from spmdlm.data import records
+
+    words = " ".join(DOCS[:400]).split()
+    rng = np.random.default_rng(3)
+    doc = " ".join(rng.choice(words, 3000)) + "  two  spaces.  Then a sentence! " + " ".join(rng.choice(words, 500))
+    family = get_family(model)
+    tok = train_tokenizer(family, DOCS[:300], 500)
+    ids = special_token_ids(tok, family)
+    cut = records.Cut(64, ids["eos"], mode, ids.get("pad"))
+    whole = records._tokenize_chunk(tok, [doc, "a short one."], cut)
+    monkeypatch.setattr(records, "PIECE_CHARS", 500)
+    assert len(records._pieces(doc)) > 20
+    pieces = records._tokenize_chunk(tok, [doc, "a short one."], cut)
+    np.testing.assert_array_equal(pieces["train"][0], whole["train"][0])
+    assert pieces["train"][1:] == whole["train"][1:]

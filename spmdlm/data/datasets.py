@@ -94,7 +94,7 @@ def _open_split(folder: Path, card: dict, split: str, verify: bool) -> PreparedS
     if records != entry["examples"]:
         raise DataError(f"--dataset_dir {folder}: the {split} shards hold {records} records, {entry['examples']} "
                         "expected; prepare the dataset again")
-    return PreparedSplit(tuple(paths), entry["examples"], entry["tokens"], card["record_length"])
+    return PreparedSplit(tuple(paths), entry["examples"], entry["tokens"], card["record_length"], card.get("key", ""))
 
 
 def _local_shard(folder, remote, shard: dict) -> Path:

@@ -23,6 +23,8 @@ import logging
 import multiprocessing
 import os
 import shutil
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 TOKENIZE_BATCH = 512  # documents per tokenizer call: parallel in Rust, bounded memory
 CHUNK_CHARS = 1 << 20  # ... and at most about this many characters per call (long documents)
+PIECE_CHARS = 1 << 18  # a longer document is tokenized in pieces of about this size (bounded memory; same ids)
 
 MODES = ("stream", "sentences", "lines")
 
@@ -70,10 +73,49 @@ class SplitStats:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Encoded:
+    ids: np.ndarray  # int32 [tokens]
+    offsets: np.ndarray  # int32 [tokens, 2]: character offsets into the document
+
+
+def _pieces(doc: str) -> list[int]:
+    """Start offsets of pieces of about PIECE_CHARS that tokenize as the whole document does: each cut is just
+    before a single space that follows a non-space, where every pre-tokenizer we train splits anyway (byte-level
+    BPE attaches the space to the next word; Metaspace reads it as the next word's "▁"; a run of spaces, which T5's
+    normalizer collapses, is never cut). A document with no such place stays whole."""
+    starts, at = [0], PIECE_CHARS
+    while at < len(doc):
+        cut = doc.find(" ", at)
+        while cut > 0 and (doc[cut - 1].isspace() or doc[cut + 1:cut + 2].isspace()):
+            cut = doc.find(" ", cut + 1)
+        if cut <= 0:
+            break
+        starts.append(cut)
+        at = cut + PIECE_CHARS
+    return starts
+
+
+def _encode_long(tokenizer, doc: str) -> _Encoded:
+    """One long document piece by piece (a 50 MB line tokenized whole held ~10 GB), offsets into the document."""
+    starts = _pieces(doc)
+    ids, offsets = [], []
+    for start, end in zip(starts, starts[1:] + [len(doc)]):  # numpy per piece: Python ints would take ~5x the RAM
+        enc = tokenizer.encode(doc[start:end], add_special_tokens=False)
+        ids.append(np.asarray(enc.ids, dtype=np.int32))
+        offsets.append(np.asarray(enc.offsets, dtype=np.int32).reshape(-1, 2) + start)
+    return _Encoded(np.concatenate(ids), np.concatenate(offsets))
+
+
 def _tokenize_chunk(tokenizer, documents: list[str], cut: Cut) -> dict[str, tuple]:
     """{split: (array, documents, tokens, dropped)} of one chunk: for stream modes the token stream (each document
     then the separator), for "lines" the (n, record_length) records. Pure: the same for any process."""
-    encoded = tokenizer.encode_batch(documents, add_special_tokens=False)
+    short = [i for i, doc in enumerate(documents) if len(doc) <= PIECE_CHARS]
+    encoded: list = [None] * len(documents)
+    for i, enc in zip(short, tokenizer.encode_batch([documents[i] for i in short], add_special_tokens=False)):
+        encoded[i] = enc
+    for i in sorted(set(range(len(documents))) - set(short)):
+        encoded[i] = _encode_long(tokenizer, documents[i])
     held_out = ([in_validation_split(doc, cut.validation_percentage) for doc in documents]
                 if cut.validation_percentage > 0 else [False] * len(documents))
     out = {}
@@ -108,11 +150,21 @@ def _tokenize_chunk(tokenizer, documents: list[str], cut: Cut) -> dict[str, tupl
 _WORKER: dict = {}  # a worker process's tokenizer and cut
 
 
-def _worker_init(tokenizer_json: str, cut: Cut) -> None:
+def _worker_init(tokenizer_json: str, cut: Cut, parent: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: the processes are the parallelism
+    # `parent` is the preparation's pid, passed in: one killed while this worker still started up is already gone
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="spmdlm-parent-watch", daemon=True).start()
     from tokenizers import Tokenizer
 
     _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), cut=cut)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose preparation was killed (SIGKILL, or a signal that ended it at once) has no one to work for:
+    it leaves, and the pool's resource tracker with it, instead of running on forever."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _worker_tokenize(documents: list[str]) -> dict[str, tuple]:
@@ -250,7 +302,7 @@ def tokenize_into(documents: Iterable[str], tokenizer, sinks: dict[str, RecordSh
 def _tokenize_in_workers(documents, tokenizer, cut: Cut, workers: int, consume) -> None:
     # spawn, not fork: the parent may be a JAX process with running threads; the workers import no JAX.
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_worker_init, initargs=(tokenizer.to_str(), cut))
+                               initializer=_worker_init, initargs=(tokenizer.to_str(), cut, os.getpid()))
     pending: collections.deque = collections.deque()
     try:
         for chunk in _chunks(documents):
@@ -276,6 +328,7 @@ class PreparedSplit:
     num_records: int
     num_tokens: int
     record_length: int
+    fingerprint: str = ""  # what the records were made from: the token cache's key, a dataset card's key
 
     def __post_init__(self):
         paths = (self.paths,) if isinstance(self.paths, (str, os.PathLike)) else self.paths

@@ -53,12 +53,13 @@ def sentence_ends(text: str) -> list[int]:
     return ends
 
 
-def mark_sentence_ends(offsets: list[tuple[int, int]], ends: list[int]) -> np.ndarray:
+def mark_sentence_ends(offsets: list[tuple[int, int]] | np.ndarray, ends: list[int]) -> np.ndarray:
     """bool[len(offsets)]: True at the last token of each sentence (the last token whose start < the end offset).
 
     `offsets` are one document's per-token (start, end) character offsets, in order, as tokenizers return them.
     """
-    starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
+    starts = (offsets[:, 0].astype(np.int64) if isinstance(offsets, np.ndarray)  # a long document's, in pieces
+              else np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets)))
     flags = np.zeros(len(offsets), dtype=bool)
     last = np.searchsorted(starts, np.asarray(ends, dtype=np.int64), side="left") - 1
     flags[last[last >= 0]] = True  # an end before the first token (none in practice) marks nothing

@@ -97,7 +97,7 @@ def prepare_split(
         else:
             log.info("reusing the tokenized %s cache %s (%d records, %d tokens)", name, folder, meta["num_records"],
                      meta["num_tokens"])
-            return PreparedSplit(data_path, meta["num_records"], meta["num_tokens"], record_length)
+            return PreparedSplit(data_path, meta["num_records"], meta["num_tokens"], record_length, folder.name)
 
     host = socket.gethostname()
     tmp_suffix = f".tmp-{host}-{os.getpid()}"  # unique on shared filesystems
@@ -137,7 +137,7 @@ def prepare_split(
     os.replace(meta_tmp, meta_path)
     log.info("tokenized %d %s documents into %d records of %d tokens (%s)", len(documents), name, stats.examples,
              record_length, folder)
-    return PreparedSplit(data_path, stats.examples, stats.tokens, record_length)
+    return PreparedSplit(data_path, stats.examples, stats.tokens, record_length, folder.name)
 
 
 def _cache_key(documents: list[str], tokenizer, cut: Cut) -> str:

@@ -46,13 +46,14 @@ class Specials:
     pad: int
     decoder_start: int | None  # encoder-decoders: the decoder's first token
     forced_eos: int | None  # BART: the last new token is forced to EOS (transformers' forced_eos_token_id)
+    vocab: int | None = None  # ids the tokenizer assigns (the model's vocabulary may be larger): only these are chosen
 
     @classmethod
-    def of(cls, config, generation: Generation) -> Specials:
+    def of(cls, config, generation: Generation, vocab: int | None = None) -> Specials:
         pad = getattr(config, "pad_token_id", None)
         start = config.decoder_start_token_id if generation is Generation.ENCODER_DECODER else None
         return cls(config.eos_token_id, config.eos_token_id if pad is None else pad,  # GPT-2 pads with EOS, as HF
-                   start, getattr(config, "forced_eos_token_id", None))
+                   start, getattr(config, "forced_eos_token_id", None), vocab)
 
 
 @jax.tree_util.register_dataclass
@@ -100,6 +101,8 @@ def decode(graphdef, params, state: State, settings: Settings, *, specials: Spec
     def step(carry):  # the parameters ride in the carry: nnx refuses a model closed over from the outer trace
         params, state = carry
         slot, logits = state.cache.index, state.logits
+        if specials.vocab is not None and specials.vocab < logits.shape[-1]:  # never an id the tokenizer lacks
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < specials.vocab, logits, -jnp.inf)
         if specials.forced_eos is not None:
             only_eos = jnp.where(jnp.arange(logits.shape[-1]) == specials.forced_eos, 0.0, -jnp.inf)
             logits = jnp.where(slot == settings.end - 1, only_eos, logits)
@@ -157,7 +160,7 @@ def generate_ids(model, config, tokenizer, prompts: list[str], *, max_new_tokens
     if max_new_tokens < 1 or num_samples < 1:
         raise GenerateError(f"max_new_tokens ({max_new_tokens}) and num_samples ({num_samples}) must be at least 1")
     rows = [ids for ids in encode_prompts(config, tokenizer, prompts) for _ in range(num_samples)]
-    specials = Specials.of(config, generation)
+    specials = Specials.of(config, generation, tokenizer.get_vocab_size())
     longest = max(map(len, rows))
     ids = np.full((len(rows), min(_round_up(longest, PROMPT_BUCKET), config.max_length)), specials.pad, np.int32)
     mask = np.zeros(ids.shape, np.int32)

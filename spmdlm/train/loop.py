@@ -17,14 +17,14 @@ from flax import nnx
 from spmdlm import checkpoint
 from spmdlm.config import RunArgs
 from spmdlm.data import pipeline
-from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted
+from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted, RunError
 from spmdlm.export import export_state
 from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
 from spmdlm.mesh import batch_axis_size
 from spmdlm.train.guard import RunLock, StopOnSignal
-from spmdlm.train.outputs import (check_output_dir, export_done, missing_outputs, prepare_output_dir, read_results,
-                                  write_run_files)
+from spmdlm.train.outputs import (check_fingerprints, check_output_dir, export_done, missing_outputs,
+                                  prepare_output_dir, read_results, write_run_files)
 from spmdlm.train.report import Reporter, write_json
 from spmdlm.train.setup import (RunContext, check_memory, is_main, read_corpora, resolve, setup_data, setup_state,
                                 setup_tokenizer)
@@ -85,6 +85,11 @@ def run_locked(ctx: RunContext, train_docs, val_docs) -> dict[str, Any]:
                     "to %s — upload that folder with `huggingface-cli upload` from a connected machine", ctx.out / "hf")
     setup_tokenizer(ctx, train_docs)
     setup_data(ctx, train_docs, val_docs)
+    check_fingerprints(ctx)
+    if ctx.data.train is not None and ctx.latest_step > ctx.total_steps:  # it would report and export a later model
+        raise RunError(f"--output_dir {ctx.out} holds a checkpoint at step {ctx.latest_step}, past this run's "
+                       f"{ctx.total_steps} steps; give --max_steps {ctx.latest_step} or more to continue it, or use "
+                       "another --output_dir")
     graphdef, state, stepper = setup_state(ctx, abstract=ctx.resuming)
     n_params = count_parameters(graphdef, state)
     mesh = ctx.mesh

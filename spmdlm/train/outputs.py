@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdlm import checkpoint, storage
+from spmdlm.data.datasets import tokenizer_hash
 from spmdlm.data.tokenizer import save_tokenizer
 from spmdlm.errors import RunError
 from spmdlm.export import export_complete
@@ -88,25 +89,35 @@ def check_output_dir(ctx: RunContext) -> str:
         if logged:
             log.info("resuming with changed settings: %s", ", ".join(logged))
         return "resume"
-    # A dir holding only a config/tokenizer (as the recipes prepare it) or what a run of ours wrote before its first
-    # checkpoint can be used as is; anything else is someone's data.
-    reusable = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                "merges.txt", "spiece.model", LOCK_NAME, *OUR_OUTPUTS}
+    # A dir holding only a config/tokenizer (as the recipes prepare it) can be used as is. A run deletes only what
+    # it made itself, or what --overwrite_output_dir allows: the outputs of an earlier run that left no checkpoint
+    # (say, a finished run whose checkpoints were removed: its export) are refused, not replaced; anything else is
+    # someone's data.
+    inputs = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+              "merges.txt", "spiece.model", LOCK_NAME}
     # an interrupted export's temporary sibling of hf/ (spmdlm.export.save_hf) is ours too
-    if {p.name for p in out.iterdir() if not p.name.startswith((".hf.tmp-", ".hf.old.tmp-"))} - reusable:
+    found = {p.name for p in out.iterdir() if not p.name.startswith((".hf.tmp-", ".hf.old.tmp-"))}
+    if found - inputs - set(OUR_OUTPUTS):
         raise RunError(f"--output_dir {out} is not empty and holds no run to resume; "
                        "pass --overwrite_output_dir to use it anyway or choose another --output_dir")
+    earlier = sorted(found & set(OUR_OUTPUTS) - {"checkpoints"})
+    if earlier:
+        kept = f" ({checkpoint.DAMAGED_DIR}/ is kept either way)" if checkpoint.DAMAGED_DIR in earlier else ""
+        raise RunError(f"--output_dir {out} holds outputs of an earlier run but no checkpoint to resume "
+                       f"({', '.join(earlier)}); pass --overwrite_output_dir to replace them{kept}, or choose another "
+                       "--output_dir")
     return "clear"
 
 
 def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
-    """Remove only what a run of ours wrote: recipes keep their config and tokenizer in the output dir (a tokenizer
-    we trained ourselves goes too, or a new corpus would silently reuse it)."""
+    """Remove only what a run of ours wrote (and never the checkpoints set aside as damaged): recipes keep their
+    config and tokenizer in the output dir (a tokenizer we trained ourselves goes too, or a new corpus would silently
+    reuse it)."""
     ctx.resuming = verdict == "resume"
     if not is_main():
         return
     if verdict == "clear":
-        names = list(OUR_OUTPUTS)
+        names = [name for name in OUR_OUTPUTS if name != checkpoint.DAMAGED_DIR]  # set aside: never deleted
         if ctx.previous.get("trained_tokenizer"):
             names += TOKENIZER_FILES
         for name in names:
@@ -119,12 +130,39 @@ def write_run_files(ctx: RunContext) -> dict[str, Any]:
     """The tokenizer (unless one is there: a later export finds it beside the checkpoints) and run_config.json:
     written once the run is known to fit."""
     run_config = {**ctx.args.to_json(), "global_batch": ctx.global_batch, "model_config": ctx.config.to_hf_dict(),
-                  "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT}
+                  "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT,
+                  "fingerprints": fingerprints(ctx)}
     if is_main():
         if not (ctx.out / "tokenizer.json").exists():
             save_tokenizer(ctx.tokenizer, ctx.out, ctx.family, model_max_length=ctx.config.max_length)
         write_json(ctx.out / "run_config.json", run_config)
     return run_config
+
+
+def fingerprints(ctx: RunContext) -> dict[str, str | None]:
+    """What a resumed run must find unchanged: the training records (the token cache's or the dataset's key, which
+    hashes the documents, the tokenizer, the lengths and the mode) and the tokenizer itself."""
+    train = ctx.data.train if ctx.data else None
+    return {"train_data": train.fingerprint if train else None, "tokenizer": tokenizer_hash(ctx.tokenizer)}
+
+
+def check_fingerprints(ctx: RunContext) -> None:
+    """A resume on changed data (a corpus appended to or edited in place) or another tokenizer (even of the same
+    size) is refused in one line, unless --allow_data_change. Runs of earlier versions recorded none: accepted."""
+    saved = ctx.previous.get("fingerprints") or {}
+    if not ctx.resuming or not saved:
+        return
+    now = fingerprints(ctx)
+    names = {"train_data": "the training data", "tokenizer": "the tokenizer"}
+    changed = [names[k] for k, v in now.items() if v and saved.get(k) and saved[k] != v]
+    if not changed:
+        return
+    what = " and ".join(changed)
+    if not ctx.args.allow_data_change:
+        raise RunError(f"--output_dir {ctx.out} holds a run of other data: {what} changed since it started "
+                       "(fingerprints in run_config.json); restore them, use another --output_dir, or pass "
+                       "--allow_data_change to resume on the new data")
+    log.warning("resuming on changed data (--allow_data_change): %s changed since the run started", what)
 
 
 def read_results(out: Path) -> dict[str, Any]:

@@ -332,8 +332,13 @@ class Reporter:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(self.out / "loss_curve.png", dpi=110)
-        plt.close(fig)
+        try:
+            fig.savefig(self.out / "loss_curve.png", dpi=110)
+        except OSError as e:  # matplotlib's message names no path
+            raise RunError(f"cannot write {self.target / 'loss_curve.png'}: {e.strerror or e}; free space and "
+                           "run the same command again to finish (the checkpoints are kept)") from None
+        finally:
+            plt.close(fig)
 
     def __enter__(self) -> "Reporter":
         return self
