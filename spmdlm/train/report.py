@@ -18,9 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tensorboardX import summary as tb_summary
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto import event_pb2
 
 from spmdlm import devices, storage
 from spmdlm.data.objectives import Objective
@@ -118,6 +115,12 @@ class EventLog:
     costs nothing measurable. The file format is tensorboardX's own (its EventsWriter and summary protos)."""
 
     def __init__(self, folder: Path):
+        # tensorboardX imports torch where it is installed (2 s): only when a run reports
+        from tensorboardX import summary
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2
+
+        self._summary, self._event = summary, event_pb2.Event
         self.folder = folder
         self._events = self._io(lambda: (folder.mkdir(parents=True, exist_ok=True),
                                          EventsWriter(str(folder / "events")))[1])
@@ -130,14 +133,14 @@ class EventLog:
                            "choose another --output_dir (the checkpoints saved so far are kept)") from None
 
     def _write(self, summary, step: int) -> None:
-        event = event_pb2.Event(summary=summary, step=int(step), wall_time=time.time())
+        event = self._event(summary=summary, step=int(step), wall_time=time.time())
         self._io(lambda: self._events.write_event(event))
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        self._write(tb_summary.scalar(tag, value), step)
+        self._write(self._summary.scalar(tag, value), step)
 
     def add_text(self, tag: str, text: str, step: int) -> None:
-        self._write(tb_summary.text(tag, text), step)
+        self._write(self._summary.text(tag, text), step)
 
     def flush(self) -> None:
         self._io(self._events.flush)
