@@ -19,7 +19,6 @@ and its speed relative to the base. Everything goes through spmdlm's public surf
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -238,7 +237,7 @@ class Arm:
         import jax.numpy as jnp
 
         from spmdlm.devices import compiled_stats
-        from spmdlm.train.step import abstract
+        from spmdlm.checkpoint import abstract_of
 
         st = self.stepper
         options = self.variant.compiler_options() or None
@@ -255,7 +254,7 @@ class Arm:
                              compiler_options=options)
             state_arg = leaves
             with jax.set_mesh(self.mesh):
-                compiled = jitted.lower(abstract(leaves), batch_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+                compiled = jitted.lower(abstract_of(leaves), batch_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
         else:
             state_arg = state
             compiled = st.lower_train(state, batch_spec, donate=self.variant.donate,

@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmdlm.checkpoint import abstract_of
 from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.devices import compiled_stats
 from spmdlm.families.base import Batch, Forward
@@ -195,13 +196,13 @@ class Stepper:
                      out_shardings=(self.shardings, self.replicated), donate_argnums=0 if donate else (),
                      compiler_options=compiler_options)
         with jax.set_mesh(self.mesh):
-            return fn.lower(abstract(state), batch_spec, jax.ShapeDtypeStruct((), jnp.int32))
+            return fn.lower(abstract_of(state), batch_spec, jax.ShapeDtypeStruct((), jnp.int32))
 
     def lower_eval(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]):
         fn = jax.jit(self.eval_fn, in_shardings=(self.shardings, self.batch_shardings(batch_spec)),
                      out_shardings=self.replicated)
         with jax.set_mesh(self.mesh):
-            return fn.lower(abstract(state), batch_spec)
+            return fn.lower(abstract_of(state), batch_spec)
 
     def compile_train(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
         """AOT-compile the train step once (what `train_step` runs); -> compile time, memory and XLA's cost."""
@@ -220,8 +221,3 @@ class Stepper:
                                  out_shardings=self.replicated)
         with jax.set_mesh(self.mesh):
             return self._eval(state, batch)
-
-
-def abstract(state):
-    """Shapes, dtypes and shardings of a state (of arrays, or already abstract)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
