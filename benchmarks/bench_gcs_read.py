@@ -56,6 +56,7 @@ def bench(model: str, corpus: Path, folder: Path, bucket: str, seq_len: int, glo
     from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
     from spmdlm.families import get_family
     from spmdlm.prepare import resolve_objective
+    from bench_read import memmap_rate
 
     family = get_family(model)
     docs = [line for line in corpus.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -101,9 +102,11 @@ def bench(model: str, corpus: Path, folder: Path, bucket: str, seq_len: int, glo
     for _ in range(batches):
         next(it)
     seconds = time.perf_counter() - start
+    limit = memmap_rate(train, global_batch, seconds=1.0) * global_batch * input_tokens
     lines.append({"bench": "read", **common, "objective": type(objective).__name__, "global_batch": global_batch,
                   "batches": batches, "seconds": round(seconds, 3),
-                  "tokens_per_s": round(batches * global_batch * input_tokens / seconds)})
+                  "tokens_per_s": round(batches * global_batch * input_tokens / seconds),
+                  "memmap_limit_tokens_per_s": round(limit), "load_avg": os.getloadavg()})
     return lines
 
 

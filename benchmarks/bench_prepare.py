@@ -13,7 +13,8 @@
 3. `read` lines: per objective (gpt2 CLM, roberta MLM, t5 span corruption, bart denoising) at the quick-start
    length (128) and a global batch of 32: a dataset prepared from the first few MB, read with
    `spmdlm.data.pipeline.train_batches` (shuffle, objective transform, batching) at each Grain `num_threads`:
-   examples/s and tokens/s (model input tokens: the objective's first example field).
+   examples/s and tokens/s (model input tokens: the objective's first example field), and the same tokens read as
+   shuffled batches from a plain np.memmap in the same process (`memmap_limit_tokens_per_s`, bench_read.py's).
 
 Times are wall-clock on whatever else the machine runs: state the load with the numbers.
 """
@@ -70,6 +71,7 @@ def make_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
 
 def train_tokenizers(corpus: Path, folder: Path, models: list[str], vocab: int) -> dict[str, Path]:
     from spmdlm.data.tokenizer import save_tokenizer, train_tokenizer
+    from spmdlm.families import get_family
 
     with open(corpus, encoding="utf-8") as f:
         sample = f.read(SAMPLE_BYTES).splitlines()[:-1]
@@ -77,7 +79,8 @@ def train_tokenizers(corpus: Path, folder: Path, models: list[str], vocab: int) 
     for model in models:
         target = folder / f"tok-{model}"
         if not (target / "tokenizer.json").exists():
-            save_tokenizer(train_tokenizer(model, sample, vocab), target, model, model_max_length=1024)
+            family = get_family(model)
+            save_tokenizer(train_tokenizer(family, sample, vocab), target, family, model_max_length=1024)
         out[model] = target
     return out
 
@@ -164,6 +167,7 @@ def bench_read(corpus: Path, tok_dir: Path, folder: Path, model: str, seq_len: i
     from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
     from spmdlm.families import get_family
     from spmdlm.prepare import resolve_objective
+    from bench_read import memmap_rate
 
     family = get_family(model)
     small = folder / f"read-{megabytes:g}mb.txt"
@@ -196,6 +200,7 @@ def bench_read(corpus: Path, tok_dir: Path, folder: Path, model: str, seq_len: i
             next(it)
         seconds = time.perf_counter() - start
         examples = batches * global_batch
+        limit = memmap_rate(train, global_batch, seconds=1.0) * global_batch * input_tokens
         lines.append({"bench": "read", "model": model, "objective": type(objective).__name__, "mode": mode,
                       "seq_len": seq_len, "record_length": objective.record_length, "input_field": first,
                       "input_tokens_per_example": input_tokens, "global_batch": global_batch,
@@ -204,6 +209,7 @@ def bench_read(corpus: Path, tok_dir: Path, folder: Path, model: str, seq_len: i
                       "examples_per_s": round(examples / seconds),
                       "tokens_per_s": round(examples * input_tokens / seconds),
                       "record_tokens_per_s": round(examples * objective.record_length / seconds),
+                      "memmap_limit_tokens_per_s": round(limit), "load_avg": os.getloadavg(),
                       "dataset_examples": card["splits"]["train"]["examples"]})
     return lines
 

@@ -6,10 +6,10 @@
 
 INPUTS are files, globs or directories of txt / json / jsonl / csv / parquet, plain, .gz or .zst. The result:
 
-    DATASET_DIR/dataset.json                      the card: inputs, tokenizer, lengths, counts, shards and hashes
-    DATASET_DIR/train-00000.array_record ...      fixed-length int32 records, `records_per_shard` per file
-    DATASET_DIR/validation-00000.array_record ... the documents held out by hash (or the dataset's own split)
-    DATASET_DIR/tokenizer/                        the tokenizer (for --tokenizer_name; AutoTokenizer loads it)
+    DATASET_DIR/dataset.json                  the card: inputs, tokenizer, lengths, counts, shards and hashes
+    DATASET_DIR/train-00000.tokens ...        fixed-length int32 records back to back, `records_per_shard` per file
+    DATASET_DIR/validation-00000.tokens ...   the documents held out by hash (or the dataset's own split)
+    DATASET_DIR/tokenizer/                    the tokenizer (for --tokenizer_name; AutoTokenizer loads it)
 
 The records are those of the launcher's `--train_file` cache (the same code, `spmdlm.data.records.tokenize_into`),
 the same bytes whatever `--workers`. A second run with unchanged inputs (path, size, mtime and a hash of samples of

@@ -7,7 +7,7 @@ import numpy as np
 
 from conftest import read_metrics
 from spmdlm.families import get_family
-from spmdlm.data import token_cache
+from spmdlm.data import records, token_cache
 from spmdlm.data.sentences import SENTENCE_END
 from spmdlm.data.tokenizer import train_tokenizer
 from spmdlm.launch import main
@@ -75,10 +75,7 @@ def test_sentence_ends_are_flagged_in_prepared_records(tmp_path):
     tok = train_tokenizer(get_family("bart"), docs * 5, 300)
     split = token_cache.prepare_split(docs, tok, record_length=8, separator_id=2, cache_dir=tmp_path, name="train",
                                   mode="sentences")
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    reader = ArrayRecordReader(str(split.path))
-    stream = np.concatenate([np.frombuffer(r, np.int32) for r in reader.read_all()])
+    stream = records.record_source(split).read(np.arange(split.num_records)).reshape(-1)
     ids, ends = stream & (SENTENCE_END - 1), (stream & SENTENCE_END) != 0
     expected = []
     for doc in docs:

@@ -1,11 +1,12 @@
 """BART denoising: mask budget, span statistics, one <mask> per span, framing, sentence permutation, splitter."""
 
+import collections
 import math
 
 import numpy as np
 import pytest
 
-from spmdlm.data.objectives import padding_example
+from spmdlm.data.objectives import example_rng, padding_example
 from spmdlm.data.objectives.denoising import Denoising
 from spmdlm.data.sentences import SENTENCE_END, mark_sentence_ends, sentence_ends
 
@@ -301,3 +302,41 @@ def test_mark_sentence_ends():
     # A token straddling a boundary (a merged '."') belongs to the sentence it starts in.
     assert mark_sentence_ends([(0, 3), (3, 5), (5, 9)], [4, 9]).tolist() == [False, True, True]
     assert mark_sentence_ends([], [5]).shape == (0,)
+
+
+@pytest.mark.parametrize("max_seq_length, mask_ratio, poisson_lambda, permute_sentence_ratio", [
+    (128, 0.3, 3.0, 1.0),  # the defaults
+    (40, 0.3, 0.05, 0.5),  # mostly empty spans: more spans than gaps, insertions overflow
+    (40, 1.0, 3.0, 1.0),  # everything masked
+    (40, 1e-3, 12.0, 0.0),  # one token, nothing permuted
+    (3, 0.3, 3.0, 1.0),  # a one-token record
+])
+def test_a_batch_is_its_examples_one_by_one(max_seq_length, mask_ratio, poisson_lambda, permute_sentence_ratio):
+    # All rows are computed at once; each must still be its own example, whatever its neighbours.
+    objective = make(max_seq_length, mask_ratio=mask_ratio, poisson_lambda=poisson_lambda,
+                     permute_sentence_ratio=permute_sentence_ratio)
+    records = np.stack([distinct_record(objective, index, mean_sentence=4) for index in range(8)])
+    records[1, ::3] = EOS  # documents
+    records[2] = UNK  # nothing maskable
+    records[3, [0, -1]] = [EOS, UNK]  # at both edges
+    indices = np.array([5, 0, 17, 3, 10**12, 8, 1, 2])
+    batch = objective.batch(records, 12, indices)
+    for row, (record, index) in enumerate(zip(records, indices)):
+        one = objective(record, example_rng(12, index))
+        for name in one:
+            np.testing.assert_array_equal(batch[name][row], one[name], err_msg=f"{name} of row {row}")
+    np.testing.assert_array_equal(content(batch_row(batch, 2)), records[2])  # specials only: left as they are
+
+
+def batch_row(batch, row):
+    return {name: rows[row] for name, rows in batch.items()}
+
+
+def test_sentence_orders_are_uniform_within_each_document():
+    objective = make(12, mask_ratio=0.0)
+    # Three sentences, a separator, two sentences: 3! x 2! = 12 orders, the separator in place.
+    record = np.array([10, 11 | SENTENCE_END, 12, 13 | SENTENCE_END, 14, 15, EOS, 16, 17 | SENTENCE_END, 18], np.int32)
+    orders = [tuple(content(objective(record, rng_for(13, index)))) for index in range(6000)]
+    assert all(order[6] == EOS for order in orders)
+    counts = np.array(sorted(collections.Counter(orders).values()))
+    assert len(counts) == 12 and counts.min() > 420 and counts.max() < 580  # 500 expected, sd ~21

@@ -41,7 +41,7 @@ def test_trained_export_gives_the_same_eval_loss_in_transformers(trained):
     cache = next(p for p in Path(json.loads((trained / "run_config.json").read_text())["cache_dir"] or
                                  Path.home()).rglob("validation.json"))
     meta = json.loads(cache.read_text())
-    split = records.PreparedSplit(cache.with_suffix(".array_record"), meta["num_records"], meta["num_tokens"], 32 + 1)
+    split = records.PreparedSplit(cache.with_suffix(".tokens"), meta["num_records"], meta["num_tokens"], 32 + 1)
     batches = list(pipeline.eval_batches(split, CausalLM(32), seed=42, global_batch=16, max_examples=32))
     total, count = 0.0, 0
     for batch in batches:

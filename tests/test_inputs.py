@@ -14,7 +14,7 @@ import pytest
 
 from spmdlm.families import get_family
 from spmdlm.data.readers import expand_files, read_documents
-from spmdlm.data.records import decode_record, file_sha256, record_source
+from spmdlm.data.records import file_sha256, record_source
 from spmdlm.data.token_cache import prepare_split
 from spmdlm.data.tokenizer import train_tokenizer
 from spmdlm.errors import DataError
@@ -129,7 +129,7 @@ def prepare(tokenizer, cache_dir, **kwargs):
 
 def records(split) -> list[np.ndarray]:
     source = record_source(split)
-    return [decode_record(source[i]) for i in range(len(source))]
+    return list(source.read(np.arange(len(source))))
 
 
 def truncate(split):
@@ -167,7 +167,7 @@ def miscount_the_records(split):
     rewrite_the_metadata(split, num_records=split.num_records + 1)
 
 
-def truncate_and_forge_the_metadata(split):  # size and hash agree: only opening the file finds the damage
+def truncate_and_forge_the_metadata(split):  # size and hash agree: only the record count finds the damage
     truncate(split)
     rewrite_the_metadata(split, bytes=split.path.stat().st_size, sha256=file_sha256(split.path))
 
@@ -182,11 +182,11 @@ def test_the_metadata_records_the_size_and_hash_of_the_data(tokenizer, tmp_path)
 
 @pytest.mark.parametrize("damage, reason", [
     (truncate, "bytes, .* expected"),
-    (remove_the_data, "train.array_record is missing"),
+    (remove_the_data, "train.tokens is missing"),
     (zero_the_middle, "does not match its sha256"),
     (garble_the_metadata, "train.json is unreadable"),
     (drop_the_hash, "train.json lacks bytes, sha256"),
-    (truncate_and_forge_the_metadata, "train.array_record does not open"),
+    (truncate_and_forge_the_metadata, "train.tokens holds .* records, .* expected"),
     (miscount_the_records, "records, .* expected"),
 ])
 def test_a_damaged_cache_is_rebuilt(tokenizer, tmp_path, caplog, damage, reason):
@@ -210,9 +210,9 @@ def test_temp_files_of_dead_preparations_on_this_host_are_removed(tokenizer, tmp
     child = subprocess.Popen(["true"])
     child.wait()  # reaped: its pid belongs to no process
     host = socket.gethostname()
-    dead = folder / f"train.array_record.tmp-{host}-{child.pid}"
-    alive = folder / f"train.array_record.tmp-{host}-{os.getppid()}"
-    elsewhere = folder / "train.array_record.tmp-otherhost-1"
+    dead = folder / f"train.tokens.tmp-{host}-{child.pid}"
+    alive = folder / f"train.tokens.tmp-{host}-{os.getppid()}"
+    elsewhere = folder / "train.tokens.tmp-otherhost-1"
     for path in (dead, alive, elsewhere):
         path.write_bytes(b"partial")
     prepare(tokenizer, tmp_path, overwrite_cache=True)

@@ -38,7 +38,8 @@ def test_records_are_the_token_stream_cut_in_blocks(split, tokenizer):
     assert split.num_records == len(stream) // 17
     source = records.record_source(split)
     for i in (0, 1, split.num_records - 1):
-        np.testing.assert_array_equal(records.decode_record(source[i]), stream[i * 17:(i + 1) * 17])
+        np.testing.assert_array_equal(source[i], stream[i * 17:(i + 1) * 17])
+    np.testing.assert_array_equal(split.path.read_bytes(), stream[: split.num_records * 17].astype("<i4").tobytes())
 
 
 def test_second_preparation_reuses_the_cache(split, tokenizer):
@@ -74,13 +75,16 @@ def test_two_processes_read_the_rows_of_the_same_global_batches(split):
 
 
 def test_epochs_are_reshuffled_and_cover_every_record(split):
-    steps = split.num_records // 8
-    ds = pipeline.global_examples(split, CausalLM(16), seed=3, num_epochs=2)
-    first = {tuple(ds[i]["input_ids"]) for i in range(split.num_records)}
-    assert len(first) == split.num_records  # one epoch = every record once
-    order1 = [tuple(ds[i]["input_ids"]) for i in range(steps)]
-    order2 = [tuple(ds[split.num_records + i]["input_ids"]) for i in range(steps)]
-    assert order1 != order2
+    n = split.num_records
+    order = pipeline.EpochOrder(n, seed=3)(np.arange(3 * n))
+    for epoch in range(3):  # one epoch = every record once
+        assert sorted(order[epoch * n:(epoch + 1) * n]) == list(range(n))
+    assert list(order[:n]) != list(order[n:2 * n]) and list(order[:n]) != list(range(n))
+    straddling = np.arange(n - 3, n + 5)  # a batch across two epochs reads each epoch's own permutation
+    np.testing.assert_array_equal(pipeline.EpochOrder(n, seed=3)(straddling), order[n - 3:n + 5])
+    source = records.record_source(split)
+    batch = pipeline.HostBatches(split, seed=3, global_batch=8, num_epochs=2)[1]
+    np.testing.assert_array_equal(batch.records, source.read(order[8:16]))
 
 
 def test_restored_iterator_continues_the_sequence(split):
@@ -99,10 +103,12 @@ def test_max_train_samples_keeps_only_a_prefix_of_the_records(split):
     import dataclasses
 
     capped = dataclasses.replace(split, num_records=8)
-    ds = pipeline.global_examples(capped, CausalLM(16), seed=0, num_epochs=3)
-    seen = {tuple(ds[i]["input_ids"]) for i in range(len(ds))}
+    it = pipeline.train_batches(capped, CausalLM(16), seed=0, global_batch=4, num_epochs=3)
+    seen = {tuple(row) for _ in range(6) for row in next(it)["input_ids"]}
+    with pytest.raises(StopIteration):  # 3 epochs of 8 records: 6 batches of 4
+        next(it)
     source = records.record_source(split)
-    assert seen == {tuple(records.decode_record(source[i])[:-1]) for i in range(8)}
+    assert seen == {tuple(source[i][:-1]) for i in range(8)}
 
 
 def test_eval_batches_pad_with_loss_free_rows(split):

@@ -18,7 +18,7 @@ from spmdlm.data import pipeline
 from spmdlm.data.datasets import open_dataset
 from spmdlm.data.objectives.clm import CausalLM
 from spmdlm.data.readers import open_corpus, read_documents
-from spmdlm.data.records import _chunks, _writer, decode_record, default_workers, record_source
+from spmdlm.data.records import _chunks, _writer, default_workers, record_source
 from spmdlm.data.token_cache import prepare_split
 from spmdlm.data.tokenizer import save_tokenizer, train_tokenizer
 from spmdlm.errors import DataError
@@ -58,7 +58,7 @@ def prepare(out, tokenizers, *inputs, model="gpt2", length=("--block_size", "32"
 
 def records(split) -> np.ndarray:
     source = record_source(split)
-    return np.stack([decode_record(source[i]) for i in range(len(source))])
+    return source.read(np.arange(len(source)))
 
 
 def tree(folder):
@@ -169,15 +169,15 @@ def test_missing_inputs_are_listed_in_one_line(tokenizers, tmp_path):
 
 
 def test_a_failure_while_writing_leaves_no_dataset(corpus, tokenizers, tmp_path, monkeypatch, capsys):
-    real = _writer
+    real, writes = _writer, []
 
-    class DiskFull:
+    class DiskFull:  # the third shard file does not fit
         def __init__(self, path):
-            self.inner, self.count = real(path), 0
+            self.inner = real(path)
 
         def write(self, data):
-            self.count += 1
-            if self.count > 20:
+            writes.append(len(data))
+            if len(writes) > 2:
                 raise OSError(28, "No space left on device")
             self.inner.write(data)
 
@@ -186,7 +186,8 @@ def test_a_failure_while_writing_leaves_no_dataset(corpus, tokenizers, tmp_path,
 
     monkeypatch.setattr("spmdlm.data.records._writer", DiskFull)
     assert prepare(tmp_path / "ds", tokenizers, corpus) == 2
-    assert capsys.readouterr().err == "error: [Errno 28] No space left on device\n"
+    assert capsys.readouterr().err == (f"error: cannot write the dataset {tmp_path / 'ds'}: no space left on device "
+                                       f"in {tmp_path}; free some space or choose another --out\n")
     assert list(tmp_path.iterdir()) == []  # neither the dataset nor its temp dir
 
 
@@ -218,6 +219,19 @@ def test_open_dataset_refuses_another_tokenizer_length_or_mode(corpus, tokenizer
     assert open_dataset(out, tokenizer=load_tokenizer(out / "tokenizer"), record_length=33,
                                 mode="stream")[0] == train  # the copy is the same tokenizer
     shard = out / card["splits"]["train"]["shards"][1]["file"]
+    assert shard.suffix == ".tokens"
+    assert shard.stat().st_size == card["splits"]["train"]["shards"][1]["records"] * 33 * 4  # int32 tokens only
+    card_path, card_text = out / "dataset.json", (out / "dataset.json").read_text()
+    miscounted = json.loads(card_text)
+    miscounted["splits"]["train"]["shards"][1]["records"] += 1
+    card_path.write_text(json.dumps(miscounted))
+    with pytest.raises(DataError, match=f"^--dataset_dir {out}: {shard.name} holds .* records, .* expected; prepare"):
+        open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
+    card_path.write_text(json.dumps({**json.loads(card_text), "version": 1}))  # an earlier version's
+    with pytest.raises(DataError, match=f"^--dataset_dir {out}: dataset format version 1, this spmdlm reads 2 .*"
+                                        r"python -m spmdlm.prepare \.\.\. --overwrite$"):
+        open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
+    card_path.write_text(card_text)
     data = bytearray(shard.read_bytes())
     data[100:164] = bytes(64)
     shard.write_bytes(bytes(data))

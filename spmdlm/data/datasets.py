@@ -7,7 +7,10 @@ refuses a dataset of another tokenizer, record length or mode than the run's.
 
 Buckets (gs://, spmdlm/storage.py): a dataset is prepared on local disk and uploaded (the card last); a
 `--dataset_dir gs://...` is copied once to each host's local disk (storage.local_mirror, verified by size and
-sha256, reused while it matches) and read there by Grain's ArrayRecord reader, which reads local files only.
+sha256, reused while it matches) and memory-mapped there.
+
+Version 2 writes the shards as flat token files (spmdlm.data.records); a version-1 dataset (one ArrayRecord entry
+per record, read one record at a time) is refused in one line that says how to prepare it again.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from pathlib import Path
 
 from spmdlm import storage
 from spmdlm.data.readers import Corpus, ReadStats
-from spmdlm.data.records import (Cut, PreparedSplit, RecordShards, count_records, default_workers, file_sha256,
-                                 no_space, progress_bar, remove_stale_temps, tokenize_into)
+from spmdlm.data.records import (TOKENS_SUFFIX, Cut, PreparedSplit, RecordShards, default_workers, file_sha256,
+                                 no_space, progress_bar, remove_stale_temps, token_file_problem, tokenize_into)
 from spmdlm.data.tokenizer import save_tokenizer
 from spmdlm.errors import DataError
 
@@ -36,7 +39,7 @@ log = logging.getLogger(__name__)
 
 CARD_NAME = "dataset.json"
 CARD_FORMAT = "spmdlm-dataset"
-CARD_VERSION = 1
+CARD_VERSION = 2  # 1: ArrayRecord shards
 TOKENIZER_DIR = "tokenizer"  # the dataset's copy of its tokenizer (loadable with --tokenizer_name DATASET/tokenizer)
 DEFAULT_SHARD_BYTES = 256 << 20
 
@@ -65,7 +68,8 @@ def read_card(dataset_dir: str | os.PathLike) -> dict:
         raise DataError(f"--dataset_dir {folder}: {CARD_NAME} is not an spmdlm dataset card")
     if card.get("version") != CARD_VERSION:
         raise DataError(f"--dataset_dir {folder}: dataset format version {card.get('version')}, this spmdlm reads "
-                        f"{CARD_VERSION}; prepare it again with this version")
+                        f"{CARD_VERSION} (flat token shards, read in batches); prepare it again with this version: "
+                        "python -m spmdlm.prepare ... --overwrite")
     return card
 
 
@@ -86,12 +90,10 @@ def _open_split(folder: Path, card: dict, split: str, verify: bool) -> PreparedS
         if verify and file_sha256(path) != shard["sha256"]:
             raise DataError(f"--dataset_dir {folder}: shard {shard['file']} does not match its sha256; prepare "
                             "the dataset again")
-    try:
-        records = count_records(paths)
-    except (RuntimeError, OSError) as e:
-        raise DataError(f"--dataset_dir {folder}: a {split} shard does not open "
-                        f"({str(e).partition(chr(10))[0] or type(e).__name__}); prepare the dataset again") from None
-    if records != entry["examples"]:
+    for path, shard in zip(paths, entry["shards"]):
+        if problem := token_file_problem(path, shard["bytes"], shard["records"], card["record_length"]):
+            raise DataError(f"--dataset_dir {folder}: {problem}; prepare the dataset again")
+    if (records := sum(shard["records"] for shard in entry["shards"])) != entry["examples"]:
         raise DataError(f"--dataset_dir {folder}: the {split} shards hold {records} records, {entry['examples']} "
                         "expected; prepare the dataset again")
     return PreparedSplit(tuple(paths), entry["examples"], entry["tokens"], card["record_length"], card.get("key", ""))
@@ -254,7 +256,7 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
             _upload_in(tmp, out)
         else:
             card = _swap_in(tmp, out, seen, card)
-    except RuntimeError as e:  # the ArrayRecord writer's, which carries no errno
+    except OSError as e:
         if not no_space(e):
             raise
         raise DataError(f"cannot write the dataset {out}: no space left on device in {out.parent}; free some "
@@ -346,7 +348,7 @@ def _write_dataset(corpus: Corpus, tokenizer, folder: Path, head: dict, *, worke
     from_hash = head["validation"]["from"] == "document hash"
     cut = Cut(head["record_length"], head["separator_id"], head["mode"], head["pad_id"],
                       validation_percentage if from_hash else 0.0)
-    sinks = {split: RecordShards(lambda i, split=split: folder / f"{split}-{i:05d}.array_record",
+    sinks = {split: RecordShards(lambda i, split=split: folder / f"{split}-{i:05d}{TOKENS_SUFFIX}",
                                          head["records_per_shard"])
              for split in ("train", "validation")}
     stats = ReadStats()

@@ -1,15 +1,20 @@
 """Grain pipelines: global example order, per-host slices, and global batches on the mesh.
 
-The global example at index g is `objective(record[shuffle_epoch(g)], rng(seed, g))`: shuffling is reseeded per
-epoch and the objective's randomness is keyed by g (Grain's `random_map`). Global batch s is examples
-[s·G, (s+1)·G); process p of P reads only the contiguous rows [p·G/P, (p+1)·G/P) of it, which is exactly the part
-of the global array its devices hold. So batches depend on (seed, step) alone, not on the number of hosts, and a
-restored iterator continues the same sequence.
+The global example at index g is `objective(record[order(g)], example_rng(seed, g))`: `order` is a permutation of
+the records per epoch (seeded by (seed, epoch)) and the objective's randomness is keyed by g. Global batch s is
+examples [s·G, (s+1)·G); process p of P reads only the contiguous rows [p·G/P, (p+1)·G/P) of it, which is exactly
+the part of the global array its devices hold. So batches depend on (seed, step) alone, not on the number of hosts,
+and a restored iterator continues the same sequence.
+
+The Grain elements are batches, not examples: a source whose element s is this host's records of global batch s,
+gathered in one read from the memory-mapped token files (spmdlm.data.records.TokenRecords), and a map that applies
+the objective to all rows at once (`Objective.batch`). Per-example Grain steps cost more than reading the tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterator
 
 import grain
@@ -17,75 +22,108 @@ import jax
 import numpy as np
 
 from spmdlm.data.objectives import Objective, padding_example
-from spmdlm.data.records import PreparedSplit, decode_record, record_source
+from spmdlm.data.records import PreparedSplit, TokenRecords
 from spmdlm.errors import DataError
 from spmdlm.mesh import batch_sharding
 
-
-class _ApplyObjective(grain.transforms.RandomMap):
-    def __init__(self, objective: Objective):
-        self.objective = objective
-
-    def random_map(self, record, rng: np.random.Generator):
-        return self.objective(decode_record(record), rng)
+# One prefetch thread, a few batches ahead: measured on 2 cores (benchmarks/bench_read.py), it doubles CLM and MLM
+# (the gather and numpy release the GIL) and costs T5 and BART nothing; Grain's default 16 threads and 500 elements
+# cost more per batch than they save. Batches are read in order either way.
+DEFAULT_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
 
 
-class _HostRows(grain.MapDataset):
-    """This process's rows of every global batch, in order: local index i -> global index."""
+class EpochOrder:
+    """Global example index -> record index: epoch g // N reads the records in a permutation seeded by
+    (seed, epoch); kept for the last two epochs (a batch spans at most two), 4 bytes a record."""
 
-    def __init__(self, parent: grain.MapDataset, global_batch: int, process_index: int, process_count: int):
-        super().__init__(parent)
+    def __init__(self, num_records: int, seed: int, shuffle: bool = True):
+        self.num_records, self.seed, self.shuffle = num_records, seed, shuffle
+        self._permutation = functools.lru_cache(maxsize=2)(self._make_permutation)
+
+    def _make_permutation(self, epoch: int) -> np.ndarray:
+        order = np.arange(self.num_records, dtype=np.int32 if self.num_records < 2**31 else np.int64)
+        np.random.default_rng([self.seed, epoch]).shuffle(order)
+        return order
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        """Record indices of ascending global example indices."""
+        epochs, positions = np.divmod(indices, self.num_records)
+        if not self.shuffle:
+            return positions
+        if epochs[0] == epochs[-1]:  # ascending indices of one epoch: the usual batch
+            return self._permutation(int(epochs[0]))[positions]
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            rows = epochs == epoch
+            out[rows] = self._permutation(int(epoch))[positions[rows]]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordBatch:
+    indices: np.ndarray  # int64 [rows]: the global example indices
+    records: np.ndarray  # int32 [rows, record_length]
+
+
+class HostBatches:
+    """Grain random-access source: element s is this process's rows of global batch s, read in one gather."""
+
+    def __init__(self, split: PreparedSplit, *, seed: int, global_batch: int, num_epochs: int,
+                 process_index: int = 0, process_count: int = 1, shuffle: bool = True):
         if global_batch % process_count:
             raise ValueError(f"global batch {global_batch} is not divisible by {process_count} processes")
-        self._local = global_batch // process_count
-        self._global, self._offset = global_batch, process_index * self._local
-        self._len = (len(parent) // global_batch) * self._local
+        self.records = TokenRecords(split)
+        self.order = EpochOrder(len(self.records), seed, shuffle)
+        self.global_batch, self.local = global_batch, global_batch // process_count
+        self.offset = process_index * self.local
+        self._len = len(self.records) * num_epochs // global_batch
 
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.slice(index)
-        step, row = divmod(index, self._local)
-        return self._parent[step * self._global + self._offset + row]
+    def __getitem__(self, step: int) -> RecordBatch:
+        indices = step * self.global_batch + self.offset + np.arange(self.local, dtype=np.int64)
+        return RecordBatch(indices, self.records.read(self.order(indices)))
 
 
-def global_examples(split: PreparedSplit, objective: Objective, *, seed: int, num_epochs: int,
-                    shuffle: bool = True) -> grain.MapDataset:
-    ds = grain.MapDataset.source(record_source(split))[: split.num_records]  # --max_train_samples keeps a prefix
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    if num_epochs > 1:
-        ds = ds.repeat(num_epochs)  # reseeds the shuffle each epoch
-    return ds.random_map(_ApplyObjective(objective), seed=seed)
+class _ApplyObjective(grain.transforms.Map):
+    def __init__(self, objective: Objective, seed: int):
+        self.objective, self.seed = objective, seed
+
+    def map(self, batch: RecordBatch) -> dict[str, np.ndarray]:
+        return self.objective.batch(batch.records, self.seed, batch.indices)
 
 
 def train_batches(split: PreparedSplit, objective: Objective, *, seed: int, global_batch: int, num_epochs: int,
                   process_index: int = 0, process_count: int = 1, read_options: grain.ReadOptions | None = None):
     """An iterator (checkpointable with Grain) of this process's part of each global training batch.
 
-    Grain's in-order thread prefetch only: `mp_prefetch` would reorder batches and break batch = f(step).
-    `read_options` sets its threads and prefetch buffer (default: Grain's); the batches are the same either way.
-    A split of several shard files is read as one sequence: every host opens all shards and reads only its rows.
+    In order: Grain's thread prefetch (`read_options`, default DEFAULT_READ_OPTIONS) keeps the order, so the
+    batches are the same either way; `mp_prefetch` would not. A split of several shard files is read as one sequence: every host opens
+    all shards and reads only its rows.
     """
-    ds = global_examples(split, objective, seed=seed, num_epochs=num_epochs)
-    ds = _HostRows(ds, global_batch, process_index, process_count)
-    return iter(ds.batch(global_batch // process_count, drop_remainder=True).to_iter_dataset(read_options))
+    source = HostBatches(split, seed=seed, global_batch=global_batch, num_epochs=num_epochs,
+                         process_index=process_index, process_count=process_count)
+    ds = grain.MapDataset.source(source).map(_ApplyObjective(objective, seed))
+    return iter(ds.to_iter_dataset(read_options or DEFAULT_READ_OPTIONS))
 
 
 def eval_batches(split: PreparedSplit, objective: Objective, *, seed: int, global_batch: int,
                  max_examples: int | None = None, process_index: int = 0,
                  process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
     """Every validation example once, in file order, the last batch padded with loss-free examples."""
-    ds = global_examples(split, objective, seed=seed, num_epochs=1, shuffle=False)
-    total = len(ds) if max_examples is None else min(len(ds), max_examples)
+    records = TokenRecords(split)
+    total = len(records) if max_examples is None else min(len(records), max_examples)
     pad = padding_example(objective)
     local = global_batch // process_count
     for start in range(0, total, global_batch):
-        rows = range(start + process_index * local, start + (process_index + 1) * local)
-        examples = [ds[g] if g < total else pad for g in rows]
-        yield {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+        indices = start + process_index * local + np.arange(local, dtype=np.int64)
+        real = indices[indices < total]
+        batch = {name: np.repeat(value[None], local, axis=0) for name, value in pad.items()}
+        if len(real):
+            for name, rows in objective.batch(records.read(real), seed, real).items():
+                batch[name][: len(real)] = rows
+        yield batch
 
 
 def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:

@@ -1,6 +1,10 @@
-"""Tokenizing documents into fixed-length int32 records written as ArrayRecord files (docs/data.md): the one
+"""Tokenizing documents into fixed-length int32 records written as flat token files (docs/data.md): the one
 preparation path of the launcher's token cache (spmdlm.data.token_cache) and of dataset directories
-(spmdlm.data.datasets), with the record types and small file helpers both use.
+(spmdlm.data.datasets), with the record types, the memory-mapped reader and small file helpers both use.
+
+A token file (TOKENS_SUFFIX) is the records back to back, little-endian int32, nothing else: record i is tokens
+[i·L, (i+1)·L) of a file of records of L tokens, so the record boundaries need no index, the file's size is its
+record count, and any batch of records is one gather from a memory map (`TokenRecords`).
 
 `tokenize_into` tokenizes documents in chunks, in-process or in N spawned worker processes, and the parent cuts and
 writes the records in input order, so the output is the same bytes whatever the worker count. Records are
@@ -27,7 +31,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -183,14 +187,17 @@ def _chunks(documents: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def _writer(path: Path):
-    from array_record.python.array_record_module import ArrayRecordWriter
+TOKENS_SUFFIX = ".tokens"
+TOKEN_FORMAT = "int32 records back to back"  # the token files' format, named in the cache's metadata
+TOKEN_DTYPE = np.dtype("<i4")
 
-    return ArrayRecordWriter(str(path), "group_size:1")
+
+def _writer(path: Path):
+    return open(path, "wb")
 
 
 class RecordShards:
-    """Writes (n, record_length) int32 rows as ArrayRecord files `path_of(0)`, `path_of(1)`, ... of at most
+    """Writes (n, record_length) int32 rows into token files `path_of(0)`, `path_of(1)`, ... of at most
     `records_per_shard` records each (None: one file). A split with no records writes no file."""
 
     def __init__(self, path_of: Callable[[int], Path], records_per_shard: int | None = None):
@@ -199,14 +206,16 @@ class RecordShards:
         self._writer, self._path, self._count = None, None, 0
 
     def write(self, rows: np.ndarray) -> None:
-        rows = np.ascontiguousarray(rows, dtype=np.int32)
-        for row in rows:
+        rows = np.ascontiguousarray(rows, dtype=TOKEN_DTYPE)
+        while len(rows):
             if self._writer is None:
                 self._path = self.path_of(len(self.shards))
                 self._writer, self._count = _writer(self._path), 0
-            self._writer.write(row.tobytes())
-            self._count += 1
-            if self.records_per_shard and self._count >= self.records_per_shard:
+            room = self.records_per_shard - self._count if self.records_per_shard else len(rows)
+            self._writer.write(rows[:room].tobytes())
+            self._count += len(rows[:room])
+            rows = rows[room:]
+            if self._count == self.records_per_shard:
                 self._close_shard()
 
     def _close_shard(self) -> None:
@@ -322,9 +331,9 @@ def _tokenize_in_workers(documents, tokenizer, cut: Cut, workers: int, consume) 
 
 @dataclasses.dataclass(frozen=True)
 class PreparedSplit:
-    """Fixed-length records in one or more ArrayRecord files, read in order as one sequence."""
+    """Fixed-length records in one or more token files, read in order as one sequence."""
 
-    paths: tuple[Path, ...]  # the ArrayRecord files (shards), in order; a single Path is accepted
+    paths: tuple[Path, ...]  # the token files (shards), in order; a single Path is accepted
     num_records: int
     num_tokens: int
     record_length: int
@@ -342,22 +351,49 @@ class PreparedSplit:
         return self.paths[0]
 
 
-def record_source(split: PreparedSplit):
-    """A random-access Grain source over the records of a prepared split: all its shards, in order."""
-    import grain
+class TokenRecords:
+    """The records of a prepared split (all its shards, in order; the first `num_records` of them) as a Grain
+    random-access source: `source[i]` is record i, `source.read(indices)` a batch of them, gathered from memory maps
+    of the files (the page cache, no copy per record)."""
 
-    return grain.sources.ArrayRecordDataSource([str(p) for p in split.paths])
+    def __init__(self, split: PreparedSplit):
+        # Plain ndarray views of the maps: indexing an np.memmap itself costs more than the gather.
+        self._shards = [np.asarray(np.memmap(p, dtype=TOKEN_DTYPE, mode="r")).reshape(-1, split.record_length)
+                        for p in split.paths]
+        self._starts = np.cumsum([0] + [len(shard) for shard in self._shards])
+        self._len = split.num_records  # checked against the files when opened; --max_train_samples keeps a prefix
+        self.record_length = split.record_length
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.read(np.array([index]))[0]
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """(len(indices), record_length) int32: the records at `indices`, in that order."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and not (0 <= indices.min() and indices.max() < self._len):
+            raise IndexError(f"record indices {indices.min()}..{indices.max()} outside [0, {self._len})")
+        if len(self._shards) == 1:
+            return self._shards[0][indices]
+        out = np.empty((len(indices), self.record_length), dtype=TOKEN_DTYPE)
+        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        for shard in np.unique(shard_of):
+            rows = shard_of == shard
+            out[rows] = self._shards[shard][indices[rows] - self._starts[shard]]
+        return out
 
 
-def decode_record(raw: bytes) -> np.ndarray:
-    return np.frombuffer(raw, dtype=np.int32)
+def record_source(split: PreparedSplit) -> TokenRecords:
+    """A random-access Grain source over the records of a prepared split."""
+    return TokenRecords(split)
 
 
-def count_records(paths: Sequence[Path]) -> int:
-    """Records in ArrayRecord files; RuntimeError/OSError when one does not open."""
-    import grain
-
-    return len(grain.sources.ArrayRecordDataSource([str(p) for p in paths]))
+def token_file_problem(path: Path, size: int, records: int, record_length: int) -> str | None:
+    """What is wrong with a token file of `size` bytes that should hold `records` records (None: nothing)."""
+    held = size / (record_length * TOKEN_DTYPE.itemsize)
+    return None if held == records else f"{path.name} holds {held:g} records, {records} expected"
 
 
 def file_sha256(path: Path) -> str:
@@ -383,8 +419,8 @@ def remove_stale_temps(folder: Path, pattern: str, host: str) -> None:
 
 
 def no_space(e: BaseException) -> bool:
-    """Whether a write failed on a full disk: an OSError's errno, or the words of the errors that carry none (the
-    ArrayRecord writer's RuntimeError, safetensors' SafetensorError)."""
+    """Whether a write failed on a full disk: an OSError's errno, or the words of the errors that carry none
+    (safetensors' SafetensorError)."""
     text = str(e).lower()
     return getattr(e, "errno", None) == errno.ENOSPC or "no space left" in text or "os error 28" in text
 

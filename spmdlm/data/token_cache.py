@@ -1,11 +1,11 @@
 """The launcher's token cache (`--train_file`, `--cache_dir`; docs/data.md): documents tokenized once into one
-ArrayRecord file per split under a key made from the documents' content, the tokenizer, the record length and the
-mode. A second run reuses the file once its size, sha256 and record count match the metadata; a damaged cache is
-rebuilt.
+token file per split (`NAME.tokens`, spmdlm.data.records) under a key made from the documents' content, the
+tokenizer, the record length and the mode. A second run reuses the file once its size, sha256 and record count
+match the metadata (`NAME.json`); a damaged cache is rebuilt, and so, once, is a cache of the ArrayRecord format
+earlier versions wrote (`NAME.array_record`, read one record at a time), whose file is then removed.
 
 Buckets (gs://, spmdlm/storage.py): a `--cache_dir gs://...` cache is copied once to each host's local disk
-(storage.local_mirror, reused while its metadata matches the bucket's) and read there by Grain's ArrayRecord reader,
-which reads local files only.
+(storage.local_mirror, reused while its metadata matches the bucket's) and memory-mapped there.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Iterable
 
 from spmdlm import storage
-from spmdlm.data.records import (Cut, PreparedSplit, RecordShards, count_records, file_sha256, no_space,
-                                 progress_bar, remove_stale_temps, tokenize_into)
+from spmdlm.data.records import (TOKEN_FORMAT, TOKENS_SUFFIX, Cut, PreparedSplit, RecordShards, file_sha256,
+                                 no_space, progress_bar, remove_stale_temps, token_file_problem, tokenize_into)
 from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -31,11 +31,16 @@ class _DamagedCache(Exception):
     """A cached split whose metadata or data file does not check out; the message says what."""
 
 
+class _OldFormat(_DamagedCache):
+    """A cached split in the ArrayRecord format of earlier versions."""
+
+
 CACHE_META_KEYS = ("num_records", "num_tokens", "bytes", "sha256")
+OLD_SUFFIX = ".array_record"  # earlier versions' data file, one ArrayRecord entry per record
 
 
-def _verified_meta(data_path: Path, meta_path: Path) -> dict:
-    """The metadata of a cached split once its data file matches it (size, hash, record count)."""
+def _verified_meta(data_path: Path, meta_path: Path, record_length: int) -> dict:
+    """The metadata of a cached split once its data file matches it (format, size, hash, record count)."""
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
@@ -43,19 +48,16 @@ def _verified_meta(data_path: Path, meta_path: Path) -> dict:
     missing = [key for key in CACHE_META_KEYS if key not in meta] if isinstance(meta, dict) else CACHE_META_KEYS
     if missing:  # older caches did not record the size and hash
         raise _DamagedCache(f"{meta_path.name} lacks {', '.join(missing)}")
+    if meta.get("format") != TOKEN_FORMAT:
+        raise _OldFormat(f"{meta_path.name} describes {data_path.stem}{OLD_SUFFIX}")
     if not data_path.is_file():
         raise _DamagedCache(f"{data_path.name} is missing")
     if (size := data_path.stat().st_size) != meta["bytes"]:
         raise _DamagedCache(f"{data_path.name} has {size} bytes, {meta['bytes']} expected")
     if file_sha256(data_path) != meta["sha256"]:
         raise _DamagedCache(f"{data_path.name} does not match its sha256")
-    try:
-        num_records = count_records([data_path])
-    except (RuntimeError, OSError) as e:  # what the ArrayRecord reader raises on a truncated or corrupt file
-        first_line = str(e).partition("\n")[0] or type(e).__name__  # a truncated file raises an empty message
-        raise _DamagedCache(f"{data_path.name} does not open: {first_line}") from None
-    if num_records != meta["num_records"]:
-        raise _DamagedCache(f"{data_path.name} has {num_records} records, {meta['num_records']} expected")
+    if problem := token_file_problem(data_path, size, meta["num_records"], record_length):
+        raise _DamagedCache(problem)
     return meta
 
 
@@ -88,10 +90,13 @@ def prepare_split(
     if not documents:
         raise DataError(f"the {name} corpus is empty; give a file with text in it")
     folder = Path(cache_dir) / _cache_key(documents, tokenizer, cut)
-    data_path, meta_path = folder / f"{name}.array_record", folder / f"{name}.json"
+    data_path, meta_path = folder / f"{name}{TOKENS_SUFFIX}", folder / f"{name}.json"
     if meta_path.exists() and not overwrite_cache:
         try:
-            meta = _verified_meta(data_path, meta_path)
+            meta = _verified_meta(data_path, meta_path, record_length)
+        except _OldFormat:
+            log.warning("the tokenized %s cache %s is in the ArrayRecord format of earlier versions; rebuilding it "
+                        "once as flat tokens (fast batched reads)", name, folder)
         except _DamagedCache as e:
             log.warning("the tokenized %s cache %s is damaged (%s); rebuilding it", name, folder, e)
         else:
@@ -102,7 +107,7 @@ def prepare_split(
     host = socket.gethostname()
     tmp_suffix = f".tmp-{host}-{os.getpid()}"  # unique on shared filesystems
     tmp = data_path.with_name(data_path.name + tmp_suffix)
-    try:  # up front: the ArrayRecord writer's own error would not say which folder
+    try:  # up front: a failed write later would not say which folder
         folder.mkdir(parents=True, exist_ok=True)
         tmp.touch()
     except OSError as e:
@@ -118,7 +123,7 @@ def prepare_split(
         sink.close()
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, RuntimeError) and no_space(e):  # the ArrayRecord writer's, which carries no errno
+        if isinstance(e, OSError) and no_space(e):
             raise DataError(f"cannot write the token cache in {folder}: no space left on device; free some space "
                             "or pass another --cache_dir") from None
         raise
@@ -128,13 +133,15 @@ def prepare_split(
             f"the {name} corpus has {stats.tokens} tokens, fewer than one example of {record_length}; "
             "give more text or lower --block_size/--max_seq_length"
         )
-    meta = {"num_records": stats.examples, "num_tokens": stats.tokens, "record_length": record_length,
-            "documents": len(documents), "bytes": tmp.stat().st_size, "sha256": file_sha256(tmp)}
+    meta = {"format": TOKEN_FORMAT, "num_records": stats.examples, "num_tokens": stats.tokens,
+            "record_length": record_length, "documents": len(documents), "bytes": tmp.stat().st_size,
+            "sha256": file_sha256(tmp)}
     # Each file by an atomic rename, the metadata last: a cache is never seen half-written.
     os.replace(tmp, data_path)
     meta_tmp = meta_path.with_name(meta_path.name + tmp_suffix)
     meta_tmp.write_text(json.dumps(meta))
     os.replace(meta_tmp, meta_path)
+    (folder / f"{name}{OLD_SUFFIX}").unlink(missing_ok=True)  # an earlier version's file of the same records
     log.info("tokenized %d %s documents into %d records of %d tokens (%s)", len(documents), name, stats.examples,
              record_length, folder)
     return PreparedSplit(data_path, stats.examples, stats.tokens, record_length, folder.name)
@@ -161,13 +168,13 @@ def _prepare_split_in_bucket(documents, tokenizer, *, cache_dir, name: str, over
         raise DataError(f"the {name} corpus is empty; give a file with text in it")
     key = _cache_key(documents, tokenizer, cut)
     remote, local = cache_dir / key, storage.local_mirror(cache_dir) / key
-    data_name, meta_name = f"{name}.array_record", f"{name}.json"
+    data_name, meta_name = f"{name}{TOKENS_SUFFIX}", f"{name}.json"
     fetched = False
     if not overwrite_cache and (remote / meta_name).is_file():
         remote_meta = (remote / meta_name).read_text()
         local_meta = local / meta_name
         fetched = local_meta.is_file() and local_meta.read_text() == remote_meta
-        if not fetched:
+        if not fetched and _in_token_format(remote_meta):  # an earlier version's cache is rebuilt here instead
             log.info("copying the tokenized %s cache %s to %s", name, remote, local)
             storage.download(remote / data_name, local / data_name, desc=f"copying {name} cache")
             local.mkdir(parents=True, exist_ok=True)
@@ -178,5 +185,14 @@ def _prepare_split_in_bucket(documents, tokenizer, *, cache_dir, name: str, over
     if not fetched or (local / meta_name).read_text() != (remote / meta_name).read_text():  # built (or rebuilt) here
         storage.upload(local / data_name, remote / data_name)
         storage.upload(local / meta_name, remote / meta_name)
+        storage.remove(remote / f"{name}{OLD_SUFFIX}")
         log.info("uploaded the tokenized %s cache to %s", name, remote)
     return split
+
+
+def _in_token_format(meta_text: str) -> bool:
+    try:
+        meta = json.loads(meta_text)
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and meta.get("format") == TOKEN_FORMAT

@@ -1,16 +1,19 @@
-"""Pretraining objectives as pure numpy functions `(record, rng) -> example`.
+"""Pretraining objectives as pure numpy functions `(record, rng) -> example`, and `batch(records, seed, indices)`.
 
 A record is a 1-D int32 array of `record_length` token ids cut from the tokenized corpus (documents joined by the
 objective's separator). An example is a dict of fixed-shape arrays that the model's loss consumes. `labels` equal to
-IGNORE_INDEX carry no loss. Every random choice uses the `np.random.Generator` passed in (Grain derives it from the
-seed and the global example index), never global state, so any example can be recomputed from (seed, index) alone.
+IGNORE_INDEX carry no loss. Every random choice uses the `np.random.Generator` passed in, never global state. The
+pipeline calls `batch`, whose row i is exactly `self(records[i], example_rng(seed, indices[i]))`: a counter-based
+generator keyed by the seed and the global example index, so any example can be recomputed from (seed, index) alone,
+by whichever host or batch. Objectives vectorise `batch` over rows where it pays, drawing each row's randomness from
+its own generator first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 
@@ -67,6 +70,10 @@ class Objective:
     def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def batch(self, records: np.ndarray, seed: int, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        """The examples of `records` (n, record_length), row i keyed by the global example index indices[i]."""
+        return stack([self(record, rng) for record, rng in zip(records, row_rngs(seed, indices))])
+
     def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """Shape and dtype of every field of one example (for padding eval batches and synthetic benchmarks)."""
         raise NotImplementedError
@@ -78,6 +85,57 @@ class Objective:
         if "decoder_input_ids" in spec:
             lengths["decoder"] = spec["decoder_input_ids"][0][0]
         return lengths
+
+
+@functools.lru_cache(maxsize=64)
+def _philox_key(seed: int) -> np.ndarray:
+    return np.random.Philox(seed).state["state"]["key"]
+
+
+def row_rngs(seed: int, indices: Sequence[int]) -> Iterator[np.random.Generator]:
+    """The generator of each global example index in turn: Philox keyed by the seed, its counter starting at the
+    index (the stream Grain's `random_map` gives element `index`). One generator, reset per row (a third of the cost
+    of a new one): use each before taking the next."""
+    bit_generator = np.random.Philox(key=_philox_key(seed))
+    rng, state = np.random.Generator(bit_generator), bit_generator.state
+    for index in indices:
+        state["state"]["counter"] = np.array([0, 0, 0, index], dtype=np.uint64)
+        state.update(buffer_pos=4, has_uint32=0)  # nothing left over from the previous row
+        bit_generator.state = state
+        yield rng
+
+
+def example_rng(seed: int, index: int) -> np.random.Generator:
+    """The generator of global example `index` (see `row_rngs`)."""
+    return next(row_rngs(seed, [index]))
+
+
+def row_draws(seed: int, indices: Sequence[int], draw: Callable[[np.random.Generator], np.ndarray]) -> np.ndarray:
+    """`draw(example_rng(seed, index))` of every row, stacked: the randomness of a vectorised batch."""
+    return np.stack([draw(rng) for rng in row_rngs(seed, indices)])
+
+
+def stack(examples: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {name: np.stack([example[name] for example in examples]) for name in examples[0]}
+
+
+class Vectorised(Objective):
+    """An objective computed for a whole batch at once: `draw(rng)` takes one row's randomness from its generator
+    (a fixed-shape array), `apply(records, draws)` makes the examples of all rows with numpy over the batch. One
+    example is the batch of one row, so `__call__` and `batch` cannot disagree."""
+
+    def draw(self, rng: np.random.Generator) -> np.ndarray:
+        raise NotImplementedError
+
+    def apply(self, records: np.ndarray, draws: np.ndarray) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        rows = self.apply(np.asarray(record)[None], self.draw(rng)[None])
+        return {name: row[0] for name, row in rows.items()}
+
+    def batch(self, records: np.ndarray, seed: int, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        return self.apply(np.asarray(records), row_draws(seed, indices, self.draw))
 
 
 def padding_example(objective: Objective) -> dict[str, np.ndarray]:

@@ -24,10 +24,14 @@ class CausalLM(Objective):
 
     def __call__(self, record: np.ndarray, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
         del rng  # CLM needs no randomness
-        if record.shape != (self.record_length,):
-            raise ValueError(f"CLM record has shape {record.shape}, expected ({self.record_length},)")
-        record = record.astype(np.int32, copy=False)
-        return {"input_ids": record[:-1], "labels": record[1:]}
+        return {name: rows[0] for name, rows in self.batch(np.asarray(record)[None], 0, [0]).items()}
+
+    def batch(self, records: np.ndarray, seed: int, indices) -> dict[str, np.ndarray]:
+        del seed, indices
+        if records.shape[1:] != (self.record_length,):
+            raise ValueError(f"CLM record has shape {records.shape[1:]}, expected ({self.record_length},)")
+        records = records.astype(np.int32, copy=False)
+        return {"input_ids": np.ascontiguousarray(records[:, :-1]), "labels": np.ascontiguousarray(records[:, 1:])}
 
     def example_spec(self):
         return {"input_ids": ((self.block_size,), np.int32), "labels": ((self.block_size,), np.int32)}

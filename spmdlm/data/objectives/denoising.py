@@ -1,4 +1,4 @@
-"""BART denoising (sentence permutation + text infilling), per example in numpy.
+"""BART denoising (sentence permutation + text infilling) in numpy, vectorised over a batch.
 
 A record holds `record_length` = max_seq_length - 2 content ids; the last token of each sentence carries the flag bit
 SENTENCE_END (set at preparation from `spmdlm.data.sentences`). Records are cut from a stream of documents, so the
@@ -14,6 +14,11 @@ covered by spans of Poisson(poisson_lambda) length; each span becomes one <mask>
 one <mask>. <s> and </s> are never touched. Special ids inside the content (the separator that joins documents)
 stay exactly where they are: sentences are shuffled only within the run between two specials (one document), and
 no span covers a special (a span that would straddle one is cut in two around it, each part with its own <mask>).
+
+Randomness: each row first draws, from its own generator, its Poisson span lengths (until they cover its budget) and
+one array of uniforms: sort keys that order its spans, pick their gaps and pick and order its sentences. Everything
+else is array operations over all the rows of a batch at once, so a row is the same in any batch, and alone
+(`__call__` is a batch of one).
 
 Differences from the HF script run_bart_dlm_flax.py, and why:
 - sentence ends are a flag bit on the ids, not <pad> tokens in the text that the encoder could not attend to;
@@ -31,11 +36,13 @@ usual settings), so <mask>s are never adjacent; masking is per token, not whole-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Sequence
 
 import numpy as np
 
-from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Framed, open_unit
+from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Framed, open_unit, row_rngs
 from spmdlm.data.sentences import SENTENCE_END
 
 MASK_RATIO = Flag("mask_ratio", float, None, "BART text infilling: fraction of tokens masked (default 0.3)", open_unit,
@@ -46,6 +53,7 @@ PERMUTE_SENTENCE_RATIO = Flag("permute_sentence_ratio", float, 1.0, "BART: fract
                               lambda value: 0 <= value <= 1, "must be in [0, 1]")
 
 _ID_BITS = SENTENCE_END - 1
+_NO_LENGTHS = np.zeros(0, dtype=np.int64)
 
 
 def _ceil(x: float) -> int:
@@ -87,108 +95,222 @@ class Denoising(Framed):
         """The labels' <s> and </s> (and any other special): easy tokens the HF script's metrics leave out."""
         return self.special_ids
 
+    @functools.cached_property
+    def _budgets(self) -> np.ndarray:
+        """[n] = the mask budget ceil(mask_ratio * n) of a record with n maskable tokens."""
+        return np.array([_ceil(self.mask_ratio * n) for n in range(self.record_length + 1)])
+
+    @functools.cached_property
+    def _budget_of(self) -> list[int]:
+        return self._budgets.tolist()  # Python ints: read once per row
+
+    @functools.cached_property
+    def _sentence_keys(self) -> int:
+        """Uniforms a row draws for its sentence order: one per token, none when nothing is permuted."""
+        return self.record_length if self.permute_sentence_ratio > 0 else 0
+
+    @functools.cached_property
+    def _shuffled_counts(self) -> np.ndarray:
+        """[s] = sentences shuffled among s: ceil(permute_sentence_ratio * s), 0 when fewer than two."""
+        counts = np.array([_ceil(self.permute_sentence_ratio * s) for s in range(self.record_length + 1)])
+        return np.where(counts < 2, 0, counts)  # shuffling one sentence changes nothing
+
+    def _draw(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """One row's randomness, for a record of n maskable tokens: Poisson span lengths until they cover the mask
+        budget (fairseq draws in batches this size), then uniforms: a sort key per length (the spans' order), one
+        per gap a span may take (n - budget + lengths: enough for either layout of `_layout_spans`) and, when
+        sentences are permuted, one per token (`_permute_sentences`)."""
+        budget = self._budget_of[n]
+        if not budget:
+            return _NO_LENGTHS, rng.random(self._sentence_keys)
+        lengths = rng.poisson(self.poisson_lambda, budget)
+        while lengths.sum() < budget:  # at usual lambdas the first draws suffice
+            lengths = np.concatenate((lengths, rng.poisson(self.poisson_lambda, budget)))
+        return lengths, rng.random(2 * len(lengths) + n - budget + self._sentence_keys)
+
+    def _layout_spans(self, n: np.ndarray, lengths: np.ndarray, drawn: np.ndarray, uniforms: np.ndarray,
+                      first_uniform: np.ndarray):
+        """(row, start, length) of every infilling span of rows with n[row] maskable tokens, sorted by (row,
+        start), from the rows' `_draw`s concatenated: `lengths` (drawn[row] a row), `uniforms` (the row's from
+        first_uniform[row]). All rows are laid out at once.
+
+        A row's lengths sum to its budget: its Poisson draws up to the first that reaches the budget, that one
+        trimmed, in the order of their sort keys (or the trimmed, short span would always come last). Unless
+        there are more spans than gaps between kept tokens (extreme settings only), each span takes its own gap
+        (those of the smallest gap keys): uniform over layouts with no overlap, no wrap-around and a kept token
+        between any two spans; otherwise some spans sit back to back.
+        """
+        budget = self._budgets[n]
+        row_of = np.repeat(np.arange(len(n)), drawn)
+        first_draw = np.cumsum(drawn) - drawn
+        covered = np.concatenate(([0], np.cumsum(lengths)))
+        before = covered[:-1] - covered[first_draw][row_of]  # the row's tokens covered by its earlier draws
+        used = before < budget[row_of]  # up to the draw that reaches the budget
+        local = np.arange(len(lengths)) - first_draw[row_of]
+        span_row = row_of[used]
+        order = np.lexsort((uniforms[first_uniform[row_of] + local][used], span_row))
+        span_lengths = np.minimum(lengths, budget[row_of] - before)[used][order]
+        spans = np.bincount(span_row, minlength=len(n))
+        kept = n - budget
+        apart = spans <= kept + 1
+        candidates = np.where(spans == 0, 0, np.where(apart, kept + 1, kept + spans))
+        if not candidates.any():
+            return span_row, span_row, span_row  # no spans (all empty)
+        column = np.arange(candidates.max())
+        at = (first_uniform + drawn)[:, None] + column  # the gap keys follow the order keys
+        gap_keys = np.where(column < candidates[:, None], uniforms[np.minimum(at, len(uniforms) - 1)], 2.0)
+        # Each row takes its `spans` smallest keys: those below the spans-th smallest, then that one (and, for an
+        # exact tie, the first of equal keys): defined by the values alone, whatever the sort.
+        threshold = np.sort(gap_keys, axis=1)[np.arange(len(n)), np.maximum(spans - 1, 0)][:, None]
+        below, tied = gap_keys < threshold, gap_keys == threshold
+        chosen = below | (tied & (np.cumsum(tied, axis=1) <= (spans - below.sum(axis=1))[:, None]))
+        gap = np.flatnonzero(chosen) % len(column)  # by (row, candidate): sorted within each row
+        first_span = np.cumsum(spans) - spans
+        rank = np.arange(len(span_row)) - first_span[span_row]
+        gap = np.where(apart[span_row], gap, gap - rank)  # back to back: n_spans of kept + n_spans, then shifted
+        masked = np.concatenate(([0], np.cumsum(span_lengths)))
+        earlier = masked[:-1] - masked[first_span][span_row]  # the row's tokens in its earlier spans
+        return span_row, gap + earlier, span_lengths  # start: kept tokens before the span + earlier spans' tokens
+
     def noise_spans(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """(starts, lengths) of the infilling spans over n maskable tokens, sorted by start.
+        """(starts, lengths) of the infilling spans over n <= record_length maskable tokens, sorted by start: those
+        of an example whose record has n maskable tokens, from the same generator.
 
         The lengths sum to the budget ceil(mask_ratio * n). A zero-length span inserts a <mask> before token
         `start` (start == n: after the last). Spans never overlap nor pass the end; unless there are more spans
         than gaps between kept tokens (extreme settings only), starts are distinct and spans are kept apart.
         """
-        budget = _ceil(self.mask_ratio * n)
-        if budget == 0:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        draws, total = [], 0
-        while total < budget:  # Poisson lengths until they cover the budget (fairseq draws in batches this size)
-            draws.append(rng.poisson(self.poisson_lambda, size=budget))
-            total += int(draws[-1].sum())
-        lengths = np.concatenate(draws)
-        cumulative = np.cumsum(lengths)
-        last = int(np.searchsorted(cumulative, budget))  # the first span that reaches the budget...
-        lengths = lengths[: last + 1]
-        lengths[last] -= cumulative[last] - budget  # ...is trimmed so the total is exactly the budget
-        lengths = rng.permutation(lengths)  # or the trimmed (short) span would always come last in the text
-        n_spans, n_kept = len(lengths), n - budget
-        if n_spans <= n_kept + 1:
-            # Each span takes its own gap between two kept tokens (n_kept + 1 gaps, ends included): uniform over
-            # layouts with no overlap and no wrap-around, and a kept token between any two spans.
-            gaps = np.sort(rng.choice(n_kept + 1, n_spans, replace=False))
-        else:
-            # More spans than gaps (only at extreme ratios or tiny lambdas): some spans sit back to back.
-            gaps = np.sort(rng.choice(n_kept + n_spans, n_spans, replace=False)) - np.arange(n_spans)
-        starts = gaps + np.cumsum(lengths) - lengths  # kept tokens before the span + tokens of earlier spans
+        _, starts, lengths = self._layout_spans(np.array([n]), *_concatenated([self._draw(rng, n)]))
         return starts, lengths
 
-    def _permute_sentences(self, ids: np.ndarray, ends: np.ndarray, pinned: np.ndarray, rng) -> np.ndarray:
-        n = len(ids)
+    def _permute_sentences(self, ids: np.ndarray, ends: np.ndarray, pinned: np.ndarray,
+                           keys: np.ndarray) -> np.ndarray:
+        """ids (rows, N) with each row's sentences shuffled by its uniform `keys` (rows, N), read at each sentence's
+        first token: the sentences of the smallest keys are chosen and take each other's places in the order of
+        those keys (a uniform choice, a uniform order), each within its own document."""
+        rows, n = ids.shape
         # Pieces: sentences (cut after each flagged token) and every special on its own, which stays in place.
-        cut = np.ones(n, dtype=bool)
-        cut[1:] = ends[:-1] | pinned[1:] | pinned[:-1]
-        piece_starts = np.flatnonzero(cut)
-        piece_lengths = np.diff(np.append(piece_starts, n))
-        is_sentence = ~pinned[piece_starts]
+        cut = np.ones((rows, n), dtype=bool)
+        cut[:, 1:] = ends[:, :-1] | pinned[:, 1:] | pinned[:, :-1]
+        piece_starts = np.flatnonzero(cut)  # flat positions; each row's last piece ends where the next row starts
+        piece_row = piece_starts // n
+        piece_lengths = np.diff(np.append(piece_starts, rows * n))
+        is_sentence = ~pinned.reshape(-1)[piece_starts]
+        document = np.cumsum(~is_sentence)  # specials seen before: shuffle only within a document
         sentences = np.flatnonzero(is_sentence)
-        k = _ceil(self.permute_sentence_ratio * len(sentences))
-        if k < 2:
-            return ids  # shuffling fewer than two sentences changes nothing (and draws nothing from rng)
-        chosen = np.sort(rng.choice(sentences, k, replace=False))
-        document = np.cumsum(~is_sentence)[chosen]  # specials seen before: shuffle only within a document
+        sentence_row, sentence_key = piece_row[sentences], keys.reshape(-1)[piece_starts[sentences]]
+        per_row = np.bincount(sentence_row, minlength=rows)
+        shuffled = self._shuffled_counts[per_row][sentence_row]
+        if self.permute_sentence_ratio < 1:
+            by_key = np.lexsort((sentence_key, sentence_row))
+            rank = np.empty(len(sentences), dtype=np.int64)
+            rank[by_key] = np.arange(len(sentences)) - (np.cumsum(per_row) - per_row)[sentence_row[by_key]]
+            chosen = rank < shuffled
+        else:  # every sentence of a row with two or more (the default): no need to rank the keys
+            chosen = shuffled > 0
+        places = sentences[chosen]
         order = np.arange(len(piece_starts))
-        order[chosen] = chosen[np.lexsort((rng.random(k), document))]
+        order[places] = places[np.lexsort((sentence_key[chosen], document[places], piece_row[places]))]
         lengths = piece_lengths[order]
-        gather = np.repeat(piece_starts[order] - (np.cumsum(lengths) - lengths), lengths) + np.arange(n)
-        return ids[gather]
+        gather = np.repeat(piece_starts[order] - (np.cumsum(lengths) - lengths), lengths) + np.arange(rows * n)
+        return ids.reshape(-1)[gather].reshape(rows, n)
 
-    def _infill(self, content: np.ndarray, pinned: np.ndarray, rng) -> np.ndarray:
-        maskable = np.flatnonzero(~pinned)
-        n = len(maskable)
-        starts, lengths = self.noise_spans(n, rng)
+    def _infill(self, content: np.ndarray, pinned: np.ndarray, spans) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask) of rows of `content` (rows, N) infilled by `spans` (`_layout_spans`)."""
+        rows, n = content.shape
+        length = self.max_seq_length
+        span_row, starts, lengths = spans
+        maskable = np.flatnonzero(~pinned)  # flat positions, by row
+        per_row = n - pinned.sum(axis=1)
+        first_maskable = np.cumsum(per_row) - per_row
         filled = lengths > 0
-        span_starts, span_ends = starts[filled], starts[filled] + lengths[filled]
+        span_starts = first_maskable[span_row[filled]] + starts[filled]  # in the flat order of maskable tokens
+        span_ends = span_starts + lengths[filled]
         # Span number of every maskable token (-1: kept): the last span starting at or before it, if it reaches it.
-        is_start = np.zeros(n, dtype=bool)
+        is_start = np.zeros(len(maskable), dtype=bool)
         is_start[span_starts] = True
         span = np.cumsum(is_start) - 1
-        inside = np.arange(n) < np.append(span_ends, 0)[span]  # span -1 reads the appended 0: never inside
-        span = np.where(inside, span, -1)
-        span_at = np.full(len(content), -1)
-        span_at[maskable] = span
+        inside = np.arange(len(maskable)) < np.append(span_ends, 0)[span]  # span -1 reads the appended 0
+        span_at = np.full(rows * n, -1)
+        span_at[maskable] = np.where(inside, span, -1)
         # A span's first token becomes <mask>, the rest go. "First" is also the first token after a special inside
         # the span, so a special is never swallowed and each side of it keeps a <mask>.
         first = (span_at >= 0) & (span_at != np.concatenate(([-1], span_at[:-1])))
-        emit = (span_at < 0) | first
-        out = np.where(first, self.mask_id, content)[emit]
-        # Zero-length spans: one <mask> before maskable token `start` (or after the content), placed in `out`.
-        before = np.append(maskable, len(content))[starts[~filled]]
-        emitted_before = np.concatenate(([0], np.cumsum(emit)))
-        return np.insert(out, emitted_before[before], self.mask_id)
+        emitted = np.flatnonzero((span_at < 0) | first)  # flat positions of the tokens that stay (or become <mask>)
+        emit_row = emitted // n
+        tokens = np.where(first[emitted], self.mask_id, content.reshape(-1)[emitted])
+        # Zero-length spans: one <mask> before maskable token `start` (column n: after the content).
+        empty_row, empty_start = span_row[~filled], starts[~filled]
+        before = maskable[np.minimum(first_maskable[empty_row] + empty_start, len(maskable) - 1)] % n
+        column = np.where(empty_start < per_row[empty_row], before, n)
+        # The output of all rows in one sequence, by (row, column) with rows n + 1 wide: inserted <mask>s go before
+        # the token of their column. A row's output starts after all of the earlier rows'.
+        emit_key, insert_key = emitted + emit_row, empty_row * (n + 1) + column
+        emit_at = np.arange(len(emitted)) + np.searchsorted(insert_key, emit_key, side="right")
+        insert_at = np.arange(len(insert_key)) + np.searchsorted(emit_key, insert_key, side="left")
+        row_keys = np.arange(rows + 1) * (n + 1)
+        row_start = np.searchsorted(emit_key, row_keys) + np.searchsorted(insert_key, row_keys)
+        kept = np.minimum(np.diff(row_start), length - 2)  # rare overflow (many insertions): cut, keep </s>
+        input_ids = np.full(rows * length, self.pad_id, dtype=np.int32)
+        for at, row, values in ((emit_at, emit_row, tokens), (insert_at, empty_row, self.mask_id)):
+            slot = at - row_start[row]
+            fits = slot < kept[row]
+            input_ids[(row * length + 1 + slot)[fits]] = values if np.ndim(values) == 0 else values[fits]
+        frame = np.arange(rows) * length
+        input_ids[frame] = self.bos_id
+        input_ids[frame + kept + 1] = self.eos_id
+        return input_ids.reshape(rows, length), (np.arange(length) <= kept[:, None] + 1).astype(np.int32)
 
-    def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        record = np.asarray(record)
-        if record.shape != (self.record_length,):
-            raise ValueError(f"BART record has shape {record.shape}, expected ({self.record_length},)")
-        ids = (record & _ID_BITS).astype(np.int32)
-        ends = (record & SENTENCE_END) != 0
-        pinned = np.isin(ids, self._specials)  # unchanged by the permutation: specials keep their positions
-        length = self.max_seq_length
+    def _unpack(self, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, sentence ends, pinned specials) of records (rows, record_length)."""
+        if records.shape[1:] != (self.record_length,):
+            raise ValueError(f"BART record has shape {records.shape[1:]}, expected ({self.record_length},)")
+        ids = (records & _ID_BITS).astype(np.int32)
+        return ids, (records & SENTENCE_END) != 0, np.isin(ids, self._specials)
 
-        content = self._permute_sentences(ids, ends, pinned, rng)
-        noised = np.concatenate(([self.bos_id], self._infill(content, pinned, rng), [self.eos_id]))
-        if len(noised) > length:
-            # Insertions can outnumber the tokens that spans saved (many empty or 1-token spans): rare at usual
-            # settings. Cut the tail but keep the closing </s>.
-            noised = np.concatenate((noised[: length - 1], [self.eos_id]))
-        input_ids = np.full(length, self.pad_id, dtype=np.int32)
-        input_ids[: len(noised)] = noised
-        labels = np.concatenate(([self.bos_id], ids, [self.eos_id])).astype(np.int32)
+    def _examples(self, ids: np.ndarray, ends: np.ndarray, pinned: np.ndarray, draws: list) -> dict[str, np.ndarray]:
+        """The examples of all rows at once, row i from draws[i] (`_draw`)."""
+        rows, n = ids.shape
+        maskable = n - pinned.sum(axis=1)
+        lengths, drawn, uniforms, first_uniform = _concatenated(draws)
+        content = ids
+        if self.permute_sentence_ratio > 0:  # pinned is unchanged by the permutation: specials keep their places
+            row_ends = np.append(first_uniform[1:], len(uniforms))
+            keys = uniforms[(row_ends - n)[:, None] + np.arange(n)]  # each row's last n uniforms (`_draw`)
+            content = self._permute_sentences(ids, ends, pinned, keys)
+        spans = self._layout_spans(maskable, lengths, drawn, uniforms, first_uniform)
+        input_ids, attention_mask = self._infill(content, pinned, spans)
+        column = lambda value: np.full((rows, 1), value, dtype=np.int32)
+        labels = np.concatenate((column(self.bos_id), ids, column(self.eos_id)), axis=1)
         return {
             "input_ids": input_ids,
-            "attention_mask": (np.arange(length) < len(noised)).astype(np.int32),
-            "decoder_input_ids": np.concatenate(([self.decoder_start_id], labels[:-1])).astype(np.int32),
-            "decoder_attention_mask": np.ones(length, dtype=np.int32),
+            "attention_mask": attention_mask,
+            "decoder_input_ids": np.concatenate((column(self.decoder_start_id), labels[:, :-1]), axis=1),
+            "decoder_attention_mask": np.ones((rows, self.max_seq_length), dtype=np.int32),
             "labels": labels,
         }
+
+    def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        ids, ends, pinned = self._unpack(np.asarray(record)[None])
+        draws = [self._draw(rng, int((~pinned).sum()))]
+        return {name: rows[0] for name, rows in self._examples(ids, ends, pinned, draws).items()}
+
+    def batch(self, records: np.ndarray, seed: int, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        """All rows at once; each row's randomness drawn first from its own generator, as `__call__` draws it."""
+        ids, ends, pinned = self._unpack(np.asarray(records))
+        maskable = (self.record_length - pinned.sum(axis=1)).tolist()
+        draws = [self._draw(rng, n) for rng, n in zip(row_rngs(seed, indices), maskable)]
+        return self._examples(ids, ends, pinned, draws)
 
     def example_spec(self):
         shape = (self.max_seq_length,)
         names = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "labels")
         return {name: (shape, np.int32) for name in names}
+
+
+def _concatenated(draws: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, ...]:
+    """Rows' `_draw`s as flat arrays: (lengths, lengths per row, uniforms, each row's first uniform)."""
+    drawn = np.array([len(lengths) for lengths, _ in draws])
+    sizes = np.array([len(uniforms) for _, uniforms in draws])
+    return (np.concatenate([lengths for lengths, _ in draws]), drawn,
+            np.concatenate([uniforms for _, uniforms in draws]), np.cumsum(sizes) - sizes)

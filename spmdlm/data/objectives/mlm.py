@@ -1,4 +1,4 @@
-"""RoBERTa masked LM (BERT-style 80/10/10 masking), per example in numpy.
+"""RoBERTa masked LM (BERT-style 80/10/10 masking) in numpy, vectorised over a batch.
 
 A record of `record_length` = max_seq_length - 2 content ids is framed as `<s> content </s>` and padded to
 max_seq_length. Each content token that is not a special id is chosen with probability mlm_probability; of the
@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from spmdlm.data.objectives import IGNORE_INDEX, MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Framed
+from spmdlm.data.objectives import IGNORE_INDEX, MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Framed, Vectorised
 
 LINE_BY_LINE = Flag("line_by_line", bool, False, "MLM: one example per non-empty line (truncated, padded) instead of "
                     "blocks")
@@ -36,7 +36,7 @@ RANDOM_FRACTION = 0.1  # become a random non-special id; the remaining 0.1 stay 
 
 
 @dataclasses.dataclass(frozen=True)
-class MaskedLM(Framed):
+class MaskedLM(Vectorised, Framed):
     FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, LINE_BY_LINE, PAD_TO_MAX_LENGTH)
     max_seq_length: int
     bos_id: int
@@ -77,43 +77,48 @@ class MaskedLM(Framed):
         """How records are cut from the corpus (spmdlm.data.records.MODES)."""
         return "lines" if self.line_by_line else "stream"
 
-    def _random_non_special(self, size: int, rng: np.random.Generator) -> np.ndarray:
-        """Uniform ids from [0, vocab_size) minus special_ids, without materialising the vocabulary.
+    def _random_non_special(self, uniform: np.ndarray) -> np.ndarray:
+        """Ids uniform over [0, vocab_size) minus special_ids, one per uniform in [0, 1), without materialising
+        the vocabulary.
 
-        Draw the r-th non-special id: it is r plus the number of specials below it, and special s_k (sorted) lies
+        Take the r-th non-special id: it is r plus the number of specials below it, and special s_k (sorted) lies
         below it exactly when the s_k - k non-special ids before s_k number <= r.
         """
-        r = rng.integers(0, self.vocab_size - len(self.special_ids), size=size)
+        r = (uniform * (self.vocab_size - len(self.special_ids))).astype(np.int64)
         non_special_before = self._specials - np.arange(len(self._specials))
         return (r + np.searchsorted(non_special_before, r, side="right")).astype(np.int32)
 
-    def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        record = np.asarray(record)
-        if record.shape != (self.record_length,):
-            raise ValueError(f"MLM record has shape {record.shape}, expected ({self.record_length},)")
-        n_content = self.record_length
+    def draw(self, rng: np.random.Generator) -> np.ndarray:
+        # Three uniforms per position (chosen?, 80/10/10, which random id), whatever the content length: the rng
+        # stream has a fixed layout.
+        return rng.random((3, self.max_seq_length))
+
+    def apply(self, records: np.ndarray, draws: np.ndarray) -> dict[str, np.ndarray]:
+        if records.shape[1:] != (self.record_length,):
+            raise ValueError(f"MLM record has shape {records.shape[1:]}, expected ({self.record_length},)")
+        rows, length = np.arange(len(records)), self.max_seq_length
+        n_content = np.full(len(records), self.record_length)
         if self.line_by_line:
-            padding = np.flatnonzero(record == self.pad_id)
-            n_content = int(padding[0]) if padding.size else self.record_length
+            is_pad = records == self.pad_id
+            n_content = np.where(is_pad.any(axis=1), is_pad.argmax(axis=1), self.record_length)
 
-        input_ids = np.full(self.max_seq_length, self.pad_id, dtype=np.int32)
-        input_ids[0] = self.bos_id
-        input_ids[1 : n_content + 1] = record[:n_content]
-        input_ids[n_content + 1] = self.eos_id
-        original = input_ids.copy()
-        attention_mask = (np.arange(self.max_seq_length) < n_content + 2).astype(np.int32)
+        position = np.arange(length)
+        is_content = (position >= 1) & (position <= n_content[:, None])
+        input_ids = np.full((len(records), length), self.pad_id, dtype=np.int32)
+        input_ids[:, 1 : self.record_length + 1] = records
+        input_ids = np.where(is_content, input_ids, self.pad_id).astype(np.int32)
+        input_ids[:, 0] = self.bos_id
+        input_ids[rows, n_content + 1] = self.eos_id
+        attention_mask = (position < n_content[:, None] + 2).astype(np.int32)
 
-        # Draw for every position, whatever the content length, so the rng stream has a fixed layout.
-        maskable = np.zeros(self.max_seq_length, dtype=bool)
-        maskable[1 : n_content + 1] = ~np.isin(record[:n_content], self._specials)  # separators inside stay put
-        chosen = maskable & (rng.random(self.max_seq_length) < self.mlm_probability)
-        decision = rng.random(self.max_seq_length)  # one draw splits chosen tokens 80/10/10
+        maskable = is_content & ~np.isin(input_ids, self._specials)  # separators inside stay put
+        chosen = maskable & (draws[:, 0] < self.mlm_probability)
+        decision = draws[:, 1]  # one draw splits chosen tokens 80/10/10
         to_mask = chosen & (decision < MASK_FRACTION)
         to_random = chosen & (decision >= MASK_FRACTION) & (decision < MASK_FRACTION + RANDOM_FRACTION)
-        input_ids[to_mask] = self.mask_id
-        input_ids[to_random] = self._random_non_special(self.max_seq_length, rng)[to_random]
-
-        labels = np.where(chosen, original, IGNORE_INDEX).astype(np.int32)
+        labels = np.where(chosen, input_ids, IGNORE_INDEX).astype(np.int32)
+        input_ids = np.where(to_random, self._random_non_special(draws[:, 2]), input_ids)
+        input_ids = np.where(to_mask, self.mask_id, input_ids).astype(np.int32)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
     def example_spec(self):

@@ -1,4 +1,4 @@
-"""T5 span corruption (T5 v1.1 pretraining), per example in numpy.
+"""T5 span corruption (T5 v1.1 pretraining) in numpy, vectorised over a batch.
 
 A record of `record_length` tokens is split into alternating keep/noise spans (starting with keep, ending with
 noise). Each noise span is replaced by one sentinel in the encoder input, and the targets list the noise spans,
@@ -8,7 +8,8 @@ each after its sentinel:
     labels = <extra_id_0> noise_0 <extra_id_1> noise_1 ... <extra_id_n> noise_n EOS
 
 The numbers of noise tokens and spans depend only on the record length, so every example has the same static
-shapes and nothing is padded. Only the span layout is random.
+shapes and nothing is padded. Only the span layout is random: one uniform per token but two, the sort keys that pick
+each row's span boundaries, so a batch is corrupted with array operations over all its rows.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 
 import numpy as np
 
-from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Objective
+from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Vectorised
 
 MEAN_NOISE_SPAN_LENGTH = Flag("mean_noise_span_length", float, 3.0, "T5 span corruption: mean length of a corrupted "
                               "span")
@@ -64,42 +65,69 @@ def num_noise_spans(length: int, noise_density: float, mean_noise_span_length: f
     return max(int(round(min(n_noise, n_keep) / mean_noise_span_length)), 1)
 
 
+def _span_counts(length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
+    """(noise tokens, noise spans) of every record of `length` tokens."""
+    return (_num_noise_tokens(length, noise_density),
+            num_noise_spans(length, noise_density, mean_noise_span_length))
+
+
 def _corrupted_lengths(length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
-    n_noise = _num_noise_tokens(length, noise_density)
-    n_spans = num_noise_spans(length, noise_density, mean_noise_span_length)
+    n_noise, n_spans = _span_counts(length, noise_density, mean_noise_span_length)
     return length - n_noise + n_spans + 1, n_noise + n_spans + 1
 
 
-def _random_segmentation(n_items: int, n_segments: int, rng: np.random.Generator) -> np.ndarray:
-    """Lengths of a uniformly random split of n_items into n_segments non-empty runs."""
-    cuts = np.sort(rng.choice(n_items - 1, size=n_segments - 1, replace=False)) + 1
-    return np.diff(np.concatenate(([0], cuts, [n_items])))
+def _random_segmentations(n_items: int, n_segments: int, keys: np.ndarray) -> np.ndarray:
+    """(rows, n_segments) lengths of uniformly random splits of n_items into non-empty runs, one per row of `keys`
+    (rows, n_items - 1) uniforms: the cuts are the n_segments - 1 gaps with the smallest keys."""
+    cuts = np.sort(np.argsort(keys, axis=1)[:, : n_segments - 1], axis=1) + 1
+    edges = np.zeros((len(keys), 1), dtype=np.int64)
+    return np.diff(np.concatenate((edges, cuts, edges + n_items), axis=1), axis=1)
+
+
+def noise_mask_draws(length: int, noise_density: float, mean_noise_span_length: float) -> int:
+    """Uniforms one row of `random_spans_noise_masks` takes: a sort key per gap between kept and between noise
+    tokens."""
+    n_noise, _ = _span_counts(length, noise_density, mean_noise_span_length)
+    return (length - n_noise - 1) + (n_noise - 1)
+
+
+def random_spans_noise_masks(length: int, noise_density: float, mean_noise_span_length: float,
+                             draws: np.ndarray) -> np.ndarray:
+    """bool[rows, length], True at noise tokens, from `draws` (rows, noise_mask_draws(...)) uniforms: spans
+    alternate keep/noise, starting with keep and ending with noise."""
+    n_noise, n_spans = _span_counts(length, noise_density, mean_noise_span_length)
+    n_keep = length - n_noise
+    keep_lengths = _random_segmentations(n_keep, n_spans, draws[:, : n_keep - 1])
+    noise_lengths = _random_segmentations(n_noise, n_spans, draws[:, n_keep - 1 :])
+    span_lengths = np.stack([keep_lengths, noise_lengths], axis=2).reshape(len(draws), -1)
+    # Each span's end flips keep <-> noise: a token is noise after an odd number of span ends.
+    flips = np.zeros((len(draws), length + 1), dtype=np.int8)
+    np.put_along_axis(flips, np.cumsum(span_lengths, axis=1), 1, axis=1)
+    return (np.cumsum(flips[:, :length], axis=1) % 2).astype(bool)
 
 
 def random_spans_noise_mask(
     length: int, noise_density: float, mean_noise_span_length: float, rng: np.random.Generator
 ) -> np.ndarray:
-    """bool[length], True at noise tokens: spans alternate keep/noise, starting with keep and ending with noise."""
-    n_noise = _num_noise_tokens(length, noise_density)
-    n_spans = num_noise_spans(length, noise_density, mean_noise_span_length)
-    keep_lengths = _random_segmentation(length - n_noise, n_spans, rng)
-    noise_lengths = _random_segmentation(n_noise, n_spans, rng)
-    span_lengths = np.stack([keep_lengths, noise_lengths], axis=1).reshape(-1)
-    return np.repeat(np.tile([False, True], n_spans), span_lengths)
+    """bool[length], True at noise tokens: one row of `random_spans_noise_masks`, drawn from `rng`."""
+    draws = rng.random((1, noise_mask_draws(length, noise_density, mean_noise_span_length)))
+    return random_spans_noise_masks(length, noise_density, mean_noise_span_length, draws)[0]
 
 
 def _replace_spans(ids: np.ndarray, spans: np.ndarray, sentinels: np.ndarray, eos_id: int) -> np.ndarray:
-    """ids with the k-th run of `spans` collapsed into sentinels[k], then EOS.
+    """ids (rows, n) with the k-th run of `spans` in each row collapsed into sentinels[k], then EOS.
 
-    Positions decide what is dropped, never token values, so a real id 0 (or any id) always survives.
+    Positions decide what is dropped, never token values, so a real id 0 (or any id) always survives. Every row has
+    the same number of runs and of run tokens (fixed by the length), so the rows stay one array.
     """
-    starts = spans & ~np.concatenate(([False], spans[:-1]))
-    out = np.where(starts, sentinels[np.cumsum(starts) - 1], ids)
-    return np.concatenate((out[~spans | starts], [eos_id])).astype(np.int32)
+    starts = spans & ~np.pad(spans, ((0, 0), (1, 0)))[:, :-1]
+    out = np.where(starts, sentinels[np.cumsum(starts, axis=1) - 1], ids)
+    kept = out[~spans | starts].reshape(len(ids), -1)
+    return np.concatenate((kept, np.full((len(ids), 1), eos_id)), axis=1).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
-class SpanCorruption(Objective):
+class SpanCorruption(Vectorised):
     FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, MEAN_NOISE_SPAN_LENGTH)
     inputs_length: int  # encoder length (--max_seq_length)
     sentinel_ids: tuple[int, ...]  # [k] = id of <extra_id_k>, from the real tokenizer
@@ -157,16 +185,19 @@ class SpanCorruption(Objective):
     def _sentinels(self) -> np.ndarray:
         return np.asarray(self.sentinel_ids, dtype=np.int32)
 
-    def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        record = np.asarray(record)
-        if record.shape != (self.record_length,):
-            raise ValueError(f"T5 record has shape {record.shape}, expected ({self.record_length},)")
-        noise = random_spans_noise_mask(self.record_length, self.noise_density, self.mean_noise_span_length, rng)
-        labels = _replace_spans(record, ~noise, self._sentinels, self.eos_id)
+    def draw(self, rng: np.random.Generator) -> np.ndarray:
+        return rng.random(noise_mask_draws(self.record_length, self.noise_density, self.mean_noise_span_length))
+
+    def apply(self, records: np.ndarray, draws: np.ndarray) -> dict[str, np.ndarray]:
+        if records.shape[1:] != (self.record_length,):
+            raise ValueError(f"T5 record has shape {records.shape[1:]}, expected ({self.record_length},)")
+        noise = random_spans_noise_masks(self.record_length, self.noise_density, self.mean_noise_span_length, draws)
+        labels = _replace_spans(records, ~noise, self._sentinels, self.eos_id)
+        starts = np.full((len(records), 1), self.decoder_start_id, dtype=np.int32)
         return {
-            "input_ids": _replace_spans(record, noise, self._sentinels, self.eos_id),
+            "input_ids": _replace_spans(records, noise, self._sentinels, self.eos_id),
             "labels": labels,
-            "decoder_input_ids": np.concatenate(([self.decoder_start_id], labels[:-1])).astype(np.int32),
+            "decoder_input_ids": np.concatenate((starts, labels[:, :-1]), axis=1),
         }
 
     def example_spec(self):
