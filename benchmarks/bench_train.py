@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 # Importing jax starts no backend: the device flags (prepare_devices) are read when the first one starts.
 from spmdlm.config import REMAT_CHOICES
-from spmdlm.models.layers import ATTENTION_IMPLEMENTATIONS as ATTENTIONS
+from spmdlm.models.attention import IMPLEMENTATIONS as ATTENTIONS
 
 def _families():
     from spmdlm.families import families

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPT-2 124M, bf16 compute, 8 x 1024 tokens per step on one NVIDIA GPU: tokens/s, MFU against the dense bf16 peak
-# (spmdlm/devices.py CHIPS), peak device memory, with the model's attention option: xla (einsums), dot_product
-# (jax.nn.dot_product_attention's XLA path) and cudnn (its cuDNN flash attention), all three in one process with their steps interleaved, and the logits' share
-# of memory (--loss_chunk_size). One JSON line per run under $OUT (default /tmp/gpu-bench).
+# (spmdlm/devices.py CHIPS), peak device memory, with the launcher's --attention choices: xla (einsums), dot_product
+# (jax.nn.dot_product_attention's XLA path) and cudnn (its cuDNN flash attention), all three in one process with
+# their steps interleaved; then --remat and --loss_chunk_size against cudnn; then the launcher itself with
+# --attention auto (which must pick cudnn) on the embedded corpus. One JSON line per benchmark under $OUT.
 #
-#   bash benchmarks/gpu_gpt2_124m.sh            # on the GPU machine, from the repository root; ~5 min
+#   bash benchmarks/gpu_gpt2_124m.sh            # on the GPU machine, from the repository root; ~6 min
 #
-# Needs JAX with CUDA: it installs the project with jax[cuda12] into .venv-gpu unless SPMDLM_PYTHON names a Python
-# that has both.
+# Needs JAX with CUDA: it installs the project with its cuda extra into .venv-gpu unless SPMDLM_PYTHON names a
+# Python that has both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-bench}
@@ -15,7 +16,7 @@ mkdir -p "$OUT"
 PY=${SPMDLM_PYTHON:-}
 if [ -z "$PY" ]; then
   python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
-  pip install -q -e . "jax[cuda12]==$(python3 -c 'import importlib.metadata as m; print(m.version("jax"))' 2>/dev/null || echo 0.10.2)"
+  pip install -q -e '.[cuda]'
   PY=python
 fi
 export PYTHONUNBUFFERED=1
@@ -24,7 +25,19 @@ common=(--model gpt2 --config gpt2 --dtype bfloat16 --mesh data=1 --batch_size 8
 "$PY" benchmarks/bench_train.py "${common[@]}" --steps 20 --warmup 3 \
   --compare attention=dot_product --compare attention=cudnn | tee "$OUT/gpt2-124m-attention.json"
 "$PY" benchmarks/bench_train.py "${common[@]}" --steps 20 --warmup 3 --attention cudnn \
-  --compare loss_chunk=256 | tee "$OUT/gpt2-124m-loss-chunk.json"
+  --compare loss_chunk=256 --compare remat=none --compare remat=full | tee "$OUT/gpt2-124m-loss-chunk.json"
+# The launcher as a user runs it: --attention auto on the GPU with bf16 is cudnn (run_config.json records it).
+"$PY" -m spmdlm.launch --config_name gpt2 --dtype bfloat16 --mesh data=1 --per_device_train_batch_size 8 \
+  --block_size 1024 --max_steps 60 --logging_steps 20 --eval_steps 1000 --save_steps 1000 --export_hf false \
+  --overwrite_output_dir --output_dir "$OUT/launch" --attention auto
+"$PY" - "$OUT" <<'EOF'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1]) / "launch"
+print("launcher: attention", json.loads((out / "run_config.json").read_text())["attention_implementation"])
+for m in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()):
+    if "loss" in m:
+        print(f"  step {m['step']}: {m['tokens_per_second']:,.0f} tok/s, MFU {m.get('mfu', float('nan')):.3f}")
+EOF
 "$PY" - "$OUT" <<'EOF'
 import json, sys, pathlib
 for path in sorted(pathlib.Path(sys.argv[1]).glob("gpt2-124m-*.json")):

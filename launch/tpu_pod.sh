@@ -13,7 +13,7 @@
 # home). With SPMDLM_GIT_URL set, each worker clones it there first, or pulls if it is already cloned; without it,
 # copy a checkout (without its .venv) yourself, e.g.
 #   gcloud compute tpus tpu-vm scp --recurse --worker=all --zone ZONE spmdlm TPU_NAME:~/
-# The first run on a worker creates .venv there and installs spmdlm with jax[tpu] and the gcs extra.
+# The first run on a worker creates .venv there and installs spmdlm with its tpu (jax[tpu]) and gcs extras.
 set -euo pipefail
 TPU_NAME=$1
 ZONE=$2
@@ -33,7 +33,7 @@ if [ ! -d "$REPO_DIR" ]; then
   exit 1
 fi
 cd "$REPO_DIR"
-[ -d .venv ] || (python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[gcs]" "jax[tpu]")
+[ -d .venv ] || (python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[tpu,gcs]")
 . .venv/bin/activate
 python -c "import gcsfs" 2>/dev/null || pip install -q -e ".[gcs]"
 python -m spmdlm.launch'

@@ -24,6 +24,7 @@ import yaml
 
 from spmdlm.data.objectives import Flag
 from spmdlm.errors import ArgumentError
+from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
 
 # --remat: what each scanned layer keeps for its backward pass (the policies: models/layers.py REMAT_POLICIES).
 REMAT_CHOICES = ("none", "dots", "full")
@@ -47,7 +48,11 @@ class RunArgs:
     model_name_or_path: str | None = _field(None, "initialise from a transformers checkpoint directory")
     tokenizer_name: str | None = _field(None, "a tokenizer.json file or an HF tokenizer directory; default: train one")
     vocab_size: int | None = _field(None, "vocabulary of a tokenizer trained here (default: the config's)")
-    dtype: str = _field("float32", "compute dtype: float32 or bfloat16 (parameters and optimizer stay float32)")
+    dtype: str = _field("float32", "compute dtype: float32 or bfloat16 (parameters and optimizer stay float32); "
+                        "bfloat16 on GPUs and TPUs")
+    attention: str = _field("auto", "attention's core: auto = the platform's fused kernel where it applies (cudnn on "
+                            "NVIDIA GPUs with bfloat16, splash on TPUs), else xla; xla = einsums; dot_product = "
+                            "jax.nn.dot_product_attention's XLA path; cudnn; splash. Resuming with another is fine")
     cache_dir: str | None = _field(None, "where tokenized data is cached (default ~/.cache/spmdlm)")
     # -- data ----------------------------------------------------------------------------------------------------
     train_file: str | None = _field(None, "txt/json/jsonl/csv/parquet files (plain, .gz or .zst), comma-separated, "
@@ -326,6 +331,8 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
                             f"{', '.join(choices.quickstarts)}")
     if args.dtype not in ("float32", "bfloat16"):
         raise ArgumentError(f"--dtype {args.dtype!r} is not supported; use float32 or bfloat16")
+    if args.attention not in ATTENTION_CHOICES:
+        raise ArgumentError(f"--attention {args.attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "logging_steps", "save_steps"):
         if getattr(args, name) < 1:

@@ -15,8 +15,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import hardware_utils
 
 GiB = 2**30
+CUDA_INSTALL_HINT = "pip install -e '.[cuda]' (JAX with its CUDA plugin)"
+
+
+def unused_nvidia_gpu() -> bool:
+    """An NVIDIA GPU on the PCI bus while JAX computes on the CPU: a CPU-only JAX, which says nothing about it. A
+    JAX_PLATFORMS the user set is a choice, not a mistake."""
+    return (jax.default_backend() == "cpu" and not os.environ.get("JAX_PLATFORMS", "").strip()
+            and hardware_utils.has_visible_nvidia_gpu())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import jax  # importing starts no backend: the device flags below are read when 
 from jax._src import distributed
 from jax.errors import JaxRuntimeError
 
-from spmdlm import config
+from spmdlm import config, devices
 from spmdlm.config import RunArgs
 from spmdlm.errors import ArgumentError, DivergenceError, Preempted, UserError
 from spmdlm.families import family_choices
@@ -48,7 +48,10 @@ def setup_devices(args: RunArgs) -> None:
                  process_id=args.process_id)
     elif cluster:
         join_job()  # TPU pod / SLURM: JAX reads the topology from the environment
-    if simulated and jax.default_backend() == "cpu":
+    if devices.unused_nvidia_gpu():
+        log.warning("this machine has an NVIDIA GPU but JAX has only its CPU backend, so this run computes on the "
+                    "CPU; for the GPU: %s", devices.CUDA_INSTALL_HINT)
+    elif simulated and jax.default_backend() == "cpu":
         print(f"spmdlm: CPU-only machine: simulating {wanted} CPU devices for --mesh {args.mesh}", flush=True)
 
 

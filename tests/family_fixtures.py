@@ -23,7 +23,7 @@ class FamilyFixture:
     hf_model_class: type  # the transformers model class
     hf_config_class: type
     configs: dict[str, dict[str, Any]]  # odd HF configs by name
-    make_batch: Callable[[dict, np.random.Generator], dict[str, np.ndarray]]  # (HF config kwargs, rng) -> batch
+    make_batch: Callable[..., dict[str, np.ndarray]]  # (HF config kwargs, rng, length=...) -> batch
     output_mask: str  # the batch key whose zeros mark logits nobody reads (padded query positions)
     tiny_config: dict[str, Any]  # a model small enough for runs of a few steps (our config names)
     run_flags: tuple[str, ...]  # launcher flags of a short run (lengths, optimizer) besides mesh/steps/output
@@ -40,27 +40,28 @@ def _padded(ids: np.ndarray, pad_id: int | None = None) -> tuple[np.ndarray, np.
     return ids, mask
 
 
-def _gpt2_batch(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    ids, mask = _padded(rng.integers(0, config["vocab_size"], (4, 20)))
+def _gpt2_batch(config: dict, rng: np.random.Generator, length: int = 20) -> dict[str, np.ndarray]:
+    ids, mask = _padded(rng.integers(0, config["vocab_size"], (4, length)))
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _roberta_batch(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _roberta_batch(config: dict, rng: np.random.Generator, length: int = 20) -> dict[str, np.ndarray]:
     # RoBERTa derives positions from the pad id, so padding must be real pad tokens (right padding only, as
     # tokenizers produce); token types exercised when the config has several.
-    ids = rng.integers(3, config["vocab_size"], (4, 20))
+    ids = rng.integers(3, config["vocab_size"], (4, length))
     mask = np.ones(ids.shape, dtype=np.int64)
-    mask[1, 13:] = 0
-    mask[3, 5:] = 0
+    mask[1, length * 2 // 3:] = 0
+    mask[3, length // 4:] = 0
     ids = np.where(mask == 1, ids, 1)
     types = rng.integers(0, config.get("type_vocab_size", 2), ids.shape)
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
 
 
-def _seq2seq_batch(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _seq2seq_batch(config: dict, rng: np.random.Generator, length: int | None = None) -> dict[str, np.ndarray]:
+    """Encoder and decoder `length` tokens long (default 23 and 11)."""
     vocab = config["vocab_size"]
-    ids, mask = _padded(rng.integers(3, vocab, (4, 23)))
-    dec, dec_mask = _padded(rng.integers(3, vocab, (4, 11)))
+    ids, mask = _padded(rng.integers(3, vocab, (4, length or 23)))
+    dec, dec_mask = _padded(rng.integers(3, vocab, (4, length or 11)))
     return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec, "decoder_attention_mask": dec_mask}
 
 

@@ -22,6 +22,8 @@ from spmdlm.families import families, load_config
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 from spmdlm.models.config import preset_names
+from spmdlm.models.layers import resolve_attention, set_attention
+from spmdlm.train.state import build_train_state
 
 GOLDEN = Path(__file__).parent / "golden"
 SHARDED = "data=2,fsdp=2,tensor=2"
@@ -73,6 +75,10 @@ def test_logits_match_transformers_both_ways(family, name, tmp_path):
 
     model, config = export.load_hf(source)  # transformers -> ours
     assert_close_where_read(our_logits(model, batch), reference, batch, family)
+    auto, _ = resolve_attention(model, "auto", platform=jax.default_backend(), dtype=jnp.float32, training=False)
+    for implementation in sorted({auto, "dot_product"}):  # --attention auto, and the other one the CPU runs fast
+        assert_close_where_read(our_logits(set_attention(model, implementation), batch), reference, batch, family)
+    set_attention(model, "xla")
 
     out = export.save_hf(model, config, tmp_path / "ours")  # ours -> transformers
     reloaded, info = FIXTURES[family].hf_model_class.from_pretrained(out, output_loading_info=True)
@@ -96,15 +102,23 @@ def test_logits_match_on_a_sharded_mesh(family, tmp_path):
     assert_close_where_read(ours, torch_logits(family, source, batch), batch, family)
 
 
+# Positions for the 128 tokens the splash kernel's blocks need (its Pallas interpret mode runs it on the CPU).
+LONG_POSITIONS = {"gpt2": {"n_positions": 128}, "roberta": {"max_position_embeddings": 130},
+                  "bart": {"max_position_embeddings": 128}, "t5": {}}
+
+
+@pytest.mark.parametrize("implementation", ["dot_product", "splash"])
 @pytest.mark.parametrize("family", FIXTURES)
-def test_attention_implementations_compute_the_same(family):
-    """The model option `attention`: jax.nn.dot_product_attention's XLA path gives the einsums' logits and gradients
-    (padding on both sides, causal masks, T5's relative-position bias)."""
+def test_attention_implementations_compute_the_same(family, implementation):
+    """The model option `attention`: jax.nn.dot_product_attention's XLA path and the Pallas splash kernel (its
+    interpret mode) give the einsums' logits and gradients: padding on both sides, causal masks, cross-attention.
+    T5's self-attention, which adds the relative-position bias, keeps the einsums under splash."""
     name = next(iter(FIXTURES[family].configs))
-    hf_config = FIXTURES[family].hf_config_class(**FIXTURES[family].configs[name])
-    config = families()[family].config_class.from_dict(hf_config.to_dict())
-    batch = {k: jnp.asarray(v) for k, v in
-             FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(3)).items()}
+    length = 128 if implementation == "splash" else None
+    hf_kwargs = {**FIXTURES[family].configs[name], **(LONG_POSITIONS[family] if length else {})}
+    config = families()[family].config_class.from_dict(FIXTURES[family].hf_config_class(**hf_kwargs).to_dict())
+    batch = FIXTURES[family].make_batch(hf_kwargs, np.random.default_rng(3), **({"length": length} if length else {}))
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
     valid = np.asarray(batch[FIXTURES[family].output_mask]).astype(bool)
 
     def logits_and_grads(attention):
@@ -114,12 +128,14 @@ def test_attention_implementations_compute_the_same(family):
             logits = nnx.merge(graph, p)(**batch)
             return jnp.sum(jnp.where(valid[..., None], logits, 0.0) ** 2), logits
 
+        if attention == "splash":  # the kernel is really in the program, not the einsums' fallback
+            assert "pallas_call" in str(jax.make_jaxpr(loss)(params))
         (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         return logits, grads
 
-    (xla_logits, xla_grads), (dpa_logits, dpa_grads) = (logits_and_grads(a) for a in ("xla", "dot_product"))
-    np.testing.assert_allclose(np.asarray(dpa_logits)[valid], np.asarray(xla_logits)[valid], atol=1e-5, rtol=0)
-    for g, w in zip(jax.tree.leaves(dpa_grads), jax.tree.leaves(xla_grads)):
+    (xla_logits, xla_grads), (fused_logits, fused_grads) = (logits_and_grads(a) for a in ("xla", implementation))
+    np.testing.assert_allclose(np.asarray(fused_logits)[valid], np.asarray(xla_logits)[valid], atol=1e-5, rtol=0)
+    for g, w in zip(jax.tree.leaves(fused_grads), jax.tree.leaves(xla_grads)):
         np.testing.assert_allclose(g, w, atol=1e-5 * (float(jnp.abs(w).max()) + 1.0), rtol=0)
 
 
@@ -279,6 +295,39 @@ def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
                 assert isinstance(sample["greedy"], str) and isinstance(sample["sampled"], str)
     compiled = [m for m in read_metrics(out) if m.get("event") == "compile"]
     assert compiled and compiled[0]["temp_bytes"] > 0
+
+
+def all_equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (scan bodies, remat, custom derivatives)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from all_equations(inner)
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_bfloat16_runs_the_matmuls_in_bf16_and_keeps_the_rest_float32(family):
+    """--dtype bfloat16: float32 parameters and optimizer state; every matmul (attention included) on bf16
+    operands; norms, softmax and the logits in float32."""
+    config = families()[family].config_class.from_dict(FIXTURES[family].tiny_config)
+    graphdef, state = build_train_state(families()[family], config, make_mesh("data=8"), dtype="bfloat16")
+    assert {leaf.dtype for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)} == {
+        jnp.dtype(jnp.float32)}
+    model = nnx.merge(graphdef, state)[0]
+    batch = {k: jnp.asarray(v) for k, v in
+             FIXTURES[family].make_batch(FIXTURES[family].tiny_config, np.random.default_rng(0)).items()}
+    batch = {k: v % 500 if k.endswith("input_ids") else v for k, v in batch.items()}
+    closed = jax.make_jaxpr(lambda m: m(**batch))(model)
+    assert closed.out_avals[0].dtype == jnp.float32  # logits
+    kinds = {}
+    for eqn in all_equations(closed.jaxpr):
+        kinds.setdefault(eqn.primitive.name, set()).update(str(v.aval.dtype) for v in eqn.invars
+                                                           if hasattr(v.aval, "dtype"))
+    assert kinds["dot_general"] == {"bfloat16"}
+    assert kinds["rsqrt"] == {"float32"} and kinds["exp"] == {"float32"}  # norms; softmax (and the loss after it)
 
 
 if __name__ == "__main__":  # regenerate the golden files: python tests/test_families.py

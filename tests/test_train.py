@@ -75,9 +75,13 @@ def test_resume_onto_another_mesh_and_evaluate_only(tmp_path, tiny_gpt2_config, 
     assert launch(whole, tiny_gpt2_config, cache_dir, "--mesh", "data=8", *args) == 0
     run_killed_after_first_checkpoint(
         monkeypatch, lambda: launch(moved, tiny_gpt2_config, cache_dir, "--mesh", "data=8", *args))
-    # The restore target takes the new mesh's shardings: the run continues on 2x2x2.
-    assert launch(moved, tiny_gpt2_config, cache_dir, "--mesh", "data=2,fsdp=2,tensor=2", *args) == 0
+    # The restore target takes the new mesh's shardings: the run continues on 2x2x2, and with another attention
+    # implementation (the same math).
+    assert launch(moved, tiny_gpt2_config, cache_dir, "--mesh", "data=2,fsdp=2,tensor=2", *args,
+                  "--attention", "dot_product") == 0
     np.testing.assert_allclose(train_losses(moved), train_losses(whole), rtol=1e-4)
+    chosen = lambda out: json.loads((out / "run_config.json").read_text())["attention_implementation"]
+    assert (chosen(whole), chosen(moved)) == ("xla", "dot_product")  # --attention auto is xla on the CPU
 
     final = json.loads((whole / "eval_results.json").read_text())["eval_loss"]
     assert launch(whole, tiny_gpt2_config, cache_dir, "--mesh", "fsdp=8", *args, "--do_eval") == 0

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 
 from spmdlm import checkpoint as ckpt
 from spmdlm import storage
@@ -22,7 +23,9 @@ from spmdlm import export
 from spmdlm.export import ExportError, load_hf
 from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
 from spmdlm.mesh import MeshError, make_mesh, requested_device_count, simulate_cpu_devices
+from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
 from spmdlm.models.config import ConfigError
+from spmdlm.models.layers import resolve_attention, set_attention
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num_samples", type=int, default=1, help="continuations per prompt (needs --temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same samples")
     p.add_argument("--mesh", default="data=-1", help="device mesh, as in training (e.g. tensor=2 shards the heads)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
+                   help="attention's core, as in training (auto: the platform's kernel where it applies); the "
+                        "steps through the generation cache always use the xla einsums")
     p.add_argument("--with_prompt", action="store_true",
                    help="print each prompt before its continuation (encoder-decoders: on its own line)")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
@@ -98,6 +104,12 @@ def run(args) -> tuple[list[dict], object]:
     mesh = make_mesh(args.mesh)
     model, config, tokenizer = load_run(args.checkpoint, args.step, mesh) if args.checkpoint else \
         load_export(args.model_name_or_path, mesh)
+    try:
+        chosen, _ = resolve_attention(model, args.attention, platform=mesh.devices.flat[0].platform,
+                                      dtype=jnp.float32, training=False)  # loaded models compute in float32
+    except ValueError as e:
+        raise GenerateError(f"--attention {args.attention}: {e}") from None
+    set_attention(model, chosen)
     if args.fill_mask:
         candidates = fill_mask(model, config, tokenizer, prompts[0], top_k=args.top_k or 5)
         return [{"text": prompts[0], "mask": i, "candidates": [{"token": t, "id": token_id, "probability": p}

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain
+from spmdlm.models.attention import make_attention_mask
 from spmdlm.models.config import HFConfig
 from spmdlm.models.layers import (ACTIVATIONS, Bias, Cache, Embed, LayerNorm, LayerStack, PostNormBlock, dropout,
-                                  make_attention_mask, make_param)
+                                  make_param)
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of the table
 LAYER_NORM_EPS = 1e-5  # torch nn.LayerNorm's default, which BART uses everywhere
@@ -148,7 +149,7 @@ class BartForConditionalGeneration(nnx.Module):
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
                decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
                features_only: bool = False) -> jax.Array:
-        mask = make_attention_mask(decoder_attention_mask, causal_length=decoder_input_ids.shape[1])
+        mask = make_attention_mask(decoder_attention_mask, causal=True)
         x = self.decoder(self.embed(decoder_input_ids), mask, encoded, make_attention_mask(attention_mask), rngs=rngs)
         return x if features_only else self.head(x)
 

@@ -16,7 +16,8 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import MLP, Attention, Cache, Embed, LayerNorm, LayerStack, dropout, make_attention_mask
+from spmdlm.models.attention import make_attention_mask
+from spmdlm.models.layers import MLP, Attention, Cache, Embed, LayerNorm, LayerStack, dropout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ class GPT2LMHeadModel(nnx.Module):
             raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
         x = self.wte(input_ids) + self.wpe(jnp.arange(length))[None]
         x = dropout(constrain(x, "batch", "length", "act_embed"), self.config.embd_pdrop, rngs)
-        mask = make_attention_mask(attention_mask, causal_length=length)
+        mask = make_attention_mask(attention_mask, causal=True)
         x = self.ln_f(self.h(x, mask, rngs=rngs))
         return x if features_only else self.head(x)
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain, resolve_spec
+from spmdlm.models.attention import IMPLEMENTATIONS, AttentionMask, fused, resolve
 
 
 class Bias(nnx.Param):
@@ -164,20 +165,6 @@ class MLP(nnx.Module):
         return self.wo(h)
 
 
-def make_attention_mask(key_valid: jax.Array | None, causal_length: int | None = None):
-    """Boolean [B|1, 1, T, S] mask (True = may attend) from the keys' validity and/or causality; None = no mask.
-
-    Padded queries are not masked: their outputs are never read (transformers does the same).
-    """
-    mask = None
-    if key_valid is not None:
-        mask = key_valid[:, None, None, :].astype(bool)
-    if causal_length is not None:
-        causal = jnp.tril(jnp.ones((causal_length, causal_length), dtype=bool))[None, None]
-        mask = causal if mask is None else mask & causal
-    return mask
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Cache:
@@ -213,7 +200,7 @@ class Cache:
 
     def advance(self, length: int, attention_mask: jax.Array | None = None):
         """For the next `length` tokens, about to go to slots index..index+length-1 (`attention_mask` [B, length]:
-        0 marks padding): their positions [B, length], the attention mask [B, 1, length, slots] (each sees the real
+        0 marks padding): their positions [B, length], the attention mask ([B, 1, length, slots]: each sees the real
         tokens up to itself), and the cache with their slots marked valid.
 
         A position counts the row's real tokens before it, so left padding shifts nothing (transformers' generate
@@ -224,7 +211,7 @@ class Cache:
         valid = jax.lax.dynamic_update_slice_in_dim(self.valid, real, self.index, axis=1)
         slots = jnp.arange(valid.shape[1])
         causal = slots[None, :] <= self.index + jnp.arange(length)[:, None]
-        mask = valid[:, None, None, :] & causal[None, None]
+        mask = AttentionMask(dense=valid[:, None, None, :] & causal[None, None])
         return jnp.maximum(positions, 0), mask, dataclasses.replace(self, valid=valid)
 
     def write(self, key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -238,28 +225,22 @@ class Cache:
         return self.key[self.layer], self.value[self.layer]
 
 
-# How attention's core (scores, mask, softmax, weighted values) is computed, a model option (`set_attention`):
-# xla = our einsums, which materialise [B, heads, T, S] scores; dot_product = jax.nn.dot_product_attention's XLA
-# path; cudnn = its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16). The last two have no attention dropout
-# and no cache layout: a call with either falls back to the einsums.
-ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product", "cudnn")
-
-
 class Attention(nnx.Module):
     """Multi-head attention (self or cross). Separate q/k/v/o projections, or GPT-2's fused qkv kernel.
 
     `scale=None` divides scores by sqrt(head_dim); T5 passes scale=1.0 (its init absorbs the scaling).
-    `cross` marks a decoder's attention over the encoder output, whose keys and values generation projects once.
+    `cross` marks a decoder's attention over the encoder output, whose keys and values generation projects once;
+    `biased` an attention that is given an additive bias (T5's relative positions), which not every kernel takes.
     """
 
-    implementation = "xla"  # ATTENTION_IMPLEMENTATIONS; set per model by set_attention
+    implementation = "xla"  # attention.IMPLEMENTATIONS; set per model by set_attention
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, *, use_bias: bool = True, fused_qkv: bool = False,
                  scale: float | None = None, dropout_rate: float = 0.0, init_std: float = 0.02,
                  q_init_std: float | None = None, kv_init_std: float | None = None, out_init_std: float | None = None,
-                 cross: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+                 cross: bool = False, biased: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         self.num_heads, self.head_dim = num_heads, head_dim
-        self.cross = cross
+        self.cross, self.biased = cross, biased
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         self.dropout_rate = dropout_rate
         inner = num_heads * head_dim
@@ -282,7 +263,7 @@ class Attention(nnx.Module):
     def keys_values(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self.heads(self.key(context)), self.heads(self.value(context))
 
-    def __call__(self, x: jax.Array, context: jax.Array | None = None, *, mask: jax.Array | None = None,
+    def __call__(self, x: jax.Array, context: jax.Array | None = None, *, mask: AttentionMask | None = None,
                  bias: jax.Array | None = None, rngs: nnx.Rngs | None = None, cache: Cache | None = None) -> jax.Array:
         """With a `cache` (generation), self-attention adds x's keys and values to it and attends over all its
         slots; cross-attention reads the keys and values projected once from the encoder output, not `context`."""
@@ -296,36 +277,44 @@ class Attention(nnx.Module):
                 q, (k, v) = self.heads(self.query(x)), self.keys_values(x if context is None else context)
             if cache is not None:
                 k, v = cache.write(k, v)
-        if self.implementation != "xla" and cache is None and not (rngs is not None and self.dropout_rate > 0.0):
-            return self._fused(q, k, v, mask, bias)
+        dropping = rngs is not None and self.dropout_rate > 0.0  # no kernel has attention dropout
+        out = None
+        if self.implementation != "xla" and cache is None and not dropping:
+            out = fused(self.implementation, q, k, v, mask, bias, self.scale)
+        if out is None:
+            out = self._einsums(q, k, v, mask, bias, rngs, layout)
+        return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
+
+    def _einsums(self, q, k, v, mask, bias, rngs, layout):
         scores = jnp.einsum(f"bthd,{layout}->bhts", q, k, preferred_element_type=jnp.float32) * self.scale
         if bias is not None:
             scores = scores + bias.astype(jnp.float32)
-        if mask is not None:
-            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        dense = None if mask is None else mask.array(*scores.shape[-2:])
+        if dense is not None:
+            scores = jnp.where(dense, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         probs = dropout(probs, self.dropout_rate, rngs)
-        out = jnp.einsum(f"bhts,{layout}->bthd", probs, v)
-        return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
-
-    def _fused(self, q, k, v, mask, bias):
-        # A [1, 1, T, T] mask is make_attention_mask's causal mask alone (no padding): the kernels' is_causal.
-        causal = mask is not None and mask.shape[:2] == (1, 1) and mask.shape[2] == mask.shape[3]
-        out = jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
-                                           mask=None if causal else mask, scale=self.scale, is_causal=causal,
-                                           implementation="cudnn" if self.implementation == "cudnn" else None)
-        return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
+        return jnp.einsum(f"bhts,{layout}->bthd", probs, v)
 
 
 def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
-    """Compute every attention layer of `model` with `implementation` (ATTENTION_IMPLEMENTATIONS): part of the
+    """Compute every attention layer of `model` with `implementation` (attention.IMPLEMENTATIONS): part of the
     model's graph, so it holds for training, evaluation and generation alike."""
-    if implementation not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"attention {implementation!r}: choose one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention {implementation!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
     for _, module in nnx.iter_graph(model):
         if isinstance(module, Attention):
             module.implementation = implementation
     return model
+
+
+def resolve_attention(model: nnx.Module, requested: str, *, platform: str, dtype, training: bool
+                      ) -> tuple[str, str | None]:
+    """attention.resolve for `model` (an abstract one will do): weighs its largest attention dropout and whether some
+    attention takes a bias."""
+    layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, Attention)]
+    return resolve(requested, platform=platform, dtype=dtype, training=training,
+                   dropout=max((m.dropout_rate for m in layers), default=0.0), biased=any(m.biased for m in layers))
 
 
 # What each layer keeps for its backward pass (the launcher's --remat), as jax.checkpoint policies. "dots" keeps the

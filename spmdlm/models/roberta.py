@@ -16,9 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain
+from spmdlm.models.attention import make_attention_mask
 from spmdlm.models.config import HFConfig
 from spmdlm.models.layers import (ACTIVATIONS, Bias, Dense, Embed, LayerNorm, LayerStack, PostNormBlock, dropout,
-                                  make_attention_mask, make_param)
+                                  make_param)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,8 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import (ACTIVATIONS, MLP, Attention, Cache, Dense, Embed, LayerStack, RMSNorm, dropout,
-                                  make_attention_mask)
+from spmdlm.models.attention import make_attention_mask
+from spmdlm.models.layers import ACTIVATIONS, MLP, Attention, Cache, Dense, Embed, LayerStack, RMSNorm, dropout
 
 
 def hf_scales_decoder_outputs(values: dict[str, Any]) -> bool:
@@ -134,7 +134,7 @@ class Block(nnx.Module):
         d, f, heads, d_kv = config.d_model, config.initializer_factor, config.num_heads, config.d_kv
         # HF's init: q absorbs the missing 1/sqrt(d_kv); k, v, wi by fan-in; o, wo by their fan-in.
         attention = lambda cross=False: Attention(d, heads, d_kv, use_bias=False, scale=1.0, cross=cross,
-                                                  dropout_rate=config.dropout_rate, q_init_std=f * (d * d_kv) ** -0.5,
+                                                  biased=not cross, dropout_rate=config.dropout_rate, q_init_std=f * (d * d_kv) ** -0.5,
                                                   kv_init_std=f * d**-0.5, out_init_std=f * (heads * d_kv) ** -0.5,
                                                   dtype=dtype, rngs=rngs)
         norm = lambda: RMSNorm(d, eps=config.layer_norm_epsilon, rngs=rngs)
@@ -229,7 +229,7 @@ class T5ForConditionalGeneration(nnx.Module):
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
                decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
                features_only: bool = False) -> jax.Array:
-        mask = make_attention_mask(decoder_attention_mask, causal_length=decoder_input_ids.shape[1])
+        mask = make_attention_mask(decoder_attention_mask, causal=True)
         context_mask = make_attention_mask(attention_mask)
         x = self.decoder(self.shared(decoder_input_ids), mask, encoded, context_mask, rngs=rngs)
         return x if features_only else self.head(x)

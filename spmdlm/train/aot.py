@@ -114,7 +114,7 @@ def estimate(args: RunArgs) -> dict[str, Any]:
         "devices_per_host": len(slice_devices) // hosts, "mesh": dict(mesh.shape), "mesh_spec": args.mesh,
         "dcn_mesh": args.dcn_mesh,
         "model_type": ctx.family.name, "config": ctx.config_source,
-        "parameters": count_parameters(graphdef, state), "dtype": args.dtype,
+        "parameters": count_parameters(graphdef, state), "dtype": args.dtype, "attention": ctx.attention,
         "remat": args.remat, "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "global_batch": ctx.global_batch, "per_host_batch": ctx.global_batch // hosts,
         "per_device_batch": ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
@@ -202,7 +202,7 @@ def report(r: dict[str, Any]) -> list[str]:
         f"  mesh            {mesh}" + (f" (across slices: {r['dcn_mesh'] or 'data=' + str(r['num_slices'])})"
                                        if r["num_slices"] > 1 else ""),
         f"  model           {r['model_type']} ({r['config']}): {r['parameters'] / 1e6:.1f}M parameters, "
-        f"{r['dtype']}, remat {r['remat']}",
+        f"{r['dtype']}, attention {r['attention']}, remat {r['remat']}",
         f"  batch           global {r['global_batch']} x {' + '.join(map(str, r['sequence_lengths'].values()))} "
         f"tokens = {r['per_device_batch']} per device x {r['mesh']['data'] * r['mesh']['fsdp']} batch devices x "
         f"{r['gradient_accumulation_steps']} accumulation; {r['per_host_batch']} per host",

@@ -129,7 +129,8 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
 def write_run_files(ctx: RunContext) -> dict[str, Any]:
     """The tokenizer (unless one is there: a later export finds it beside the checkpoints) and run_config.json:
     written once the run is known to fit."""
-    run_config = {**ctx.args.to_json(), "global_batch": ctx.global_batch, "model_config": ctx.config.to_hf_dict(),
+    run_config = {**ctx.args.to_json(), "attention_implementation": ctx.attention, "global_batch": ctx.global_batch,
+                  "model_config": ctx.config.to_hf_dict(),
                   "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT,
                   "fingerprints": fingerprints(ctx)}
     if is_main():

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
@@ -26,8 +27,9 @@ from spmdlm.export import load_hf_into_state
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
+from spmdlm.models.layers import resolve_attention
 from spmdlm.train.optim import OptimConfig, learning_rate_schedule
-from spmdlm.train.state import build_train_state
+from spmdlm.train.state import DTYPES, build_train_state
 from spmdlm.train.step import Stepper
 
 log = logging.getLogger("spmdlm")
@@ -55,6 +57,7 @@ class RunContext:
     global_batch: int
     run_start: float
     config_source: str  # the preset, file or directory the model config came from
+    attention: str  # the implementation --attention resolved to (models/attention.py)
     previous: dict = dataclasses.field(default_factory=dict)  # the output dir's run_config.json (outputs.py)
     resuming: bool = False
     latest_step: int = 0  # of the checkpoints found when resuming
@@ -98,7 +101,23 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     family.check_lengths(args, config)
     if args.training and args.learning_rate == 0:
         log.warning("--learning_rate 0: training will not change the weights (give a positive rate to train)")
-    return RunContext(args, mesh, out, family, config, global_batch, run_start, config_name)
+    attention = choose_attention(args, family, config, mesh)
+    return RunContext(args, mesh, out, family, config, global_batch, run_start, config_name, attention)
+
+
+def choose_attention(args: RunArgs, family: Family, config, mesh: Mesh) -> str:
+    """--attention for this run's model on its devices (those of the slice compiled for, with --compile_for)."""
+    model = nnx.eval_shape(lambda: family.make_model(config, rngs=nnx.Rngs(0)))
+    platform = mesh.devices.flat[0].platform
+    try:
+        chosen, note = resolve_attention(model, args.attention, platform=platform, dtype=DTYPES[args.dtype],
+                                         training=args.training)
+    except ValueError as e:
+        raise ArgumentError(f"--attention {args.attention}: {e}") from None
+    if note:
+        log.info("--attention %s", note)
+    log.debug("attention: %s on %s", chosen, platform)
+    return chosen
 
 
 def check_flags_apply(args: RunArgs, family: Family) -> None:
@@ -258,7 +277,7 @@ def setup_state(ctx: RunContext, *, abstract: bool):
     optim, steps = optim_config(args), max(ctx.total_steps, 1)
     graphdef, state = build_train_state(ctx.family, ctx.config, ctx.mesh, optim=optim, total_steps=steps,
                                         seed=args.seed, dtype=args.dtype, remat=args.remat,
-                                        scan_unroll=args.scan_unroll, abstract=abstract)
+                                        scan_unroll=args.scan_unroll, attention=ctx.attention, abstract=abstract)
     check_mesh_use(state, ctx)
     if args.model_name_or_path and not abstract:
         state = load_hf_into_state(args.model_name_or_path, graphdef, state)

@@ -27,7 +27,8 @@ from spmdlm.flops import attention_matmuls, dense
 from spmdlm.mesh import constrain
 from spmdlm.errors import ConfigError
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, LayerStack, dropout, make_attention_mask
+from spmdlm.models.attention import make_attention_mask
+from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, LayerStack, dropout
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of embed_positions (a fairseq legacy, as BART's)
 LAYER_NORM_EPS = 1e-5  # torch nn.LayerNorm's default, which OPT uses everywhere
@@ -147,7 +148,7 @@ class OPTForCausalLM(nnx.Module):
         positions = jnp.arange(length) + POSITION_OFFSET
         x = constrain(self.embed_tokens(input_ids) + self.embed_positions(positions)[None],
                       "batch", "length", "act_embed")
-        mask = make_attention_mask(attention_mask, causal_length=length)
+        mask = make_attention_mask(attention_mask, causal=True)
         x = self.final_layer_norm(self.layers(x, mask, rngs=rngs))
         return x if features_only else self.head(x)
 

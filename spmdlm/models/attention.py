@@ -1,0 +1,170 @@
+"""How attention's core (scores, mask, softmax, weighted values) is computed: the einsums or a fused kernel.
+
+A model option (`layers.set_attention`), so it holds for training, evaluation and generation alike:
+- `xla`: our einsums (layers.Attention), which materialise the [B, heads, T, S] scores; the CPU default;
+- `dot_product`: `jax.nn.dot_product_attention`'s XLA path (the same math; here for the numerics tests);
+- `cudnn`: its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16; takes T5's bias, with its gradient);
+- `splash`: the Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu), padding as segment ids,
+  sharded by shard_map over the mesh's batch and head axes; off a TPU it runs in Pallas' interpret mode (tests).
+No kernel has attention dropout or the generation cache's layout, and splash takes no bias: such a call computes
+with the einsums (`fused` returns None and says why once). `resolve` picks `auto`'s choice for a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec
+
+from spmdlm.mesh import resolve_spec
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("xla", "dot_product", "cudnn", "splash")
+CHOICES = ("auto", *IMPLEMENTATIONS)  # --attention
+SPLASH_BLOCK = 128  # the splash kernel's tiles are multiples of the TPU's 128 lanes: lengths must be too
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """Which keys each query may see, kept as its parts so each implementation builds the form it takes: the
+    einsums a boolean [B|1, 1, T, S] array, cuDNN sequence lengths and a causal flag, splash segment ids.
+
+    `key_valid` [B, S] (False = padding), `causal` (query t sees keys <= t), or `dense`: an explicit boolean
+    [B, 1, T, S] mask (the generation cache's, `layers.Cache.advance`), which only the einsums read.
+    Padded queries are not masked: their outputs are never read (transformers does the same).
+    """
+
+    key_valid: jax.Array | None = None
+    dense: jax.Array | None = None
+    causal: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    def array(self, query_length: int, key_length: int) -> jax.Array | None:
+        """The boolean [B|1, 1, T, S] mask (True = may attend); None = all keys."""
+        if self.dense is not None:
+            return self.dense
+        mask = None if self.key_valid is None else self.key_valid[:, None, None, :].astype(bool)
+        if self.causal:
+            causal = jnp.tril(jnp.ones((query_length, key_length), dtype=bool))[None, None]
+            mask = causal if mask is None else mask & causal
+        return mask
+
+
+def make_attention_mask(key_valid: jax.Array | None = None, causal: bool = False) -> AttentionMask:
+    return AttentionMask(key_valid=None if key_valid is None else key_valid.astype(bool), causal=causal)
+
+
+@functools.cache
+def _say_once(implementation: str, reason: str) -> None:
+    log.info("attention %s: %s; these calls use the xla einsums", implementation, reason)
+
+
+def fused(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | None,
+          bias: jax.Array | None, scale: float) -> jax.Array | None:
+    """q [B, T, heads, head_dim], k and v [B, S, heads, head_dim] -> [B, T, heads, head_dim] by `implementation`,
+    or None where it cannot take this call (the caller then uses the einsums)."""
+    mask = mask or AttentionMask()
+    reason = _unsupported(implementation, q, k, mask, bias)
+    if reason:
+        _say_once(implementation, reason)
+        return None
+    if implementation == "splash":
+        return _splash(q, k, v, mask, scale)
+    kv_lengths = None
+    if mask.key_valid is not None and implementation == "cudnn":
+        # cuDNN's padding mask is a length per row: keys are right-padded in every call without a cache (training,
+        # evaluation, the encoders in generation); left-padded prompts only ever go through the cache.
+        kv_lengths = mask.key_valid.sum(-1, dtype=jnp.int32)
+    dense_padding = None if mask.key_valid is None or kv_lengths is not None else mask.key_valid[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
+                                        mask=dense_padding, scale=scale, is_causal=mask.causal,
+                                        key_value_seq_lengths=kv_lengths,
+                                        implementation="cudnn" if implementation == "cudnn" else "xla")
+
+
+def _unsupported(implementation: str, q, k, mask: AttentionMask, bias) -> str | None:
+    if mask.dense is not None:
+        return "an explicit mask (the generation cache)"
+    if implementation == "cudnn" and q.dtype not in CUDNN_DTYPES:
+        return f"cuDNN's flash attention takes bfloat16/float16, not {q.dtype}"
+    if implementation == "splash":
+        if bias is not None:
+            return "the splash kernel takes no additive bias (T5's relative positions)"
+        if q.shape[1] % SPLASH_BLOCK or k.shape[1] % SPLASH_BLOCK:
+            return f"lengths {q.shape[1]}x{k.shape[1]} are not multiples of the kernel's {SPLASH_BLOCK}-wide blocks"
+    return None
+
+
+def _splash(q, k, v, mask: AttentionMask, scale: float) -> jax.Array:
+    batch, length, heads, _ = q.shape
+    key_length = k.shape[1]
+    # Padding as segment ids: queries are segment 1, real keys 1, padded keys 0. A row without any real key (a
+    # filler example of an evaluation's last batch) sees all its keys, as the einsums' uniform softmax does, rather
+    # than none (which would divide by zero).
+    valid = jnp.ones((batch, key_length), bool) if mask.key_valid is None else mask.key_valid
+    valid = valid | ~valid.any(-1, keepdims=True)
+    q_segments, kv_segments = jnp.ones((batch, length), jnp.int32), valid.astype(jnp.int32)
+    to_heads_first = lambda t: jnp.swapaxes(t, 1, 2)  # the kernel's [heads, length, head_dim] per example
+    q, k, v = to_heads_first(q * jnp.asarray(scale, q.dtype)), to_heads_first(k), to_heads_first(v)
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = jax.default_backend() if mesh.empty or mesh.abstract_device is None else mesh.abstract_device.platform
+
+    def attend(q, k, v, q_segments, kv_segments):
+        local_heads, local_length = q.shape[1], q.shape[2]
+        head_mask = (splash_mask.CausalMask if mask.causal else splash_mask.FullMask)((local_length, key_length))
+        block = max(b for b in (512, 256, SPLASH_BLOCK) if local_length % b == 0 and key_length % b == 0)
+        kernel = splash.make_splash_mha(
+            splash_mask.MultiHeadMask([head_mask] * local_heads), head_shards=1, q_seq_shards=1,
+            block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                                          block_kv_dq=block),
+            interpret=platform != "tpu")
+        return jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(q_segments, kv_segments))
+
+    if not mesh.empty:  # a Pallas kernel is not partitioned by XLA: each device runs it on its own rows and heads
+        spec = resolve_spec(q.shape, ("batch", "act_heads", None, None), dict(mesh.shape))
+        rows = PartitionSpec(spec[0], None)
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec, rows, rows), out_specs=spec,
+                               check_vma=False)
+    return to_heads_first(attend(q, k, v, q_segments, kv_segments))
+
+
+def resolve(requested: str, *, platform: str, dtype, training: bool, dropout: float, biased: bool
+            ) -> tuple[str, str | None]:
+    """The implementation a run uses for `requested` (CHOICES) and a line saying why when `auto` did not pick the
+    platform's kernel. `dropout`: the model's largest attention dropout; `biased`: some attention adds a bias.
+    Raises ValueError (naming the fix) for an explicit choice that cannot run here."""
+    if requested not in CHOICES:
+        raise ValueError(f"choose one of {', '.join(CHOICES)}")
+    dropping = training and dropout > 0.0
+    kernel = {"gpu": "cudnn", "tpu": "splash"}.get(platform)
+    if requested == "auto":
+        if kernel is None:
+            return "xla", None
+        if dropping:
+            return "xla", (f"auto = xla, not {kernel}: the model's attention dropout is {dropout} and the fused "
+                           "kernels have none (a config with attention dropout 0 uses the kernel)")
+        if kernel == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES:
+            return "xla", "auto = xla, not cudnn: cuDNN's flash attention needs --dtype bfloat16"
+        return kernel, ("auto = splash; the self-attention with T5's relative-position bias keeps xla (the kernel "
+                        "takes no bias)" if kernel == "splash" and biased else None)
+    if requested in ("cudnn", "splash") and requested != kernel:
+        where = {"cudnn": "an NVIDIA GPU with CUDA JAX (pip install -e '.[cuda]')",
+                 "splash": "a TPU (or --compile_for a TPU slice)"}[requested]
+        raise ValueError(f"the {requested} kernel needs {where}, and this run's devices are {platform}; use "
+                         "--attention auto or xla")
+    if requested == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES:
+        raise ValueError("cuDNN's flash attention takes bfloat16/float16: add --dtype bfloat16, or use --attention "
+                         "xla")
+    if requested != "xla" and dropping:
+        raise ValueError(f"the model's attention dropout is {dropout} and the {requested} path has none: use a "
+                         "config with attention dropout 0, or --attention xla")
+    return requested, None
