@@ -22,7 +22,9 @@ from typing import Any, Mapping
 
 import yaml
 
+from spmdlm.data.mixture import sources_of
 from spmdlm.data.objectives import Flag
+from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP
 from spmdlm.errors import ArgumentError
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
 
@@ -56,7 +58,11 @@ class RunArgs:
     cache_dir: str | None = _field(None, "where tokenized data is cached (default ~/.cache/spmdlm)")
     # -- data ----------------------------------------------------------------------------------------------------
     train_file: str | None = _field(None, "txt/json/jsonl/csv/parquet files (plain, .gz or .zst), comma-separated, "
-                                    "globs and directories allowed")
+                                    "globs and directories allowed; parts ending in :WEIGHT are the sources of a "
+                                    "weighted mixture, e.g. 'news/*.jsonl:0.6,wiki/:0.4' (weights normalised)")
+    data_mixture: str | None = _field(None, "a YAML file of a weighted mixture (instead of --train_file): sources: "
+                                      "a list of {name, train_file or dataset_dir, weight, validation_file}; "
+                                      "paths relative to the file (docs/data.md, Mixtures)")
     dataset_dir: str | None = _field(None, "a dataset prepared by python -m spmdlm.prepare (instead of --train_file; "
                                      "its tokenizer unless --tokenizer_name)")
     dataset_name: str | None = _field(None, "a datasets dataset (extra .[datasets]): a save_to_disk dir, parquet "
@@ -65,6 +71,7 @@ class RunArgs:
     preprocessing_num_workers: int | None = _field(None, "processes that tokenize --train_file/--dataset_name "
                                                    "(default: 1; the tokenizer is multithreaded)")
     text_column: str | None = _field(None, "json/jsonl/csv: the field holding the text (default: text)")
+    text_documents: str = _field("line", TEXT_DOCUMENTS_HELP)
     validation_file: str | None = _field(None, "held-out files; default: a hash split of the training documents")
     validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
     max_train_samples: int | None = _field(None, "cap on training examples (after chunking)")
@@ -76,6 +83,9 @@ class RunArgs:
     allow_data_change: bool = _field(False, "resume although the training data or the tokenizer changed since the run "
                                      "started (run_config.json records their fingerprints): the batches from then "
                                      "on are those of the new data, not an uninterrupted run's")
+    allow_mixture_change: bool = _field(False, "resume although the mixture's sources or weights changed since the "
+                                        "run started: it continues from the same step, the batches from then on "
+                                        "being those the new weights give")
     do_train: bool | None = _field(None, "train (default: on unless only --do_eval is given)")
     do_eval: bool | None = _field(None, "evaluate (default: on unless only --do_train is given)")
     num_train_epochs: float = _field(3.0, "epochs, fractions allowed; --max_steps wins")
@@ -131,7 +141,7 @@ class RunArgs:
     hub_token: str | None = _field(None, "Hub token")
     # accepted for command-line compatibility with the HF scripts; they change nothing here
     use_fast_tokenizer: bool = _field(True, "accepted for compatibility (tokenizers are always fast)")
-    keep_linebreaks: bool = _field(True, "accepted for compatibility (documents are whole lines)")
+    keep_linebreaks: bool = _field(True, "accepted for compatibility (where documents end: --text_documents)")
     token: str | None = _field(None, "accepted for compatibility")
     trust_remote_code: bool = _field(False, "accepted for compatibility")
     # the objective flags of the model families (spmdlm.data.objectives.Flag), by name: given or default
@@ -149,7 +159,7 @@ class RunArgs:
     @property
     def uses_embedded_corpus(self) -> bool:
         return (self.train_file is None and self.model_name_or_path is None and self.dataset_dir is None
-                and self.dataset_name is None)
+                and self.dataset_name is None and self.data_mixture is None)
 
     @property
     def training(self) -> bool:
@@ -322,8 +332,14 @@ def parse_args(argv: list[str] | None, choices: FamilyChoices) -> tuple[RunArgs,
 
 
 def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
-    if sum(x is not None for x in (args.train_file, args.dataset_dir, args.dataset_name)) > 1:
-        raise ArgumentError("give one of --train_file, --dataset_dir and --dataset_name")
+    if sum(x is not None for x in (args.train_file, args.dataset_dir, args.dataset_name, args.data_mixture)) > 1:
+        raise ArgumentError("give one of --train_file, --data_mixture, --dataset_dir and --dataset_name")
+    if args.text_documents not in TEXT_DOCUMENTS:
+        raise ArgumentError(f"--text_documents {args.text_documents!r}: use one of {', '.join(TEXT_DOCUMENTS)}")
+    sources = sources_of(args.train_file, args.data_mixture)
+    if sources and args.validation_file:
+        raise ArgumentError("--validation_file does not apply to a mixture: give each source's validation_file in "
+                            "--data_mixture (or let each be split by --validation_split_percentage)")
     if args.dataset_config_name and not args.dataset_name:
         raise ArgumentError("--dataset_config_name needs --dataset_name")
     if args.model_type is not None and args.model_type not in choices.quickstarts:
@@ -374,7 +390,7 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
     if not 0 <= args.validation_split_percentage < 100:
         raise ArgumentError("--validation_split_percentage must be in [0, 100)")
     if (args.evaluating and not args.training and not args.validation_file and not args.validation_split_percentage
-            and args.dataset_dir is None and args.dataset_name is None):
+            and args.dataset_dir is None and args.dataset_name is None and not sources):
         raise ArgumentError("nothing to evaluate: --do_eval without training needs held-out documents; give "
                             "--validation_file or a --validation_split_percentage above 0")
     if args.num_train_epochs <= 0 and args.max_steps <= 0:

@@ -9,6 +9,7 @@ and a restored iterator continues the same sequence.
 The Grain elements are batches, not examples: a source whose element s is this host's records of global batch s,
 gathered in one read from the memory-mapped token files (spmdlm.data.records.TokenRecords), and a map that applies
 the objective to all rows at once (`Objective.batch`). Per-example Grain steps cost more than reading the tokens.
+A weighted mixture of corpora (spmdlm.data.mixture) is the same with `MixtureBatches` as the source.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grain
 import jax
 import numpy as np
 
+from spmdlm.data.mixture import SOURCE_STREAM, MixedSplit, MixtureOrder
 from spmdlm.data.objectives import Objective, padding_example
 from spmdlm.data.records import PreparedSplit, TokenRecords
 from spmdlm.errors import DataError
@@ -34,15 +36,16 @@ DEFAULT_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
 
 class EpochOrder:
     """Global example index -> record index: epoch g // N reads the records in a permutation seeded by
-    (seed, epoch); kept for the last two epochs (a batch spans at most two), 4 bytes a record."""
+    (seed, *stream, epoch) (`stream`: a mixture source's own; none for one corpus); kept for the last two epochs
+    (a batch spans at most two), 4 bytes a record."""
 
-    def __init__(self, num_records: int, seed: int, shuffle: bool = True):
-        self.num_records, self.seed, self.shuffle = num_records, seed, shuffle
+    def __init__(self, num_records: int, seed: int, shuffle: bool = True, stream: tuple[int, ...] = ()):
+        self.num_records, self.seed, self.shuffle, self.stream = num_records, seed, shuffle, stream
         self._permutation = functools.lru_cache(maxsize=2)(self._make_permutation)
 
     def _make_permutation(self, epoch: int) -> np.ndarray:
         order = np.arange(self.num_records, dtype=np.int32 if self.num_records < 2**31 else np.int64)
-        np.random.default_rng([self.seed, epoch]).shuffle(order)
+        np.random.default_rng([self.seed, *self.stream, epoch]).shuffle(order)
         return order
 
     def __call__(self, indices: np.ndarray) -> np.ndarray:
@@ -65,25 +68,60 @@ class RecordBatch:
     records: np.ndarray  # int32 [rows, record_length]
 
 
-class HostBatches:
-    """Grain random-access source: element s is this process's rows of global batch s, read in one gather."""
+class _HostRows:
+    """Element s of a batch source: this process's contiguous rows of global batch s, as global example indices."""
 
-    def __init__(self, split: PreparedSplit, *, seed: int, global_batch: int, num_epochs: int,
-                 process_index: int = 0, process_count: int = 1, shuffle: bool = True):
+    def __init__(self, num_records: int, *, global_batch: int, num_epochs: int, process_index: int,
+                 process_count: int):
         if global_batch % process_count:
             raise ValueError(f"global batch {global_batch} is not divisible by {process_count} processes")
-        self.records = TokenRecords(split)
-        self.order = EpochOrder(len(self.records), seed, shuffle)
         self.global_batch, self.local = global_batch, global_batch // process_count
         self.offset = process_index * self.local
-        self._len = len(self.records) * num_epochs // global_batch
+        self._len = num_records * num_epochs // global_batch
 
     def __len__(self) -> int:
         return self._len
 
+    def indices(self, step: int) -> np.ndarray:
+        return step * self.global_batch + self.offset + np.arange(self.local, dtype=np.int64)
+
+
+class HostBatches(_HostRows):
+    """Grain random-access source: element s is this process's rows of global batch s, read in one gather."""
+
+    def __init__(self, split: PreparedSplit, *, seed: int, global_batch: int, num_epochs: int,
+                 process_index: int = 0, process_count: int = 1, shuffle: bool = True):
+        self.records = TokenRecords(split)
+        self.order = EpochOrder(len(self.records), seed, shuffle)
+        super().__init__(len(self.records), global_batch=global_batch, num_epochs=num_epochs,
+                         process_index=process_index, process_count=process_count)
+
     def __getitem__(self, step: int) -> RecordBatch:
-        indices = step * self.global_batch + self.offset + np.arange(self.local, dtype=np.int64)
+        indices = self.indices(step)
         return RecordBatch(indices, self.records.read(self.order(indices)))
+
+
+class MixtureBatches(_HostRows):
+    """HostBatches of a weighted mixture (spmdlm.data.mixture): global example g is example j of source k
+    (`MixtureOrder`), read as record EpochOrder_k(j) of that source; an epoch is the sum of the sources' records."""
+
+    def __init__(self, mixed: MixedSplit, *, seed: int, global_batch: int, num_epochs: int,
+                 process_index: int = 0, process_count: int = 1):
+        self.sources = [TokenRecords(split) for split in mixed.splits]
+        self.orders = [EpochOrder(len(records), seed, stream=(SOURCE_STREAM + k,))
+                       for k, records in enumerate(self.sources)]
+        self.mixture = MixtureOrder(mixed.weights, seed)
+        super().__init__(mixed.num_records, global_batch=global_batch, num_epochs=num_epochs,
+                         process_index=process_index, process_count=process_count)
+
+    def __getitem__(self, step: int) -> RecordBatch:
+        indices = self.indices(step)
+        sources, within = self.mixture(indices)
+        records = np.empty((len(indices), self.sources[0].record_length), dtype=np.int32)
+        for k in np.unique(sources):
+            rows = sources == k  # ascending global indices give ascending within-source indices
+            records[rows] = self.sources[k].read(self.orders[k](within[rows]))
+        return RecordBatch(indices, records)
 
 
 class _ApplyObjective(grain.transforms.Map):
@@ -94,16 +132,19 @@ class _ApplyObjective(grain.transforms.Map):
         return self.objective.batch(batch.records, self.seed, batch.indices)
 
 
-def train_batches(split: PreparedSplit, objective: Objective, *, seed: int, global_batch: int, num_epochs: int,
-                  process_index: int = 0, process_count: int = 1, read_options: grain.ReadOptions | None = None):
-    """An iterator (checkpointable with Grain) of this process's part of each global training batch.
+def train_batches(split: PreparedSplit | MixedSplit, objective: Objective, *, seed: int, global_batch: int,
+                  num_epochs: int, process_index: int = 0, process_count: int = 1,
+                  read_options: grain.ReadOptions | None = None):
+    """An iterator (checkpointable with Grain) of this process's part of each global training batch, of one corpus
+    or of a mixture's sources.
 
     In order: Grain's thread prefetch (`read_options`, default DEFAULT_READ_OPTIONS) keeps the order, so the
     batches are the same either way; `mp_prefetch` would not. A split of several shard files is read as one sequence: every host opens
     all shards and reads only its rows.
     """
-    source = HostBatches(split, seed=seed, global_batch=global_batch, num_epochs=num_epochs,
-                         process_index=process_index, process_count=process_count)
+    source_class = MixtureBatches if isinstance(split, MixedSplit) else HostBatches
+    source = source_class(split, seed=seed, global_batch=global_batch, num_epochs=num_epochs,
+                          process_index=process_index, process_count=process_count)
     ds = grain.MapDataset.source(source).map(_ApplyObjective(objective, seed))
     return iter(ds.to_iter_dataset(read_options or DEFAULT_READ_OPTIONS))
 

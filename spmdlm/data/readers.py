@@ -1,7 +1,8 @@
 """Reading documents (docs/data.md): inputs -> the corpus's non-empty texts, one document each.
 
-Files: txt (one document per line), json/jsonl/csv/tsv (a text field), parquet (pyarrow), each plain or compressed
-(.gz, .zst; decoded by spmdlm.data.decoding), and Hugging Face `datasets` (local `save_to_disk` dirs, parquet dirs,
+Files: txt (one document per line, per blank-line-separated paragraph or per file: --text_documents),
+json/jsonl/csv/tsv (a text field), parquet (pyarrow), each plain or compressed (.gz, .zst; decoded by
+spmdlm.data.decoding), and Hugging Face `datasets` (local `save_to_disk` dirs, parquet dirs,
 Hub names); `ReadStats` counts what was skipped or repaired. Also the embedded corpus (this Python's standard
 library sources) and the held-out split by document hash.
 
@@ -158,13 +159,36 @@ def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> l
 
 
 
-def _read_txt(path: Path, stats: ReadStats) -> Iterator[str]:
-    # One document per line, as the HF `text` builder the reference scripts used; blank lines carry nothing.
-    for line in text_lines(path, stats=stats):
+TEXT_DOCUMENTS = ("line", "blank_line", "file")  # --text_documents: where a text file's documents end
+TEXT_DOCUMENTS_HELP = ("text files only (json/csv/parquet records are documents already): where a document ends. "
+                       "line = each non-empty line (the HF scripts'; default); blank_line = paragraphs separated by "
+                       "blank lines, newlines inside kept; file = each file is one document")
+
+
+def _read_txt(path: Path, stats: ReadStats, text_documents: str = "line") -> Iterator[str]:
+    """`line`: one document per line, as the HF `text` builder the reference scripts used (blank lines carry
+    nothing); `blank_line`: paragraphs separated by blank lines, their inner newlines kept; `file`: the whole file.
+    A document's trailing newline is where it ends (its EOS), so it is not part of it."""
+    lines = text_lines(path, stats=stats)
+    if text_documents == "file":
+        text = "".join(lines).rstrip("\n")
+        if text.strip():
+            yield text
+        return
+    paragraph: list[str] = []
+    for line in lines:
         if line.strip():
-            yield line.rstrip("\n")
+            paragraph.append(line)
+            if text_documents == "line":
+                yield "".join(paragraph).rstrip("\n")
+                paragraph = []
+        elif paragraph:
+            yield "".join(paragraph).rstrip("\n")
+            paragraph = []
         else:
             stats.empty_lines += 1
+    if paragraph:
+        yield "".join(paragraph).rstrip("\n")
 
 
 def _pick_text(record, where: str, text_column: str | None) -> str:
@@ -255,9 +279,10 @@ def _read_parquet(path: Path, text_column: str | None, stats: ReadStats) -> Iter
                 stats.empty_lines += 1
 
 
-def read_documents(files: Iterable[Path], *, text_column: str | None = None,
-                   stats: ReadStats | None = None) -> Iterator[str]:
-    """The non-empty documents of the files: a line of text, or the `text_column` ("text") field of a record.
+def read_documents(files: Iterable[Path], *, text_column: str | None = None, stats: ReadStats | None = None,
+                   text_documents: str = "line") -> Iterator[str]:
+    """The non-empty documents of the files: a text file's lines, paragraphs or whole text (`text_documents`), or
+    the `text_column` ("text") field of a record.
 
     `stats`, if given, counts the files, documents, replaced bytes and skipped empty lines and files.
     """
@@ -271,7 +296,7 @@ def read_documents(files: Iterable[Path], *, text_column: str | None = None,
         elif fmt in PARQUET_SUFFIXES:
             documents = _read_parquet(path, text_column, stats)
         elif fmt in TEXT_SUFFIXES or fmt == "":
-            documents = _read_txt(path, stats)
+            documents = _read_txt(path, stats, text_documents)
         else:
             raise DataError(f"{path}: unknown file type {fmt!r}; use .txt, .json, .jsonl, .csv or .parquet "
                             "(optionally .gz or .zst)")
@@ -392,6 +417,7 @@ class Corpus:
     dataset_name: str | None = None
     dataset_config_name: str | None = None
     text_column: str | None = None
+    text_documents: str = "line"  # text files only: TEXT_DOCUMENTS
     _loaded: dict | None = dataclasses.field(default=None, repr=False)
 
     def _dataset(self) -> dict:
@@ -407,7 +433,8 @@ class Corpus:
     def documents(self, split: str = "train", stats: ReadStats | None = None) -> Iterator[str]:
         stats = stats if stats is not None else ReadStats()
         if not self.dataset_name:
-            return read_documents(self.files, text_column=self.text_column, stats=stats)
+            return read_documents(self.files, text_column=self.text_column, stats=stats,
+                                  text_documents=self.text_documents)
         loaded = self._dataset()
         if split not in loaded:
             raise DataError(f"--dataset_name {self.dataset_name} has no {split!r} split (it has "
@@ -422,7 +449,8 @@ class Corpus:
         """What the inputs are, cheaply: each file's path, size, mtime and a hash of samples of it (a local dataset
         dir lists its files; a Hub dataset is named only)."""
         if not self.dataset_name:
-            return {"files": [_file_entry(p) for p in self.files], "text_column": self.text_column}
+            return {"files": [_file_entry(p) for p in self.files], "text_column": self.text_column,
+                    "text_documents": self.text_documents}
         path = Path(self.dataset_name).expanduser()
         files = ([path] if path.is_file() else
                  sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir()
@@ -434,7 +462,7 @@ class Corpus:
 
 def open_corpus(inputs: Sequence[str] = (), *, dataset_name: str | None = None,
                 dataset_config_name: str | None = None, text_column: str | None = None,
-                flag: str = "INPUTS") -> Corpus:
+                text_documents: str = "line", flag: str = "INPUTS") -> Corpus:
     """The corpus of `inputs` (files, globs, directories) or of `--dataset_name`; missing inputs in one error."""
     if inputs and dataset_name:
         raise DataError("give input files or --dataset_name, not both")
@@ -446,7 +474,7 @@ def open_corpus(inputs: Sequence[str] = (), *, dataset_name: str | None = None,
         raise DataError("--dataset_config_name needs --dataset_name")
     if not inputs:
         raise DataError(f"no input: give {flag} (files, globs or directories) or --dataset_name")
-    return Corpus(files=tuple(expand_files(inputs, flag)), text_column=text_column)
+    return Corpus(files=tuple(expand_files(inputs, flag)), text_column=text_column, text_documents=text_documents)
 
 
 def add_corpus_arguments(parser) -> None:
@@ -460,10 +488,11 @@ def add_corpus_arguments(parser) -> None:
     parser.add_argument("--dataset_config_name", default=None, help="the dataset's configuration")
     parser.add_argument("--text_column", default=None, help="json/jsonl/csv/parquet/datasets: the text field "
                                                             "(default: text)")
+    parser.add_argument("--text_documents", choices=TEXT_DOCUMENTS, default="line", help=TEXT_DOCUMENTS_HELP)
 
 
 def corpus_of(args) -> Corpus:
     """The corpus that `add_corpus_arguments`' flags name."""
     return open_corpus(args.inputs, dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
-                       text_column=args.text_column)
+                       text_column=args.text_column, text_documents=args.text_documents)
 

@@ -5,6 +5,7 @@ docs/architecture.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -12,11 +13,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from spmdlm import checkpoint
 from spmdlm.config import RunArgs
 from spmdlm.data import pipeline
+from spmdlm.data.mixture import MixedSplit
 from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted, RunError
 from spmdlm.export import export_state
 from spmdlm.families.base import Generation
@@ -25,9 +28,9 @@ from spmdlm.mesh import batch_axis_size
 from spmdlm.train.guard import RunLock, StopOnSignal
 from spmdlm.train.outputs import (check_fingerprints, check_output_dir, export_done, missing_outputs,
                                   prepare_output_dir, read_results, write_run_files)
-from spmdlm.train.report import Reporter, write_json
-from spmdlm.train.setup import (RunContext, check_memory, is_main, read_corpora, resolve, setup_data, setup_state,
-                                setup_tokenizer)
+from spmdlm.train.report import Reporter, is_eval_key, write_json
+from spmdlm.train.setup import (RunContext, check_memory, is_main, read_corpora, read_sources, resolve, setup_data,
+                                setup_mixture_data, setup_state, setup_tokenizer)
 from spmdlm.train.state import count_parameters
 from spmdlm.train.step import Stepper
 
@@ -43,22 +46,36 @@ def abandoned(stop: StopOnSignal | None) -> bool:
 
 
 def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None = None) -> dict[str, float] | None:
-    """Eval metrics over the validation split; None when a stop signal arrived meanwhile (single process: the save
-    comes first, as a preemption's grace period is short; several processes finish it, as every one must)."""
+    """Eval metrics over the validation split (a mixture: each source's, as eval/<source>/loss etc., and all of them
+    token-weighted under the plain names); None when a stop signal arrived meanwhile (single process: the save comes
+    first, as a preemption's grace period is short; several processes finish it, as every one must)."""
     args = ctx.args
     global_batch = args.per_device_eval_batch_size * batch_axis_size(ctx.mesh)
-    totals: dict[str, Any] = {}
-    for batch in pipeline.eval_batches(ctx.data.validation, ctx.objective, seed=args.seed, global_batch=global_batch,
-                                       max_examples=args.max_eval_samples, process_index=jax.process_index(),
-                                       process_count=jax.process_count()):
-        if abandoned(stop):
-            return None
-        sums = stepper.eval_step(state, pipeline.to_global(batch, ctx.mesh))
-        totals = sums if not totals else jax.tree.map(jnp.add, totals, sums)
+    per_split: dict[str | None, Any] = {}
+    for name, split in ctx.data.validation_splits.items():
+        totals: dict[str, Any] = {}
+        for batch in pipeline.eval_batches(split, ctx.objective, seed=args.seed, global_batch=global_batch,
+                                           max_examples=args.max_eval_samples, process_index=jax.process_index(),
+                                           process_count=jax.process_count()):
+            if abandoned(stop):
+                return None
+            sums = stepper.eval_step(state, pipeline.to_global(batch, ctx.mesh))
+            totals = sums if not totals else jax.tree.map(jnp.add, totals, sums)
+        per_split[name] = totals
     if abandoned(stop):
         return None
-    totals = jax.device_get(totals)
+    per_split = jax.device_get(per_split)
+    results = summarise(functools.reduce(lambda a, b: jax.tree.map(np.add, a, b), per_split.values()))
+    for name, totals in per_split.items():
+        if name is not None:
+            results.update({f"eval/{name}/{key.removeprefix('eval_')}": value
+                            for key, value in summarise(totals).items() if not key.endswith("_all_positions")})
+    return results
 
+
+def summarise(totals: dict[str, Any]) -> dict[str, float]:
+    """Loss, perplexity, accuracy and tokens of eval sums: of the objective's scored labels first, when it has
+    them, then of all positions."""
     def metrics(prefix: str, suffix: str = "") -> dict[str, float]:
         tokens = max(float(totals[f"{prefix}tokens"]), 1.0)
         loss = float(totals[f"{prefix}loss_sum"]) / tokens
@@ -67,24 +84,29 @@ def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None
 
     if "scored_tokens" not in totals:
         return metrics("")
-    return {**metrics("scored_"), **metrics("", "_all_positions")}  # the objective's scored labels first
+    return {**metrics("scored_"), **metrics("", "_all_positions")}
 
 
 def run(args: RunArgs) -> dict[str, Any]:
     ctx = resolve(args, time.perf_counter())
-    train_docs, val_docs = read_corpora(args)
+    corpora = read_sources(args, ctx.sources) if ctx.sources else read_corpora(args)
     with RunLock(ctx.out, enabled=is_main()):  # before anything is written or removed in the output dir
         prepare_output_dir(ctx, check_output_dir(ctx))
-        return run_locked(ctx, train_docs, val_docs)
+        return run_locked(ctx, corpora)
 
 
-def run_locked(ctx: RunContext, train_docs, val_docs) -> dict[str, Any]:
+def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
+    """`corpora`: (train, validation) documents of one corpus, or each mixture source's SourceDocuments."""
     args = ctx.args
     if args.push_to_hub:
         log.warning("--push_to_hub: spmdlm does not upload (it never uses the network); the model will be exported "
                     "to %s — upload that folder with `huggingface-cli upload` from a connected machine", ctx.out / "hf")
-    setup_tokenizer(ctx, train_docs)
-    setup_data(ctx, train_docs, val_docs)
+    if ctx.sources:  # one tokenizer for all sources, trained on all their documents unless given
+        setup_tokenizer(ctx, [doc for corpus in corpora for doc in corpus.train])
+        setup_mixture_data(ctx, corpora)
+    else:
+        setup_tokenizer(ctx, corpora[0])
+        setup_data(ctx, *corpora)
     check_fingerprints(ctx)
     if ctx.data.train is not None and ctx.latest_step > ctx.total_steps:  # it would report and export a later model
         raise RunError(f"--output_dir {ctx.out} holds a checkpoint at step {ctx.latest_step}, past this run's "
@@ -136,6 +158,7 @@ def run_locked(ctx: RunContext, train_docs, val_docs) -> dict[str, Any]:
                     compile_train()
                 results.update(train_loop(ctx, stepper, state, iterator, manager, reporter, step, run_config))
                 state, trained = results.pop("state"), True
+                results.update(source_epochs(ctx))
             else:  # finished before: keep its training results, redo only what is missing
                 results.update({k: v for k, v in previous_results.items() if k.startswith("train_")})
             checkpoint.check_saved(manager, wait=True)
@@ -147,9 +170,9 @@ def run_locked(ctx: RunContext, train_docs, val_docs) -> dict[str, Any]:
         log.info("evaluating the checkpoint at step %d", step)
 
     # -- stage 7 and 8: evaluate, report, export ----------------------------------------------------------------
-    if ctx.data.validation is not None and args.evaluating:
+    if ctx.data.validation_splits and args.evaluating:
         if training and not trained and "eval_loss" in previous_results:
-            results.update({k: v for k, v in previous_results.items() if k.startswith("eval_")})
+            results.update({k: v for k, v in previous_results.items() if is_eval_key(k)})
         else:
             metrics = evaluate(stepper, state, ctx)
             reporter.log_eval(step if not training else ctx.total_steps, metrics)
@@ -162,7 +185,7 @@ def run_locked(ctx: RunContext, train_docs, val_docs) -> dict[str, Any]:
 def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[str, Any], export: bool) -> None:
     if is_main():
         write_json(ctx.out / "eval_results.json",
-                   {k: v for k, v in results.items() if k.startswith("eval_") or k.startswith("train_")})
+                   {k: v for k, v in results.items() if is_eval_key(k) or k.startswith("train_")})
         reporter.finish(results)
     if export:
         export_state(graphdef, state, ctx.config, ctx.out / "hf", tokenizer=ctx.tokenizer)
@@ -190,7 +213,7 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
             else:
                 reporter.tick(step)
             checkpoint.check_saved(manager, last_saved)  # a failed async save stops the run now, not at the next
-            if ctx.data.validation is not None and args.evaluating and step % args.eval_steps == 0 \
+            if ctx.data.validation_splits and args.evaluating and step % args.eval_steps == 0 \
                     and step < total_steps:
                 metrics = evaluate(stepper, state, ctx, stop)
                 if metrics is not None:
@@ -206,6 +229,16 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
                 checkpoint.check_saved(manager, step, wait=True)
                 raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(ctx.out) / str(step))
     return {"state": state, "train_loss": train_loss, **reporter.throughput()}
+
+
+def source_epochs(ctx: RunContext) -> dict[str, Any]:
+    """A mixture's epochs reached by each source over the run's examples (logged; kept in eval_results.json)."""
+    train = ctx.data.train
+    if not isinstance(train, MixedSplit):
+        return {}
+    epochs = train.epochs_reached(ctx.args.seed, ctx.total_steps * ctx.global_batch)
+    log.info("epochs reached per source: %s", ", ".join(f"{name} {value:.3g}" for name, value in epochs.items()))
+    return {"train_source_epochs": epochs}
 
 
 def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]:

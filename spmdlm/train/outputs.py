@@ -11,6 +11,7 @@ from typing import Any
 
 from spmdlm import checkpoint, storage
 from spmdlm.data.datasets import tokenizer_hash
+from spmdlm.data.mixture import describe_change
 from spmdlm.data.tokenizer import save_tokenizer
 from spmdlm.errors import RunError
 from spmdlm.export import export_complete
@@ -25,6 +26,9 @@ log = logging.getLogger("spmdlm")
 # restored into the new shardings), or the step budget (which also stretches the learning-rate schedule).
 # The model type is compared through the model config. The learning rate, its schedule and warmup may change: the
 # change is logged.
+# A mixture's train_file / data_mixture are compared as the mixture itself (its sources and weights), which
+# --allow_mixture_change lets change.
+MIXTURE_KEYS = ("train_file", "data_mixture")
 COMMON_RESUME_KEYS = ("model_name_or_path", "tokenizer_name", "train_file", "dataset_dir", "dataset_name",
                       "dataset_config_name", "text_column", "validation_file",
                       "validation_split_percentage", "max_train_samples", "seed", "weight_decay", "adafactor",
@@ -72,6 +76,8 @@ def check_output_dir(ctx: RunContext) -> str:
     if has_checkpoints:
         checkpoint.check_format(saved, out)
         keys, current = COMMON_RESUME_KEYS + ctx.family.resume_keys, args.to_json()
+        if ctx.sources or saved.get("mixture"):
+            keys = tuple(k for k in keys if k not in MIXTURE_KEYS)
         changed = [k for k in keys if saved.get(k) != current.get(k)]
         # Token ids are set from the tokenizer after this check, so they are not compared here.
         shape_of = lambda d: {k: v for k, v in (d or {}).items() if not k.endswith("_token_id")}
@@ -80,6 +86,7 @@ def check_output_dir(ctx: RunContext) -> str:
         if changed:
             raise RunError(f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
                            "use the same flags to resume, another --output_dir, or --overwrite_output_dir")
+        check_mixture(ctx, saved)
         if saved.get("global_batch") != ctx.global_batch:
             raise RunError(f"--output_dir {out} holds a run with a global batch of {saved.get('global_batch')} "
                            f"examples, this one has {ctx.global_batch}; resume with --global_batch_size "
@@ -109,6 +116,25 @@ def check_output_dir(ctx: RunContext) -> str:
     return "clear"
 
 
+def mixture_record(ctx: RunContext) -> list[dict] | None:
+    """The mixture as run_config.json records it: its sources and (normalised) weights; None for one corpus."""
+    return [source.to_json() for source in ctx.sources] or None
+
+
+def check_mixture(ctx: RunContext, saved: dict) -> None:
+    """A resume with other sources or weights is refused in one line unless --allow_mixture_change, which continues
+    from the same step: the batches from then on are those the new weights give at those global indices."""
+    before, now = saved.get("mixture"), mixture_record(ctx)
+    if before == now:
+        return
+    change = describe_change(before, now)
+    if not ctx.args.allow_mixture_change:
+        raise RunError(f"--output_dir {ctx.out} holds a run of another data mixture ({change}); resume with the "
+                       "same sources and weights, use another --output_dir, or pass --allow_mixture_change to "
+                       "continue from the same step with the new ones")
+    log.warning("resuming with a changed data mixture (--allow_mixture_change): %s", change)
+
+
 def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
     """Remove only what a run of ours wrote (and never the checkpoints set aside as damaged): recipes keep their
     config and tokenizer in the output dir (a tokenizer we trained ourselves goes too, or a new corpus would silently
@@ -132,7 +158,7 @@ def write_run_files(ctx: RunContext) -> dict[str, Any]:
     run_config = {**ctx.args.to_json(), "attention_implementation": ctx.attention, "global_batch": ctx.global_batch,
                   "model_config": ctx.config.to_hf_dict(),
                   "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT,
-                  "fingerprints": fingerprints(ctx)}
+                  "mixture": mixture_record(ctx), "fingerprints": fingerprints(ctx)}
     if is_main():
         if not (ctx.out / "tokenizer.json").exists():
             save_tokenizer(ctx.tokenizer, ctx.out, ctx.family, model_max_length=ctx.config.max_length)
@@ -140,9 +166,10 @@ def write_run_files(ctx: RunContext) -> dict[str, Any]:
     return run_config
 
 
-def fingerprints(ctx: RunContext) -> dict[str, str | None]:
+def fingerprints(ctx: RunContext) -> dict[str, Any]:
     """What a resumed run must find unchanged: the training records (the token cache's or the dataset's key, which
-    hashes the documents, the tokenizer, the lengths and the mode) and the tokenizer itself."""
+    hashes the documents, the tokenizer, the lengths and the mode; a mixture's by source) and the tokenizer
+    itself."""
     train = ctx.data.train if ctx.data else None
     return {"train_data": train.fingerprint if train else None, "tokenizer": tokenizer_hash(ctx.tokenizer)}
 
@@ -155,7 +182,13 @@ def check_fingerprints(ctx: RunContext) -> None:
         return
     now = fingerprints(ctx)
     names = {"train_data": "the training data", "tokenizer": "the tokenizer"}
-    changed = [names[k] for k, v in now.items() if v and saved.get(k) and saved[k] != v]
+    changed = [names[k] for k, v in now.items() if v and saved.get(k) and type(saved[k]) is type(v)
+               and not isinstance(v, dict) and saved[k] != v]
+    # a mixture's sources: those both runs have (a source added or left out is a mixture change, checked before)
+    before, after = saved.get("train_data"), now["train_data"]
+    if isinstance(before, dict) and isinstance(after, dict):
+        changed += [f"the training data of source {name}" for name in after
+                    if name in before and before[name] != after[name]]
     if not changed:
         return
     what = " and ".join(changed)
@@ -182,7 +215,7 @@ def export_done(out: Path) -> bool:
 def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:
     """What a finished run would still have to write: its evaluation or its export."""
     missing = []
-    if ctx.data.validation is not None and ctx.args.evaluating and "eval_loss" not in previous_results:
+    if ctx.data.validation_splits and ctx.args.evaluating and "eval_loss" not in previous_results:
         missing.append("evaluation")
     if ctx.args.export_hf and not export_done(ctx.out):
         missing.append("export")

@@ -38,6 +38,11 @@ def finite_or_none(value: Any) -> Any:
     return value
 
 
+def is_eval_key(key: str) -> bool:
+    """An evaluation result: eval_loss and friends, and a mixture's per-source eval/<source>/loss etc."""
+    return key.startswith(("eval_", "eval/"))
+
+
 def strict_json(value: Any, **kwargs) -> str:
     return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
 
@@ -274,8 +279,11 @@ class Reporter:
         if not self.enabled:
             return
         self._write({"step": step, **metrics})
+        sources = [f"{key.split('/')[1]} {value:.4f}" for key, value in metrics.items()
+                   if key.startswith("eval/") and key.endswith("/loss")]
         message = (f"eval at step {step}: loss {metrics['eval_loss']:.4f} | perplexity "
-                   f"{metrics['eval_perplexity']:.2f} | accuracy {metrics['eval_accuracy']:.4f}")
+                   f"{metrics['eval_perplexity']:.2f} | accuracy {metrics['eval_accuracy']:.4f}"
+                   + (f" | loss by source: {', '.join(sources)}" if sources else ""))
         (self._bar.write if self._bar is not None else log.info)(message)
         self.sync(force=False)
 
@@ -310,10 +318,11 @@ class Reporter:
     def _write(self, record: dict[str, Any]):
         self._append("metrics.jsonl", strict_json(record))
         if self._writer is not None:
-            prefix = "eval" if any(k.startswith("eval_") for k in record) else "train"
+            prefix = "eval" if any(is_eval_key(k) for k in record) else "train"
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._writer.add_scalar(f"{prefix}/{key.removeprefix('eval_')}", value, record["step"])
+                    tag = key if key.startswith("eval/") else f"{prefix}/{key.removeprefix('eval_')}"
+                    self._writer.add_scalar(tag, value, record["step"])
 
     def plot_loss_curve(self):
         import matplotlib

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from spmdlm import devices, storage
 from spmdlm.config import DEFAULT_MODEL_TYPE, RunArgs
-from spmdlm.data import datasets, pipeline, readers, records, token_cache
+from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cache
 from spmdlm.data.objectives import Objective
 from spmdlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.errors import ArgumentError, DataError, RunError
@@ -37,8 +37,17 @@ log = logging.getLogger("spmdlm")
 
 @dataclasses.dataclass
 class Data:
-    train: records.PreparedSplit | None
+    train: records.PreparedSplit | mixture.MixedSplit | None
     validation: records.PreparedSplit | None
+    # a mixture's: each source's held-out split, by name, evaluated separately (`validation` is then None)
+    source_validation: dict[str, records.PreparedSplit] = dataclasses.field(default_factory=dict)
+
+    @property
+    def validation_splits(self) -> dict[str | None, records.PreparedSplit]:
+        """What evaluation reads: a mixture's splits by source name, or the one corpus's under None."""
+        if self.source_validation:
+            return dict(self.source_validation)
+        return {None: self.validation} if self.validation is not None else {}
 
 
 def is_main() -> bool:
@@ -58,6 +67,7 @@ class RunContext:
     run_start: float
     config_source: str  # the preset, file or directory the model config came from
     attention: str  # the implementation --attention resolved to (models/attention.py)
+    sources: tuple[mixture.Source, ...] = ()  # a weighted mixture's (spmdlm.data.mixture); () for one corpus
     previous: dict = dataclasses.field(default_factory=dict)  # the output dir's run_config.json (outputs.py)
     resuming: bool = False
     latest_step: int = 0  # of the checkpoints found when resuming
@@ -102,7 +112,8 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     if args.training and args.learning_rate == 0:
         log.warning("--learning_rate 0: training will not change the weights (give a positive rate to train)")
     attention = choose_attention(args, family, config, mesh)
-    return RunContext(args, mesh, out, family, config, global_batch, run_start, config_name, attention)
+    return RunContext(args, mesh, out, family, config, global_batch, run_start, config_name, attention,
+                      mixture.sources_of(args.train_file, args.data_mixture))
 
 
 def choose_attention(args: RunArgs, family: Family, config, mesh: Mesh) -> str:
@@ -144,34 +155,65 @@ def global_batch_size(args: RunArgs, mesh) -> int:
 
 
 # -- stage 3: tokenizer -----------------------------------------------------------------------------------------------
-def read_corpora(args: RunArgs) -> tuple[list[str], list[str]]:
-    """Training and validation documents; without --validation_file a hash split of the training documents (or the
-    dataset's own validation split). None with --dataset_dir: it is tokenized already."""
+@dataclasses.dataclass
+class SourceDocuments:
+    """A mixture source's documents; none for a prepared dataset (tokenized already)."""
+
+    source: mixture.Source
+    train: list[str]
+    validation: list[str]
+
+
+def read_corpora(args: RunArgs, source: mixture.Source | None = None) -> tuple[list[str], list[str]]:
+    """Training and validation documents (of one mixture `source`, else of the run's corpus); without a
+    validation file a hash split of the training documents (or the dataset's own validation split). None with
+    --dataset_dir: it is tokenized already."""
     if args.dataset_dir:
         return [], []
+    train_file, validation_file = (source.train_file, source.validation_file) if source else \
+        (args.train_file, args.validation_file)
+    flag = source.origin if source else "--train_file"
     held_out, train_files = None, ()
-    if args.train_file or args.dataset_name:
+    if train_file or args.dataset_name:
         # the string as given: expand_files splits its commas (--train_file a.txt,b.txt, as --validation_file)
-        corpus = readers.open_corpus(args.train_file or (), dataset_name=args.dataset_name,
+        corpus = readers.open_corpus(train_file or (), dataset_name=args.dataset_name,
                                      dataset_config_name=args.dataset_config_name, text_column=args.text_column,
-                                     flag="--train_file")
+                                     text_documents=args.text_documents, flag=flag)
         docs, train_files = corpus.documents("train"), corpus.files
-        if args.dataset_name and "validation" in corpus.splits and not args.validation_file:
+        if args.dataset_name and "validation" in corpus.splits and not validation_file:
             held_out = list(corpus.documents("validation"))
     else:
         log.info("no --train_file: using the embedded corpus (this Python's standard library sources)")
         docs = readers.read_embedded_corpus()
     train, split_off = [], []
-    split = args.validation_split_percentage if held_out is None and not args.validation_file else 0.0
+    split = args.validation_split_percentage if held_out is None and not validation_file else 0.0
     for doc in docs:
         (split_off if split and readers.in_validation_split(doc, split) else train).append(doc)
-    if args.validation_file:
-        validation_files = readers.expand_files(args.validation_file, "--validation_file")
+    if validation_file:
+        validation_files = readers.expand_files(validation_file, f"{flag} validation_file" if source else
+                                                "--validation_file")
         warn_if_training_files(validation_files, train_files)
-        held_out = list(readers.read_documents(validation_files, text_column=args.text_column))
+        held_out = list(readers.read_documents(validation_files, text_column=args.text_column,
+                                               text_documents=args.text_documents))
     if not train:
-        raise DataError("the training corpus has no text; check --train_file")
+        raise DataError(f"the training corpus{f' of source {source.name}' if source else ''} has no text; check "
+                        f"{flag}")
     return train, split_off if held_out is None else held_out
+
+
+def read_sources(args: RunArgs, sources: tuple[mixture.Source, ...]) -> list[SourceDocuments]:
+    """Each mixture source's documents, read before anything is written (a prepared source's card is checked)."""
+    corpora = []
+    for source in sources:
+        if source.dataset_dir:
+            try:
+                datasets.read_card(source.dataset_dir)
+            except DataError as e:
+                raise DataError(f"{source.origin}: {e}") from None
+            corpora.append(SourceDocuments(source, [], []))
+        else:
+            corpora.append(SourceDocuments(source, *read_corpora(args, source)))
+    return corpora
 
 
 def warn_if_training_files(validation_files, train_files) -> None:
@@ -190,8 +232,8 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
     origin = "trained"
     if args.tokenizer_name:
         tok, origin = load_tokenizer(args.tokenizer_name), "given"
-    elif args.dataset_dir:
-        tok, origin = load_tokenizer(storage.path(args.dataset_dir) / datasets.TOKENIZER_DIR), "given"
+    elif dataset_dir := args.dataset_dir or next((s.dataset_dir for s in ctx.sources if s.dataset_dir), None):
+        tok, origin = load_tokenizer(storage.path(dataset_dir) / datasets.TOKENIZER_DIR), "given"
     elif args.model_name_or_path and (storage.path(args.model_name_or_path) / "tokenizer.json").exists():
         tok, origin = load_tokenizer(args.model_name_or_path), "model"
     elif (out / "tokenizer.json").exists():
@@ -216,45 +258,85 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
 def setup_data(ctx: RunContext, train_docs, val_docs) -> None:
     args = ctx.args
     ctx.objective = ctx.family.build_objective(args, ctx.config, ctx.tokenizer)
+    if args.dataset_dir:  # prepared by python -m spmdlm.prepare: checked against this run's tokenizer and lengths
+        finish_data(ctx, *open_prepared(ctx, args.dataset_dir))
+        return
+    train = tokenize(ctx, train_docs, "train") if args.training else None
+    finish_data(ctx, train, tokenize_validation(ctx, val_docs, bool(args.validation_file)))
+
+
+def setup_mixture_data(ctx: RunContext, corpora: list[SourceDocuments]) -> None:
+    """Each source tokenized (or opened) on its own: its own cache entry or dataset, shared by every mixture."""
+    args = ctx.args
+    ctx.objective = ctx.family.build_objective(args, ctx.config, ctx.tokenizer)
+    train, validation = [], {}
+    for corpus in corpora:
+        source = corpus.source
+        if source.dataset_dir:
+            source_train, held_out = open_prepared(ctx, source.dataset_dir)
+        else:
+            source_train = tokenize(ctx, corpus.train, "train") if args.training else None
+            held_out = tokenize_validation(ctx, corpus.validation, bool(source.validation_file), source.name)
+        train.append(cap_train_samples(args, source_train))
+        if held_out is not None:
+            validation[source.name] = held_out
+    mixed = mixture.MixedSplit(ctx.sources, tuple(train)) if args.training else None
+    finish_data(ctx, mixed, None, validation)
+
+
+def open_prepared(ctx: RunContext, dataset_dir: str):
+    """(train, validation) of a dataset prepared by python -m spmdlm.prepare, checked against this run's tokenizer
+    and lengths; each only when the run trains or evaluates."""
+    train, validation, _ = datasets.open_dataset(dataset_dir, tokenizer=ctx.tokenizer,
+                                                record_length=ctx.objective.record_length,
+                                                mode=ctx.objective.preparation)
+    return train if ctx.args.training else None, validation if ctx.args.evaluating else None
+
+
+def tokenize(ctx: RunContext, docs, name: str) -> records.PreparedSplit:
+    """Documents into the token cache (keyed by their content): process 0 writes it, the others then read it."""
+    args = ctx.args
     ids = special_token_ids(ctx.tokenizer, ctx.family)
     cache = storage.path(args.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
-    mode = ctx.objective.preparation
-    if args.dataset_dir:  # prepared by python -m spmdlm.prepare: checked against this run's tokenizer and lengths
-        train, validation, _ = datasets.open_dataset(args.dataset_dir, tokenizer=ctx.tokenizer,
-                                                    record_length=ctx.objective.record_length, mode=mode)
-        finish_data(ctx, train if args.training else None, validation if args.evaluating else None)
-        return
     common = dict(record_length=ctx.objective.record_length, separator_id=ids["eos"], cache_dir=cache,
-                  overwrite_cache=args.overwrite_cache, mode=mode, pad_id=ids.get("pad"),
-                  workers=args.preprocessing_num_workers or 1)
-
-    def prepare(docs, name):
-        split = token_cache.prepare_split(docs, ctx.tokenizer, name=name, **common) if is_main() else None
-        if jax.process_count() > 1:  # the others wait for process 0's file, then read the same cache
-            multihost_utils.sync_global_devices(f"prepared {name}")
-            if not is_main():
-                split = token_cache.prepare_split(docs, ctx.tokenizer, name=name,
-                                                  **{**common, "overwrite_cache": False})
-        return split
-
-    train = prepare(train_docs, "train") if args.training else None
-    validation = None
-    if val_docs and args.evaluating:
-        try:
-            validation = prepare(val_docs, "validation")
-        except DataError as e:
-            if args.validation_file:
-                raise
-            log.warning("no evaluation: the held-out %.1f%% of the documents is too small (%s); raise "
-                        "--validation_split_percentage or pass --validation_file", args.validation_split_percentage, e)
-    finish_data(ctx, train, validation)
+                  mode=ctx.objective.preparation, pad_id=ids.get("pad"), workers=args.preprocessing_num_workers or 1)
+    split = token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=args.overwrite_cache,
+                                      **common) if is_main() else None
+    if jax.process_count() > 1:  # the others wait for process 0's file, then read the same cache
+        multihost_utils.sync_global_devices(f"prepared {name}")
+        if not is_main():
+            split = token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=False, **common)
+    return split
 
 
-def finish_data(ctx: RunContext, train, validation) -> None:
+def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None = None):
+    """The held-out documents tokenized, or None: not evaluating, none held out, or a hash split too small for one
+    example (a warning; a given validation file that small is an error)."""
     args = ctx.args
+    if not docs or not args.evaluating:
+        return None
+    try:
+        return tokenize(ctx, docs, "validation")
+    except DataError as e:
+        if given:
+            raise
+        of, fix = (f" of source {source}", "give it a validation_file") if source else ("", "pass --validation_file")
+        log.warning("no evaluation%s: the held-out %.1f%% of the documents is too small (%s); raise "
+                    "--validation_split_percentage or %s", of, args.validation_split_percentage, e, fix)
+        return None
+
+
+def cap_train_samples(args: RunArgs, train):
+    """--max_train_samples: the first records of a split (of each source's, in a mixture)."""
     if train is not None and args.max_train_samples:
-        train = dataclasses.replace(train, num_records=min(train.num_records, args.max_train_samples))
-    ctx.data = Data(train, validation)
+        return dataclasses.replace(train, num_records=min(train.num_records, args.max_train_samples))
+    return train
+
+
+def finish_data(ctx: RunContext, train, validation, source_validation=None) -> None:
+    args = ctx.args
+    train = train if isinstance(train, mixture.MixedSplit) else cap_train_samples(args, train)
+    ctx.data = Data(train, validation, source_validation or {})
     if train is not None:
         ctx.schedule = pipeline.make_schedule(train.num_records, ctx.global_batch, args.num_train_epochs,
                                               args.max_steps)
