@@ -7,8 +7,8 @@ For each objective and sequence length, a token file of `--records` synthetic re
 document separator every ~300 tokens, BART's sentence-end flag on ~1 token in 15) is written with the real writer
 (spmdlm.data.records.RecordShards), then, alternately for `--seconds` each:
 - `iterator`: `spmdlm.data.pipeline.train_batches` (the training iterator: shuffled order, this host's rows, the
-  objective, host numpy batches), with Grain's `num_threads` of `--threads` (1: the default,
-  pipeline.DEFAULT_READ_OPTIONS; 0: synchronous);
+  objective, host numpy batches), with Grain's `num_threads` of `--threads` (the training default is the
+  objective's own, pipeline.read_options_for: 1, BART 0; 0: synchronous);
 - `limit`: the same file read as a plain `np.memmap`, a batch of shuffled record indices gathered per step: what
   reading the tokens costs at all.
 tokens/s count model input tokens (batch × the objective's input length). The load average is sampled after each

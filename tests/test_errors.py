@@ -100,6 +100,12 @@ def test_resuming_with_other_settings_is_refused(capsys, tmp_path, tiny_gpt2_con
 
     assert export_main(["--checkpoint", str(out), "--out", str(tmp_path / "export")]) == 2
     assert "format 1 (spmdlm 0.1" in capsys.readouterr().err and not (tmp_path / "export").exists()
+    # a run of the per-example data pipeline (no data_format): its data position cannot be restored, so no resume
+    (out / "run_config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "data_format"}))
+    assert main(common) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "earlier data pipeline (format 1" in err[0] and "--model_name_or_path" in err[0]
+    assert sorted(p.name for p in out.rglob("*")) == before
     (out / "run_config.json").write_text(json.dumps(saved))
     (out / "run_config.json").rename(tmp_path / "moved.json")  # checkpoints that cannot be checked: never deleted
     assert main(common) == 2

@@ -28,10 +28,15 @@ from spmdlm.data.records import PreparedSplit, TokenRecords
 from spmdlm.errors import DataError
 from spmdlm.mesh import batch_sharding
 
-# One prefetch thread, a few batches ahead: measured on 2 cores (benchmarks/bench_read.py), it doubles CLM and MLM
-# (the gather and numpy release the GIL) and costs T5 and BART nothing; Grain's default 16 threads and 500 elements
-# cost more per batch than they save. Batches are read in order either way.
-DEFAULT_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
+# The objective's prefetch threads (`Objective.read_threads`), a few batches ahead each: measured on 2 cores
+# (benchmarks/bench_read.py), one thread doubles CLM and MLM (the gather and numpy release the GIL) and slows BART's
+# GIL-bound denoising; Grain's default 16 threads and 500 elements cost more per batch than they save. Batches are
+# read in order either way.
+def read_options_for(objective: Objective) -> grain.ReadOptions:
+    return grain.ReadOptions(num_threads=objective.read_threads, prefetch_buffer_size=4 * objective.read_threads)
+# What a checkpointed iterator's position counts (run_config.json "data_format"): 1 = examples (spmdlm 0.2),
+# 2 = host batches (HostBatches, MixtureBatches). A resume across formats is refused (train/outputs.py).
+DATA_FORMAT = 2
 
 
 class EpochOrder:
@@ -138,7 +143,7 @@ def train_batches(split: PreparedSplit | MixedSplit, objective: Objective, *, se
     """An iterator (checkpointable with Grain) of this process's part of each global training batch, of one corpus
     or of a mixture's sources.
 
-    In order: Grain's thread prefetch (`read_options`, default DEFAULT_READ_OPTIONS) keeps the order, so the
+    In order: Grain's thread prefetch (`read_options`, default `read_options_for(objective)`) keeps the order, so the
     batches are the same either way; `mp_prefetch` would not. A split of several shard files is read as one sequence: every host opens
     all shards and reads only its rows.
     """
@@ -146,7 +151,7 @@ def train_batches(split: PreparedSplit | MixedSplit, objective: Objective, *, se
     source = source_class(split, seed=seed, global_batch=global_batch, num_epochs=num_epochs,
                           process_index=process_index, process_count=process_count)
     ds = grain.MapDataset.source(source).map(_ApplyObjective(objective, seed))
-    return iter(ds.to_iter_dataset(read_options or DEFAULT_READ_OPTIONS))
+    return iter(ds.to_iter_dataset(read_options or read_options_for(objective)))
 
 
 def eval_batches(split: PreparedSplit, objective: Objective, *, seed: int, global_batch: int,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdlm import checkpoint, storage
+from spmdlm.data import pipeline
 from spmdlm.data.datasets import tokenizer_hash
 from spmdlm.data.mixture import describe_change
 from spmdlm.data.tokenizer import save_tokenizer
@@ -75,6 +76,7 @@ def check_output_dir(ctx: RunContext) -> str:
                        "against this run; restore the file, choose another --output_dir, or --overwrite_output_dir")
     if has_checkpoints:
         checkpoint.check_format(saved, out)
+        check_data_format(saved, out)
         keys, current = COMMON_RESUME_KEYS + ctx.family.resume_keys, args.to_json()
         if ctx.sources or saved.get("mixture"):
             keys = tuple(k for k in keys if k not in MIXTURE_KEYS)
@@ -152,12 +154,25 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
     ctx.out.mkdir(parents=True, exist_ok=True)
 
 
+def check_data_format(saved: dict, out) -> None:
+    """A checkpointed data iterator counts the pipeline's elements: examples before DATA_FORMAT 2, host batches
+    since. Restored into the other pipeline it would sit at the wrong place, so such a run is refused, not resumed."""
+    found = saved.get("data_format", 1)
+    if found != pipeline.DATA_FORMAT:
+        raise RunError(f"--output_dir {out} holds checkpoints of an earlier data pipeline (format {found}: one "
+                       f"example per element; this version reads batches, format {pipeline.DATA_FORMAT}), whose data "
+                       "position cannot be restored here; resume it with the spmdlm version that started it, or "
+                       "continue from its weights (python -m spmdlm.export, then --model_name_or_path OUTPUT_DIR/hf "
+                       "in a new --output_dir)")
+
+
 def write_run_files(ctx: RunContext) -> dict[str, Any]:
     """The tokenizer (unless one is there: a later export finds it beside the checkpoints) and run_config.json:
     written once the run is known to fit."""
     run_config = {**ctx.args.to_json(), "attention_implementation": ctx.attention, "global_batch": ctx.global_batch,
                   "model_config": ctx.config.to_hf_dict(),
                   "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT,
+                  "data_format": pipeline.DATA_FORMAT,
                   "mixture": mixture_record(ctx), "fingerprints": fingerprints(ctx)}
     if is_main():
         if not (ctx.out / "tokenizer.json").exists():

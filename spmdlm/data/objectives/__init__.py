@@ -65,6 +65,9 @@ class Objective:
     label_capacity: ClassVar[int | None] = None
     # Label ids the reported loss and accuracy leave out (BART's special tokens, as the HF script counts); trained on.
     unscored_label_ids: ClassVar[tuple[int, ...]] = ()
+    # Grain prefetch threads of its training iterator (spmdlm.data.pipeline): one pays where the batch's numpy work
+    # releases the GIL (gathers, whole-batch arrays); none where it is many small calls that hold it
+    read_threads: ClassVar[int] = 1
     record_length: int  # tokens per prepared record
 
     def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:

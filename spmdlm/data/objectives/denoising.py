@@ -63,6 +63,7 @@ def _ceil(x: float) -> int:
 @dataclasses.dataclass(frozen=True)
 class Denoising(Framed):
     FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, MASK_RATIO, POISSON_LAMBDA, PERMUTE_SENTENCE_RATIO)
+    read_threads = 0  # per-row Poisson draws are small GIL-holding calls: a prefetch thread only contends (bench_read)
     max_seq_length: int
     bos_id: int
     eos_id: int
