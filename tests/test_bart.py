@@ -42,14 +42,14 @@ def test_export_reconstructs_a_masked_sentence(tmp_path, cache_dir):
     denoising_corpus(corpus)
     assert main(["--config_name", str(config), "--train_file", str(corpus),  # no --model_type: the config says bart
                  "--output_dir", str(out), "--cache_dir", str(cache_dir), "--max_seq_length", "16",
-                 "--mesh", "data=8", "--per_device_train_batch_size", "8", "--max_steps", "1000",
+                 "--mesh", "data=8", "--per_device_train_batch_size", "8", "--max_steps", "1500",
                  "--learning_rate", "2e-3", "--warmup_steps", "50", "--lr_scheduler_type", "constant",
-                 "--logging_steps", "200", "--eval_steps", "1000", "--max_eval_samples", "256", "--save_steps",
+                 "--logging_steps", "200", "--eval_steps", "1500", "--max_eval_samples", "256", "--save_steps",
                  "5000", "--seed", "2",
                  # 5% masked, not BART's 30%, and 64 per batch: the model must discover copying, a sudden
-                 # transition whose timing at 30% (or 15%) and 32 per batch depended on the data order — some seeds
-                 # had it by step 1000, others not by 1800; so it comes by step ~700 for the seeds tried (the
-                 # infilling itself is tested in test_denoising_objective.py)
+                 # transition whose timing at 30% (or 15%) and 32 per batch depended on the data order (some seeds
+                 # had it by step 1000, others not by 1800); now it comes by step ~700 for the seeds tried, and
+                 # ~1300 on jax 0.12, whose rounding differs. The infilling itself: test_denoising_objective.py.
                  "--mask_ratio", "0.05"]) == 0
     evals = [m for m in read_metrics(out) if "eval_loss" in m]
     print("bart eval loss", [round(m["eval_loss"], 3) for m in evals], "accuracy",
