@@ -61,10 +61,18 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 
 
 def make_manager(output_dir: str | Path, *, save_interval_steps: int = 1, max_to_keep: int | None = None,
-                 async_save: bool = True, read_only: bool = False) -> ocp.CheckpointManager:
+                 keep_every_n_steps: int | None = None, async_save: bool = True,
+                 read_only: bool = False) -> ocp.CheckpointManager:
+    """`max_to_keep`: the latest checkpoints kept (None: all); `keep_every_n_steps`: those of steps that are
+    multiples of N are kept besides, forever (orbax's preservation policies)."""
+    retention = {"max_to_keep": max_to_keep}
+    if keep_every_n_steps:
+        policies = ocp.checkpoint_managers
+        retention = {"preservation_policy": policies.AnyPreservationPolicy(
+            [policies.LatestN(n=max_to_keep), policies.EveryNSteps(interval_steps=keep_every_n_steps)])}
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
-        enable_async_checkpointing=async_save, read_only=read_only, create=not read_only,
+        save_interval_steps=save_interval_steps, enable_async_checkpointing=async_save, read_only=read_only,
+        create=not read_only, **retention,
     )
     return ocp.CheckpointManager(
         checkpoint_dir(output_dir), options=options, item_names=ITEMS,

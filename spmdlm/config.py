@@ -32,6 +32,12 @@ from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
 REMAT_CHOICES = ("none", "dots", "full")
 DEFAULT_MODEL_TYPE = "gpt2"  # the family of a run that names none (and of the embedded quick start)
 SEED_MAX = 2**32 - 1  # --seed: Grain's shuffle and random_map take an unsigned 32-bit seed
+# --optim and --lr_scheduler_type (built in spmdlm/train/optim.py; docs/optimizers.md)
+OPTIMIZERS = ("adamw", "adafactor", "lion", "muon", "schedule_free_adamw")
+LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "wsd")
+DECAYING_SCHEDULES = ("linear", "cosine", "inverse_sqrt", "wsd")  # those --min_lr_ratio applies to
+WSD_DECAY_RATIO = 0.1  # wsd without --decay_steps or --decay_ratio: the last 10% of the steps decay
+OPTIMIZER_FLAGS = frozenset({"optim", "adafactor"})  # two spellings of one choice
 
 
 
@@ -99,20 +105,40 @@ class RunArgs:
     eval_steps: int | None = _field(None, "evaluate every N steps (default: --logging_steps)")
     save_steps: int = _field(500, "checkpoint every N steps")
     save_total_limit: int | None = _field(None, "keep at most N checkpoints")
+    save_every_minutes: float = _field(0.0, "also checkpoint when this many minutes passed since the last save "
+                                       "(0 = off); the step cadence of --save_steps holds besides")
+    keep_every_n_steps: int | None = _field(None, "keep the checkpoints of steps that are multiples of N forever, "
+                                            "whatever --save_total_limit removes")
+    skip_step_on_spike: float = _field(0.0, "skip the update of a step whose loss or gradient norm is more than Z "
+                                       "standard deviations above its running window (0 = off; decided inside the "
+                                       "jitted step)")
+    spike_window: int = _field(100, "steps of the running window --skip_step_on_spike measures against")
+    max_consecutive_skips: int = _field(5, "stop as a divergence (exit 3) after this many skipped steps in a row")
     sample_prompts: str | None = _field(None, "prompts separated by | whose continuations (greedy and one sampled; "
                                         "RoBERTa: fill-mask of texts with <mask>) are logged while training")
     sample_every: int | None = _field(None, "log samples every N steps (default: --eval_steps)")
     seed: int = _field(42, "seed for init, shuffling, objectives and dropout")
     # -- optimisation --------------------------------------------------------------------------------------------
     learning_rate: float = _field(5e-5, "peak learning rate")
-    weight_decay: float = _field(0.0, "decoupled weight decay (not on biases and norm scales)")
-    adam_beta1: float = _field(0.9, "AdamW beta1")
-    adam_beta2: float = _field(0.999, "AdamW beta2")
-    adam_epsilon: float = _field(1e-8, "AdamW epsilon")
-    adafactor: bool = _field(False, "Adafactor (factored second moments) instead of AdamW")
+    weight_decay: float = _field(0.0, "decoupled weight decay, scaled by the learning rate (not on biases and norm "
+                                 "scales; with --optim muon only on Muon's matrices)")
+    optim: str | None = _field(None, f"the optimizer: {', '.join(OPTIMIZERS)} (docs/optimizers.md; default: "
+                               "adafactor with --adafactor, else adamw)")
+    adam_beta1: float = _field(0.9, "AdamW beta1; also Lion's b1, Muon's AdamW part's and schedule-free's "
+                               "interpolation weight")
+    adam_beta2: float = _field(0.999, "AdamW beta2; also Lion's b2 (0.99 in its paper), Muon's AdamW part's and "
+                               "schedule-free's")
+    adam_epsilon: float = _field(1e-8, "AdamW epsilon (not Lion's: it has none)")
+    adafactor: bool = _field(False, "= --optim adafactor (Adafactor: factored second moments), the HF scripts' flag")
     max_grad_norm: float = _field(1.0, "clip gradients to this global norm; 0 = off")
     warmup_steps: int = _field(0, "linear warmup steps")
-    lr_scheduler_type: str = _field("linear", "linear | cosine | constant")
+    lr_scheduler_type: str = _field("linear", f"the learning rate after warmup: {' | '.join(LR_SCHEDULERS)} "
+                                    "(docs/optimizers.md)")
+    min_lr_ratio: float = _field(0.0, "the floor of a decaying schedule (linear, cosine, inverse_sqrt, wsd), a "
+                                 "fraction of --learning_rate")
+    decay_steps: int | None = _field(None, "wsd: the steps of the final decay (default: --decay_ratio of the steps)")
+    decay_ratio: float | None = _field(None, f"wsd: the fraction of the steps spent decaying (default: "
+                                       f"{WSD_DECAY_RATIO})")
     remat: str = _field("dots", "what each layer keeps for its backward pass: dots = its weight matmuls' outputs, the "
                         "rest recomputed (less memory than none, and faster through the layer scan); none = "
                         "everything; full = its input only (least memory, a third more compute)")
@@ -136,9 +162,18 @@ class RunArgs:
     dcn_mesh: str | None = _field(None, "multi-slice: the mesh across slices, e.g. data=2 (outside data/fsdp)")
     # -- output --------------------------------------------------------------------------------------------------
     export_hf: bool = _field(True, "export to OUTPUT_DIR/hf in transformers format at the end")
-    push_to_hub: bool = _field(False, "upload to the Hugging Face Hub (needs network)")
-    hub_model_id: str | None = _field(None, "Hub repository name")
-    hub_token: str | None = _field(None, "Hub token")
+    report_to: str = _field("tensorboard", "where metrics go besides metrics.jsonl, comma-separated: tensorboard, "
+                            "wandb, mlflow, or none (wandb and mlflow: pip install -e '.[wandb]' / '.[mlflow]')")
+    run_name: str | None = _field(None, "the run's name in the trackers (default: the output dir's name)")
+    push_to_hub: bool = _field(False, "upload the export to the Hugging Face Hub (or HF_ENDPOINT) from process 0")
+    hub_model_id: str | None = _field(None, "Hub repository, user/name or name (default: the output dir's name)")
+    hub_token: str | None = _field(None, "Hub token (default: HF_TOKEN or the cached huggingface-cli login)")
+    hub_private_repo: bool = _field(False, "create the Hub repository private")
+    hub_strategy: str = _field("end", "when to upload: end (the export, once), every_save (the export at each "
+                               "checkpoint too), checkpoint (also the latest checkpoint, under last-checkpoint/)")
+    card_license: str | None = _field(None, "the model card's license (an SPDX-like Hub id, e.g. apache-2.0)")
+    card_tags: str | None = _field(None, "extra model card tags, comma-separated")
+    card_datasets: str | None = _field(None, "the model card's datasets (Hub dataset names), comma-separated")
     # accepted for command-line compatibility with the HF scripts; they change nothing here
     use_fast_tokenizer: bool = _field(True, "accepted for compatibility (tokenizers are always fast)")
     keep_linebreaks: bool = _field(True, "accepted for compatibility (where documents end: --text_documents)")
@@ -327,7 +362,9 @@ def parse_args(argv: list[str] | None, choices: FamilyChoices) -> tuple[RunArgs,
     args = RunArgs(**{k: v for k, v in given.items() if k in fields}, objective=objective)
     if args.uses_embedded_corpus:
         defaults = quickstart(choices, args.model_type or DEFAULT_MODEL_TYPE)
-        args = args.replace(**{k: v for k, v in defaults.items() if k not in given})
+        # --optim and --adafactor are one choice: either given replaces the quick start's (T5's adafactor)
+        taken = set(given) | (OPTIMIZER_FLAGS if OPTIMIZER_FLAGS & set(given) else set())
+        args = args.replace(**{k: v for k, v in defaults.items() if k not in taken})
     return validate(args, choices), set(given)
 
 
@@ -383,9 +420,9 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
             raise ArgumentError(f"--{name} must be {what}, got {value}")
     if args.warmup_steps < 0:
         raise ArgumentError(f"--warmup_steps must be 0 or more, got {args.warmup_steps}")
-    if args.lr_scheduler_type not in ("linear", "cosine", "constant"):
-        raise ArgumentError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not supported; "
-                            "use linear, cosine or constant")
+    args = check_optimizer(args)
+    check_schedule(args)
+    check_around_the_run(args)
     check_objective_flags(args.objective, choices.objective_flags)
     if not 0 <= args.validation_split_percentage < 100:
         raise ArgumentError("--validation_split_percentage must be in [0, 100)")
@@ -398,9 +435,83 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
     return args
 
 
+def check_optimizer(args: RunArgs) -> RunArgs:
+    """--optim resolved (--adafactor is its old spelling) and its betas checked."""
+    if args.optim is None:
+        args = args.replace(optim="adafactor" if args.adafactor else "adamw")
+    elif args.optim not in OPTIMIZERS:
+        raise ArgumentError(f"--optim {args.optim!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
+    elif args.adafactor and args.optim != "adafactor":
+        raise ArgumentError(f"--adafactor means --optim adafactor, not --optim {args.optim}; give one of them")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise ArgumentError(f"--{name} must be in [0, 1), got {getattr(args, name)}")
+    if args.optim == "schedule_free_adamw" and args.adam_beta1 == 0:
+        raise ArgumentError("--optim schedule_free_adamw needs --adam_beta1 above 0 (its weight between the "
+                            "iterate and its average)")
+    # run_config.json's `adafactor` stays what it always meant: resuming compares it (train/outputs.py)
+    return args.replace(adafactor=args.optim == "adafactor")
+
+
+def check_schedule(args: RunArgs) -> None:
+    """--lr_scheduler_type, and the flags only some schedules take."""
+    if args.lr_scheduler_type not in LR_SCHEDULERS:
+        raise ArgumentError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not supported; use one of "
+                            f"{', '.join(LR_SCHEDULERS)}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise ArgumentError(f"--min_lr_ratio must be between 0 and 1 (a fraction of --learning_rate), got "
+                            f"{args.min_lr_ratio}")
+    if args.min_lr_ratio and args.lr_scheduler_type not in DECAYING_SCHEDULES:
+        raise ArgumentError(f"--min_lr_ratio applies to the decaying schedules ({', '.join(DECAYING_SCHEDULES)}), "
+                            f"not --lr_scheduler_type {args.lr_scheduler_type}; leave it out")
+    for name in ("decay_steps", "decay_ratio"):
+        if getattr(args, name) is not None and args.lr_scheduler_type != "wsd":
+            raise ArgumentError(f"--{name} applies to --lr_scheduler_type wsd only; leave it out or give "
+                                "--lr_scheduler_type wsd")
+    if args.decay_steps is not None and args.decay_ratio is not None:
+        raise ArgumentError("give one of --decay_steps and --decay_ratio")
+    if args.decay_steps is not None and args.decay_steps < 1:
+        raise ArgumentError(f"--decay_steps must be at least 1, got {args.decay_steps}")
+    if args.decay_ratio is not None and not 0 < args.decay_ratio <= 1:
+        raise ArgumentError(f"--decay_ratio must be above 0 and at most 1, got {args.decay_ratio}")
+    if args.decay_steps and 0 < args.max_steps < args.warmup_steps + args.decay_steps:
+        raise ArgumentError(f"--warmup_steps {args.warmup_steps} and --decay_steps {args.decay_steps} exceed "
+                            f"--max_steps {args.max_steps}; give fewer decay steps (or --decay_ratio)")
+
+
 def check_objective_flags(values: Mapping[str, Any], flags: tuple[Flag, ...]) -> None:
     """Each given objective flag's own rule (e.g. a probability between 0 and 1)."""
     for flag in flags:
         value = values.get(flag.name, flag.default)
         if value is not None and not flag.check(value):
             raise ArgumentError(f"--{flag.name} {flag.rule}, got {value}")
+
+
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
+HUB_STRATEGIES = ("end", "every_save", "checkpoint")
+
+
+def report_targets(args: RunArgs) -> tuple[str, ...]:
+    """The trackers of --report_to (none: only metrics.jsonl)."""
+    return tuple(t for t in (part.strip() for part in args.report_to.split(",")) if t and t != "none")
+
+
+def check_around_the_run(args: RunArgs) -> None:
+    """Trackers, the Hub, loss spikes and checkpoint cadence."""
+    unknown = [t for t in (part.strip() for part in args.report_to.split(",")) if t not in REPORT_TO]
+    if unknown:
+        raise ArgumentError(f"--report_to {args.report_to!r}: {', '.join(unknown)} is not one of "
+                            f"{', '.join(REPORT_TO)}")
+    if args.hub_strategy not in HUB_STRATEGIES:
+        raise ArgumentError(f"--hub_strategy {args.hub_strategy!r}: use one of {', '.join(HUB_STRATEGIES)}")
+    if args.skip_step_on_spike < 0:
+        raise ArgumentError(f"--skip_step_on_spike must be 0 (off) or a positive number of standard deviations, got "
+                            f"{args.skip_step_on_spike}")
+    if args.spike_window < 2:
+        raise ArgumentError(f"--spike_window must be at least 2 steps, got {args.spike_window}")
+    if args.max_consecutive_skips < 1:
+        raise ArgumentError(f"--max_consecutive_skips must be at least 1, got {args.max_consecutive_skips}")
+    if args.save_every_minutes < 0:
+        raise ArgumentError(f"--save_every_minutes must be 0 (off) or positive, got {args.save_every_minutes}")
+    if args.keep_every_n_steps is not None and args.keep_every_n_steps < 1:
+        raise ArgumentError(f"--keep_every_n_steps must be at least 1, got {args.keep_every_n_steps}")

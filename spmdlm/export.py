@@ -109,7 +109,7 @@ def hf_tensors(model: nnx.Module, release: bool = False) -> Iterator[tuple[str, 
 MARKER = "spmdlm_export.json"  # written last: an export directory without it is incomplete
 EXPORT_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                           "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                          "spiece.model", MARKER})
+                          "spiece.model", "README.md", MARKER})  # README.md: the model card (train/publish.py)
 
 
 def export_complete(out) -> bool:

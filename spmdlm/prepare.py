@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         card = prepare_dataset(
             corpus, tokenizer, args.out, family=family, objective=applicable,
             record_length=objective.record_length, mode=objective.preparation,
-            separator_id=ids["eos"], pad_id=ids.get("pad"), validation_percentage=args.validation_percentage,
-            workers=args.workers, shard_bytes=args.shard_size, overwrite=args.overwrite,
-            model_max_length=args.model_max_length or config.max_length)
+            separator_id=ids["eos"], pad_id=ids.get("pad"), bos_id=ids.get("bos"),
+            validation_percentage=args.validation_percentage, workers=args.workers, shard_bytes=args.shard_size,
+            overwrite=args.overwrite, model_max_length=args.model_max_length or config.max_length)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

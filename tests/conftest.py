@@ -39,6 +39,19 @@ def tiny_gpt2_config(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_configs(tmp_path_factory) -> dict[str, Path]:
+    """Each family's tiny config (family_fixtures.py) as a JSON file, by family."""
+    from family_fixtures import FIXTURES
+
+    folder = tmp_path_factory.mktemp("family-configs")
+    paths = {}
+    for family, fixture in FIXTURES.items():
+        paths[family] = folder / f"{family}.json"
+        paths[family].write_text(json.dumps(fixture.tiny_config))
+    return paths
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -191,16 +191,6 @@ def test_every_preset_builds_abstractly(family, preset):
 
 
 # -- short runs through the launcher -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_configs(tmp_path_factory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("family-configs")
-    paths = {}
-    for family, fixture in FIXTURES.items():
-        paths[family] = folder / f"{family}.json"
-        paths[family].write_text(json.dumps(fixture.tiny_config))
-    return paths
-
-
 def launch(family: str, out: Path, config: Path, cache_dir: Path, *extra: str) -> int:
     return main([
         "--model_type", family, "--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", str(out),
@@ -259,9 +249,21 @@ def test_same_losses_on_a_sharded_mesh(family, tiny_configs):
 
 # Every family through the launcher: each objective's random choices (MLM masking, CLM chunking, T5 spans, BART
 # permutation and infilling) must come back from the checkpointed iterator position exactly.
+# Packed rows (docs/packing.md): RoBERTa packs its lines, the stream families isolate their documents.
+PACKED = {"gpt2": {"document_attention": "isolated"}, "roberta": {"line_by_line": True, "packing": True},
+          "t5": {"document_attention": "isolated"}, "bart": {"document_attention": "isolated"}}
+
+
+def flags_of(values: dict) -> tuple[str, ...]:
+    return tuple(arg for name, value in values.items()
+                 for arg in ((f"--{name}",) if value is True else (f"--{name}", str(value))))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["joined", "packed"])
 @pytest.mark.parametrize("family", FIXTURES)
-def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, monkeypatch):
-    args = ("--mesh", "data=2,fsdp=4", "--max_steps", "6", "--save_steps", "3", "--do_train")
+def test_resume_continues_exactly(family, packed, tmp_path, tiny_configs, cache_dir, monkeypatch):
+    args = ("--mesh", "data=2,fsdp=4", "--max_steps", "6", "--save_steps", "3", "--do_train",
+            *(flags_of(PACKED[family]) if packed else ()))
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
     assert launch(family, whole, tiny_configs[family], cache_dir, *args) == 0
     run_killed_after_first_checkpoint(
@@ -273,6 +275,8 @@ def test_resume_continues_exactly(family, tmp_path, tiny_configs, cache_dir, mon
     assert restored[0].keys() == restored[1].keys()
     for name in restored[0]:
         np.testing.assert_array_equal(restored[0][name], restored[1][name], err_msg=name)
+    objective = json.loads((interrupted / "run_config.json").read_text())["objective"]
+    assert all(objective[name] == value for name, value in PACKED[family].items()) == packed  # recorded
 
 
 @pytest.mark.parametrize("family", FIXTURES)

@@ -251,7 +251,7 @@ def test_a_non_dataset_out_dir_and_objective_flags_of_another_model_are_refused(
     assert prepare(tmp_path / "mine", tokenizers, corpus) == 2
     assert "holds no prepared dataset; choose a new or empty --out" in capsys.readouterr().err
     assert prepare(tmp_path / "x", tokenizers, corpus, length=("--max_seq_length", "32")) == 2
-    assert capsys.readouterr().err == "error: --max_seq_length does not apply to gpt2; its flags: --block_size\n"
+    assert capsys.readouterr().err == "error: --max_seq_length does not apply to gpt2; its flags: --block_size, --document_attention\n"
 
 
 def test_parquet_input(corpus, tokenizers, tmp_path):

@@ -22,6 +22,10 @@ OBJECTIVES = {
     "mlm": MaskedLM(18, vocab_size=300, **FRAMED),
     "t5": SpanCorruption(16, tuple(range(299, 199, -1)), 2),
     "bart": Denoising(18, decoder_start_id=2, **FRAMED),
+    # documents isolated in segments (docs/packing.md): the segment fields come from the same (seed, index)
+    "clm-isolated": CausalLM(16, eos_id=2, document_attention="isolated"),
+    "t5-isolated": SpanCorruption(16, tuple(range(299, 199, -1)), 2, document_attention="isolated"),
+    "bart-isolated": Denoising(18, decoder_start_id=2, document_attention="isolated", **FRAMED),
 }
 
 
@@ -63,12 +67,12 @@ def test_a_batch_is_its_rows_computed_one_by_one(tmp_path, name):
         one = objective(record, example_rng(11, index))
         for field in batch:
             np.testing.assert_array_equal(batch[field][row], one[field], err_msg=f"{field} of row {row}")
-    if name != "clm":  # the randomness is the example's, not the batch position's
+    if not name.startswith("clm"):  # the randomness is the example's, not the batch position's
         again = objective.batch(rows[::-1], 11, indices[::-1])
         np.testing.assert_array_equal(again["input_ids"][::-1], batch["input_ids"])
 
 
-@pytest.mark.parametrize("name", ["mlm", "t5", "bart"])
+@pytest.mark.parametrize("name", ["mlm", "t5", "bart", "clm-isolated", "t5-isolated", "bart-isolated"])
 def test_hosts_read_their_rows_of_the_same_global_batches(tmp_path, name):
     objective = OBJECTIVES[name]
     split, _ = token_split(tmp_path, objective, n_records=40, records_per_shard=7)

@@ -57,6 +57,9 @@ def test_run_outputs(tmp_path, tiny_gpt2_config, cache_dir):
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics if "loss" in m] == [3, 6]
     assert all(m["tokens_per_second"] > 0 for m in metrics if "loss" in m)
+    # GPT-2's blocks of the joined stream have no padding: every token slot is a real token
+    assert all(m["real_tokens_per_second"] == pytest.approx(m["tokens_per_second"]) and m["padding_fraction"] == 0
+               for m in metrics if "loss" in m)
 
 
 def test_gradient_accumulation_matches_a_bigger_batch(tmp_path, tiny_gpt2_config, cache_dir):

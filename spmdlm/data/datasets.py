@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from spmdlm import storage
+from spmdlm.data.objectives import DOCUMENT_ATTENTION
 from spmdlm.data.readers import Corpus, ReadStats
 from spmdlm.data.records import (TOKENS_SUFFIX, Cut, PreparedSplit, RecordShards, default_workers, file_sha256,
                                  no_space, progress_bar, remove_stale_temps, token_file_problem, tokenize_into)
@@ -115,6 +116,14 @@ def _local_shard(folder, remote, shard: dict) -> Path:
     return local
 
 
+def _prepared_for(folder, card: dict) -> str:
+    """What a dataset was prepared for, in words: its family and the objective flags it was given (not those off,
+    nor the default --document_attention, which every card has)."""
+    unsaid = lambda k, v: v in (None, False) or (k == DOCUMENT_ATTENTION.name and v == DOCUMENT_ATTENTION.default)
+    flags = " ".join(f"--{k} {v}" for k, v in (card.get("objective") or {}).items() if not unsaid(k, v))
+    return f"--dataset_dir {folder} was prepared for {card.get('for_model')} {flags}".rstrip()
+
+
 def open_dataset(dataset_dir: str | os.PathLike, *, tokenizer, record_length: int, mode: str,
                  verify: bool = False) -> tuple[PreparedSplit, PreparedSplit | None, dict]:
     """(train, validation or None, card) of a dataset written by `python -m spmdlm.prepare`.
@@ -126,14 +135,13 @@ def open_dataset(dataset_dir: str | os.PathLike, *, tokenizer, record_length: in
     """
     folder = storage.path(dataset_dir, "--dataset_dir")
     card = read_card(folder)
-    flags = " ".join(f"--{k} {v}" for k, v in (card.get("objective") or {}).items() if v not in (None, False))
-    prepared = f"--dataset_dir {folder} was prepared for {card.get('for_model')} {flags}".rstrip()
+    if card["mode"] != mode:  # first: another mode has another length too (packed_lines), and says why
+        raise DataError(f"{_prepared_for(folder, card)} ({card['mode']!r} records) but this run's objective needs "
+                        f"{mode!r} records: prepare the data again for this objective")
     if card["record_length"] != record_length:
-        raise DataError(f"{prepared} (records of {card['record_length']} tokens) but this run needs records of "
-                        f"{record_length} tokens: pass the same length flags or prepare the data again")
-    if card["mode"] != mode:
-        raise DataError(f"{prepared} ({card['mode']!r} records) but this run's objective needs {mode!r} records: "
-                        "prepare the data again for this objective")
+        raise DataError(f"{_prepared_for(folder, card)} (records of {card['record_length']} tokens) but this run "
+                        f"needs records of {record_length} tokens: pass the same length flags or prepare the data "
+                        "again")
     if card["tokenizer"]["sha256"] != tokenizer_hash(tokenizer):
         raise DataError(f"--dataset_dir {folder} was tokenized with another tokenizer than this run's (sha256 "
                         f"{card['tokenizer']['sha256'][:12]}, this run's {tokenizer_hash(tokenizer)[:12]}): pass "
@@ -154,7 +162,7 @@ def _key(head: dict) -> str:
 CHANGE_NAMES = {"inputs": "inputs", "tokenizer": "tokenizer", "record_length": "record length",
                 "mode": "preparation mode", "objective": "objective flags", "for_model": "--for_model",
                 "validation": "validation split", "records_per_shard": "--shard_size", "separator_id": "separator id",
-                "pad_id": "pad id", "version": "dataset format"}
+                "pad_id": "pad id", "bos_id": "bos id", "version": "dataset format"}
 
 
 def _changes(old: dict, head: dict) -> list[str]:
@@ -174,7 +182,7 @@ def _shards_present(folder: Path, card: dict) -> bool:
 
 def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family, objective: dict,
                     record_length: int, mode: str, separator_id: int, pad_id: int | None,
-                    validation_percentage: float = 5.0, workers: int | None = None,
+                    bos_id: int | None = None, validation_percentage: float = 5.0, workers: int | None = None,
                     shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, model_max_length: int = 1024,
                     progress: bool | None = None) -> dict:
     """Prepare `corpus` into the dataset directory `out` and return its card; a no-op when `out` already holds the
@@ -208,6 +216,7 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
         "dtype": "int32",
         "separator_id": separator_id,
         "pad_id": pad_id,
+        **({"bos_id": bos_id} if mode == "packed_lines" else {}),  # only where records hold it: other keys unchanged
         "validation": validation,
         "records_per_shard": max(1, shard_bytes // (4 * record_length)),
     }
@@ -347,7 +356,7 @@ def _write_dataset(corpus: Corpus, tokenizer, folder: Path, head: dict, *, worke
     """Tokenize the corpus into shard files in `folder`; -> the card's "read" and "splits"."""
     from_hash = head["validation"]["from"] == "document hash"
     cut = Cut(head["record_length"], head["separator_id"], head["mode"], head["pad_id"],
-                      validation_percentage if from_hash else 0.0)
+              validation_percentage if from_hash else 0.0, bos_id=head.get("bos_id"))
     sinks = {split: RecordShards(lambda i, split=split: folder / f"{split}-{i:05d}{TOKENS_SUFFIX}",
                                          head["records_per_shard"])
              for split in ("train", "validation")}

@@ -13,11 +13,14 @@ default):
 - "stream": documents joined by the separator (EOS), the stream cut into records (only the last partial one is
   dropped) — CLM, T5, grouped MLM;
 - "sentences": the same, with the SENTENCE_END flag bit on the last token of each sentence (BART);
-- "lines": one record per document (line), truncated and right-padded with pad_id (MLM --line_by_line).
+- "lines": one record per document (line), truncated and right-padded with pad_id (MLM --line_by_line);
+- "packed_lines": each line framed `bos ids eos` (ids truncated to record_length - 2), the framed lines of each
+  chunk packed best-fit decreasing into records, the rest of each record padded with pad_id (MLM --packing).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import errno
@@ -45,7 +48,8 @@ TOKENIZE_BATCH = 512  # documents per tokenizer call: parallel in Rust, bounded 
 CHUNK_CHARS = 1 << 20  # ... and at most about this many characters per call (long documents)
 PIECE_CHARS = 1 << 18  # a longer document is tokenized in pieces of about this size (bounded memory; same ids)
 
-MODES = ("stream", "sentences", "lines")
+MODES = ("stream", "sentences", "lines", "packed_lines")
+PADDED_MODES = ("lines", "packed_lines")  # records of whole lines, padded: their padding is counted and logged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +61,32 @@ class Cut:
     mode: str = "stream"
     pad_id: int | None = None
     validation_percentage: float = 0.0  # > 0: documents whose hash falls in it go to the "validation" split
+    bos_id: int | None = None  # "packed_lines": the id that opens each framed line
 
     def __post_init__(self):
-        if self.mode not in MODES or (self.mode == "lines" and self.pad_id is None):
-            raise ValueError(f"preparation mode {self.mode!r} (pad_id {self.pad_id}) is not one of stream, "
-                             "sentences, lines+pad_id")
-        if self.record_length < 1:
-            raise ValueError(f"record_length {self.record_length} must be positive")
+        if (self.mode not in MODES or (self.mode in PADDED_MODES and self.pad_id is None)
+                or (self.mode == "packed_lines" and self.bos_id is None)):
+            raise ValueError(f"preparation mode {self.mode!r} (pad_id {self.pad_id}, bos_id {self.bos_id}) is not "
+                             "one of stream, sentences, lines+pad_id, packed_lines+pad_id+bos_id")
+        if self.record_length < (3 if self.mode == "packed_lines" else 1):  # packed: room for bos, a token, eos
+            raise ValueError(f"record_length {self.record_length} is too short for {self.mode!r} records")
 
 
 @dataclasses.dataclass
 class SplitStats:
     documents: int = 0
-    tokens: int = 0  # tokens in the prepared stream, separators included (lines: after truncation)
+    tokens: int = 0  # tokens in the prepared stream, separators included (lines: after truncation; packed_lines:
+    #                  the framed lines, bos and eos included)
     examples: int = 0
-    tokens_dropped: int = 0  # the last partial record (stream), the truncated tails (lines)
+    tokens_dropped: int = 0  # the last partial record (stream), the truncated tails (lines, packed_lines)
+    pad_tokens: int = 0  # pad_id filling the records (lines, packed_lines)
 
     def card(self) -> dict:
         return dataclasses.asdict(self)
+
+    def padding_fraction(self, record_length: int) -> float:
+        """Pad tokens / record tokens."""
+        return self.pad_tokens / max(1, self.examples * record_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +123,46 @@ def _encode_long(tokenizer, doc: str) -> _Encoded:
     return _Encoded(np.concatenate(ids), np.concatenate(offsets))
 
 
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices: the items, longest first (ties in input order), each into the open bin it leaves the
+    least room in (ties: the bin opened first), or a new bin when none has room. Each bin's items in input order,
+    the bins in the order they were opened. Deterministic: a function of the lengths alone."""
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, bin index) of the open bins, sorted
+    for item in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        at = bisect.bisect_left(room, (lengths[item], -1))
+        if at == len(room):
+            bins.append([])
+            index, left = len(bins) - 1, capacity
+        else:
+            left, index = room.pop(at)
+        bins[index].append(item)
+        if left > lengths[item]:
+            bisect.insort(room, (left - lengths[item], index))
+    return [sorted(items) for items in bins]
+
+
+def _packed_lines(encoded: list, cut: Cut) -> tuple[np.ndarray, int, int]:
+    """(records, tokens, dropped) of one chunk's lines: each framed bos ids eos (ids truncated to record_length -
+    2), packed best-fit decreasing into records of record_length, padded with pad_id."""
+    lines, dropped = [], 0
+    for enc in encoded:
+        ids = np.asarray(enc.ids[: cut.record_length - 2], dtype=np.int32)
+        dropped += max(0, len(enc.ids) - (cut.record_length - 2))
+        if len(ids):
+            lines.append(np.concatenate([[cut.bos_id], ids, [cut.separator_id]]).astype(np.int32))
+    bins = best_fit_decreasing([len(line) for line in lines], cut.record_length)
+    array = np.full((len(bins), cut.record_length), cut.pad_id, dtype=np.int32)
+    for row, items in zip(array, bins):
+        packed = np.concatenate([lines[i] for i in items])
+        row[: len(packed)] = packed
+    return array, sum(len(line) for line in lines), dropped
+
+
 def _tokenize_chunk(tokenizer, documents: list[str], cut: Cut) -> dict[str, tuple]:
     """{split: (array, documents, tokens, dropped)} of one chunk: for stream modes the token stream (each document
-    then the separator), for "lines" the (n, record_length) records. Pure: the same for any process."""
+    then the separator), for "lines" and "packed_lines" the (n, record_length) records. Pure: the same for any
+    process."""
     short = [i for i, doc in enumerate(documents) if len(doc) <= PIECE_CHARS]
     encoded: list = [None] * len(documents)
     for i, enc in zip(short, tokenizer.encode_batch([documents[i] for i in short], add_special_tokens=False)):
@@ -126,6 +175,10 @@ def _tokenize_chunk(tokenizer, documents: list[str], cut: Cut) -> dict[str, tupl
     for split, wanted in (("train", False), ("validation", True)):
         picked = [(doc, enc) for doc, enc, held in zip(documents, encoded, held_out) if held is wanted]
         if not picked:
+            continue
+        if cut.mode == "packed_lines":
+            array, tokens, dropped = _packed_lines([enc for _, enc in picked], cut)
+            out[split] = (array, len(picked), tokens, dropped)
             continue
         if cut.mode == "lines":
             rows, tokens, dropped = [], 0, 0
@@ -251,9 +304,10 @@ class _Cutter:
         self.stats.documents += documents
         self.stats.tokens += tokens
         self.stats.tokens_dropped += dropped
-        if self.cut.mode == "lines":
+        if self.cut.mode in PADDED_MODES:
             self.sink.write(array)
             self.stats.examples += len(array)
+            self.stats.pad_tokens += array.size - tokens  # tokens: the non-pad ones of these records
             return
         stream = np.concatenate([self.carry, array]) if len(self.carry) else array
         whole = len(stream) // self.cut.record_length
@@ -305,7 +359,12 @@ def tokenize_into(documents: Iterable[str], tokenizer, sinks: dict[str, RecordSh
         for sink in sinks.values():
             sink.abort()
         raise
-    return {split: cutter.finish() for split, cutter in cutters.items()}
+    stats = {split: cutter.finish() for split, cutter in cutters.items()}
+    if cut.mode in PADDED_MODES:
+        log.info("%s records of %d tokens: %s (pad tokens / record tokens)", cut.mode, cut.record_length,
+                 ", ".join(f"{split} {s.examples} with {s.padding_fraction(cut.record_length):.1%} padding"
+                           for split, s in stats.items()))
+    return stats
 
 
 def _tokenize_in_workers(documents, tokenizer, cut: Cut, workers: int, consume) -> None:

@@ -72,6 +72,7 @@ def prepare_split(
     overwrite_cache: bool = False,
     mode: str = "stream",
     pad_id: int | None = None,
+    bos_id: int | None = None,
     workers: int = 1,
     progress: bool | None = None,
 ) -> PreparedSplit:
@@ -83,9 +84,9 @@ def prepare_split(
     if storage.is_remote(cache_dir):
         return _prepare_split_in_bucket(documents, tokenizer, record_length=record_length,
                                         separator_id=separator_id, cache_dir=cache_dir, name=name,
-                                        overwrite_cache=overwrite_cache, mode=mode, pad_id=pad_id, workers=workers,
-                                        progress=progress)
-    cut = Cut(record_length, separator_id, mode, pad_id)
+                                        overwrite_cache=overwrite_cache, mode=mode, pad_id=pad_id, bos_id=bos_id,
+                                        workers=workers, progress=progress)
+    cut = Cut(record_length, separator_id, mode, pad_id, bos_id=bos_id)
     documents = list(documents)
     if not documents:
         raise DataError(f"the {name} corpus is empty; give a file with text in it")
@@ -134,7 +135,8 @@ def prepare_split(
             "give more text or lower --block_size/--max_seq_length"
         )
     meta = {"format": TOKEN_FORMAT, "num_records": stats.examples, "num_tokens": stats.tokens,
-            "record_length": record_length, "documents": len(documents), "bytes": tmp.stat().st_size,
+            "record_length": record_length, "documents": len(documents), "pad_tokens": stats.pad_tokens,
+            "bytes": tmp.stat().st_size,
             "sha256": file_sha256(tmp)}
     # Each file by an atomic rename, the metadata last: a cache is never seen half-written.
     os.replace(tmp, data_path)
@@ -148,13 +150,15 @@ def prepare_split(
 
 
 def _cache_key(documents: list[str], tokenizer, cut: Cut) -> str:
-    """The cache folder's name: the documents' content, the tokenizer, the record length and the mode."""
+    """The cache folder's name: the documents' content, the tokenizer, the record length and the mode (with
+    packed_lines, its framing id too; the other modes' keys are those of earlier versions)."""
     content = hashlib.sha256()
     for doc in documents:
         content.update(hashlib.sha256(doc.encode("utf-8")).digest())
     return hashlib.sha256(
         b"|".join([content.digest(), tokenizer.to_str().encode(), str(cut.record_length).encode(),
-                   str(cut.separator_id).encode(), f"{cut.mode}:{cut.pad_id}".encode()])
+                   str(cut.separator_id).encode(), f"{cut.mode}:{cut.pad_id}".encode()]
+                  + ([str(cut.bos_id).encode()] if cut.mode == "packed_lines" else []))
     ).hexdigest()[:24]
 
 
@@ -162,7 +166,8 @@ def _prepare_split_in_bucket(documents, tokenizer, *, cache_dir, name: str, over
     """The token cache in a bucket: a verified copy of it on this host's disk (downloaded when missing or stale),
     or, when the bucket has none, one built here and uploaded (the data file first, the metadata last: a reader
     never sees a cache half-written)."""
-    cut = Cut(settings["record_length"], settings["separator_id"], settings["mode"], settings["pad_id"])
+    cut = Cut(settings["record_length"], settings["separator_id"], settings["mode"], settings["pad_id"],
+              bos_id=settings["bos_id"])
     documents = list(documents)
     if not documents:
         raise DataError(f"the {name} corpus is empty; give a file with text in it")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY
+from spmdlm.data.objectives import DOCUMENT_ATTENTION, MAX_SEQ_LENGTH, MLM_PROBABILITY
 from spmdlm.data.objectives.denoising import MASK_RATIO, PERMUTE_SENTENCE_RATIO, POISSON_LAMBDA, Denoising
 from spmdlm.data.tokenizer import all_special_ids, special_token_ids
 from spmdlm.errors import ArgumentError, ConfigError
@@ -95,7 +95,7 @@ def build_objective(args, config, tokenizer):
                          mask_id=ids["mask"], decoder_start_id=config.decoder_start_token_id,
                          special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
                          permute_sentence_ratio=PERMUTE_SENTENCE_RATIO.of(args), mask_ratio=mask_ratio(args),
-                         poisson_lambda=POISSON_LAMBDA.of(args))
+                         poisson_lambda=POISSON_LAMBDA.of(args), document_attention=DOCUMENT_ATTENTION.of(args))
     except ValueError as e:
         raise ArgumentError(str(e)) from None
 

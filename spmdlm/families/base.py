@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from spmdlm.config import RunArgs
-from spmdlm.data.objectives import Flag, Objective
+from spmdlm.data.objectives import DECODER_SEGMENT_FIELDS, SEGMENT_FIELDS, Flag, Objective
 from spmdlm.data.tokenizer import TokenizerSpec
 from spmdlm.errors import ArgumentError
 from spmdlm.models.config import HFConfig
@@ -89,16 +89,23 @@ Batch = dict[str, jax.Array]
 Forward = Callable[..., jax.Array]  # (model, batch, rngs, *, features_only) -> logits, or the features the head reads
 
 
+def packing_fields(batch: Batch, names: tuple[str, ...]) -> dict[str, jax.Array]:
+    """The packed-row fields (segment ids, positions) a batch has: only packed or isolated batches carry them, and
+    only models that take them are given them."""
+    return {name: batch[name] for name in names if name in batch}
+
+
 def forward_single_stack(model, batch: Batch, rngs: nnx.Rngs | None = None, *, features_only: bool = False):
-    """Decoder-only and encoder-only models: `model(input_ids, attention_mask=...)`."""
+    """Decoder-only and encoder-only models: `model(input_ids, attention_mask=..., segment_ids=..., positions=...)`."""
     return model(batch["input_ids"], attention_mask=batch.get("attention_mask"), rngs=rngs,
-                 features_only=features_only)
+                 features_only=features_only, **packing_fields(batch, SEGMENT_FIELDS))
 
 
 def forward_encoder_decoder(model, batch: Batch, rngs: nnx.Rngs | None = None, *, features_only: bool = False):
-    """Encoder-decoders: the encoder's inputs and the decoder's (teacher-forced) inputs."""
+    """Encoder-decoders: the encoder's inputs and the decoder's (teacher-forced) inputs, and their segments."""
     return model(batch["input_ids"], batch["decoder_input_ids"], attention_mask=batch.get("attention_mask"),
-                 decoder_attention_mask=batch.get("decoder_attention_mask"), rngs=rngs, features_only=features_only)
+                 decoder_attention_mask=batch.get("decoder_attention_mask"), rngs=rngs, features_only=features_only,
+                 **packing_fields(batch, SEGMENT_FIELDS + DECODER_SEGMENT_FIELDS))
 
 
 # -- what generation calls --------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from spmdlm.data.objectives import DOCUMENT_ATTENTION
 from spmdlm.data.objectives.clm import BLOCK_SIZE, CausalLM
-from spmdlm.data.tokenizer import TokenizerSpec
+from spmdlm.data.tokenizer import TokenizerSpec, special_token_ids
 from spmdlm.errors import ArgumentError, ConfigError
 from spmdlm.families.base import FLAT, FLAT_OUT, SAME, Family, Generation, Table, forward_single_stack
 from spmdlm.flops import attention_matmuls, dense
@@ -52,7 +53,8 @@ def check_lengths(args, config) -> None:
 
 
 def build_objective(args, config, tokenizer):
-    return CausalLM(block_size(args, config))
+    return CausalLM(block_size(args, config), eos_id=special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
+                    document_attention=DOCUMENT_ATTENTION.of(args))
 
 
 def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = False) -> dict[str, float]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY
-from spmdlm.data.objectives.mlm import LINE_BY_LINE, MaskedLM
+from spmdlm.data.objectives import DOCUMENT_ATTENTION, MAX_SEQ_LENGTH, MLM_PROBABILITY
+from spmdlm.data.objectives.mlm import LINE_BY_LINE, PACKING, MaskedLM, layout_problem
 from spmdlm.data.tokenizer import all_special_ids, special_token_ids
-from spmdlm.errors import ConfigError
+from spmdlm.errors import ArgumentError, ConfigError
 from spmdlm.families.base import (FRAMED_BPE_TOKENIZER, LINEAR, SAME, Family, Generation, Table, check_framed_length,
                                   forward_single_stack)
 from spmdlm.flops import attention_matmuls, dense
@@ -64,14 +64,21 @@ def check_lengths(args, config) -> None:
     check_framed_length(max_seq_length(args, config), config.max_length,
                         f"{config.max_length} positions (max_position_embeddings {config.max_position_embeddings} "
                         "minus RoBERTa's padding offset)")
+    # before any data is read (build_objective checks the same again)
+    if problem := layout_problem(LINE_BY_LINE.of(args), PACKING.of(args), DOCUMENT_ATTENTION.of(args)):
+        raise ArgumentError(problem)
 
 
 def build_objective(args, config, tokenizer):
     ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
-    return MaskedLM(max_seq_length(args, config), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"],
-                    mask_id=ids["mask"], special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
-                    vocab_size=tokenizer.get_vocab_size(), mlm_probability=MLM_PROBABILITY.of(args) or 0.15,
-                    line_by_line=LINE_BY_LINE.of(args))
+    try:
+        return MaskedLM(max_seq_length(args, config), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"],
+                        mask_id=ids["mask"], special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
+                        vocab_size=tokenizer.get_vocab_size(), mlm_probability=MLM_PROBABILITY.of(args) or 0.15,
+                        line_by_line=LINE_BY_LINE.of(args), packing=PACKING.of(args),
+                        document_attention=DOCUMENT_ATTENTION.of(args))
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = False) -> dict[str, float]:

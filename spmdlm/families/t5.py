@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY
+from spmdlm.data.objectives import DOCUMENT_ATTENTION, MAX_SEQ_LENGTH, MLM_PROBABILITY
 from spmdlm.data.objectives.t5 import MEAN_NOISE_SPAN_LENGTH, SpanCorruption
 from spmdlm.data.tokenizer import TokenizerSpec, sentinel_ids, special_token_ids
 from spmdlm.errors import ArgumentError, ConfigError
@@ -78,6 +78,7 @@ def _span_corruption(args, sentinels, eos_id: int, decoder_start_id: int):
             inputs_length=MAX_SEQ_LENGTH.of(args) or DEFAULT_LENGTH, sentinel_ids=tuple(int(s) for s in sentinels),
             eos_id=eos_id, noise_density=MLM_PROBABILITY.of(args) or 0.15,
             mean_noise_span_length=MEAN_NOISE_SPAN_LENGTH.of(args), decoder_start_id=decoder_start_id,
+            document_attention=DOCUMENT_ATTENTION.of(args),
         )
     except ValueError as e:
         raise ArgumentError(str(e)) from None

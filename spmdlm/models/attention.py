@@ -4,8 +4,11 @@ A model option (`layers.set_attention`), so it holds for training, evaluation an
 - `xla`: our einsums (layers.Attention), which materialise the [B, heads, T, S] scores; the CPU default;
 - `dot_product`: `jax.nn.dot_product_attention`'s XLA path (the same math; here for the numerics tests);
 - `cudnn`: its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16; takes T5's bias, with its gradient);
-- `splash`: the Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu), padding as segment ids,
-  sharded by shard_map over the mesh's batch and head axes; off a TPU it runs in Pallas' interpret mode (tests).
+- `splash`: the Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu), packed segments and padding as
+  its segment ids, sharded by shard_map over the mesh's batch and head axes; off a TPU it runs in Pallas' interpret
+  mode (tests).
+Packed rows (docs/packing.md) carry segment ids: a query sees only keys of its own segment, in every implementation
+(the einsums and `dot_product` as a boolean mask, cuDNN as its mask input, splash as its segment ids).
 No kernel has attention dropout or the generation cache's layout, and splash takes no bias: such a call computes
 with the einsums (`fused` returns None and says why once). `resolve` picks `auto`'s choice for a run.
 """
@@ -38,28 +41,57 @@ class AttentionMask:
     """Which keys each query may see, kept as its parts so each implementation builds the form it takes: the
     einsums a boolean [B|1, 1, T, S] array, cuDNN sequence lengths and a causal flag, splash segment ids.
 
-    `key_valid` [B, S] (False = padding), `causal` (query t sees keys <= t), or `dense`: an explicit boolean
-    [B, 1, T, S] mask (the generation cache's, `layers.Cache.advance`), which only the einsums read.
-    Padded queries are not masked: their outputs are never read (transformers does the same).
+    `key_valid` [B, S] (False = padding), `causal` (query t sees keys <= t), packed segments (`q_segments` [B, T],
+    `kv_segments` [B, S] int32: a query sees only keys of its own segment; 0 = padding, which real queries never
+    see), or `dense`: an explicit boolean [B, 1, T, S] mask (the generation cache's, `layers.Cache.advance`), which
+    only the einsums read. Padded queries are not masked: their outputs are never read (transformers does the same).
     """
 
     key_valid: jax.Array | None = None
     dense: jax.Array | None = None
+    q_segments: jax.Array | None = None
+    kv_segments: jax.Array | None = None
     causal: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    @property
+    def segmented(self) -> bool:
+        return self.q_segments is not None
 
     def array(self, query_length: int, key_length: int) -> jax.Array | None:
         """The boolean [B|1, 1, T, S] mask (True = may attend); None = all keys."""
         if self.dense is not None:
             return self.dense
         mask = None if self.key_valid is None else self.key_valid[:, None, None, :].astype(bool)
+        if self.segmented:
+            same = self.q_segments[:, None, :, None] == self.kv_segments[:, None, None, :]
+            mask = same if mask is None else mask & same
         if self.causal:
             causal = jnp.tril(jnp.ones((query_length, key_length), dtype=bool))[None, None]
             mask = causal if mask is None else mask & causal
         return mask
 
 
-def make_attention_mask(key_valid: jax.Array | None = None, causal: bool = False) -> AttentionMask:
-    return AttentionMask(key_valid=None if key_valid is None else key_valid.astype(bool), causal=causal)
+def make_attention_mask(key_valid: jax.Array | None = None, causal: bool = False, *,
+                        q_segments: jax.Array | None = None, kv_segments: jax.Array | None = None) -> AttentionMask:
+    """The mask of an attention call: padding (`key_valid`), causality, and packed segments (both or neither; a key
+    that `key_valid` marks as padding is moved to segment 0)."""
+    if (q_segments is None) != (kv_segments is None):
+        raise ValueError("packed attention needs the segment ids of both the queries and the keys")
+    if kv_segments is not None:
+        q_segments, kv_segments = q_segments.astype(jnp.int32), kv_segments.astype(jnp.int32)
+        if key_valid is not None:
+            kv_segments = jnp.where(key_valid.astype(bool), kv_segments, 0)
+        key_valid = None  # segment 0 is the padding now
+    return AttentionMask(key_valid=None if key_valid is None else key_valid.astype(bool), causal=causal,
+                         q_segments=q_segments, kv_segments=kv_segments)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] position of each token within its segment (0 at each segment's first token), for rows whose segments
+    are contiguous runs of equal ids."""
+    index = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)[None]
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 @functools.cache
@@ -78,6 +110,10 @@ def fused(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, mask: A
         return None
     if implementation == "splash":
         return _splash(q, k, v, mask, scale)
+    if mask.segmented:  # as a boolean mask (cuDNN takes it as its mask input)
+        return jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
+                                            mask=mask.array(q.shape[1], k.shape[1]), scale=scale,
+                                            implementation="cudnn" if implementation == "cudnn" else "xla")
     kv_lengths = None
     if mask.key_valid is not None and implementation == "cudnn":
         # cuDNN's padding mask is a length per row: keys are right-padded in every call without a cache (training,
@@ -106,12 +142,15 @@ def _unsupported(implementation: str, q, k, mask: AttentionMask, bias) -> str | 
 def _splash(q, k, v, mask: AttentionMask, scale: float) -> jax.Array:
     batch, length, heads, _ = q.shape
     key_length = k.shape[1]
-    # Padding as segment ids: queries are segment 1, real keys 1, padded keys 0. A row without any real key (a
-    # filler example of an evaluation's last batch) sees all its keys, as the einsums' uniform softmax does, rather
-    # than none (which would divide by zero).
-    valid = jnp.ones((batch, key_length), bool) if mask.key_valid is None else mask.key_valid
-    valid = valid | ~valid.any(-1, keepdims=True)
-    q_segments, kv_segments = jnp.ones((batch, length), jnp.int32), valid.astype(jnp.int32)
+    if mask.segmented:  # packed rows: padding is segment 0, which only padded queries share
+        q_segments, kv_segments = mask.q_segments, mask.kv_segments
+    else:
+        # Padding as segment ids: queries are segment 1, real keys 1, padded keys 0. A row without any real key (a
+        # filler example of an evaluation's last batch) sees all its keys, as the einsums' uniform softmax does,
+        # rather than none (which would divide by zero).
+        valid = jnp.ones((batch, key_length), bool) if mask.key_valid is None else mask.key_valid
+        valid = valid | ~valid.any(-1, keepdims=True)
+        q_segments, kv_segments = jnp.ones((batch, length), jnp.int32), valid.astype(jnp.int32)
     to_heads_first = lambda t: jnp.swapaxes(t, 1, 2)  # the kernel's [heads, length, head_dim] per example
     q, k, v = to_heads_first(q * jnp.asarray(scale, q.dtype)), to_heads_first(k), to_heads_first(v)
     mesh = jax.sharding.get_abstract_mesh()

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import make_attention_mask
+from spmdlm.models.attention import make_attention_mask, segment_positions
 from spmdlm.models.config import HFConfig
 from spmdlm.models.layers import (ACTIVATIONS, Bias, Cache, Embed, LayerNorm, LayerStack, PostNormBlock, dropout,
                                   make_param)
@@ -82,6 +82,11 @@ class BartConfig(HFConfig):
         return self.max_position_embeddings
 
 
+def _positions(segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array | None:
+    """Positions within packed segments (given, or from the segment ids); None for unpacked rows (0..T-1)."""
+    return positions if positions is not None or segment_ids is None else segment_positions(segment_ids)
+
+
 class BartStack(nnx.Module):
     """The encoder (bidirectional) or the decoder (causal, with cross-attention): positions, layernorm_embedding,
     then post-LN layers. It takes the (scaled) token embeddings: the table is shared, so it lives in the model."""
@@ -102,12 +107,14 @@ class BartStack(nnx.Module):
                                     init_std=std, dtype=dtype, rngs=r),
             getattr(config, f"{stack}_layers"), rngs=rngs, remat=remat, unroll=scan_unroll)
 
-    def __call__(self, embedded, mask, context=None, context_mask=None, *, rngs=None):
+    def __call__(self, embedded, mask, context=None, context_mask=None, *, positions=None, rngs=None):
+        """`positions` [B, T]: each token's position within its packed segment (default: 0..T-1)."""
         length = embedded.shape[1]
         if length > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {length} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        x = dropout(self.with_positions(embedded, jnp.arange(length)), self.config.dropout, rngs)
+        positions = jnp.arange(length) if positions is None else positions
+        x = dropout(self.with_positions(embedded, positions), self.config.dropout, rngs)
         return self.layers(x, mask, context, context_mask, rngs=rngs)
 
     def with_positions(self, embedded, positions):
@@ -124,7 +131,11 @@ class BartStack(nnx.Module):
 
 class BartForConditionalGeneration(nnx.Module):
     """`model(input_ids, decoder_input_ids, attention_mask=None, decoder_attention_mask=None, rngs=None)`
-    -> logits [B, T_dec, V]; dropout only when rngs are given. Masks are 1 for real tokens, 0 for padding."""
+    -> logits [B, T_dec, V]; dropout only when rngs are given. Masks are 1 for real tokens, 0 for padding.
+
+    Packed rows (training) also pass `segment_ids` [B, T] and `decoder_segment_ids` [B, T_dec] (0 = padding), and
+    optionally `positions` / `decoder_positions` within each segment: each attention stays within a segment, the
+    decoder's segment k reads the encoder's segment k, and the learned positions restart in each segment."""
 
     config_class = BartConfig
 
@@ -143,14 +154,20 @@ class BartForConditionalGeneration(nnx.Module):
         return self.shared(ids) * self.embed_scale
 
     def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                rngs: nnx.Rngs | None = None) -> jax.Array:
-        return self.encoder(self.embed(input_ids), make_attention_mask(attention_mask), rngs=rngs)
+        mask = make_attention_mask(attention_mask, q_segments=segment_ids, kv_segments=segment_ids)
+        return self.encoder(self.embed(input_ids), mask, positions=_positions(segment_ids, positions), rngs=rngs)
 
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
-               decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
-               features_only: bool = False) -> jax.Array:
-        mask = make_attention_mask(decoder_attention_mask, causal=True)
-        x = self.decoder(self.embed(decoder_input_ids), mask, encoded, make_attention_mask(attention_mask), rngs=rngs)
+               decoder_attention_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
+               decoder_segment_ids: jax.Array | None = None, decoder_positions: jax.Array | None = None,
+               rngs: nnx.Rngs | None = None, features_only: bool = False) -> jax.Array:
+        mask = make_attention_mask(decoder_attention_mask, causal=True, q_segments=decoder_segment_ids,
+                                   kv_segments=decoder_segment_ids)
+        context_mask = make_attention_mask(attention_mask, q_segments=decoder_segment_ids, kv_segments=segment_ids)
+        x = self.decoder(self.embed(decoder_input_ids), mask, encoded, context_mask,
+                         positions=_positions(decoder_segment_ids, decoder_positions), rngs=rngs)
         return x if features_only else self.head(x)
 
     def head(self, x: jax.Array) -> jax.Array:
@@ -159,11 +176,14 @@ class BartForConditionalGeneration(nnx.Module):
         return constrain(logits, "batch", "length", "act_vocab")
 
     def __call__(self, input_ids: jax.Array, decoder_input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                 decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
+                 decoder_attention_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
+                 decoder_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                 decoder_positions: jax.Array | None = None, rngs: nnx.Rngs | None = None,
                  features_only: bool = False) -> jax.Array:
-        encoded = self.encode(input_ids, attention_mask, rngs=rngs)
-        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask, rngs=rngs,
-                           features_only=features_only)
+        encoded = self.encode(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, rngs=rngs)
+        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
+                           segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids,
+                           decoder_positions=decoder_positions, rngs=rngs, features_only=features_only)
 
     def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
         """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""

@@ -16,7 +16,7 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.config import HFConfig
-from spmdlm.models.attention import make_attention_mask
+from spmdlm.models.attention import make_attention_mask, segment_positions
 from spmdlm.models.layers import MLP, Attention, Cache, Embed, LayerNorm, LayerStack, dropout
 
 
@@ -74,7 +74,9 @@ class Block(nnx.Module):
 
 
 class GPT2LMHeadModel(nnx.Module):
-    """`model(input_ids, attention_mask=None, rngs=None) -> logits [B, T, V]`; dropout only when rngs are given."""
+    """`model(input_ids, attention_mask=None, rngs=None) -> logits [B, T, V]`; dropout only when rngs are given.
+    Packed rows (training) also pass `segment_ids` [B, T] (0 = padding) and optionally each token's `positions`
+    within its segment: attention stays within a segment and the learned positions restart in each."""
 
     config_class = GPT2Config
 
@@ -89,13 +91,16 @@ class GPT2LMHeadModel(nnx.Module):
         self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                  rngs: nnx.Rngs | None = None, features_only: bool = False) -> jax.Array:
         length = input_ids.shape[1]
         if length > self.config.n_positions:
             raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
-        x = self.wte(input_ids) + self.wpe(jnp.arange(length))[None]
+        if positions is None:
+            positions = jnp.arange(length)[None] if segment_ids is None else segment_positions(segment_ids)
+        x = self.wte(input_ids) + self.wpe(positions)
         x = dropout(constrain(x, "batch", "length", "act_embed"), self.config.embd_pdrop, rngs)
-        mask = make_attention_mask(attention_mask, causal=True)
+        mask = make_attention_mask(attention_mask, causal=True, q_segments=segment_ids, kv_segments=segment_ids)
         x = self.ln_f(self.h(x, mask, rngs=rngs))
         return x if features_only else self.head(x)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import make_attention_mask
+from spmdlm.models.attention import make_attention_mask, segment_positions
 from spmdlm.models.config import HFConfig
 from spmdlm.models.layers import (ACTIVATIONS, Bias, Dense, Embed, LayerNorm, LayerStack, PostNormBlock, dropout,
                                   make_param)
@@ -68,9 +68,16 @@ def position_ids(input_ids: jax.Array, pad_token_id: int) -> jax.Array:
     return jnp.cumsum(real, axis=1) * real + pad_token_id
 
 
+def packed_position_ids(segment_ids: jax.Array, positions: jax.Array, pad_token_id: int) -> jax.Array:
+    """The same for packed rows: counted from each segment's first token; padding (segment 0) gets pad_token_id."""
+    return jnp.where(segment_ids > 0, positions + pad_token_id + 1, pad_token_id)
+
+
 class RobertaForMaskedLM(nnx.Module):
     """`model(input_ids, attention_mask=None, token_type_ids=None, rngs=None) -> logits [B, T, V]`; dropout only
-    when rngs are given. Masks are 1 for real tokens, 0 for padding."""
+    when rngs are given. Masks are 1 for real tokens, 0 for padding. Packed rows (training) also pass
+    `segment_ids` [B, T] (0 = padding) and optionally `positions` within each segment: attention stays within a
+    segment and the positions restart in each, as if each segment were a row of its own."""
 
     config_class = RobertaConfig
 
@@ -95,18 +102,24 @@ class RobertaForMaskedLM(nnx.Module):
                                        kind=Bias)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                 token_type_ids: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
+                 token_type_ids: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None, rngs: nnx.Rngs | None = None,
                  features_only: bool = False) -> jax.Array:
         config = self.config
         if input_ids.shape[1] > config.max_length:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds the {config.max_length} positions of "
                              f"max_position_embeddings {config.max_position_embeddings}")
         types = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids(input_ids, config.pad_token_id))
-             + self.token_type_embeddings(types))
+        if segment_ids is None:
+            position = position_ids(input_ids, config.pad_token_id)
+        else:
+            positions = segment_positions(segment_ids) if positions is None else positions
+            position = packed_position_ids(segment_ids, positions, config.pad_token_id)
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(position) + self.token_type_embeddings(types))
         x = dropout(self.embeddings_layer_norm(constrain(x, "batch", "length", "act_embed")),
                     config.hidden_dropout_prob, rngs)
-        x = self.layer(x, make_attention_mask(attention_mask), rngs=rngs)
+        mask = make_attention_mask(attention_mask, q_segments=segment_ids, kv_segments=segment_ids)
+        x = self.layer(x, mask, rngs=rngs)
         return x if features_only else self.head(x)
 
     def head(self, x: jax.Array) -> jax.Array:

@@ -204,7 +204,12 @@ class Stack(nnx.Module):
 
 class T5ForConditionalGeneration(nnx.Module):
     """`model(input_ids, decoder_input_ids, attention_mask=None, decoder_attention_mask=None, rngs=None)`
-    -> logits [B, T_dec, V]; dropout only when rngs are given. Masks are 1 for real tokens, 0 for padding."""
+    -> logits [B, T_dec, V]; dropout only when rngs are given. Masks are 1 for real tokens, 0 for padding.
+
+    Packed rows (training) also pass `segment_ids` [B, T] and `decoder_segment_ids` [B, T_dec] (0 = padding): each
+    attention stays within a segment, and the decoder's segment k reads the encoder's segment k. The relative
+    positions need no reset: within a segment, key - query distances are those of the segment alone, so `positions`
+    and `decoder_positions` (the other families' packed fields) are accepted and not needed."""
 
     config_class = T5Config
 
@@ -222,15 +227,17 @@ class T5ForConditionalGeneration(nnx.Module):
                              init_std=f * config.d_model**-0.5, dtype=dtype, out_dtype=jnp.float32, rngs=rngs)
 
     def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-               rngs: nnx.Rngs | None = None) -> jax.Array:
-        mask = make_attention_mask(attention_mask)
+               segment_ids: jax.Array | None = None, rngs: nnx.Rngs | None = None) -> jax.Array:
+        mask = make_attention_mask(attention_mask, q_segments=segment_ids, kv_segments=segment_ids)
         return self.encoder(self.shared(input_ids), mask, rngs=rngs)
 
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
-               decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
+               decoder_attention_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
+               decoder_segment_ids: jax.Array | None = None, rngs: nnx.Rngs | None = None,
                features_only: bool = False) -> jax.Array:
-        mask = make_attention_mask(decoder_attention_mask, causal=True)
-        context_mask = make_attention_mask(attention_mask)
+        mask = make_attention_mask(decoder_attention_mask, causal=True, q_segments=decoder_segment_ids,
+                                   kv_segments=decoder_segment_ids)
+        context_mask = make_attention_mask(attention_mask, q_segments=decoder_segment_ids, kv_segments=segment_ids)
         x = self.decoder(self.shared(decoder_input_ids), mask, encoded, context_mask, rngs=rngs)
         return x if features_only else self.head(x)
 
@@ -239,10 +246,14 @@ class T5ForConditionalGeneration(nnx.Module):
         return constrain(self.lm_head(x), "batch", "length", "act_vocab")  # v1.1: no d_model**-0.5 scaling
 
     def __call__(self, input_ids: jax.Array, decoder_input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                 decoder_attention_mask: jax.Array | None = None, *, rngs: nnx.Rngs | None = None,
+                 decoder_attention_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
+                 decoder_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                 decoder_positions: jax.Array | None = None, rngs: nnx.Rngs | None = None,
                  features_only: bool = False) -> jax.Array:
-        encoded = self.encode(input_ids, attention_mask, rngs=rngs)
-        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask, rngs=rngs,
+        del positions, decoder_positions  # relative positions: see the class docstring
+        encoded = self.encode(input_ids, attention_mask, segment_ids=segment_ids, rngs=rngs)
+        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
+                           segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids, rngs=rngs,
                            features_only=features_only)
 
     def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 from flax import nnx
 
@@ -26,13 +27,15 @@ from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
 from spmdlm.mesh import batch_axis_size
 from spmdlm.train.guard import RunLock, StopOnSignal
+from spmdlm.train import publish
 from spmdlm.train.outputs import (check_fingerprints, check_output_dir, export_done, missing_outputs,
                                   prepare_output_dir, read_results, write_run_files)
 from spmdlm.train.report import Reporter, is_eval_key, write_json
 from spmdlm.train.setup import (RunContext, check_memory, is_main, read_corpora, read_sources, resolve, setup_data,
                                 setup_mixture_data, setup_state, setup_tokenizer)
 from spmdlm.train.state import count_parameters
-from spmdlm.train.step import Stepper
+from spmdlm.train.optim import optim_config_from_args
+from spmdlm.train.step import Stepper, model_for_evaluation
 
 log = logging.getLogger("spmdlm")
 
@@ -89,6 +92,7 @@ def summarise(totals: dict[str, Any]) -> dict[str, float]:
 
 def run(args: RunArgs) -> dict[str, Any]:
     ctx = resolve(args, time.perf_counter())
+    ctx.hub = publish.hub_for(ctx)  # a bad repository id or no token: refused before anything is written
     corpora = read_sources(args, ctx.sources) if ctx.sources else read_corpora(args)
     with RunLock(ctx.out, enabled=is_main()):  # before anything is written or removed in the output dir
         prepare_output_dir(ctx, check_output_dir(ctx))
@@ -98,9 +102,6 @@ def run(args: RunArgs) -> dict[str, Any]:
 def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
     """`corpora`: (train, validation) documents of one corpus, or each mixture source's SourceDocuments."""
     args = ctx.args
-    if args.push_to_hub:
-        log.warning("--push_to_hub: spmdlm does not upload (it never uses the network); the model will be exported "
-                    "to %s — upload that folder with `huggingface-cli upload` from a connected machine", ctx.out / "hf")
     if ctx.sources:  # one tokenizer for all sources, trained on all their documents unless given
         setup_tokenizer(ctx, [doc for corpus in corpora for doc in corpus.train])
         setup_mixture_data(ctx, corpora)
@@ -120,13 +121,15 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
              ctx.global_batch, ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
              batch_axis_size(mesh), args.gradient_accumulation_steps, ctx.total_steps)
     reporter = Reporter(ctx.out, enabled=is_main(), family=ctx.family, config=ctx.config, objective=ctx.objective,
-                        global_batch=ctx.global_batch, mesh=mesh, dtype=args.dtype, run_start=ctx.run_start)
+                        global_batch=ctx.global_batch, mesh=mesh, dtype=args.dtype, run_start=ctx.run_start, args=args)
     previous_results = read_results(ctx.out) if ctx.resuming else {}
     results: dict[str, Any] = {"total_steps": ctx.total_steps, "parameters": n_params}
     training = ctx.data.train is not None
     if training and ctx.latest_step >= ctx.total_steps and not missing_outputs(ctx, previous_results):
         log.info("the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing to "
                  "do (--overwrite_output_dir starts afresh)", ctx.out, ctx.latest_step, ctx.total_steps)
+        if args.push_to_hub:  # re-running a finished run retries its upload
+            publish.publish_export(ctx, {**results, **previous_results})
         return {**results, **previous_results}
 
     def compile_train() -> dict[str, Any]:
@@ -144,7 +147,8 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
     # -- stage 6: train (or restore for evaluation only) ---------------------------------------------------------
     step, trained = 0, False
     if training:
-        manager = checkpoint.make_manager(ctx.out, save_interval_steps=1, max_to_keep=args.save_total_limit)
+        manager = checkpoint.make_manager(ctx.out, save_interval_steps=1, max_to_keep=args.save_total_limit,
+                                          keep_every_n_steps=args.keep_every_n_steps)
         iterator = pipeline.train_batches(ctx.data.train, ctx.objective, seed=args.seed,
                                           global_batch=ctx.global_batch, num_epochs=ctx.schedule.num_epochs,
                                           process_index=jax.process_index(), process_count=jax.process_count())
@@ -188,7 +192,9 @@ def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[s
                    {k: v for k, v in results.items() if is_eval_key(k) or k.startswith("train_")})
         reporter.finish(results)
     if export:
-        export_state(graphdef, state, ctx.config, ctx.out / "hf", tokenizer=ctx.tokenizer)
+        evaluated = nnx.state(model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args)))
+        export_state(graphdef, evaluated, ctx.config, ctx.out / "hf", tokenizer=ctx.tokenizer)
+    publish.publish_export(ctx, results)  # the model card, and the upload with --push_to_hub
 
 
 def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, reporter: Reporter, start_step: int,
@@ -199,6 +205,8 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
     step = start_step
     last_saved = start_step
     train_loss = float("nan")
+    clock = SaveClock(args.save_every_minutes)
+    skipped = 0  # steps skipped as loss spikes so far (--skip_step_on_spike), as last logged
     with StopOnSignal() as stop, reporter:
         while step < total_steps:
             batch = pipeline.to_global(next(iterator), ctx.mesh)
@@ -208,6 +216,7 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
             if step % args.logging_steps == 0 or step == total_steps:
                 fetched = jax.device_get(pending)
                 check_finite(fetched, step, last_saved, args)  # no extra sync: these metrics are fetched anyway
+                skipped = say_skipped(fetched, step, skipped)
                 train_loss = reporter.log_train(step, fetched)
                 pending = []
             else:
@@ -221,10 +230,13 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
             if args.sample_prompts and (step % args.sample_every == 0 or step == total_steps):
                 reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
             stopping = stop.should_stop(step)
-            if step % args.save_steps == 0 or step == total_steps or stopping:
+            if step % args.save_steps == 0 or step == total_steps or stopping or clock.due():
                 save(manager, step, state, iterator, run_config, pending, last_saved, args)
                 last_saved = step
+                clock.saved()
                 reporter.sync()  # a bucket output dir: the metrics up to the checkpoint are there with it
+                if not stopping:  # a preemption's grace period is for the checkpoint
+                    publish.push_checkpoint(ctx, stepper.graphdef, state, step, manager)
             if stopping:
                 checkpoint.check_saved(manager, step, wait=True)
                 raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(ctx.out) / str(step))
@@ -244,7 +256,7 @@ def source_epochs(ctx: RunContext) -> dict[str, Any]:
 def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]:
     """What the model makes of --sample_prompts now: a greedy and a sampled continuation of each (RoBERTa: its top
     candidates for each <mask>). Every process takes part (the model is sharded); process 0 reports."""
-    model, _ = nnx.merge(graphdef, state)
+    model, _ = model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args))
     prompts = [p for p in ctx.args.sample_prompts.split("|") if p.strip()]
     if ctx.family.generation is Generation.FILL_MASK:
         return [{"prompt": p, "fill_mask": [[token for token, _, _ in candidates]
@@ -266,9 +278,46 @@ def save(manager, step: int, state, iterator, run_config: dict, pending: list[di
         raise DivergenceError(f"training diverged by step {step}: {e}; {_advice(last_saved, args)}") from None
 
 
+def say_skipped(fetched: list[dict], step: int, before: int) -> int:
+    """Log the steps --skip_step_on_spike skipped since the last log; -> the count so far."""
+    total = int(fetched[-1].get("skipped_steps", 0))
+    if total > before:
+        log.warning("%d step%s up to step %d skipped as loss spikes (their updates not applied); %d in all",
+                    total - before, "s" * (total - before > 1), step, total)
+    return total
+
+
+class SaveClock:
+    """--save_every_minutes: whether that long passed since the last save. Process 0's clock decides for every
+    process (a save is collective), told to the others by one small broadcast per step, only on several hosts."""
+
+    def __init__(self, minutes: float):
+        self.seconds, self.last = minutes * 60.0, time.monotonic()
+
+    def due(self) -> bool:
+        if not self.seconds:
+            return False
+        due = time.monotonic() - self.last >= self.seconds
+        if jax.process_count() > 1:
+            due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+        return due
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
 def check_finite(fetched: list[dict], step: int, last_saved: int, args: RunArgs) -> None:
+    """A loss or gradient norm that is not finite stops the run (exit 3); with --skip_step_on_spike such a step was
+    skipped (its update never applied), and --max_consecutive_skips skipped steps in a row stop it instead."""
     first = step - len(fetched) + 1
     for offset, metrics in enumerate(fetched):
+        if "consecutive_skips" in metrics and int(metrics["consecutive_skips"]) > 0:
+            if int(metrics["consecutive_skips"]) >= args.max_consecutive_skips:
+                raise DivergenceError(
+                    f"training diverged at step {first + offset}: {int(metrics['consecutive_skips'])} steps in a "
+                    f"row were skipped as loss spikes (--skip_step_on_spike {args.skip_step_on_spike:g}, "
+                    f"--max_consecutive_skips {args.max_consecutive_skips}); {_advice(last_saved, args)}")
+            continue
         loss = float(metrics["loss_sum"]) / max(float(metrics["tokens"]), 1.0)
         grad_norm = float(metrics["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):

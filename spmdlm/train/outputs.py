@@ -33,13 +33,14 @@ MIXTURE_KEYS = ("train_file", "data_mixture")
 COMMON_RESUME_KEYS = ("model_name_or_path", "tokenizer_name", "train_file", "dataset_dir", "dataset_name",
                       "dataset_config_name", "text_column", "validation_file",
                       "validation_split_percentage", "max_train_samples", "seed", "weight_decay", "adafactor",
-                      "gradient_accumulation_steps")
-LOGGED_CHANGES = ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs",
+                      "optim", "gradient_accumulation_steps")
+LOGGED_CHANGES = ("learning_rate", "lr_scheduler_type", "skip_step_on_spike", "min_lr_ratio", "decay_steps", "decay_ratio", "warmup_steps",
+                  "max_steps", "num_train_epochs",
                   "logging_steps", "eval_steps", "save_steps", "max_grad_norm", "z_loss", "mesh", "dtype",
                   "sample_prompts", "sample_every")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 OUR_OUTPUTS = ("checkpoints", checkpoint.DAMAGED_DIR, "tensorboard", "metrics.jsonl", "samples.jsonl",
-               "eval_results.json", "loss_curve.png", "hf", "run_config.json")
+               "eval_results.json", "loss_curve.png", "hf", "run_config.json", "trackers.json", "wandb", "mlruns")
 
 
 def read_run_config(out: Path) -> dict:
@@ -78,9 +79,16 @@ def check_output_dir(ctx: RunContext) -> str:
         checkpoint.check_format(saved, out)
         check_data_format(saved, out)
         keys, current = COMMON_RESUME_KEYS + ctx.family.resume_keys, args.to_json()
+        # run configs written before --optim: the optimizer was Adafactor or AdamW
+        saved = {"optim": "adafactor" if saved.get("adafactor") else "adamw", **saved}
         if ctx.sources or saved.get("mixture"):
             keys = tuple(k for k in keys if k not in MIXTURE_KEYS)
         changed = [k for k in keys if saved.get(k) != current.get(k)]
+        # Spike skipping keeps its window in the optimizer state: on/off and the window's size must match; Z may change
+        spikes = lambda d: (bool(d.get("skip_step_on_spike")), d.get("spike_window", 100) if d.get("skip_step_on_spike")
+                            else None)
+        if spikes(saved) != spikes(current):
+            changed.append("skip_step_on_spike/spike_window")
         # Token ids are set from the tokenizer after this check, so they are not compared here.
         shape_of = lambda d: {k: v for k, v in (d or {}).items() if not k.endswith("_token_id")}
         if shape_of(saved.get("model_config")) != shape_of(ctx.config.to_hf_dict()):

@@ -1,4 +1,5 @@
-"""What a run shows and leaves behind: progress bar, metrics.jsonl, TensorBoard, loss curve, final summary.
+"""What a run shows and leaves behind: progress bar, metrics.jsonl, the trackers of --report_to (TensorBoard, W&B,
+MLflow: spmdlm/train/trackers.py), loss curve, final summary.
 
 Only process 0 reports; the others keep the bookkeeping silent. An output dir in a bucket (gs://) gets the same
 files: they are written in a local staging folder (objects cannot be appended to) and uploaded when they changed,
@@ -20,9 +21,12 @@ from typing import Any
 import numpy as np
 
 from spmdlm import devices, storage
+from spmdlm.config import RunArgs, report_targets
 from spmdlm.data.objectives import Objective
 from spmdlm.errors import RunError
 from spmdlm.families.base import Family
+from spmdlm.train import trackers
+from spmdlm.train.trackers import is_eval_key  # noqa: F401 - where loop.py imports it from
 
 log = logging.getLogger("spmdlm")
 
@@ -36,11 +40,6 @@ def finite_or_none(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [finite_or_none(v) for v in value]
     return value
-
-
-def is_eval_key(key: str) -> bool:
-    """An evaluation result: eval_loss and friends, and a mixture's per-source eval/<source>/loss etc."""
-    return key.startswith(("eval_", "eval/"))
 
 
 def strict_json(value: Any, **kwargs) -> str:
@@ -111,52 +110,12 @@ def repair_torn_tail(path: Path) -> None:
 SYNC_SECONDS = 30.0  # a bucket output dir's reports are uploaded at most this often (and at checkpoints, at the end)
 
 
-class EventLog:
-    """TensorBoard scalars and text written synchronously, on the caller's thread.
-
-    tensorboardX's SummaryWriter hands events to a writer thread through a bounded queue: when that thread dies
-    (a full disk), the queue fills and the run blocks forever, deaf even to SIGTERM. Here a failed write raises
-    where the run can report it (one line, exit 2). Events come once per logging step, so writing them inline
-    costs nothing measurable. The file format is tensorboardX's own (its EventsWriter and summary protos)."""
-
-    def __init__(self, folder: Path):
-        # tensorboardX imports torch where it is installed (2 s): only when a run reports
-        from tensorboardX import summary
-        from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto import event_pb2
-
-        self._summary, self._event = summary, event_pb2.Event
-        self.folder = folder
-        self._events = self._io(lambda: (folder.mkdir(parents=True, exist_ok=True),
-                                         EventsWriter(str(folder / "events")))[1])
-
-    def _io(self, write):
-        try:
-            return write()
-        except OSError as e:
-            raise RunError(f"cannot write TensorBoard events in {self.folder}: {e.strerror or e}; free space or "
-                           "choose another --output_dir (the checkpoints saved so far are kept)") from None
-
-    def _write(self, summary, step: int) -> None:
-        event = self._event(summary=summary, step=int(step), wall_time=time.time())
-        self._io(lambda: self._events.write_event(event))
-
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        self._write(self._summary.scalar(tag, value), step)
-
-    def add_text(self, tag: str, text: str, step: int) -> None:
-        self._write(self._summary.text(tag, text), step)
-
-    def flush(self) -> None:
-        self._io(self._events.flush)
-
-    def close(self) -> None:
-        self._io(self._events.close)
-
-
 class Reporter:
     def __init__(self, out: Path, *, enabled: bool, family: Family, config, objective: Objective, global_batch: int,
-                 mesh, dtype: str, run_start: float | None = None):
+                 mesh, dtype: str, run_start: float | None = None, args: RunArgs | None = None):
+        """`args`: the run's, for --report_to and --run_name; None reports to TensorBoard only."""
+        targets = report_targets(args) if args is not None else ("tensorboard",)
+        trackers.check_targets(targets, out)  # on every process: all stop together, before anything is trained
         # self.out: where the report files are written; the output dir itself, or a local staging folder for a bucket
         self.target, self.enabled = out, enabled
         self.out = self._stage(out) if enabled and storage.is_remote(out) else out
@@ -169,17 +128,22 @@ class Reporter:
         self.flops_per_step = family.train_flops_per_step(config, objective, global_batch)
         self.peak_flops = devices.peak_flops_per_device(dtype)
         self._bar = None
-        self._writer = None
+        run_config = {**args.to_json(), "global_batch": global_batch, "model_config": config.to_hf_dict()} \
+            if args is not None else {}
+        run_name = (args and args.run_name) or storage.absolute(out).name  # --output_dir . has a name too
+        self._trackers = trackers.Trackers(trackers.build(targets, self.out, run_name, run_config))
         self._rates: list[float] = []
+        self._real_rates: list[float] = []
         self._last_time = time.perf_counter()
         self._last_step = 0
         self._start_time = time.perf_counter()
 
     # -- a bucket output dir: local staging --------------------------------------------------------------------------
     def _stage(self, out) -> Path:
-        """A local folder holding the bucket's report files (a resumed run appends to them)."""
+        """A local folder holding the bucket's report files (a resumed run appends to them, and continues the
+        tracker runs of trackers.json)."""
         local = Path(tempfile.mkdtemp(prefix="spmdlm-report-"))
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", trackers.IDS_FILE):
             if (out / name).is_file():
                 storage.download(out / name, local / name, progress=False)
         return local
@@ -188,8 +152,7 @@ class Reporter:
         """Upload the staged report files that changed (a bucket output dir; nothing to do for a local one)."""
         if self.out is self.target or (not force and time.perf_counter() - self._last_sync < SYNC_SECONDS):
             return
-        if self._writer is not None:
-            self._writer.flush()
+        self._trackers.flush()
         for file in sorted(p for p in self.out.rglob("*") if p.is_file()):
             name = file.relative_to(self.out).as_posix()
             stat = file.stat()
@@ -206,7 +169,7 @@ class Reporter:
             return
         from tqdm.auto import tqdm
 
-        self._writer = EventLog(self.out / "tensorboard")
+        self._trackers.start(step)
         self._total = total
         if sys.stderr.isatty():  # a log file gets plain lines (log_train), not carriage-return bar fragments
             self._bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
@@ -236,17 +199,27 @@ class Reporter:
 
     def log_train(self, step: int, pending: list[dict]) -> float:
         now = time.perf_counter()
-        sums = {k: float(np.sum([m[k] for m in pending])) for k in ("loss_sum", "tokens", "correct", "z_loss_sum")}
+        # Steps --skip_step_on_spike skipped (consecutive_skips > 0) changed nothing: their loss is left out
+        taken = [m for m in pending if not m.get("consecutive_skips", 0)] or pending
+        sums = {k: float(np.sum([m[k] for m in taken])) for k in ("loss_sum", "tokens", "correct", "z_loss_sum")}
+        sums["real_tokens"] = float(np.sum([m["real_tokens"] for m in pending]))
         loss = sums["loss_sum"] / max(sums["tokens"], 1.0)
         steps = step - self._last_step
-        tokens_per_s = steps * self.tokens_per_step / max(now - self._last_time, 1e-9)
+        seconds = max(now - self._last_time, 1e-9)
+        tokens_per_s = steps * self.tokens_per_step / seconds
         self._rates.append(tokens_per_s)
+        # Non-padding input tokens: what a packed run gains over a padded one (tokens_per_second counts every slot)
+        self._real_rates.append(sums["real_tokens"] / seconds)
         self._last_step, self._last_time = step, now
         record = {"step": step, "loss": loss, "accuracy": sums["correct"] / max(sums["tokens"], 1.0),
                   "learning_rate": float(pending[-1].get("learning_rate", math.nan)),
-                  "grad_norm": float(pending[-1]["grad_norm"]), "tokens_per_second": tokens_per_s}
+                  "grad_norm": float(pending[-1]["grad_norm"]), "tokens_per_second": tokens_per_s,
+                  "real_tokens_per_second": sums["real_tokens"] / seconds,
+                  "padding_fraction": 1.0 - sums["real_tokens"] / max(steps * self.tokens_per_step, 1)}
         if sums["z_loss_sum"]:
             record["z_loss"] = sums["z_loss_sum"] / max(sums["tokens"], 1.0)
+        if "skipped_steps" in pending[-1]:
+            record["skipped_steps"] = int(pending[-1]["skipped_steps"])
         if self.flops_per_step:
             seconds_per_step = self.tokens_per_step / tokens_per_s
             record["tflops_per_device"] = self.flops_per_step / seconds_per_step / self.mesh.size / 1e12
@@ -297,12 +270,13 @@ class Reporter:
             shown = {k: v for k, v in sample.items() if k != "prompt"}
             lines += [f"  {sample['prompt']!r} -> {kind}: {value!r}" for kind, value in shown.items()]
         (self._bar.write if self._bar is not None else log.info)("\n".join(lines))
-        if self._writer is not None:
-            self._writer.add_text("samples", "\n\n".join(f"`{line.strip()}`" for line in lines[1:]), step)
+        self._trackers.log_text("samples", "\n\n".join(f"`{line.strip()}`" for line in lines[1:]), step)
 
     def throughput(self) -> dict[str, float]:
         rates = self._rates[1:] or self._rates  # the first interval includes warm-up
+        real = self._real_rates[1:] or self._real_rates
         return {"train_tokens_per_second": float(np.median(rates)) if rates else float("nan"),
+                "train_real_tokens_per_second": float(np.median(real)) if real else float("nan"),
                 "train_seconds": time.perf_counter() - self._start_time}
 
     # -- outputs -------------------------------------------------------------------------------------------------
@@ -317,12 +291,7 @@ class Reporter:
 
     def _write(self, record: dict[str, Any]):
         self._append("metrics.jsonl", strict_json(record))
-        if self._writer is not None:
-            prefix = "eval" if any(is_eval_key(k) for k in record) else "train"
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    tag = key if key.startswith("eval/") else f"{prefix}/{key.removeprefix('eval_')}"
-                    self._writer.add_scalar(tag, value, record["step"])
+        self._trackers.log(record)
 
     def plot_loss_curve(self):
         import matplotlib
@@ -357,34 +326,36 @@ class Reporter:
 
     def __exit__(self, *exc) -> None:
         self.close_bar()  # the progress bar's line ends before any error message
-        if self.enabled and exc[0] is not None:  # a bucket keeps what was logged up to the error
+        if self.enabled and exc[0] is not None:  # the trackers' runs end as failed; a bucket keeps what was logged
             try:
+                self._trackers.finish({}, None, [], failed=True)
                 self.sync()
             except Exception as e:  # noqa: BLE001 - the run is failing already; that error is the one to show
-                log.warning("could not upload the report files to %s: %s", self.target, e)
+                log.warning("could not close the reports in %s: %s", self.target, e)
 
     def close_bar(self):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
 
-    def close(self):
-        self.close_bar()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
     def finish(self, results: dict[str, Any]):
-        self.close()
-        if (self.out / "metrics.jsonl").exists():
-            self.plot_loss_curve()
+        self.close_bar()
+        curve = self.out / "loss_curve.png"
+        try:
+            if (self.out / "metrics.jsonl").exists():
+                self.plot_loss_curve()
+        finally:  # the trackers' runs end either way (with the curve if it was drawn)
+            samples = self.out / "samples.jsonl"
+            self._trackers.finish(results, curve if curve.is_file() else None,
+                                  [record for _, record in read_records(samples)] if samples.is_file() else [])
         if self.enabled and self.out is not self.target:
             self.sync()
             shutil.rmtree(self.out, ignore_errors=True)  # the staging folder: everything is in the bucket now
             self.out = self.target
         labels = {"train_loss": "train loss {:.4f}", "eval_loss": "eval loss {:.4f}",
                   "eval_perplexity": "perplexity {:.2f}", "eval_accuracy": "accuracy {:.4f}",
-                  "train_tokens_per_second": "{:,.0f} tokens/s", "total_steps": "{} steps"}
+                  "train_tokens_per_second": "{:,.0f} tokens/s",
+                  "train_real_tokens_per_second": "{:,.0f} real (non-padding) tokens/s", "total_steps": "{} steps"}
         parts = [fmt.format(results[k]) for k, fmt in labels.items() if k in results]
         log.info("summary: %s | wall time %.0fs | outputs in %s", " | ".join(parts),
                  time.perf_counter() - self._run_start, self.target)

@@ -28,7 +28,7 @@ from spmdlm.families import families, get_family, load_config, load_pretrained_c
 from spmdlm.families.base import Family, Generation
 from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
 from spmdlm.models.layers import resolve_attention
-from spmdlm.train.optim import OptimConfig, learning_rate_schedule
+from spmdlm.train.optim import learning_rate_schedule, optim_config_from_args
 from spmdlm.train.state import DTYPES, build_train_state
 from spmdlm.train.step import Stepper
 
@@ -76,6 +76,7 @@ class RunContext:
     objective: Objective | None = None
     data: Data | None = None
     schedule: pipeline.Schedule | None = None
+    hub: Any = None  # spmdlm.train.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
 
     @property
     def total_steps(self) -> int:
@@ -299,7 +300,8 @@ def tokenize(ctx: RunContext, docs, name: str) -> records.PreparedSplit:
     ids = special_token_ids(ctx.tokenizer, ctx.family)
     cache = storage.path(args.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
     common = dict(record_length=ctx.objective.record_length, separator_id=ids["eos"], cache_dir=cache,
-                  mode=ctx.objective.preparation, pad_id=ids.get("pad"), workers=args.preprocessing_num_workers or 1)
+                  mode=ctx.objective.preparation, pad_id=ids.get("pad"), bos_id=ids.get("bos"),
+                  workers=args.preprocessing_num_workers or 1)
     split = token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=args.overwrite_cache,
                                       **common) if is_main() else None
     if jax.process_count() > 1:  # the others wait for process 0's file, then read the same cache
@@ -343,20 +345,12 @@ def finish_data(ctx: RunContext, train, validation, source_validation=None) -> N
 
 
 # -- stage 5: the sharded train state -------------------------------------------------------------------------------
-def optim_config(args: RunArgs) -> OptimConfig:
-    return OptimConfig(
-        learning_rate=args.learning_rate, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, adafactor=args.adafactor,
-        max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps, lr_scheduler_type=args.lr_scheduler_type,
-    )
-
-
 def setup_state(ctx: RunContext, *, abstract: bool):
     """-> (graphdef, state, stepper). `abstract`: shapes and shardings only, nothing allocated — the target a resume
     restores into (a fresh init would be a second copy) and all that compiling for another machine needs. A fresh
     state from --model_name_or_path gets that checkpoint's weights."""
     args = ctx.args
-    optim, steps = optim_config(args), max(ctx.total_steps, 1)
+    optim, steps = optim_config_from_args(args), max(ctx.total_steps, 1)
     graphdef, state = build_train_state(ctx.family, ctx.config, ctx.mesh, optim=optim, total_steps=steps,
                                         seed=args.seed, dtype=args.dtype, remat=args.remat,
                                         scan_unroll=args.scan_unroll, attention=ctx.attention, abstract=abstract)
@@ -366,7 +360,7 @@ def setup_state(ctx: RunContext, *, abstract: bool):
     stepper = Stepper(graphdef, state, ctx.mesh, ctx.family.forward, grad_accum=args.gradient_accumulation_steps,
                       z_loss=args.z_loss, dropout_seed=args.seed, schedule=learning_rate_schedule(optim, steps),
                       loss_chunk=args.loss_chunk_size, label_capacity=ctx.objective.label_capacity,
-                      unscored=ctx.objective.unscored_label_ids)
+                      unscored=ctx.objective.unscored_label_ids, optim=optim)
     return graphdef, state, stepper
 
 

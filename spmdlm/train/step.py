@@ -22,6 +22,7 @@ from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.devices import compiled_stats
 from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
+from spmdlm.train.optim import OptimConfig, evaluation_params, spike_counts
 
 
 def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0,
@@ -121,6 +122,30 @@ def loss_sums(model: nnx.Module, batch: Batch, forward: Forward, rngs: nnx.Rngs 
     return head_sums(model.head, features, labels, **loss)
 
 
+# Each model input and the fields that mark its padding (the first the batch has; none: every token is real).
+INPUT_PADDING = (("input_ids", ("attention_mask", "segment_ids")),
+                 ("decoder_input_ids", ("decoder_attention_mask", "decoder_segment_ids")))
+
+
+def real_tokens(batch: Batch) -> jax.Array:
+    """The non-padding tokens of a batch's model inputs (encoder and decoder): what packing raises per step."""
+    total = jnp.zeros((), jnp.float32)
+    for field, markers in INPUT_PADDING:
+        if field in batch:
+            marker = next((batch[m] for m in markers if m in batch), None)
+            total += batch[field].size if marker is None else jnp.sum(marker > 0, dtype=jnp.float32)
+    return total
+
+
+def model_for_evaluation(graphdef, state, optim: OptimConfig | None = None):
+    """(model, optimizer) of the train state, the model holding the parameters to evaluate, sample from and export:
+    schedule-free AdamW's averaged sequence (optim.evaluation_params); for other optimizers the trained ones."""
+    model, optimizer = nnx.merge(graphdef, state)
+    if optim is not None:
+        nnx.update(model, evaluation_params(optim, optimizer.opt_state, nnx.state(model, nnx.Param)))
+    return model, optimizer
+
+
 def state_shardings(state) -> Any:
     return jax.tree.map(lambda x: x.sharding, state)
 
@@ -130,8 +155,9 @@ class Stepper:
 
     def __init__(self, graphdef, state, mesh: Mesh, forward: Forward, *, grad_accum: int = 1, z_loss: float = 0.0,
                  dropout_seed: int = 0, schedule: optax.Schedule | None = None, loss_chunk: int = 0,
-                 label_capacity: int | None = None, unscored: tuple[int, ...] = ()):
+                 label_capacity: int | None = None, unscored: tuple[int, ...] = (), optim: OptimConfig | None = None):
         self.graphdef, self.mesh, self.forward = graphdef, mesh, forward
+        self.optim = optim  # evaluation reads its evaluation parameters (model_for_evaluation)
         self.grad_accum, self.schedule = grad_accum, schedule
         self.loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, label_capacity=label_capacity, unscored=unscored)
         self.dropout_key = jax.random.key(dropout_seed)
@@ -173,15 +199,19 @@ class Stepper:
                 params, jax.tree.map(lambda x: x[0], micro), 0)))
             ((grads, sums), _), _ = jax.lax.scan(body, (zeros, params), (micro, jnp.arange(k)))
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
-        metrics = dict(sums, grad_norm=optax.global_norm(grads))
+        metrics = dict(sums, grad_norm=optax.global_norm(grads), real_tokens=real_tokens(batch))
         if self.schedule is not None:
             metrics["learning_rate"] = self.schedule(step)
-        optimizer.update(model, grads)
+        if self.optim is not None and self.optim.skip_step_on_spike:  # optim.skip_spikes judges this loss
+            optimizer.update(model, grads, loss=sums["loss_sum"] / jnp.maximum(sums["tokens"], 1.0))
+            metrics.update(spike_counts(optimizer.opt_state))
+        else:
+            optimizer.update(model, grads)
         return nnx.state((model, optimizer)), metrics
 
     def eval_fn(self, state, batch: Batch):
-        """The loss sums of a batch under the current parameters."""
-        model, _ = nnx.merge(self.graphdef, state)
+        """The loss sums of a batch under the current (evaluation) parameters."""
+        model, _ = model_for_evaluation(self.graphdef, state, self.optim)
         return loss_sums(model, batch, self.forward, **self.loss)
 
     # -- compilation ---------------------------------------------------------------------------------------------

@@ -51,6 +51,17 @@ MAX_SEQ_LENGTH = Flag("max_seq_length", int, None, "encoder length for RoBERTa/T
                       "the model's positions up to 512 and 1024, T5 512)", at_least_one, "must be at least 1")
 MLM_PROBABILITY = Flag("mlm_probability", float, None, "MLM masking rate / T5 noise density (default 0.15); BART: "
                        "the HF script's name for --mask_ratio", open_unit, "must be between 0 and 1")
+DOCUMENT_ATTENTION = Flag("document_attention", str, "joined", "records cut from the document stream: 'joined' lets "
+                          "every token attend across the documents a record holds (GPT-2's practice, the default); "
+                          "'isolated' makes each document a segment of its own: attention, positions and (T5, BART) "
+                          "the corruption stay within it", lambda value: value in DOCUMENT_ATTENTION_MODES,
+                          "must be joined or isolated")
+DOCUMENT_ATTENTION_MODES = ("joined", "isolated")
+
+# The batch fields of segmented (packed or isolated) examples: segment ids count from 1 per row and 0 marks padding;
+# positions count from 0 within each segment. A query sees only keys of its own segment (docs/packing.md).
+SEGMENT_FIELDS = ("segment_ids", "positions")
+DECODER_SEGMENT_FIELDS = ("decoder_segment_ids", "decoder_positions")
 
 
 class Objective:
@@ -139,6 +150,26 @@ class Vectorised(Objective):
 
     def batch(self, records: np.ndarray, seed: int, indices: Sequence[int]) -> dict[str, np.ndarray]:
         return self.apply(np.asarray(records), row_draws(seed, indices, self.draw))
+
+
+def segments(starts: np.ndarray, valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids, positions), int32 [rows, T], of rows whose segments begin where `starts` (bool [rows, T]) is
+    True; position 0 always begins one. Segment ids count from 1; where `valid` is False (padding) both are 0."""
+    starts = np.asarray(starts, dtype=bool).copy()
+    starts[:, 0] = True
+    segment_ids = np.cumsum(starts, axis=1, dtype=np.int32)
+    index = np.arange(starts.shape[1], dtype=np.int32)
+    positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1).astype(np.int32)
+    if valid is not None:
+        segment_ids, positions = np.where(valid, segment_ids, 0), np.where(valid, positions, 0)
+    return segment_ids.astype(np.int32), positions.astype(np.int32)
+
+
+def after(marks: np.ndarray) -> np.ndarray:
+    """bool [rows, T]: True right after each True of `marks` (a segment begins after its separator)."""
+    out = np.zeros_like(marks, dtype=bool)
+    out[:, 1:] = marks[:, :-1]
+    return out
 
 
 def padding_example(objective: Objective) -> dict[str, np.ndarray]:

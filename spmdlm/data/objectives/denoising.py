@@ -15,6 +15,16 @@ one <mask>. <s> and </s> are never touched. Special ids inside the content (the 
 stay exactly where they are: sentences are shuffled only within the run between two specials (one document), and
 no span covers a special (a span that would straddle one is cut in two around it, each part with its own <mask>).
 
+With document_attention "isolated", each document is a segment of its own on both sides: an encoder segment ends
+with its separator (the first also holds <s>, the last the closing </s>), and so does a label segment, the decoder
+position j being in the segment of label j. Since the separators stay in place and in order, encoder segment k and
+label segment k hold the same document. BART's decoder_start_id is </s>, the separator, so the shifted decoder
+inputs already restart with it at each later segment (it is set there anyway, for any decoder_start_id). Infilled
+content too long for the encoder (many inserted <mask>s, or spans split at the separators of 1-token documents) is
+cut at its end (its last segment keeps what is left of its document, then </s>); label segments past the encoder's
+last become padding (segment 0, labels IGNORE_INDEX).
+attention_mask and decoder_attention_mask are segment_ids > 0 and decoder_segment_ids > 0.
+
 Randomness: each row first draws, from its own generator, its Poisson span lengths (until they cover its budget) and
 one array of uniforms: sort keys that order its spans, pick their gaps and pick and order its sentences. Everything
 else is array operations over all the rows of a batch at once, so a row is the same in any batch, and alone
@@ -42,7 +52,9 @@ from typing import Sequence
 
 import numpy as np
 
-from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Framed, open_unit, row_rngs
+from spmdlm.data.objectives import (DECODER_SEGMENT_FIELDS, DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_MODES, IGNORE_INDEX,
+                                    MAX_SEQ_LENGTH, MLM_PROBABILITY, SEGMENT_FIELDS, Flag, Framed, after, open_unit,
+                                    row_rngs, segments)
 from spmdlm.data.sentences import SENTENCE_END
 
 MASK_RATIO = Flag("mask_ratio", float, None, "BART text infilling: fraction of tokens masked (default 0.3)", open_unit,
@@ -62,7 +74,7 @@ def _ceil(x: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Denoising(Framed):
-    FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, MASK_RATIO, POISSON_LAMBDA, PERMUTE_SENTENCE_RATIO)
+    FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, MASK_RATIO, POISSON_LAMBDA, PERMUTE_SENTENCE_RATIO, DOCUMENT_ATTENTION)
     read_threads = 0  # per-row Poisson draws are small GIL-holding calls: a prefetch thread only contends (bench_read)
     max_seq_length: int
     bos_id: int
@@ -74,10 +86,13 @@ class Denoising(Framed):
     permute_sentence_ratio: float = 1.0
     mask_ratio: float = 0.3
     poisson_lambda: float = 3.0
+    document_attention: str = "joined"
 
     def __post_init__(self):
         # Plain ints keep the objective hashable and cheap to pickle into data workers.
         object.__setattr__(self, "special_ids", tuple(sorted({int(i) for i in self.special_ids})))
+        if self.document_attention not in DOCUMENT_ATTENTION_MODES:
+            raise ValueError(f"document_attention {self.document_attention!r} must be joined or isolated")
         if self.max_seq_length < 3:
             raise ValueError(f"max_seq_length {self.max_seq_length} leaves no room for content: raise --max_seq_length")
         for name in ("permute_sentence_ratio", "mask_ratio"):
@@ -283,12 +298,32 @@ class Denoising(Framed):
         input_ids, attention_mask = self._infill(content, pinned, spans)
         column = lambda value: np.full((rows, 1), value, dtype=np.int32)
         labels = np.concatenate((column(self.bos_id), ids, column(self.eos_id)), axis=1)
-        return {
+        out = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "decoder_input_ids": np.concatenate((column(self.decoder_start_id), labels[:, :-1]), axis=1),
             "decoder_attention_mask": np.ones((rows, self.max_seq_length), dtype=np.int32),
             "labels": labels,
+        }
+        if self.document_attention == "isolated":
+            out.update(self._segmented(out))
+        return out
+
+    def _segmented(self, out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The isolated fields of examples `out`: both sides cut after each </s>; label segments the encoder lacks
+        (its overflow cut) become padding."""
+        segment_ids, positions = segments(after(out["input_ids"] == self.eos_id), out["attention_mask"] > 0)
+        decoder_segment_ids, decoder_positions = segments(after(out["labels"] == self.eos_id))
+        present = decoder_segment_ids <= segment_ids.max(axis=1, keepdims=True)
+        decoder_segment_ids, decoder_positions = decoder_segment_ids * present, decoder_positions * present
+        restart = present & (decoder_positions == 0)
+        decoder_input_ids = np.where(present, out["decoder_input_ids"], self.pad_id)
+        return {
+            "decoder_input_ids": np.where(restart, self.decoder_start_id, decoder_input_ids).astype(np.int32),
+            "decoder_attention_mask": present.astype(np.int32),
+            "labels": np.where(present, out["labels"], IGNORE_INDEX).astype(np.int32),
+            **dict(zip(SEGMENT_FIELDS, (segment_ids, positions))),
+            **dict(zip(DECODER_SEGMENT_FIELDS, (decoder_segment_ids, decoder_positions))),
         }
 
     def __call__(self, record: np.ndarray, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -306,6 +341,8 @@ class Denoising(Framed):
     def example_spec(self):
         shape = (self.max_seq_length,)
         names = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "labels")
+        if self.document_attention == "isolated":
+            names += SEGMENT_FIELDS + DECODER_SEGMENT_FIELDS
         return {name: (shape, np.int32) for name in names}
 
 

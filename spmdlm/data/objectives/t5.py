@@ -10,6 +10,24 @@ each after its sentinel:
 The numbers of noise tokens and spans depend only on the record length, so every example has the same static
 shapes and nothing is padded. Only the span layout is random: one uniform per token but two, the sort keys that pick
 each row's span boundaries, so a batch is corrupted with array operations over all its rows.
+
+With document_attention "isolated", each document of the record is corrupted on its own, as T5X corrupts each
+document before packing: the record is cut after each EOS separator into segments, and a segment whose content (its
+tokens but the separator) has M >= 2 tokens is corrupted exactly as a record of M tokens is (the same counts, the
+same sort-key rule, the keys read from the uniforms at its own positions), its sentinels numbered from <extra_id_0>:
+
+    inputs  = keep_0 <extra_id_0> ... keep_n <extra_id_n> EOS  |  the next document's ...       (right-padded)
+    labels  = <extra_id_0> noise_0 ... <extra_id_n> noise_n EOS |  ...                          (right-padded)
+
+The separator is the segment's EOS (never noise); a record's last segment, when cut mid-document, gets one added; a
+1-token document stays as it is. Since a corrupted segment never grows (noise tokens >= spans), records of
+inputs_length - 1 tokens always fit the encoder's inputs_length. The targets keep the joined mode's length for the
+same --max_seq_length; when a record's segments would need more, they are taken in a random order and one whose
+targets no longer fit is left uncorrupted (inputs only, no loss: common only for documents of a few dozen tokens).
+`segment_ids` and `decoder_segment_ids` hold the record's segment number (1, 2, ...; 0 = padding), so a target
+segment carries the number of its document's input segment (numbers without targets are skipped); `positions` and
+`decoder_positions` count from 0 within each segment, and each target segment's decoder inputs restart with
+decoder_start_id.
 """
 
 from __future__ import annotations
@@ -19,7 +37,9 @@ import functools
 
 import numpy as np
 
-from spmdlm.data.objectives import MAX_SEQ_LENGTH, MLM_PROBABILITY, Flag, Vectorised
+from spmdlm.data.objectives import (DECODER_SEGMENT_FIELDS, DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_MODES, IGNORE_INDEX,
+                                    MAX_SEQ_LENGTH, MLM_PROBABILITY, SEGMENT_FIELDS, Flag, Vectorised, after,
+                                    segments)
 
 MEAN_NOISE_SPAN_LENGTH = Flag("mean_noise_span_length", float, 3.0, "T5 span corruption: mean length of a corrupted "
                               "span")
@@ -126,19 +146,69 @@ def _replace_spans(ids: np.ndarray, spans: np.ndarray, sentinels: np.ndarray, eo
     return np.concatenate((kept, np.full((len(ids), 1), eos_id)), axis=1).astype(np.int32)
 
 
+def _runs(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, offset) of the concatenated ranges arange(lengths[i]): which range each element is in, and where."""
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    return owner, np.arange(len(owner)) - (np.cumsum(lengths) - lengths)[owner]
+
+
+def _compact(emit: np.ndarray, values: np.ndarray, segment: np.ndarray, width: int, fill: int):
+    """(ids, segment_ids, positions), each (rows, width): the `values` where `emit` (both (rows, n)) moved to the
+    left of each row, right-padded with `fill` (segment 0, position 0); positions count within each segment."""
+    row, column = np.nonzero(emit)
+    at = (np.cumsum(emit, axis=1) - 1)[row, column]
+    ids = np.full((len(emit), width), fill, dtype=np.int32)
+    segment_ids = np.zeros((len(emit), width), dtype=np.int32)
+    ids[row, at], segment_ids[row, at] = values[row, column], segment[row, column]
+    starts = segment_ids != np.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1]
+    return ids, segment_ids, segments(starts, segment_ids > 0)[1]
+
+
+def _segment_runs(start: np.ndarray, m: np.ndarray, n_noise: np.ndarray, n_spans: np.ndarray, draws: np.ndarray):
+    """Where the spans of segments begin: (noise run starts, their numbers, keep run starts, their numbers), flat
+    positions and run numbers within the segment, of segments at flat `start` with m content tokens, n_noise of them
+    in n_spans noise runs (each run of either kind non-empty, keep first, noise last).
+
+    The layout is `random_spans_noise_masks`' for a record of m tokens, from the uniforms of `draws` (flat) at the
+    segment's first m - 2 positions: the K - 1 gaps between kept tokens, then the N - 1 between noise tokens; the
+    S - 1 gaps of each kind with the smallest keys are where its runs are cut. All segments at once.
+    """
+    n_keep = m - n_noise
+    owner, j = _runs(m - 2)
+    noise_gap = j >= (n_keep - 1)[owner]
+    group = 2 * owner + noise_gap  # non-decreasing: by segment, keep gaps before noise gaps
+    by_key = np.lexsort((draws.reshape(-1)[start[owner] + j], group))
+    cut = np.zeros(len(j), dtype=bool)
+    cut[by_key] = np.arange(len(j)) - np.searchsorted(group, group[by_key]) < (n_spans - 1)[owner[by_key]]
+    keep_cuts = (j + 1)[cut & ~noise_gap]  # S - 1 per segment, ascending: kept tokens before keep runs 1..
+    noise_cuts = (j - (n_keep - 1)[owner] + 1)[cut & noise_gap]  # noise tokens before noise runs 1..
+    ends = np.cumsum(n_spans - 1)
+    # Noise run r begins after keep runs 0..r and noise runs 0..r-1; keep run r >= 1 after runs 0..r-1 of both.
+    keep_before = np.insert(keep_cuts, ends, n_keep)  # per segment: keep_cuts, then K
+    noise_before = np.insert(noise_cuts, ends - (n_spans - 1), 0)  # per segment: 0, then noise_cuts
+    run_owner, noise_runs = _runs(n_spans)
+    cut_owner, cut_run = _runs(n_spans - 1)
+    keep_starts = np.concatenate((start, start[cut_owner] + keep_cuts + noise_cuts))
+    keep_runs = np.concatenate((np.zeros_like(start), cut_run + 1))
+    return start[run_owner] + keep_before + noise_before, noise_runs, keep_starts, keep_runs
+
+
 @dataclasses.dataclass(frozen=True)
 class SpanCorruption(Vectorised):
-    FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, MEAN_NOISE_SPAN_LENGTH)
+    FLAGS = (MAX_SEQ_LENGTH, MLM_PROBABILITY, MEAN_NOISE_SPAN_LENGTH, DOCUMENT_ATTENTION)
     inputs_length: int  # encoder length (--max_seq_length)
     sentinel_ids: tuple[int, ...]  # [k] = id of <extra_id_k>, from the real tokenizer
     eos_id: int
     noise_density: float = 0.15
     mean_noise_span_length: float = 3.0
     decoder_start_id: int = 0
+    document_attention: str = "joined"
 
     def __post_init__(self):
         # Stored as plain ints so the objective stays hashable and cheap to pickle into data workers.
         object.__setattr__(self, "sentinel_ids", tuple(int(i) for i in self.sentinel_ids))
+        if self.document_attention not in DOCUMENT_ATTENTION_MODES:
+            raise ValueError(f"document_attention {self.document_attention!r} must be joined or isolated")
         if not 0.0 < self.noise_density < 1.0:
             raise ValueError(f"noise_density {self.noise_density} must be in (0, 1): fix --mlm_probability")
         if self.mean_noise_span_length < 1.0:
@@ -147,6 +217,8 @@ class SpanCorruption(Vectorised):
             )
         if self.inputs_length < 3:
             raise ValueError(f"inputs_length {self.inputs_length} is too short to corrupt: raise --max_seq_length")
+        # Isolated: a segment has at most record_length tokens and spans grow with the length, so this bounds every
+        # segment's spans too (each numbers its sentinels from <extra_id_0>).
         n_spans = num_noise_spans(self.record_length, self.noise_density, self.mean_noise_span_length)
         if n_spans > len(self.sentinel_ids):
             raise ValueError(
@@ -155,9 +227,13 @@ class SpanCorruption(Vectorised):
                 "--mean_noise_span_length, or use a tokenizer with more sentinels"
             )
 
+    @property
+    def isolated(self) -> bool:
+        return self.document_attention == "isolated"
+
     @functools.cached_property
-    def record_length(self) -> int:
-        """Longest record whose corrupted input is exactly inputs_length tokens (T5's expanded_inputs_length).
+    def _expanded_length(self) -> int:
+        """Longest record whose corrupted input has at most inputs_length tokens (T5's expanded_inputs_length).
 
         The same search as T5's random_spans_helper, run on the counts the mask really uses. The two agree at the
         usual settings; T5's helper gives lengths the examples would not have at mean span 1, density > 0.5 or tiny
@@ -168,6 +244,16 @@ class SpanCorruption(Vectorised):
         length = self.inputs_length - 1  # corruption adds at most one token (EOS), so this never overshoots
         while _corrupted_lengths(length + 1, density, mean)[0] <= self.inputs_length:
             length += 1
+        return length
+
+    @functools.cached_property
+    def record_length(self) -> int:
+        """Joined: the record whose corrupted input is exactly inputs_length tokens. Isolated: inputs_length - 1,
+        the longest record that fits the encoder however it is segmented (every segment's input is at most its
+        tokens, plus the EOS the last one gets when it is cut mid-document)."""
+        if self.isolated:
+            return self.inputs_length - 1
+        length, density, mean = self._expanded_length, self.noise_density, self.mean_noise_span_length
         below, above = (_corrupted_lengths(n, density, mean)[0] for n in (length, length + 1))
         if below != self.inputs_length:
             raise ValueError(
@@ -179,18 +265,33 @@ class SpanCorruption(Vectorised):
 
     @functools.cached_property
     def targets_length(self) -> int:
-        return _corrupted_lengths(self.record_length, self.noise_density, self.mean_noise_span_length)[1]
+        """The joined mode's targets length for this inputs_length (isolated: the capacity segments share)."""
+        return _corrupted_lengths(self._expanded_length, self.noise_density, self.mean_noise_span_length)[1]
 
     @functools.cached_property
     def _sentinels(self) -> np.ndarray:
         return np.asarray(self.sentinel_ids, dtype=np.int32)
 
+    @functools.cached_property
+    def _segment_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[M] = (noise tokens, noise spans, targets) of a segment of M content tokens; all 0 below 2 tokens (left
+        uncorrupted: there is no keep and noise token to split them into)."""
+        counts = np.zeros((3, self.record_length + 1), dtype=np.int64)
+        for m in range(2, self.record_length + 1):
+            n_noise, n_spans = _span_counts(m, self.noise_density, self.mean_noise_span_length)
+            counts[:, m] = n_noise, n_spans, n_noise + n_spans + 1
+        return counts[0], counts[1], counts[2]
+
     def draw(self, rng: np.random.Generator) -> np.ndarray:
+        if self.isolated:  # one uniform per token: each segment reads its sort keys at its own positions
+            return rng.random(self.record_length)
         return rng.random(noise_mask_draws(self.record_length, self.noise_density, self.mean_noise_span_length))
 
     def apply(self, records: np.ndarray, draws: np.ndarray) -> dict[str, np.ndarray]:
         if records.shape[1:] != (self.record_length,):
             raise ValueError(f"T5 record has shape {records.shape[1:]}, expected ({self.record_length},)")
+        if self.isolated:
+            return self._apply_isolated(records.astype(np.int32, copy=False), draws)
         noise = random_spans_noise_masks(self.record_length, self.noise_density, self.mean_noise_span_length, draws)
         labels = _replace_spans(records, ~noise, self._sentinels, self.eos_id)
         starts = np.full((len(records), 1), self.decoder_start_id, dtype=np.int32)
@@ -200,9 +301,76 @@ class SpanCorruption(Vectorised):
             "decoder_input_ids": np.concatenate((starts, labels[:, :-1]), axis=1),
         }
 
+    def _corrupted_segments(self, count: np.ndarray, targets: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """bool per segment (flat, by row then segment; `count` per row): corrupted. A segment long enough is
+        corrupted if its targets fit what the others taken before it left of targets_length; a row whose segments do
+        not all fit takes them in the order of their uniform `keys`: which one is left out does not depend on its place
+        (in order, a record's last segment, the head of a document the next record goes on with, would go first)."""
+        corrupt = targets > 0
+        first = np.cumsum(count) - count
+        for row in np.flatnonzero(np.add.reduceat(targets, first) > self.targets_length).tolist():
+            room, at = self.targets_length, int(first[row])
+            for g in (at + np.argsort(keys[at : at + count[row]])).tolist():
+                if corrupt[g] and targets[g] <= room:
+                    room -= int(targets[g])
+                else:
+                    corrupt[g] = False
+        return corrupt
+
+    def _apply_isolated(self, records: np.ndarray, draws: np.ndarray) -> dict[str, np.ndarray]:
+        rows, length = records.shape
+        separator = records == self.eos_id
+        segment, index = segments(after(separator))  # a segment ends with its separator
+        count = segment[:, -1]  # segments per row
+        flat_segment = (np.cumsum(count) - count)[:, None] + segment - 1  # by row then segment, as `starts`
+        flat_size = rows * length
+        starts = np.flatnonzero(index == 0)  # flat position of every segment's first token, by row then segment
+        sizes = np.diff(np.append(starts, flat_size))
+        content = sizes - separator.reshape(-1)[starts + sizes - 1]  # only a row's last segment may lack one
+        noise_of, spans_of, targets_of = self._segment_counts
+        # The key of a segment's order is the uniform at its last token, which its spans' keys never use.
+        corrupt = self._corrupted_segments(count, targets_of[content], draws.reshape(-1)[starts + sizes - 1])
+
+        start, m = starts[corrupt], content[corrupt]
+        noise_starts, noise_runs, keep_starts, keep_runs = _segment_runs(start, m, noise_of[m], spans_of[m], draws)
+        # A noise run ends where keep run r >= 1 begins (keep_starts lists each segment's run 0 first) or, the
+        # last, where its segment's content does.
+        noise_ends = np.concatenate((keep_starts[len(start) :], start + m))
+        flips = np.bincount(noise_starts, minlength=flat_size + 1) - np.bincount(noise_ends, minlength=flat_size + 1)
+        noise = (np.cumsum(flips)[:-1] > 0).reshape(rows, length)
+
+        # Both sides on a grid one column wider than the record: the EOS a row's last segment gets when it lacks a
+        # separator goes in the extra column. Sentinels replace the first token of each run they stand for.
+        width = length + 1
+        grid = lambda flat: flat // length * width + flat % length
+        eos = np.full((rows, 1), self.eos_id, dtype=np.int32)
+        ends_open = ~separator[:, -1:]
+        in_corrupt = corrupt[flat_segment]
+        grid_segment = np.concatenate((segment, segment[:, -1:]), axis=1)
+        inputs = np.concatenate((records, eos), axis=1)
+        input_emit = np.concatenate((~noise, ends_open), axis=1)
+        inputs.flat[grid(noise_starts)] = self._sentinels[noise_runs]
+        input_emit.flat[grid(noise_starts)] = True
+        targets = np.concatenate((records, eos), axis=1)
+        target_emit = np.concatenate((noise | (separator & in_corrupt), ends_open & in_corrupt[:, -1:]), axis=1)
+        targets.flat[grid(keep_starts)] = self._sentinels[keep_runs]
+        target_emit.flat[grid(keep_starts)] = True
+
+        # Right-padded with T5's <pad> (0) in segment 0, which no query sees; the decoder restarts per segment.
+        input_ids, segment_ids, positions = _compact(input_emit, inputs, grid_segment, self.inputs_length, 0)
+        labels, decoder_segment_ids, decoder_positions = _compact(target_emit, targets, grid_segment,
+                                                                  self.targets_length, IGNORE_INDEX)
+        shifted = np.pad(labels, ((0, 0), (1, 0)))[:, :-1]
+        restart = (decoder_positions == 0) & (decoder_segment_ids > 0)
+        decoder_input_ids = np.where(restart, self.decoder_start_id, np.where(decoder_segment_ids > 0, shifted, 0))
+        return {"input_ids": input_ids, "labels": labels, "decoder_input_ids": decoder_input_ids.astype(np.int32),
+                **dict(zip(SEGMENT_FIELDS, (segment_ids, positions))),
+                **dict(zip(DECODER_SEGMENT_FIELDS, (decoder_segment_ids, decoder_positions)))}
+
     def example_spec(self):
-        return {
-            "input_ids": ((self.inputs_length,), np.int32),
-            "labels": ((self.targets_length,), np.int32),
-            "decoder_input_ids": ((self.targets_length,), np.int32),
-        }
+        encoder, decoder = ((self.inputs_length,), np.int32), ((self.targets_length,), np.int32)
+        spec = {"input_ids": encoder, "labels": decoder, "decoder_input_ids": decoder}
+        if self.isolated:
+            spec.update({name: encoder for name in SEGMENT_FIELDS})
+            spec.update({name: decoder for name in DECODER_SEGMENT_FIELDS})
+        return spec

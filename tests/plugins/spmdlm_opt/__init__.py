@@ -27,7 +27,7 @@ from spmdlm.flops import attention_matmuls, dense
 from spmdlm.mesh import constrain
 from spmdlm.errors import ConfigError
 from spmdlm.models.config import HFConfig
-from spmdlm.models.attention import make_attention_mask
+from spmdlm.models.attention import make_attention_mask, segment_positions
 from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, LayerStack, dropout
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of embed_positions (a fairseq legacy, as BART's)
@@ -140,15 +140,18 @@ class OPTForCausalLM(nnx.Module):
         return self.config.max_length
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
                  rngs: nnx.Rngs | None = None, features_only: bool = False) -> jax.Array:
+        """Packed rows (`--document_attention isolated`) pass `segment_ids` and `positions` within each segment."""
         length = input_ids.shape[1]
         if length > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {length} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        positions = jnp.arange(length) + POSITION_OFFSET
-        x = constrain(self.embed_tokens(input_ids) + self.embed_positions(positions)[None],
+        if positions is None:
+            positions = jnp.arange(length)[None] if segment_ids is None else segment_positions(segment_ids)
+        x = constrain(self.embed_tokens(input_ids) + self.embed_positions(positions + POSITION_OFFSET),
                       "batch", "length", "act_embed")
-        mask = make_attention_mask(attention_mask, causal=True)
+        mask = make_attention_mask(attention_mask, causal=True, q_segments=segment_ids, kv_segments=segment_ids)
         x = self.final_layer_norm(self.layers(x, mask, rngs=rngs))
         return x if features_only else self.head(x)
 

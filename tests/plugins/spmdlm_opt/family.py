@@ -4,12 +4,19 @@ point group (`opt = spmdlm_opt.family:FAMILY`): causal LM on `--block_size` bloc
 
 from __future__ import annotations
 
+from spmdlm.data.objectives import DOCUMENT_ATTENTION
 from spmdlm.data.objectives.clm import BLOCK_SIZE, CausalLM
-from spmdlm.data.tokenizer import TokenizerSpec
+from spmdlm.data.tokenizer import TokenizerSpec, special_token_ids
 from spmdlm.errors import ArgumentError
 from spmdlm.families.base import Family, Generation, forward_single_stack
 
 from spmdlm_opt import TABLE, TINY, OPTConfig, OPTForCausalLM, check_hf_config, forward_flops
+
+
+def build_objective(args, config, tokenizer) -> CausalLM:
+    # </s> starts documents, as GPT-2's <|endoftext|>: with --document_attention isolated a segment begins at each
+    return CausalLM(block_size(args, config), eos_id=special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
+                    document_attention=DOCUMENT_ATTENTION.of(args))
 
 
 def block_size(args, config) -> int:
@@ -38,7 +45,7 @@ FAMILY = Family(
     quickstart=dict(output_dir="runs/opt-tiny-stdlib", config_name="opt-tiny", block_size=64,
                     per_device_train_batch_size=4, learning_rate=2e-3, max_steps=100),
     check_lengths=check_lengths,
-    build_objective=lambda args, config, tokenizer: CausalLM(block_size(args, config)),
+    build_objective=build_objective,
     forward_flops=forward_flops,
     forward=forward_single_stack,
     generation=Generation.NONE,  # no KV cache: trained and exported only

@@ -1,0 +1,369 @@
+"""The model card of every export (OUTPUT_DIR/hf/README.md) and `--push_to_hub`: uploads to the Hugging Face Hub, or
+to the hub that HF_ENDPOINT names (docs/hub.md).
+
+The card is built with huggingface_hub's ModelCardData and EvalResult (the YAML header and `model-index` the Hub
+shows) around a body written from the run's context; what it says about the model's use follows the family's
+`generation` and `hf_auto_class`, so a family from another package gets a card that fits it too.
+
+Uploads go from process 0, through HfApi (create_repo once, then upload_folder). A failed upload is one warning line
+and changes nothing local: the run goes on, its exit code and outputs are what they would have been without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+
+from spmdlm import __version__, checkpoint, storage
+from spmdlm.data import datasets, readers
+from spmdlm.errors import ArgumentError
+from spmdlm.export import export_complete, save_hf
+from spmdlm.families.base import Family, Generation
+from spmdlm.mesh import batch_axis_size
+from spmdlm.train.optim import optim_config_from_args
+from spmdlm.train.setup import RunContext, is_main
+from spmdlm.train.step import model_for_evaluation
+
+log = logging.getLogger("spmdlm")
+
+DEFAULT_ENDPOINT = "https://huggingface.co"  # huggingface_hub's own default
+CARD_NAME = "README.md"
+CHECKPOINT_DIR_IN_REPO = "last-checkpoint"
+# The Hub task of what each kind of model is asked for (pipeline_tag, the model-index task, a tag).
+TASKS = {Generation.FILL_MASK: "fill-mask", Generation.DECODER_ONLY: "text-generation",
+         Generation.ENCODER_DECODER: "text2text-generation", Generation.NONE: "feature-extraction"}
+# The model-index metrics: eval_results.json's key -> (metric type, pretty name)
+METRICS = {"eval_loss": ("loss", "Eval loss"), "eval_perplexity": ("perplexity", "Perplexity"),
+           "eval_accuracy": ("accuracy", "Token accuracy")}
+TOKENIZER_KINDS = {"bpe": "byte-level BPE", "unigram": "Unigram (SentencePiece)"}
+EXAMPLE_TEXT = "Hello, my name is"
+
+
+# -- the model card --------------------------------------------------------------------------------------------------
+def write_model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | None = None) -> None:
+    """README.md of the export in `folder` (local or gs://): the run's model, data, training and `results` (as
+    eval_results.json has them; none yet at an intermediate upload, whose `step` the card names)."""
+    storage.write_atomic(storage.path(folder) / CARD_NAME, str(model_card(folder, ctx, results, step=step)))
+
+
+def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | None = None):
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    args, family = ctx.args, ctx.family
+    task = TASKS[family.generation]
+    datasets_given = _split(args.card_datasets)
+    model_id = repo_id_of(ctx)
+    data = ModelCardData(
+        library_name="transformers", license=args.card_license, pipeline_tag=task,
+        tags=[family.name, "spmdlm", task, *_split(args.card_tags)], datasets=datasets_given or None,
+        model_name=model_id,
+        eval_results=[EvalResult(task_type=task, dataset_type=datasets_given[0] if datasets_given else "text",
+                                 dataset_name=datasets_given[0] if datasets_given else "held-out text",
+                                 dataset_split="validation", metric_type=metric, metric_name=name,
+                                 metric_value=results[key])
+                      for key, (metric, name) in METRICS.items() if key in results] or None)
+    body = "\n".join([
+        f"# {model_id}", "",
+        _summary(ctx, folder, step), "",
+        "## Model", "", *_model_lines(ctx, folder), "",
+        "## Training data", "", *_data_lines(ctx), "",
+        "## Training procedure", "", *_training_lines(ctx), "",
+        "## Evaluation", "", *_evaluation_lines(results, step, ctx.total_steps), "",
+        "## How to use", "", "```python", usage_snippet(family, model_id), "```", "",
+        f"Trained with spmdlm {__version__} (JAX and Flax NNX pretraining of RoBERTa, GPT-2, T5 and BART).", ""])
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def repo_id_of(ctx: RunContext) -> str:
+    """The model's name on the card: its Hub repository (user/name once the repository exists), else the output
+    dir's name."""
+    return ctx.hub.repo_id if ctx.hub is not None else default_repo_id(ctx)
+
+
+def default_repo_id(ctx: RunContext) -> str:
+    return ctx.args.hub_model_id or storage.absolute(ctx.out).name
+
+
+def _summary(ctx: RunContext, folder, step: int | None) -> str:
+    what = (f"the model at step {step} of {ctx.total_steps} (an upload during training)" if step is not None
+            else f"the model after {ctx.total_steps} steps")
+    start = f"from `{ctx.args.model_name_or_path}`" if ctx.args.model_name_or_path else "from scratch"
+    return (f"A {ctx.family.name} model ({_count(parameter_count(folder))} parameters) pretrained {start} with "
+            f"spmdlm: {what}, exported in transformers format for `{ctx.family.hf_auto_class}`.")
+
+
+def parameter_count(folder) -> int:
+    """The parameters of the export's model.safetensors, from its header (tied weights are stored once)."""
+    with storage.path(folder).joinpath("model.safetensors").open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+
+
+def _model_lines(ctx: RunContext, folder) -> list[str]:
+    config, family, tok = ctx.config, ctx.family, ctx.tokenizer
+    counts = list(family.table.layer_counts(config).values())
+    layers = (f"{counts[0]} encoder and {counts[1]} decoder layers" if family.is_encoder_decoder and len(counts) == 2
+              else f"{sum(counts)} layers")
+    width = next((getattr(config, name) for name in ("hidden_size", "d_model", "n_embd") if hasattr(config, name)),
+                 None)
+    spec = family.tokenizer
+    origin = "trained on the training corpus" if ctx.trained_tokenizer else "given"
+    return [
+        f"- family: {family.name} (`{family.hf_auto_class}`), config {ctx.config_source}",
+        f"- size: {parameter_count(folder):,} parameters, {layers}" + (f", width {width}" if width else ""),
+        f"- positions: {config.max_length}, vocabulary {config.vocab_size:,}",
+        f"- tokenizer: {TOKENIZER_KINDS.get(spec.kind, spec.kind)}, {tok.get_vocab_size():,} tokens ({origin})",
+    ]
+
+
+def _data_lines(ctx: RunContext) -> list[str]:
+    args, train = ctx.args, ctx.data.train
+    if ctx.sources:
+        lines = [f"A weighted mixture of {len(ctx.sources)} sources:", "",
+                 "| source | weight | records | tokens |", "| --- | --- | --- | --- |"]
+        lines += [f"| {s.name} | {s.weight:.3g} | {split.num_records:,} | {split.num_tokens:,} |"
+                  for s, split in zip(ctx.sources, train.splits)]
+        return lines
+    if args.dataset_dir:
+        card = datasets.read_card(args.dataset_dir)
+        source = (f"the prepared dataset `{args.dataset_dir}` ({card['read']['files']:,} files, "
+                  f"{card['splits']['train']['documents']:,} training documents)")
+    elif args.dataset_name:
+        source = f"the datasets dataset `{args.dataset_name}`" + (f" ({args.dataset_config_name})"
+                                                                  if args.dataset_config_name else "")
+    elif args.train_file:
+        documents = _cached_documents(train)
+        source = f"`{args.train_file}` ({len(readers.expand_files(args.train_file)):,} files" + (
+            f", {documents:,} training documents)" if documents else ")")
+    else:
+        source = "the embedded corpus (this Python's standard library sources)"
+    held_out = (f"`{args.validation_file}`" if args.validation_file else
+                f"{args.validation_split_percentage:g}% of the documents, held out by content hash")
+    return [f"- corpus: {source}",
+            f"- training records: {train.num_records:,} of {train.record_length} tokens ({train.num_tokens:,} "
+            "tokens)",
+            f"- evaluation: {held_out}"]
+
+
+def _cached_documents(split) -> int | None:
+    """The documents of a token-cache split, as the cache's metadata beside its token file records them."""
+    try:
+        return json.loads(split.path.with_suffix(".json").read_text())["documents"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _training_lines(ctx: RunContext) -> list[str]:
+    args, mesh = ctx.args, ctx.mesh
+    per_device = ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps)
+    lengths = ", ".join(f"{name} {length}" for name, length in ctx.objective.sequence_lengths().items())
+    optimizer = args.optim
+    if args.optim != "adafactor":
+        optimizer += f" (beta1 {args.adam_beta1:g}, beta2 {args.adam_beta2:g}" + (
+            f", epsilon {args.adam_epsilon:g})" if "adamw" in args.optim else ")")
+    schedule = args.lr_scheduler_type + (f", floor {args.min_lr_ratio:g} of the peak" if args.min_lr_ratio else "")
+    device = mesh.devices.flat[0]
+    flags = ", ".join(f"--{flag.name} {flag.of(args)}" for flag in ctx.family.flags)
+    axes = {axis: size for axis, size in mesh.shape.items() if size > 1} or dict(mesh.shape)
+    kind = f" ({device.device_kind})" if device.device_kind.lower() != device.platform else ""
+    return [
+        f"- steps: {ctx.total_steps:,}; global batch {ctx.global_batch} examples ({per_device} per device x "
+        f"{batch_axis_size(mesh)} batch devices x {args.gradient_accumulation_steps} accumulation)",
+        f"- sequence lengths: {lengths}; objective flags: {flags}",
+        f"- optimizer: {optimizer}; learning rate {args.learning_rate:g}, {schedule} schedule, "
+        f"{args.warmup_steps} warmup steps; weight decay {args.weight_decay:g}; gradient clipping "
+        f"{args.max_grad_norm:g}",
+        f"- dtype: {args.dtype}; seed {args.seed}",
+        f"- mesh: {', '.join(f'{axis}={size}' for axis, size in axes.items())} over {mesh.size} {device.platform} "
+        f"devices{kind}" + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""),
+    ]
+
+
+def _evaluation_lines(results: dict[str, Any], step: int | None, total_steps: int) -> list[str]:
+    rows = [(key, value) for key, value in results.items()
+            if (key.startswith(("eval_", "eval/")) or key == "train_loss") and isinstance(value, (int, float))]
+    if not rows:
+        return [f"None yet: this upload is the model at step {step} of {total_steps}; the final upload has the "
+                "evaluation." if step is not None else "The run did not evaluate (no held-out data)."]
+    return ["| metric | value |", "| --- | --- |", *(f"| {key} | {value:.6g} |" for key, value in rows)]
+
+
+def usage_snippet(family: Family, model_id: str) -> str:
+    """Python that loads the export from the Hub and uses it as the family's models are used."""
+    auto = family.hf_auto_class
+    specials = family.tokenizer.specials
+    mask = specials.get("mask") or ("<extra_id_0>" if family.tokenizer.num_sentinels else "")
+    load = (f'model_id = "{model_id}"\ntokenizer = AutoTokenizer.from_pretrained(model_id)\n'
+            f"model = {auto}.from_pretrained(model_id)\n")
+    if family.generation is Generation.FILL_MASK:
+        return (f'from transformers import pipeline\n\nmodel_id = "{model_id}"\n'
+                f'fill_mask = pipeline("fill-mask", model=model_id)\nprint(fill_mask("{EXAMPLE_TEXT} {mask}."))')
+    if family.generation is Generation.DECODER_ONLY:
+        prompt = EXAMPLE_TEXT
+    elif family.generation is Generation.ENCODER_DECODER:
+        prompt = f"{EXAMPLE_TEXT} {mask}." if mask else EXAMPLE_TEXT
+    else:  # a model that does not generate: its outputs for a text
+        return (f"from transformers import {auto}, AutoTokenizer\n\n{load}"
+                f'outputs = model(**tokenizer("{EXAMPLE_TEXT}", return_tensors="pt"))')
+    return (f"from transformers import {auto}, AutoTokenizer\n\n{load}"
+            f'inputs = tokenizer("{prompt}", return_tensors="pt")\n'
+            "outputs = model.generate(**inputs, max_new_tokens=20, do_sample=False)\n"
+            "print(tokenizer.decode(outputs[0], skip_special_tokens=True))")
+
+
+def _split(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+# -- uploads -----------------------------------------------------------------------------------------------------------
+class Hub:
+    """One repository on one hub (HF_ENDPOINT as it is when the run starts), created at the first upload."""
+
+    def __init__(self, repo_id: str, *, endpoint: str, token: str, private: bool, export_dir):
+        from huggingface_hub import HfApi
+
+        self.repo_id, self.endpoint, self.private, self.created = repo_id, endpoint, private, False
+        self.export_dir = export_dir  # what a failed upload's warning says to upload by hand
+        # endpoint passed explicitly: huggingface_hub reads HF_ENDPOINT only once, when it is first imported
+        self.api = HfApi(endpoint=endpoint, token=token, library_name="spmdlm", library_version=__version__)
+
+    def create(self) -> bool:
+        """The repository, once (it may exist already); its full id (user/name) from then on."""
+        if not self.created:
+            try:
+                with _quiet_hub_logs():
+                    # private=None leaves the visibility to the hub (public, or an organisation's default)
+                    url = self.api.create_repo(self.repo_id, private=self.private or None, exist_ok=True)
+            except Exception as e:  # noqa: BLE001 - any failure (network, HTTP, auth) must leave the run as it is
+                self._warn("creating the repository", e)
+                return False
+            self.repo_id, self.created = url.repo_id, True
+        return self.created
+
+    def upload(self, folder, what: str, *, path_in_repo: str | None = None, replace: bool = False) -> bool:
+        """`folder` (local or gs://), which holds `what`, into the repository (at `path_in_repo`); `replace`: what
+        else was there is deleted in the same commit. True when it is there."""
+        if not self.create():
+            return False
+        try:
+            with _local(folder) as local, _quiet_hub_logs():
+                self.api.upload_folder(repo_id=self.repo_id, folder_path=local, path_in_repo=path_in_repo,
+                                       commit_message=f"spmdlm: {what}", delete_patterns="*" if replace else None)
+        except Exception as e:  # noqa: BLE001 - as in create
+            self._warn(f"uploading {what} to", e)
+            return False
+        log.info("uploaded %s to %s/%s%s", what, self.endpoint, self.repo_id,
+                 f"/tree/main/{path_in_repo}" if path_in_repo else "")
+        return True
+
+    def _warn(self, what: str, error: Exception) -> None:
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        fix = ("check the token (--hub_token, HF_TOKEN or `hf auth login`) and its write access to the repository"
+               if status in (401, 403) else
+               f"re-run the same command to retry, or upload with `hf upload {self.repo_id} {self.export_dir}`")
+        log.warning("--push_to_hub: %s %s on %s failed: %s; the run and its outputs are unaffected; %s", what,
+                    self.repo_id, self.endpoint, first, fix)
+
+
+def hub_for(ctx: RunContext) -> Hub | None:
+    """The run's Hub on process 0 with --push_to_hub, else None. Refuses (ArgumentError, before anything is written)
+    a repository id the Hub would refuse and a missing token."""
+    args = ctx.args
+    if not args.push_to_hub or not is_main():
+        return None
+    from huggingface_hub import get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    repo_id = default_repo_id(ctx)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        given = "--hub_model_id" if args.hub_model_id else f"the output dir's name ({args.output_dir})"
+        reason = str(e).splitlines()[0]
+        raise ArgumentError(f"--push_to_hub: {given} {repo_id!r} is not a Hub repository id ({reason}); give "
+                            "--hub_model_id NAME or USER/NAME") from None
+    token = args.hub_token or get_token()  # get_token: HF_TOKEN, else the saved login
+    if not token:
+        raise ArgumentError("--push_to_hub needs a Hub token: give --hub_token, set HF_TOKEN or run `hf auth login`")
+    endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    return Hub(repo_id, endpoint=endpoint, token=token, private=args.hub_private_repo, export_dir=ctx.out / "hf")
+
+
+def publish_export(ctx: RunContext, results: dict[str, Any]) -> None:
+    """The end of a training run: the model card into OUTPUT_DIR/hf (with `results`, as finish() has them), and the
+    export uploaded with --push_to_hub. Nothing without a whole export, or in a run that did not train (its context
+    does not describe the training)."""
+    folder = ctx.out / "hf"
+    if ctx.data.train is None or not export_complete(folder):
+        return
+    if ctx.hub is not None:
+        ctx.hub.create()  # first: the card names the repository's full id
+    if is_main():
+        write_model_card(folder, ctx, results)
+    if ctx.hub is not None and ctx.hub.created:
+        ctx.hub.upload(folder, f"{ctx.family.name} after {ctx.total_steps} steps")
+
+
+def push_checkpoint(ctx: RunContext, graphdef, state, step: int, manager) -> None:
+    """After the checkpoint of `step` (every process calls it): --hub_strategy every_save uploads the model as of
+    `step`, exported to a temporary folder (every process joins the export's gathers); checkpoint also uploads the
+    checkpoint itself under last-checkpoint/ (replacing the one there), once its asynchronous save is complete. The
+    final step's model is left to the end's upload (publish_export), which has the evaluation."""
+    args = ctx.args
+    if not args.push_to_hub or args.hub_strategy == "end":
+        return
+    if step < ctx.total_steps or not args.export_hf:
+        with tempfile.TemporaryDirectory(prefix="spmdlm-hub-") as tmp:
+            model, _ = model_for_evaluation(graphdef, state, optim_config_from_args(args))
+            folder = save_hf(model, ctx.config, Path(tmp) / "hf", tokenizer=ctx.tokenizer)
+            if ctx.hub is not None and ctx.hub.create():
+                write_model_card(folder, ctx, {}, step=step)
+                ctx.hub.upload(folder, f"{ctx.family.name} at step {step} of {ctx.total_steps}")
+    if args.hub_strategy == "checkpoint":
+        checkpoint.check_saved(manager, step, wait=True)
+        if ctx.hub is not None:
+            ctx.hub.upload(checkpoint.checkpoint_dir(ctx.out) / str(step), f"checkpoint at step {step}",
+                           path_in_repo=CHECKPOINT_DIR_IN_REPO, replace=True)
+
+
+@contextlib.contextmanager
+def _local(folder) -> Iterator[Path]:
+    """`folder` itself, or a bucket folder's copy in a temporary directory removed afterwards (upload_folder reads
+    local files)."""
+    if not storage.is_remote(folder):
+        yield Path(folder)
+        return
+    with tempfile.TemporaryDirectory(prefix="spmdlm-hub-") as tmp:
+        for file in storage.files_under(folder):
+            storage.download(file, Path(tmp) / str(file)[len(str(folder).rstrip("/")) + 1:], progress=False)
+        yield Path(tmp)
+
+
+@contextlib.contextmanager
+def _quiet_hub_logs() -> Iterator[None]:
+    """huggingface_hub's own log lines while it works (each HTTP request, retries in smaller commits, unchanged
+    files): a failure is reported once, by Hub._warn."""
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "httpx", "httpx2")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
