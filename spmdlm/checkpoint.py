@@ -171,7 +171,11 @@ def save_error(manager, step: int | None, error: BaseException) -> CheckpointErr
     hint = "free some space or point --output_dir at a bigger disk" if full_disk else \
         "check that the directory is writable"
     at = f"at step {step} " if step is not None else ""
-    return CheckpointError(f"saving the checkpoint {at}in {manager.directory} failed: {describe(cause)}; {hint}")
+    # tensorstore's full-disk errors carry only an error code, deep in a long line: say it in words
+    what = describe(cause)
+    if full_disk and "No space left" not in what:
+        what = f"No space left on device ({what})"
+    return CheckpointError(f"saving the checkpoint {at}in {manager.directory} failed: {what}; {hint}")
 
 
 def root_cause(error: BaseException) -> BaseException:

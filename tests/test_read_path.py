@@ -24,6 +24,8 @@ OBJECTIVES = {
     "bart": Denoising(18, decoder_start_id=2, **FRAMED),
     # documents isolated in segments (docs/packing.md): the segment fields come from the same (seed, index)
     "clm-isolated": CausalLM(16, eos_id=2, document_attention="isolated"),
+    "mlm-packed": MaskedLM(18, vocab_size=300, line_by_line=True, packing=True, **FRAMED),
+    "mlm-isolated": MaskedLM(18, vocab_size=300, document_attention="isolated", **FRAMED),
     "t5-isolated": SpanCorruption(16, tuple(range(299, 199, -1)), 2, document_attention="isolated"),
     "bart-isolated": Denoising(18, decoder_start_id=2, document_attention="isolated", **FRAMED),
 }
@@ -33,6 +35,8 @@ def token_split(folder, objective, n_records=40, records_per_shard=None, seed=0)
     rng = np.random.default_rng(seed)
     rows = rng.integers(5, 200, (n_records, objective.record_length)).astype(np.int32)
     rows[rng.random(rows.shape) < 0.05] = 2  # document separators
+    if getattr(objective, "packing", False):  # packed lines: each begins with <s> (0)
+        rows[rng.random(rows.shape) < 0.1] = 0
     rows |= np.where(rng.random(rows.shape) < 0.1, SENTENCE_END, 0).astype(np.int32)  # BART's sentence ends
     if not isinstance(objective, Denoising):
         rows &= SENTENCE_END - 1
@@ -72,7 +76,8 @@ def test_a_batch_is_its_rows_computed_one_by_one(tmp_path, name):
         np.testing.assert_array_equal(again["input_ids"][::-1], batch["input_ids"])
 
 
-@pytest.mark.parametrize("name", ["mlm", "t5", "bart", "clm-isolated", "t5-isolated", "bart-isolated"])
+@pytest.mark.parametrize("name", ["mlm", "t5", "bart", "clm-isolated", "mlm-packed", "mlm-isolated", "t5-isolated",
+                                  "bart-isolated"])
 def test_hosts_read_their_rows_of_the_same_global_batches(tmp_path, name):
     objective = OBJECTIVES[name]
     split, _ = token_split(tmp_path, objective, n_records=40, records_per_shard=7)
