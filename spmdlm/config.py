@@ -177,7 +177,7 @@ class RunArgs:
     # accepted for command-line compatibility with the HF scripts; they change nothing here
     use_fast_tokenizer: bool = _field(True, "accepted for compatibility (tokenizers are always fast)")
     keep_linebreaks: bool = _field(True, "accepted for compatibility (where documents end: --text_documents)")
-    token: str | None = _field(None, "accepted for compatibility")
+    token: str | None = _field(None, "the HF scripts' name for --hub_token")
     trust_remote_code: bool = _field(False, "accepted for compatibility")
     # the objective flags of the model families (spmdlm.data.objectives.Flag), by name: given or default
     objective: Mapping[str, Any] = dataclasses.field(default_factory=dict, metadata={"help": None})
@@ -504,6 +504,9 @@ def check_around_the_run(args: RunArgs) -> None:
                             f"{', '.join(REPORT_TO)}")
     if args.hub_strategy not in HUB_STRATEGIES:
         raise ArgumentError(f"--hub_strategy {args.hub_strategy!r}: use one of {', '.join(HUB_STRATEGIES)}")
+    if args.push_to_hub and not args.export_hf and args.hub_strategy == "end":
+        raise ArgumentError("--push_to_hub uploads the export, and --export_hf false writes none: drop "
+                            "--export_hf false, or upload checkpoints with --hub_strategy checkpoint")
     if args.skip_step_on_spike < 0:
         raise ArgumentError(f"--skip_step_on_spike must be 0 (off) or a positive number of standard deviations, got "
                             f"{args.skip_step_on_spike}")

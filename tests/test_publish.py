@@ -246,3 +246,9 @@ def test_a_run_whose_upload_fails_ends_as_it_would_have_with_one_warning(server,
         hub.fail.clear()
         assert main(flags("gpt2", out, tiny_configs["gpt2"], cache_dir, "--push_to_hub", "--hub_token", TOKEN)) == 0
         assert hub.repos[f"{USER}/run"].files == folder_files(out / "hf")
+
+
+def test_a_push_of_an_export_that_is_not_written_is_refused(capsys, tmp_path):
+    assert main(["--push_to_hub", "--export_hf", "false", "--output_dir", str(tmp_path / "run")]) == 2
+    assert "--push_to_hub uploads the export, and --export_hf false writes none" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -297,7 +297,8 @@ def hub_for(ctx: RunContext) -> Hub | None:
         reason = str(e).splitlines()[0]
         raise ArgumentError(f"--push_to_hub: {given} {repo_id!r} is not a Hub repository id ({reason}); give "
                             "--hub_model_id NAME or USER/NAME") from None
-    token = args.hub_token or get_token()  # get_token: HF_TOKEN, else the saved login
+    # --token: the HF scripts' name for it; get_token: HF_TOKEN, else the saved login
+    token = args.hub_token or args.token or get_token()
     if not token:
         raise ArgumentError("--push_to_hub needs a Hub token: give --hub_token, set HF_TOKEN or run `hf auth login`")
     endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
