@@ -30,7 +30,8 @@ from spmdlm.train.guard import RunLock, StopOnSignal
 from spmdlm.train import publish
 from spmdlm.train.outputs import (check_fingerprints, check_output_dir, export_done, missing_outputs,
                                   prepare_output_dir, read_results, write_run_files)
-from spmdlm.train.report import Reporter, is_eval_key, write_json
+from spmdlm.train.report import Reporter, write_json
+from spmdlm.train.trackers import is_eval_key
 from spmdlm.train.setup import (RunContext, check_memory, is_main, read_corpora, read_sources, resolve, setup_data,
                                 setup_mixture_data, setup_state, setup_tokenizer)
 from spmdlm.train.state import count_parameters

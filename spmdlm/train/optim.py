@@ -307,10 +307,15 @@ def skip_spikes(inner: optax.GradientTransformation, z: float, window: int) -> o
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def _states_of(opt_state, kind: type) -> list:
+    """The `kind` states (a transform's NamedTuple) inside an optimizer state (nnx.Optimizer's, or pure arrays)."""
+    is_kind = lambda x: isinstance(x, kind)
+    return [s for s in jax.tree.leaves(nnx.as_pure(opt_state), is_leaf=is_kind) if is_kind(s)]
+
+
 def spike_counts(opt_state) -> dict[str, jax.Array]:
     """{"skipped_steps", "consecutive_skips"} of an optimizer state made by skip_spikes; {} for others."""
-    is_spike = lambda x: isinstance(x, SpikeState)
-    found = [s for s in jax.tree.leaves(nnx.as_pure(opt_state), is_leaf=is_spike) if is_spike(s)]
+    found = _states_of(opt_state, SpikeState)
     return {"skipped_steps": found[0].skipped, "consecutive_skips": found[0].consecutive} if found else {}
 
 
@@ -324,6 +329,5 @@ def evaluation_params(cfg: OptimConfig, opt_state, params):
     """
     if cfg.optimizer != "schedule_free_adamw":
         return params
-    is_state = lambda x: isinstance(x, optax.contrib.ScheduleFreeState)
-    state = next(s for s in jax.tree.leaves(nnx.as_pure(opt_state), is_leaf=is_state) if is_state(s))
+    state = _states_of(opt_state, optax.contrib.ScheduleFreeState)[0]
     return optax.contrib.schedule_free_eval_params(state, nnx.as_pure(params))

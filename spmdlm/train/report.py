@@ -26,7 +26,6 @@ from spmdlm.data.objectives import Objective
 from spmdlm.errors import RunError
 from spmdlm.families.base import Family
 from spmdlm.train import trackers
-from spmdlm.train.trackers import is_eval_key  # noqa: F401 - where loop.py imports it from
 
 log = logging.getLogger("spmdlm")
 
