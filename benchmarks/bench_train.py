@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 # Importing jax starts no backend: the device flags (prepare_devices) are read when the first one starts.
-from spmdlm.config import REMAT_CHOICES
+from spmdlm.models.layers import REMAT_POLICIES
 from spmdlm.models.attention import IMPLEMENTATIONS as ATTENTIONS
 
 def _families():
@@ -64,14 +64,15 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
                         "cudnn = its cuDNN kernel (NVIDIA GPUs)")
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
-    p.add_argument("--remat", default="dots", choices=REMAT_CHOICES,
-                   help="what each layer keeps for its backward pass, as the launcher's flag")
+    p.add_argument("--remat", default="auto", choices=("auto", *REMAT_POLICIES),
+                   help="what each layer keeps for its backward pass, as the launcher's flag (auto: its choice)")
     p.add_argument("--loss_chunk_size", type=int, default=0, help="as the launcher's flag (0 = off)")
     p.add_argument("--all_positions", dest="labelled_only", action="store_false",
                    help="the LM head on every position even where the objective labels few (MLM)")
-    p.add_argument("--scan_unroll", type=int, default=1,
-                   help="layers per iteration of the layer scan, as the launcher's flag; 0 = fully unrolled")
-    p.add_argument("--unroll", dest="scan_unroll", action="store_const", const=0, help="= --scan_unroll 0")
+    p.add_argument("--scan_unroll", default="auto",
+                   help="layers per iteration of the layer scan, as the launcher's flag; 0 = fully unrolled; auto = "
+                        "the launcher's choice")
+    p.add_argument("--unroll", dest="scan_unroll", action="store_const", const="0", help="= --scan_unroll 0")
     p.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,...]",
                    help="a variant to measure against the base settings in the same run; repeatable")
     p.add_argument("--profile", metavar="DIR", help="after the measured steps, trace 3 more steps of the base "
@@ -158,10 +159,10 @@ class Variant:
     attention: str = "xla"
     donate: bool = True
     xla: str = ""
-    unroll: int = 1  # layers per scan iteration (--scan_unroll); 0 = fully unrolled (same parameters)
+    unroll: str = "auto"  # layers per scan iteration (--scan_unroll); 0 = fully unrolled (same parameters)
     loss_chunk: int = 0  # --loss_chunk_size
     labelled_only: bool = True  # the LM head on labelled positions only where the objective allows (MLM)
-    remat: str = "dots"  # --remat: none | dots | full
+    remat: str = "auto"  # --remat: auto or one of REMAT_POLICIES
 
     def label(self) -> str:
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
@@ -190,11 +191,12 @@ def parse_variant(text: str, base: Variant) -> Variant:
         if key == "unroll":  # unroll=true is full unrolling, unroll=N N layers per iteration
             value = "0" if value.strip().lower() in ("true", "yes") else value
         changes[key] = (value.strip() not in ("0", "false", "no") if flag
-                        else int(value) if key in ("loss_chunk", "unroll") else value.strip())
+                        else int(value) if key == "loss_chunk" else value.strip())
     variant = dataclasses.replace(base, **changes)
     if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ATTENTIONS or \
-            variant.remat not in REMAT_CHOICES:
-        fail(f"--compare {text!r}: jit is jax|flat|nnx, attention {'|'.join(ATTENTIONS)}, remat none|dots|full")
+            variant.remat not in ("auto", *REMAT_POLICIES):
+        fail(f"--compare {text!r}: jit is jax|flat|nnx, attention {'|'.join(ATTENTIONS)}, "
+             f"remat {'|'.join(('auto', *REMAT_POLICIES))}")
     if variant.jit == "nnx" and variant.xla:
         fail("xla compiler options need jit=jax or jit=flat")
     return variant
@@ -346,14 +348,17 @@ def run_benchmark(args) -> dict[str, Any]:
     config = load_model_config(args)
     import flax
     import jax
+    import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
 
     import spmdlm
     from spmdlm import devices, flops
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.mesh import MeshError, batch_axis_size, make_mesh
     from spmdlm.train.optim import OptimConfig, learning_rate_schedule
-    from spmdlm.train.state import build_train_state
+    from spmdlm.train.plan import LayerPlan, plan_layers
+    from spmdlm.train.state import DTYPES, build_train_state
 
     try:
         mesh = make_mesh(args.mesh)
@@ -375,9 +380,18 @@ def run_benchmark(args) -> dict[str, Any]:
     schedule = learning_rate_schedule(optim, total_steps)
     family = _families()[config.model_type]
 
+    abstract_model = nnx.eval_shape(lambda: family.make_model(config, rngs=nnx.Rngs(0)))
+
+    def plan(variant: Variant) -> LayerPlan:  # auto as the launcher resolves it (spmdlm/train/plan.py)
+        return plan_layers(variant.remat, variant.unroll, abstract_model, platform=device.platform,
+                           itemsize=jnp.dtype(DTYPES[args.dtype]).itemsize,
+                           tokens_per_device=args.batch_size * tokens_per_example(objective),
+                           memory_bytes=devices.memory_per_device(device))
+
     def build(variant: Variant):
+        layers = plan(variant)
         return build_train_state(family, config, mesh, optim=optim, total_steps=total_steps, seed=args.seed,
-                                 dtype=args.dtype, remat=variant.remat, scan_unroll=variant.unroll,
+                                 dtype=args.dtype, remat=layers.remat, scan_unroll=layers.scan_unroll,
                                  attention=variant.attention)
 
     base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla, unroll=args.scan_unroll,
@@ -405,7 +419,7 @@ def run_benchmark(args) -> dict[str, Any]:
         memory = {k: arm.stats[k] for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes")
                   if k in arm.stats}
         return {
-            "variant": arm.variant.label(),
+            "variant": arm.variant.label(), "layer_plan": plan(arm.variant).record(),
             "tokens_per_s": {"median": tokens_per_step / step_time["median"],
                              "min": tokens_per_step / step_time["max"], "max": tokens_per_step / step_time["min"]},
             "step_time_s": step_time,

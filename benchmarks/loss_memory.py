@@ -17,7 +17,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spmdlm.config import REMAT_CHOICES  # noqa: E402
+from spmdlm.models.layers import REMAT_POLICIES  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 256])
-    p.add_argument("--remat", default="dots", choices=REMAT_CHOICES,
+    p.add_argument("--remat", default="dots", choices=tuple(REMAT_POLICIES),
                    help="what each layer keeps for its backward pass, as the launcher's flag")
     args = p.parse_args()
 

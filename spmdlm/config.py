@@ -27,9 +27,11 @@ from spmdlm.data.objectives import Flag
 from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP
 from spmdlm.errors import ArgumentError
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
+from spmdlm.models.layers import REMAT_POLICIES
 
-# --remat: what each scanned layer keeps for its backward pass (the policies: models/layers.py REMAT_POLICIES).
-REMAT_CHOICES = ("none", "dots", "full")
+# --remat: what each scanned layer keeps for its backward pass (the policies: models/layers.py REMAT_POLICIES); auto
+# chooses one (spmdlm/train/plan.py).
+REMAT_CHOICES = ("auto", *REMAT_POLICIES)
 DEFAULT_MODEL_TYPE = "gpt2"  # the family of a run that names none (and of the embedded quick start)
 SEED_MAX = 2**32 - 1  # --seed: Grain's shuffle and random_map take an unsigned 32-bit seed
 # --optim and --lr_scheduler_type (built in spmdlm/train/optim.py; docs/optimizers.md)
@@ -40,6 +42,19 @@ WSD_DECAY_RATIO = 0.1  # wsd without --decay_steps or --decay_ratio: the last 10
 OPTIMIZER_FLAGS = frozenset({"optim", "adafactor"})  # two spellings of one choice
 
 
+
+
+def parse_scan_unroll(value: str) -> int | None:
+    """--scan_unroll's value: None for auto, else the layers per scan iteration (0 = fully unrolled)."""
+    if value == "auto":
+        return None
+    try:
+        layers = int(value)
+    except (TypeError, ValueError):
+        layers = -1
+    if layers < 0:
+        raise ArgumentError(f"--scan_unroll must be auto, 0 (fully unrolled) or a positive number, got {value!r}")
+    return layers
 
 
 def _field(default, help: str, **kw):
@@ -139,12 +154,16 @@ class RunArgs:
     decay_steps: int | None = _field(None, "wsd: the steps of the final decay (default: --decay_ratio of the steps)")
     decay_ratio: float | None = _field(None, f"wsd: the fraction of the steps spent decaying (default: "
                                        f"{WSD_DECAY_RATIO})")
-    remat: str = _field("dots", "what each layer keeps for its backward pass: dots = its weight matmuls' outputs, the "
-                        "rest recomputed (less memory than none, and faster through the layer scan); none = "
-                        "everything; full = its input only (least memory, a third more compute)")
+    remat: str = _field("auto", "what each layer keeps for its backward pass: dots = its weight matmuls' outputs, the "
+                        "rest recomputed (less memory than none, and faster through the layer scan); "
+                        "dots_with_attention = also the attention probabilities; qkv = only the query, key and value "
+                        "projections; none = everything; full = its input only (least memory, a third more "
+                        "compute); auto = dots, or full where dots would not fit (recorded in run_config.json)")
     gradient_checkpointing: bool = _field(False, "= --remat full (the HF scripts' name)")
-    scan_unroll: int = _field(1, "layers per iteration of the layer scan (jax.lax.scan's unroll); 0 = fully "
-                              "unrolled: slower to compile, faster steps for T5 on CPU (benchmarks/README.md)")
+    scan_unroll: str = _field("auto", "layers per iteration of the layer scan (jax.lax.scan's unroll); 0 = fully "
+                              "unrolled: slower to compile, faster steps for small encoder-decoders on CPU; auto = 0 "
+                              "for encoder-decoders of up to 12 layers per stack and d_model up to 256 on CPU, else 1 "
+                              "(recorded in run_config.json)")
     z_loss: float = _field(0.0, "T5X z-loss coefficient (log-partition regulariser) for bf16 stability")
     loss_chunk_size: int = _field(0, "compute the LM loss this many positions at a time (logits recomputed in the "
                                   "backward pass): per-device logit memory drops from batch x length x vocab to "
@@ -398,10 +417,9 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
         args = args.replace(sample_every=args.eval_steps)
     elif args.sample_every < 1:
         raise ArgumentError(f"--sample_every must be at least 1, got {args.sample_every}")
-    if args.scan_unroll < 0:
-        raise ArgumentError(f"--scan_unroll must be 0 (fully unrolled) or a positive number, got {args.scan_unroll}")
+    parse_scan_unroll(args.scan_unroll)
     if args.remat not in REMAT_CHOICES:
-        raise ArgumentError(f"--remat must be none, dots or full, got {args.remat!r}")
+        raise ArgumentError(f"--remat must be one of {', '.join(REMAT_CHOICES)}, got {args.remat!r}")
     if args.gradient_checkpointing:
         args = args.replace(remat="full")
     if args.loss_chunk_size < 0:

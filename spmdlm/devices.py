@@ -134,6 +134,17 @@ def device_memory_bytes() -> tuple[int | None, str]:
     return stats.get("bytes_limit") or (known.hbm_bytes if known else None), "device"
 
 
+def memory_per_device(device) -> int | None:
+    """Bytes one device like `device` has to itself: host RAM shared out among the local CPU devices (simulated
+    ones share it), an accelerator's own, or — for a device not of this host (--compile_for's target) — its chip's
+    HBM from the table. None when unknown."""
+    if device.platform == "cpu":
+        capacity, _ = device_memory_bytes()
+        return capacity // jax.local_device_count() if capacity else None
+    own = device_memory_bytes()[0] if device in jax.local_devices() else None
+    return own or getattr(chip(device.device_kind), "hbm_bytes", None)
+
+
 def compiled_stats(compiled) -> dict[str, Any]:
     """Per-device memory of a compiled program and XLA's own cost estimate (keys absent or None where the backend
     does not say). `total_bytes` is what the program needs on a device: its arguments and outputs (less the donated

@@ -94,7 +94,9 @@ def test_argument_file(tmp_path, suffix):
     (["--block_size", "0"], "--block_size must be at least 1"),
     (["--save_total_limit", "0"], "--save_total_limit must be at least 1"),
     (["--max_train_samples", "-3"], "--max_train_samples must be at least 1"),
-    (["--remat", "some"], "--remat must be none, dots or full"),
+    (["--remat", "some"], "--remat must be one of auto, none, dots, dots_with_attention, qkv, full"),
+    (["--scan_unroll", "-1"], "--scan_unroll must be auto, 0"),
+    (["--scan_unroll", "some"], "--scan_unroll must be auto, 0"),
 ])
 def test_bad_values(argv, message):
     with pytest.raises(ArgumentError, match=message):
@@ -106,8 +108,9 @@ def test_boolean_flags_take_values_like_hf():
     assert args.do_train is False and args.export_hf is False and args.do_eval is False
 
 
-def test_remat_defaults_to_dots_and_gradient_checkpointing_means_full():
-    assert parse_args(["--train_file", "x"])[0].remat == "dots"
+def test_remat_defaults_to_auto_and_gradient_checkpointing_means_full():
+    args = parse_args(["--train_file", "x"])[0]
+    assert (args.remat, args.scan_unroll) == ("auto", "auto")
     assert parse_args(["--train_file", "x", "--gradient_checkpointing"])[0].remat == "full"
 
 

@@ -299,6 +299,10 @@ def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
                 assert isinstance(sample["greedy"], str) and isinstance(sample["sampled"], str)
     compiled = [m for m in read_metrics(out) if m.get("event") == "compile"]
     assert compiled and compiled[0]["temp_bytes"] > 0
+    # --gradient_checkpointing is an explicit remat; --scan_unroll auto unrolls the small encoder-decoders on CPU
+    plan = json.loads((out / "run_config.json").read_text())["layer_plan"]
+    assert (plan["remat"], plan["scan_unroll"]) == ("full", 0 if family in ("t5", "bart") else 1)
+    assert list(plan["auto"]) == ["scan_unroll"]
 
 
 def all_equations(jaxpr):

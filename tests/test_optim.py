@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -67,3 +68,21 @@ def test_z_loss_is_the_squared_log_partition():
     expected = 1e-2 * float(jnp.sum(jnp.square(lse) * (labels != -100)))
     assert float(sums["z_loss_sum"]) == pytest.approx(expected, rel=1e-6)
     assert float(cross_entropy_sums(logits, labels)["z_loss_sum"]) == 0.0
+
+
+@pytest.mark.parametrize("scale", [0.1, 10.0])  # below the threshold (unchanged) and above it (clipped)
+def test_clip_by_global_norm_matches_optax(scale):
+    from spmdlm.train.optim import clip_by_global_norm
+
+    grads = {"a": jnp.arange(6.0).reshape(2, 3) * scale, "b": jnp.full((4,), -0.5) * scale}
+    ours, ours_state = clip_by_global_norm(1.0).update(grads, clip_by_global_norm(1.0).init(grads))
+    theirs, theirs_state = optax.clip_by_global_norm(1.0).update(grads, optax.clip_by_global_norm(1.0).init(grads))
+    for key in grads:
+        np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-6)
+    if scale < 1:
+        for key in grads:
+            np.testing.assert_array_equal(ours[key], grads[key])
+    else:
+        np.testing.assert_allclose(float(optax.global_norm(ours)), 1.0, rtol=1e-6)
+    # The same (empty) state as optax's: checkpoints written before keep their tree.
+    assert jax.tree.structure(ours_state) == jax.tree.structure(theirs_state)

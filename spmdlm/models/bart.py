@@ -5,7 +5,8 @@ Mirrors transformers' `BartForConditionalGeneration`; `spmdlm/families/bart.py` 
 (`layernorm_embedding`); positions are plain 0..T-1 read at rows offset by 2 (a fairseq legacy: the table has
 max_position_embeddings + 2 rows and is not padding-aware, unlike RoBERTa's). Token embeddings are shared by both
 stacks and the LM head (tied), times sqrt(d_model) when scale_embedding. The head adds `final_logits_bias`, which HF
-keeps as a (1, vocab) buffer. Layers are stacked and scanned (`encoder.layers.layers`, `decoder.layers.layers`).
+keeps as a (1, vocab) buffer and never trains (nor do we). Layers are stacked and scanned (`encoder.layers.layers`,
+`decoder.layers.layers`).
 
 Generation: `encode` once, `init_cache` (the encoder output's cross-attention keys and values, projected once), then
 `extend` one decoder token at a time through a preallocated KV cache (`layers.Cache`).
@@ -172,7 +173,9 @@ class BartForConditionalGeneration(nnx.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         """The decoder's final features [..., d] -> logits [..., V]."""
-        logits = self.shared.attend(x) + self.final_logits_bias[...]  # tied head: the unscaled shared table
+        # Tied head: the unscaled shared table. final_logits_bias is not trained, as in transformers (a buffer in
+        # PyTorch, stop_gradient in Flax); a Param all the same, so checkpoints keep their tree (its updates are 0).
+        logits = self.shared.attend(x) + jax.lax.stop_gradient(self.final_logits_bias[...])
         return constrain(logits, "batch", "length", "act_vocab")
 
     def __call__(self, input_ids: jax.Array, decoder_input_ids: jax.Array, attention_mask: jax.Array | None = None,

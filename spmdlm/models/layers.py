@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from spmdlm.mesh import constrain, resolve_spec
 from spmdlm.models.attention import IMPLEMENTATIONS, AttentionMask, fused, resolve
@@ -60,7 +61,8 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 
 class Dense(nnx.Module):
-    """y = x @ kernel (+ bias). `out_features` may be a tuple to keep structure (e.g. GPT-2's fused 3×heads)."""
+    """y = x @ kernel (+ bias). `out_features` may be a tuple to keep structure (e.g. GPT-2's fused 3×heads).
+    `saved_as`: the name (checkpoint_name) of x @ kernel that the remat policies keep or drop (REMAT_POLICIES)."""
 
     def __init__(
         self,
@@ -73,7 +75,9 @@ class Dense(nnx.Module):
         init_std: float = 0.02,
         dtype=jnp.float32,
         out_dtype=None,
+        saved_as: str | None = None,
     ):
+        self.saved_as = saved_as
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         self.dtype = dtype
         self.out_dtype = out_dtype  # e.g. float32 logits from a bfloat16 matmul (accumulated in float32)
@@ -88,6 +92,8 @@ class Dense(nnx.Module):
         kernel = self.kernel[...].astype(self.dtype)
         y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())),
                                 preferred_element_type=self.out_dtype)
+        if self.saved_as:
+            y = checkpoint_name(y, self.saved_as)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -151,12 +157,13 @@ class MLP(nnx.Module):
                  dtype=jnp.float32, rngs: nnx.Rngs):
         self.activation = activation
         self.dropout_rate = dropout_rate
-        dense_in = lambda: Dense(d_model, d_ff, ("embed", "mlp"), rngs=rngs, use_bias=use_bias, init_std=init_std, dtype=dtype)
+        dense_in = lambda: Dense(d_model, d_ff, ("embed", "mlp"), rngs=rngs, use_bias=use_bias, init_std=init_std,
+                                 dtype=dtype, saved_as="mlp_hidden")
         self.wi = None if gated else dense_in()
         self.wi_0 = dense_in() if gated else None
         self.wi_1 = dense_in() if gated else None
         self.wo = Dense(d_ff, d_model, ("mlp", "embed"), rngs=rngs, use_bias=use_bias,
-                        init_std=init_std if out_init_std is None else out_init_std, dtype=dtype)
+                        init_std=init_std if out_init_std is None else out_init_std, dtype=dtype, saved_as="mlp_out")
 
     def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         act = ACTIVATIONS[self.activation]
@@ -247,14 +254,16 @@ class Attention(nnx.Module):
         std = lambda s: init_std if s is None else s
         if fused_qkv:
             self.qkv = Dense(d_model, (3, inner), ("embed", "qkv", "heads"), rngs=rngs, use_bias=use_bias,
-                             init_std=init_std, dtype=dtype)
+                             init_std=init_std, dtype=dtype, saved_as="qkv")
             self.query = self.key = self.value = None
         else:
             self.qkv = None
-            proj = lambda s: Dense(d_model, inner, ("embed", "heads"), rngs=rngs, use_bias=use_bias, init_std=s, dtype=dtype)
-            self.query, self.key, self.value = proj(std(q_init_std)), proj(std(kv_init_std)), proj(std(kv_init_std))
+            proj = lambda s, name: Dense(d_model, inner, ("embed", "heads"), rngs=rngs, use_bias=use_bias, init_std=s,
+                                         dtype=dtype, saved_as=name)
+            self.query = proj(std(q_init_std), "query")
+            self.key, self.value = proj(std(kv_init_std), "key"), proj(std(kv_init_std), "value")
         self.out = Dense(inner, d_model, ("heads", "embed"), rngs=rngs, use_bias=use_bias, init_std=std(out_init_std),
-                         dtype=dtype)
+                         dtype=dtype, saved_as="attention_out")
 
     def heads(self, t: jax.Array) -> jax.Array:
         """[..., heads * head_dim] -> [..., heads, head_dim], heads sharded over `tensor`."""
@@ -292,7 +301,7 @@ class Attention(nnx.Module):
         dense = None if mask is None else mask.array(*scores.shape[-2:])
         if dense is not None:
             scores = jnp.where(dense, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q.dtype), "attention_weights")
         probs = dropout(probs, self.dropout_rate, rngs)
         return jnp.einsum(f"bhts,{layout}->bthd", probs, v)
 
@@ -317,12 +326,19 @@ def resolve_attention(model: nnx.Module, requested: str, *, platform: str, dtype
                    dropout=max((m.dropout_rate for m in layers), default=0.0), biased=any(m.biased for m in layers))
 
 
-# What each layer keeps for its backward pass (the launcher's --remat), as jax.checkpoint policies. "dots" keeps the
-# outputs of its weight matmuls and recomputes the rest from them (norms, activations, attention scores and
-# probabilities): less memory than "none" and, through the layer scan, faster, because fewer saved activations are
-# stacked per layer and sliced back out (benchmarks/README.md). "full" keeps only the layer's input.
-REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                  "full": jax.checkpoint_policies.nothing_saveable}
+# What each layer keeps for its backward pass (the launcher's --remat), as jax.checkpoint policies over the names the
+# layers give their matmul outputs (Dense's saved_as) and attention probabilities (checkpoint_name). "dots" keeps
+# the weight matmuls' outputs (PROJECTIONS) and recomputes the rest from them (norms, activations, attention scores
+# and probabilities): less memory than "none" and, through the layer scan, faster, because fewer saved activations
+# are stacked per layer and sliced back out (benchmarks/README.md). "dots_with_attention" keeps the attention
+# probabilities too (no recomputed score matmul and softmax; [batch, heads, length, length] more per layer); "qkv"
+# keeps only the query, key and value projections; "full" keeps only the layer's input.
+QKV = ("qkv", "query", "key", "value")  # GPT-2's fused projection, or the three
+PROJECTIONS = (*QKV, "attention_out", "mlp_hidden", "mlp_out")
+_keep = jax.checkpoint_policies.save_only_these_names
+REMAT_POLICIES = {"none": None, "dots": _keep(*PROJECTIONS),
+                  "dots_with_attention": _keep(*PROJECTIONS, "attention_weights"),
+                  "qkv": _keep(*QKV), "full": jax.checkpoint_policies.nothing_saveable}
 
 
 class LayerStack(nnx.Module):

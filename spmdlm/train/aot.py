@@ -115,7 +115,7 @@ def estimate(args: RunArgs) -> dict[str, Any]:
         "dcn_mesh": args.dcn_mesh,
         "model_type": ctx.family.name, "config": ctx.config_source,
         "parameters": count_parameters(graphdef, state), "dtype": args.dtype, "attention": ctx.attention,
-        "remat": args.remat, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "remat": ctx.layer_plan.remat, "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "global_batch": ctx.global_batch, "per_host_batch": ctx.global_batch // hosts,
         "per_device_batch": ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
         "sequence_lengths": ctx.objective.sequence_lengths(), "eval_batch": eval_batch,
@@ -245,7 +245,7 @@ def refusal(r: dict[str, Any], args: RunArgs) -> str:
     if name == "eval":
         tries.append(f"a smaller --per_device_eval_batch_size (now {args.per_device_eval_batch_size})")
     else:
-        if args.remat != "full":
+        if r["remat"] != "full":
             tries.append("--gradient_checkpointing")
         if r["mesh"]["fsdp"] == 1:
             tries.append("fsdp (e.g. --mesh data=N,fsdp=M) to shard the parameters and optimizer state "

@@ -178,6 +178,7 @@ def write_run_files(ctx: RunContext) -> dict[str, Any]:
     """The tokenizer (unless one is there: a later export finds it beside the checkpoints) and run_config.json:
     written once the run is known to fit."""
     run_config = {**ctx.args.to_json(), "attention_implementation": ctx.attention, "global_batch": ctx.global_batch,
+                  "layer_plan": ctx.layer_plan.record() if ctx.layer_plan else None,
                   "model_config": ctx.config.to_hf_dict(),
                   "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT,
                   "data_format": pipeline.DATA_FORMAT,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
@@ -29,6 +30,7 @@ from spmdlm.families.base import Family, Generation
 from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
 from spmdlm.models.layers import resolve_attention
 from spmdlm.train.optim import learning_rate_schedule, optim_config_from_args
+from spmdlm.train.plan import LayerPlan, plan_layers
 from spmdlm.train.state import DTYPES, build_train_state
 from spmdlm.train.step import Stepper
 
@@ -77,6 +79,7 @@ class RunContext:
     data: Data | None = None
     schedule: pipeline.Schedule | None = None
     hub: Any = None  # spmdlm.train.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
+    layer_plan: LayerPlan | None = None  # --remat and --scan_unroll as resolved (setup_state; train/plan.py)
 
     @property
     def total_steps(self) -> int:
@@ -351,9 +354,11 @@ def setup_state(ctx: RunContext, *, abstract: bool):
     state from --model_name_or_path gets that checkpoint's weights."""
     args = ctx.args
     optim, steps = optim_config_from_args(args), max(ctx.total_steps, 1)
+    ctx.layer_plan = choose_layer_plan(ctx)
     graphdef, state = build_train_state(ctx.family, ctx.config, ctx.mesh, optim=optim, total_steps=steps,
-                                        seed=args.seed, dtype=args.dtype, remat=args.remat,
-                                        scan_unroll=args.scan_unroll, attention=ctx.attention, abstract=abstract)
+                                        seed=args.seed, dtype=args.dtype, remat=ctx.layer_plan.remat,
+                                        scan_unroll=ctx.layer_plan.scan_unroll, attention=ctx.attention,
+                                        abstract=abstract)
     check_mesh_use(state, ctx)
     if args.model_name_or_path and not abstract:
         state = load_hf_into_state(args.model_name_or_path, graphdef, state)
@@ -375,6 +380,22 @@ def check_mesh_use(state, ctx: RunContext) -> None:
     if "fsdp" in idle:
         log.warning("--mesh %s: the fsdp axis (%d) divides no parameter dimension, so parameters are replicated "
                     "(plain data parallelism)", ctx.args.mesh, ctx.mesh.shape["fsdp"])
+
+
+def choose_layer_plan(ctx: RunContext) -> LayerPlan:
+    """--remat and --scan_unroll for this run (spmdlm/train/plan.py), each `auto` one said in a line."""
+    args, mesh = ctx.args, ctx.mesh
+    device = mesh.devices.flat[0]
+    lengths = ctx.objective.sequence_lengths()
+    per_device = ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps)
+    model = nnx.eval_shape(lambda: ctx.family.make_model(ctx.config, rngs=nnx.Rngs(0)))
+    plan = plan_layers(args.remat, args.scan_unroll, model, platform=device.platform,
+                       itemsize=jnp.dtype(DTYPES[args.dtype]).itemsize,
+                       tokens_per_device=per_device * sum(lengths.values()),
+                       memory_bytes=devices.memory_per_device(device))
+    for flag, why in plan.reasons.items():
+        log.info("--%s auto = %s", flag, why)
+    return plan
 
 
 def check_memory(stats: dict[str, Any], ctx: RunContext) -> None:

@@ -172,13 +172,17 @@ class Stepper:
         model, optimizer = nnx.merge(self.graphdef, state)
         graph, params, rest = nnx.split(model, nnx.Param, ...)
         step_key = jax.random.fold_in(self.dropout_key, step)
+        # The loss is divided by the global batch's target tokens before differentiating, not the gradients after:
+        # the same gradients, without one more pass over every parameter-sized gradient (a divide XLA does not
+        # fuse into the optimizer's several consumers of each gradient).
+        per_token = 1.0 / jnp.maximum(jnp.sum(batch["labels"] != IGNORE_INDEX, dtype=jnp.float32), 1.0)
 
         def micro_grads(p, micro: Batch, index):
             def loss_of(p):
                 m = nnx.merge(graph, p, rest)
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(step_key, index))
                 sums = loss_sums(m, micro, self.forward, rngs, **self.loss)
-                return sums["loss_sum"] + sums["z_loss_sum"], sums
+                return (sums["loss_sum"] + sums["z_loss_sum"]) * per_token, sums
             return jax.grad(loss_of, has_aux=True)(p)
 
         if self.grad_accum == 1:
@@ -198,7 +202,6 @@ class Stepper:
             zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_grads(
                 params, jax.tree.map(lambda x: x[0], micro), 0)))
             ((grads, sums), _), _ = jax.lax.scan(body, (zeros, params), (micro, jnp.arange(k)))
-        grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
         metrics = dict(sums, grad_norm=optax.global_norm(grads), real_tokens=real_tokens(batch))
         if self.schedule is not None:
             metrics["learning_rate"] = self.schedule(step)
