@@ -450,7 +450,8 @@ def run_benchmark(args) -> dict[str, Any]:
         "devices": jax.device_count(),
         "mesh": dict(mesh.shape),
         "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-                 "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]}},
+                 "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
+                 "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")},  # spmdlm/host.py: huge-page malloc
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "spmdlm": spmdlm.__version__,
                      "numpy": np.__version__},
         "settings": {k: v for k, v in vars(args).items()},
@@ -485,6 +486,9 @@ def cpu_model() -> str:
 
 
 def main(argv=None):
+    if argv is None:  # the allocator the launcher runs with (spmdlm/host.py)
+        from spmdlm import host
+        host.restart_with_huge_page_malloc()
     args = parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:
         fail("--steps must be >= 1, --warmup >= 0 and --batch_size >= 1")

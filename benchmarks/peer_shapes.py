@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
+    from spmdlm import host
+    host.restart_with_huge_page_malloc()  # the allocator the launcher runs with
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--peers", required=True, help="the peers harness directory (peer_common.py)")
     p.add_argument("--model", required=True)
@@ -43,7 +45,8 @@ def main() -> None:
                       "tok_s_median": result["tokens_per_s"]["median"], "tokens_per_step": result["tokens_per_step"],
                       "lengths": result["lengths"], "mfu": result["mfu"], "compile_s": result["compile_s"],
                       "step_s_median": result["step_time_s"]["median"], "flags": bench_flags,
-                      "load_average_1m": result["host"]["load_average_1m"]}))
+                      "load_average_1m": result["host"]["load_average_1m"],
+                      "glibc_tunables": result["host"]["glibc_tunables"]}))
 
 
 if __name__ == "__main__":

@@ -7,23 +7,29 @@ CPU-only machine has, and `jax.distributed.initialize` for multi-host runs (with
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
-import threading
-import time
 
-import jax  # importing starts no backend: the device flags below are read when one starts
-from jax._src import distributed
-from jax.errors import JaxRuntimeError
+from spmdlm import host
 
-from spmdlm import config, devices
-from spmdlm.config import RunArgs
-from spmdlm.errors import ArgumentError, DivergenceError, Preempted, UserError
-from spmdlm.families import family_choices
-from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu
-from spmdlm.train.aot import run_compile_for, use_cpu_backend
-from spmdlm.train.loop import run
+if __name__ == "__main__":  # before JAX loads (~3 s): the allocator is chosen when the process starts
+    host.restart_with_huge_page_malloc()
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402  (importing starts no backend: the device flags below are read when one starts)
+from jax._src import distributed  # noqa: E402
+from jax.errors import JaxRuntimeError  # noqa: E402
+
+from spmdlm import config, devices  # noqa: E402
+from spmdlm.config import RunArgs  # noqa: E402
+from spmdlm.errors import ArgumentError, DivergenceError, Preempted, UserError  # noqa: E402
+from spmdlm.families import family_choices  # noqa: E402
+from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu  # noqa: E402
+from spmdlm.train.aot import run_compile_for, use_cpu_backend  # noqa: E402
+from spmdlm.train.loop import run  # noqa: E402
 
 log = logging.getLogger("spmdlm")
 
@@ -179,6 +185,8 @@ def _reported_by_us(record: logging.LogRecord) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command line (the spmdlm-launch script; `python -m` restarted above already)
+        host.restart_with_huge_page_malloc()
     code = 1  # an unexpected exception
     try:
         code = _main(argv)

@@ -14,6 +14,7 @@ from spmdlm import devices
 from spmdlm.launch import main
 from spmdlm.models import attention
 from spmdlm.models.attention import AttentionMask, make_attention_mask
+from spmdlm.models.layers import add_broadcast
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -108,3 +109,20 @@ def test_the_launcher_refuses_a_kernel_this_machine_lacks_and_warns_of_an_unused
     assert not out.exists()
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert not devices.unused_nvidia_gpu()
+
+
+@pytest.mark.parametrize("x_shape, y_shape", [
+    ((4, 3, 5, 6), (1, 3, 5, 6)),  # T5's position bias over the batch
+    ((4, 3, 5, 6), (1, 3, 1, 6)),  # two broadcast axes
+    ((2, 7, 11), (11,)),  # a bias of lower rank: over batch and length
+    ((4, 3, 5, 6), (4, 3, 5, 6)),  # nothing broadcast
+])
+def test_add_broadcast_has_the_plain_sums_gradients(x_shape, y_shape):
+    x = jax.random.normal(jax.random.key(0), x_shape)
+    y = jax.random.normal(jax.random.key(1), y_shape)
+    ours = jax.grad(lambda a, b: jnp.sum(jnp.sin(add_broadcast(a, b))), (0, 1))(x, y)
+    plain = jax.grad(lambda a, b: jnp.sum(jnp.sin(a + b)), (0, 1))(x, y)
+    assert jnp.array_equal(add_broadcast(x, y), x + y)
+    assert ours[1].shape == y_shape
+    for a, b in zip(ours, plain):
+        assert jnp.allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -60,6 +60,36 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
+def add_broadcast(x: jax.Array, y: jax.Array) -> jax.Array:
+    """x + y, `y` broadcast over x's other axes (a bias over the tokens, T5's position bias over the batch), with
+    the gradient of y summed by a matrix-vector product with ones instead of a reduction: XLA:CPU (jaxlib 0.10)
+    reduces a leading axis ~20-60x slower than that (a vocabulary bias over 512 positions: 80 against 1.2 ms; T5's
+    [4, 12, 128, 128] bias over the batch: 4.2 against 0.2 ms, once per layer). The same sum, in float32."""
+    return _add_broadcast(x, y.reshape((1,) * (x.ndim - y.ndim) + y.shape))
+
+
+@jax.custom_vjp
+def _add_broadcast(x, y):
+    return x + y
+
+
+def _add_broadcast_fwd(x, y):
+    return x + y, y
+
+
+def _add_broadcast_bwd(y, g):
+    summed = tuple(axis for axis, (n, m) in enumerate(zip(g.shape, y.shape)) if m == 1 and n != 1)
+    if not summed:
+        return g, g.astype(y.dtype)
+    kept = tuple(axis for axis in range(g.ndim) if axis not in summed)
+    rows = jnp.transpose(g, summed + kept).reshape(math.prod(g.shape[a] for a in summed), -1)
+    total = jnp.dot(jnp.ones(rows.shape[0], g.dtype), rows, preferred_element_type=jnp.float32)
+    return g, total.reshape(y.shape).astype(y.dtype)
+
+
+_add_broadcast.defvjp(_add_broadcast_fwd, _add_broadcast_bwd)
+
+
 class Dense(nnx.Module):
     """y = x @ kernel (+ bias). `out_features` may be a tuple to keep structure (e.g. GPT-2's fused 3×heads).
     `saved_as`: the name (checkpoint_name) of x @ kernel that the remat policies keep or drop (REMAT_POLICIES)."""
@@ -297,13 +327,15 @@ class Attention(nnx.Module):
     def _einsums(self, q, k, v, mask, bias, rngs, layout):
         scores = jnp.einsum(f"bthd,{layout}->bhts", q, k, preferred_element_type=jnp.float32) * self.scale
         if bias is not None:
-            scores = scores + bias.astype(jnp.float32)
+            scores = add_broadcast(scores, bias.astype(jnp.float32))
         dense = None if mask is None else mask.array(*scores.shape[-2:])
         if dense is not None:
             scores = jnp.where(dense, scores, jnp.finfo(jnp.float32).min)
         probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q.dtype), "attention_weights")
         probs = dropout(probs, self.dropout_rate, rngs)
         return jnp.einsum(f"bhts,{layout}->bthd", probs, v)
+
+
 
 
 def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
