@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from spmdlm.flops import SUM_AS_MATMUL
 from spmdlm.mesh import constrain, resolve_spec
 from spmdlm.models.attention import IMPLEMENTATIONS, AttentionMask, fused, resolve
 
@@ -83,7 +84,8 @@ def _add_broadcast_bwd(y, g):
         return g, g.astype(y.dtype)
     kept = tuple(axis for axis in range(g.ndim) if axis not in summed)
     rows = jnp.transpose(g, summed + kept).reshape(math.prod(g.shape[a] for a in summed), -1)
-    total = jnp.dot(jnp.ones(rows.shape[0], g.dtype), rows, preferred_element_type=jnp.float32)
+    with jax.named_scope(SUM_AS_MATMUL):  # a reduction, not a model FLOP (flops.jaxpr_matmul_flops)
+        total = jnp.dot(jnp.ones(rows.shape[0], g.dtype), rows, preferred_element_type=jnp.float32)
     return g, total.reshape(y.shape).astype(y.dtype)
 
 
