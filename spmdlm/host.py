@@ -4,7 +4,7 @@ XLA:CPU allocates a step's temporaries afresh every step (T5-base at batch 4: ~1
 blocks back to the kernel when they are freed, so every step faults its temporaries in again, 4 KiB at a time: 3.4
 M minor faults in a 10-step T5-base run. With glibc's `glibc.malloc.hugetlb=1` tunable (glibc 2.35+) malloc asks for
 transparent huge pages (2 MiB), which the kernel grants in its default `madvise` mode: 0.18 M faults, the same
-resident memory, +4-7% tokens/s at the base sizes on a 2-core CPU (benchmarks/README.md). A tunable is read when
+resident memory, +2-11% tokens/s at the base sizes on a 2-core CPU (benchmarks/README.md). A tunable is read when
 the process starts, so the launcher restarts itself once with it set (the same PID, arguments and environment).
 
 Nothing happens where it cannot help: another OS or C library, huge pages `never` (or `always`: already on), a

@@ -62,10 +62,10 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 
 def add_broadcast(x: jax.Array, y: jax.Array) -> jax.Array:
-    """x + y, `y` broadcast over x's other axes (a bias over the tokens, T5's position bias over the batch), with
-    the gradient of y summed by a matrix-vector product with ones instead of a reduction: XLA:CPU (jaxlib 0.10)
-    reduces a leading axis ~20-60x slower than that (a vocabulary bias over 512 positions: 80 against 1.2 ms; T5's
-    [4, 12, 128, 128] bias over the batch: 4.2 against 0.2 ms, once per layer). The same sum, in float32."""
+    """x + y, `y` broadcast over some of x's axes (T5's [1, heads, T, S] position bias over the batch), with the
+    gradient of y summed by a matrix-vector product with ones instead of a reduction: XLA:CPU (jaxlib 0.10) sums
+    the leading axis of [4, 12, 128, 128] in 4.2 ms, the product takes 0.2 (once per layer; +2.5% at T5 base). The
+    same sum, in float32. Not used for token-wise biases, where it did not pay (benchmarks/README.md, item 8)."""
     return _add_broadcast(x, y.reshape((1,) * (x.ndim - y.ndim) + y.shape))
 
 
