@@ -80,6 +80,8 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
     p.add_argument("--profile_label", default="spmdlm", help="the report's column title")
     p.add_argument("--learning_rate", type=float, default=1e-4)
     p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--max_grad_norm", type=float, default=1.0,
+                   help="as the launcher's (0 = no clipping, as the HF Flax scripts)")
     p.add_argument("--seed", type=int, default=0, help="numpy seed of the synthetic batch and init seed")
     if extra is not None:
         extra(p)
@@ -376,7 +378,8 @@ def run_benchmark(args) -> dict[str, Any]:
     host_batch = synthetic_batch(objective, global_batch, config.vocab_size, args.seed)
     batch = to_global(host_batch, mesh)
     total_steps = args.warmup + args.steps
-    optim = OptimConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay)
+    optim = OptimConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                        max_grad_norm=args.max_grad_norm)
     schedule = learning_rate_schedule(optim, total_steps)
     family = _families()[config.model_type]
 

@@ -41,9 +41,14 @@ ITEMS = ("model", "optimizer", "data", "config")
 FORMAT = 2
 DAMAGED_DIR = "damaged_checkpoints"
 
-
-
-
+# Orbax splits each replicated shard among its replicas for writing (replica-parallel saving), slicing it with one
+# jitted dispatch per shard and replica before the save goes asynchronous: ~1 ms each, so a save of a small
+# model's ~300 arrays on 8 devices held the step ~1.4 s. Slices under 1 MiB buy no write bandwidth worth that;
+# bigger ones are still split. The files written are the same either way.
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+ocp.type_handlers.register_type_handler(
+    jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
+    override=True)
 
 
 class _QuietReadOnly(logging.Filter):

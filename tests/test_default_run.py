@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import COMPILE_FLAGS, REPO
 
 
 @pytest.mark.slow
 def test_default_run_end_to_end(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher must simulate the devices
+    env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS}  # the launcher must simulate the devices
     out = tmp_path / "default"
     cmd = [sys.executable, "-m", "spmdlm.launch", "--mesh", "data=8", "--output_dir", str(out), "--max_steps", "40",
            "--eval_steps", "20", "--save_steps", "20", "--cache_dir", str(tmp_path / "cache")]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_metrics
+from conftest import COMPILE_FLAGS, REPO, read_metrics
 from spmdlm import storage
 from spmdlm.launch import main
 
@@ -28,7 +28,7 @@ def test_two_processes_match_one(tmp_path, tiny_gpt2_config, gcs_bucket):
     flags = ["--mesh", "data=2,fsdp=4", "--train_file", STDLIB_JSON, "--config_name", str(tiny_gpt2_config),
              "--block_size", "32", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
              "--eval_steps", "2", "--max_eval_samples", "32"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS}  # each process simulates its own devices
     multi_out = f"{gcs_bucket}/multi"
     multi = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", "--", *flags, "--output_dir", multi_out,
                             "--cache_dir", f"{gcs_bucket}/multi-cache"], cwd=REPO, capture_output=True, text=True,

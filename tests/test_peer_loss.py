@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import FIXTURES, REPO
+from conftest import COMPILE_FLAGS, FIXTURES, REPO
 
 HEARTBEAT_TIMEOUT_S = 10  # SPMDLM_HEARTBEAT_TIMEOUT: 60 s by default; short here to keep the test short
 
@@ -27,7 +27,7 @@ def test_killing_one_process_stops_the_other_naming_it(tmp_path, tiny_gpt2_confi
              str(tiny_gpt2_config), "--block_size", "32", "--per_device_train_batch_size", "2", "--max_steps",
              "100000", "--save_steps", "100000", "--logging_steps", "1", "--do_eval", "false", "--no_export_hf",
              "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out")]
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS, "JAX_PLATFORMS": "cpu",
            "SPMDLM_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S)}
     logs = [(open(tmp_path / f"p{i}.out", "w+"), open(tmp_path / f"p{i}.err", "w+")) for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "spmdlm.launch", "--coordinator_address", f"127.0.0.1:{port}",
