@@ -46,19 +46,21 @@ DAMAGED_DIR = "damaged_checkpoints"
 # model's ~300 arrays on 8 devices held the step ~1.4 s. Slices under 1 MiB buy no write bandwidth worth that;
 # bigger ones are still split. The files written are the same either way.
 MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
+class _QuietOrbax(logging.Filter):
+    """orbax warns on every read-only manager (resume checks, export) that it is read-only, and when a type handler
+    is replaced (ours, below): not news to anyone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith((
+            "CheckpointManagerOptions.read_only=True", "Given directory is read only", "Type handler registry type"))
+
+
+logging.getLogger("absl").addFilter(_QuietOrbax())
 ocp.type_handlers.register_type_handler(
     jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
     override=True)
-
-
-class _QuietReadOnly(logging.Filter):
-    """orbax warns on every read-only manager (resume checks, export) that it is read-only: not news to anyone."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(("CheckpointManagerOptions.read_only=True", "Given directory is read only"))
-
-
-logging.getLogger("absl").addFilter(_QuietReadOnly())
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
