@@ -1,4 +1,4 @@
-"""Where a jitted step's time goes on CPU: per-op times from a jax.profiler trace, grouped by what each op is.
+"""Where a jitted step's time goes: per-op times from a jax.profiler trace, grouped by what each op is (CPU or GPU).
 
 XLA:CPU's thunk executor records one trace event per executed thunk (a fusion, a dot, a copy, a while loop, ...)
 named after its HLO instruction. This module runs a step under `jax.profiler`, reads the trace back with
@@ -53,11 +53,31 @@ def op_events(trace_dir: str) -> list[tuple[str, int, int]]:
     events = []
     for path in _newest_trace(trace_dir):
         for plane in ProfileData.from_file(path).planes:
+            if plane.name.startswith("/device:GPU"):
+                events += _gpu_op_events(plane)
             if not plane.name.startswith("/host:CPU"):
                 continue
             for line in plane.lines:
                 if line.name.startswith("tf_XLA"):
                     events += [(e.name, e.start_ns, e.duration_ns) for e in line.events if not _NOT_OPS.match(e.name)]
+    return events
+
+
+def _gpu_op_events(plane) -> list[tuple[str, int, int]]:
+    """A GPU's kernels, named by the HLO instruction that launched them: the profiler's derived "XLA Ops" line where
+    it wrote one, else every stream's kernels by their `hlo_op` statistic (the kernel's own name without it)."""
+    lines = {line.name: line for line in plane.lines}
+    if "XLA Ops" in lines:
+        return [(e.name, e.start_ns, e.duration_ns) for e in lines["XLA Ops"].events]
+    events = []
+    for line in plane.lines:
+        if line.name.startswith("Stream"):
+            for e in line.events:
+                hlo_op = str(dict(e.stats).get("hlo_op", ""))
+                # A CUDA-graph command buffer names no op: run with XLA_FLAGS=--xla_gpu_enable_command_buffer= to
+                # see them; the kernel's own name says at least what it is (a gemm, a fusion, cuDNN's attention).
+                name = hlo_op if hlo_op and not hlo_op.startswith("command_buffer") else f"kernel:{e.name}"
+                events.append((name, e.start_ns, e.duration_ns))
     return events
 
 
@@ -140,6 +160,9 @@ def classify(hlo_text: str) -> dict[str, tuple[str, str, str]]:
                 continue
             opcode = _opcode(line)
             category = opcode
+            if opcode == "custom-call":  # a library call: cuBLAS's gemm, cuDNN's attention, ...
+                target = re.search(r'custom_call_target="([^"]+)"', line)
+                category = f"custom-call:{target.group(1)}" if target else opcode
             if opcode == "fusion":
                 called = re.search(r"calls=%?([\w.\-]+)", line)
                 ops = inside(called.group(1), set()) if called else set()
@@ -150,6 +173,18 @@ def classify(hlo_text: str) -> dict[str, tuple[str, str, str]]:
     return categories
 
 
+def _kernel_category(name: str) -> str:
+    """What a GPU kernel that no HLO instruction claims is, from its name."""
+    lower = name.lower()
+    for word, category in (("gemm", "kernel:gemm"), ("xmma", "kernel:gemm"), ("cutlass", "kernel:gemm"),
+                           ("fmha", "kernel:attention"), ("flash", "kernel:attention"), ("cudnn", "kernel:cudnn"),
+                           ("memcpy", "memcpy"), ("memset", "memset"), ("reduce", "kernel:reduce"),
+                           ("fusion", "kernel:fusion")):
+        if word in lower:
+            return category
+    return "?"
+
+
 def report(trace_dir: str, hlo_text: str, steps: int, label: str) -> dict[str, Any]:
     """Per-step seconds per op and per category (excluding while/call wrappers, whose bodies are counted)."""
     events = op_events(trace_dir)
@@ -157,7 +192,7 @@ def report(trace_dir: str, hlo_text: str, steps: int, label: str) -> dict[str, A
     categories = classify(hlo_text)
     ops = []
     for name, (seconds, count) in times.items():
-        category, shape, phase = categories.get(name, ("?", "", "?"))
+        category, shape, phase = categories.get(name, (_kernel_category(name), "", "?"))
         ops.append({"name": name, "category": category, "shape": shape, "phase": phase,
                     "seconds_per_step": seconds / steps, "runs_per_step": count / steps})
     ops.sort(key=lambda op: -op["seconds_per_step"])

@@ -11,6 +11,7 @@ Generation (spmdlm.generate) runs the same layers with a `Cache` of keys and val
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -22,6 +23,36 @@ from jax.ad_checkpoint import checkpoint_name
 from spmdlm.flops import SUM_AS_MATMUL
 from spmdlm.mesh import constrain, resolve_spec
 from spmdlm.models.attention import IMPLEMENTATIONS, AttentionMask, fused, resolve
+
+
+def einsum_float32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`jnp.einsum(spec, a, b)` of two same-dtype operands, accumulated and returned in float32 (logits and attention
+    scores, so softmaxes see no bfloat16-rounded values).
+
+    From lower-precision operands the backward pass stays in their precision: JAX's own transpose would multiply the
+    float32 cotangent by a bfloat16 operand, which XLA runs as a float32 GEMM (GPT-2 124M on an H200: the tied LM
+    head's weight gradient alone took 41 ms of a 230 ms step; benchmarks/README.md, GPU section)."""
+    if a.dtype == jnp.float32:
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return _einsum_low_precision_backward(spec, a, b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_low_precision_backward(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_forward(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32), (a, b)
+
+
+def _einsum_cotangents(spec, operands, cotangent):
+    a, b = operands
+    _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), a, b)
+    return vjp(cotangent.astype(a.dtype))
+
+
+_einsum_low_precision_backward.defvjp(_einsum_forward, _einsum_cotangents)
 
 
 class Bias(nnx.Param):
@@ -122,8 +153,11 @@ class Dense(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...].astype(self.dtype)
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                                preferred_element_type=self.out_dtype)
+        if self.out_dtype == jnp.float32 and kernel.ndim == 2:
+            y = einsum_float32("...d,dk->...k", x.astype(self.dtype), kernel)
+        else:
+            y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                                    preferred_element_type=self.out_dtype)
         if self.saved_as:
             y = checkpoint_name(y, self.saved_as)
         if self.bias is not None:
@@ -144,9 +178,7 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        # float32 logits even from bfloat16 inputs: the loss's log-softmax should not see bf16-rounded logits
-        return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return einsum_float32("...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype))
 
 
 class LayerNorm(nnx.Module):
@@ -327,7 +359,7 @@ class Attention(nnx.Module):
         return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
 
     def _einsums(self, q, k, v, mask, bias, rngs, layout):
-        scores = jnp.einsum(f"bthd,{layout}->bhts", q, k, preferred_element_type=jnp.float32) * self.scale
+        scores = einsum_float32(f"bthd,{layout}->bhts", q, k) * self.scale
         if bias is not None:
             scores = add_broadcast(scores, bias.astype(jnp.float32))
         dense = None if mask is None else mask.array(*scores.shape[-2:])
