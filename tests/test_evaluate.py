@@ -162,12 +162,15 @@ def test_bits_per_byte_of_a_run_and_of_the_evaluator_are_transformers_loss_over_
 
 def test_the_evaluator_gives_a_runs_numbers_from_its_checkpoint_and_its_export(tmp_path, tiny_gpt2_config,
                                                                                cache_dir, eval_batches, capsys):
+    """Schedule-free AdamW: the run evaluates and exports the averaged parameters, which the checkpoint's model
+    does not hold (its optimizer state does): the evaluator finds them too."""
     out = tmp_path / "run"
     held_out = tmp_path / "held_out.txt"
     held_out.write_text("\n".join(words(40, ascii_only=True)) + "\n")
     flags = evaluation_flags("gpt2", cache_dir, held_out)
     assert launch(["--train_file", STDLIB_JSON, *flags, "--config_name", str(tiny_gpt2_config), "--output_dir",
                    str(out), "--max_steps", "1", "--per_device_train_batch_size", "1", "--mesh", "data=8",
+                   "--optim", "schedule_free_adamw", "--learning_rate", "0.05",
                    "--report_to", "none"]) == 0
     ran = {k.removeprefix("eval_"): v for k, v in json.loads((out / "eval_results.json").read_text()).items()}
     assert_same(ran, hf_figures("gpt2", out / "hf", [batch for batch, _ in eval_batches]), rel=2e-4)
