@@ -41,6 +41,12 @@ from spmdlm.train.step import Stepper
 
 log = logging.getLogger("spmdlm")
 
+# The launcher's flags the evaluator reads (and every objective flag); another given is refused, not ignored.
+FLAGS = frozenset({"model_name_or_path", "model_type", "tokenizer_name", "cache_dir", "train_file", "data_mixture",
+                   "dataset_dir", "dataset_name", "dataset_config_name", "preprocessing_num_workers", "text_column",
+                   "text_documents", "validation_file", "validation_split_percentage", "max_eval_samples",
+                   "overwrite_cache", "per_device_eval_batch_size", "seed", "mesh", "coordinator_address",
+                   "num_processes", "process_id"})
 NOTE = ("bits_per_byte divides the summed loss by the UTF-8 bytes of the text the scored tokens stand for: it is "
         "comparable between models with different tokenizers on the same text and preprocessing; loss, perplexity "
         "and accuracy are per token of this model's tokenizer and are not")
@@ -59,7 +65,13 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
     own, rest = parser().parse_known_args(argv)
-    args, _ = run_config.parse_args([*rest, "--do_train", "false", "--do_eval", "true"], family_choices())
+    choices = family_choices()
+    args, given = run_config.parse_args([*rest, "--do_train", "false", "--do_eval", "true"], choices)
+    unused = sorted(given - FLAGS - {"do_train", "do_eval"} - {flag.name for flag in choices.objective_flags})
+    if unused:
+        raise ArgumentError(f"--{unused[0]} does not apply to python -m spmdlm.evaluate (a float32 evaluation); it "
+                            f"takes --step, --output_file and the launcher's {', '.join('--' + f for f in sorted(FLAGS))} "
+                            "and objective flags")
     if not args.model_name_or_path:
         raise ArgumentError("give --model_name_or_path: a run's --output_dir, one of its checkpoints/<step>, an "
                             "export or a transformers directory")
