@@ -314,8 +314,8 @@ def load_hf_into_state(path: str | Path, graphdef, state):
 
 
 def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass the --output_dir of a training run"):
-    """(model, config, tokenizer dir or None) of a training run's checkpoint: the newest that verifies (a damaged
-    newer one is reported and left in place), or `step`. `hint` ends the error when `run_dir` holds no run."""
+    """(model, config, tokenizer dir or None, step) of a training run's checkpoint: the newest that verifies (a
+    damaged newer one is reported and left in place), or `step`. `hint` ends the error when `run_dir` holds no run."""
     run_dir = storage.path(run_dir, "--checkpoint")
     run_config_path = run_dir / "run_config.json"
     if not run_config_path.is_file():
@@ -331,14 +331,14 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
     with jax.set_mesh(mesh):
         graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
         if step is None:
-            state, _ = ckpt.restore_newest_good(manager, abstract, model_only=True, move_aside=False)
+            state, step = ckpt.restore_newest_good(manager, abstract, model_only=True, move_aside=False)
         else:
-            state, _ = ckpt.restore(manager, step, abstract, model_only=True)
+            state, step = ckpt.restore(manager, step, abstract, model_only=True)
     # Where training found its tokenizer: --tokenizer_name, the --model_name_or_path it started from, or the run's.
     given = [run_config.get("tokenizer_name"), run_config.get("model_name_or_path"), run_dir]
     tokenizer_dir = next((p for p in given if p and (storage.path(p).is_file()
                                                     or (storage.path(p) / "tokenizer.json").exists())), None)
-    return nnx.merge(graphdef, state), config, tokenizer_dir
+    return nnx.merge(graphdef, state), config, tokenizer_dir, step
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None = None, mesh_spec: str = "data=-1",
@@ -350,7 +350,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None 
     unfinished = not storage.is_remote(out) and _only_an_export(Path(out)) and not export_complete(out)
     if out.exists() and any(out.iterdir()) and not overwrite and not unfinished:
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
-    model, config, tokenizer_dir = load_run(checkpoint, step, make_mesh(mesh_spec))
+    model, config, tokenizer_dir, _ = load_run(checkpoint, step, make_mesh(mesh_spec))
     save_hf(model, config, out, tokenizer=load_tokenizer(tokenizer_dir) if tokenizer_dir else None, release=True)
     return out
 

@@ -34,17 +34,20 @@ def test_chunked_loss_and_gradients_equal_the_whole_sequence_ones(family):
     config, model = tiny_model(family)
     batch = random_batch(config, family, 40, np.random.default_rng(0))
     graph, params, rest = nnx.split(model, nnx.Param, ...)
+    byte_lengths = np.random.default_rng(1).integers(0, 5, config.vocab_size).astype(np.int32)
 
     def grads_and_sums(chunk):
         def loss(p):
             sums = loss_sums(nnx.merge(graph, p, rest), batch, families()[family].forward, z_loss=1e-3,
-                             loss_chunk=chunk)
+                             loss_chunk=chunk, byte_lengths=jnp.asarray(byte_lengths))
             return sums["loss_sum"] + sums["z_loss_sum"], sums
         return jax.grad(loss, has_aux=True)(params)
 
     # One program for both (one compilation); 12 does not divide 40: the last chunk is padded with ignored positions.
     (whole_grads, whole), (grads, sums) = jax.jit(lambda: (grads_and_sums(0), grads_and_sums(12)))()
-    assert float(whole["tokens"]) == float((batch["labels"] != IGNORE_INDEX).sum())
+    labels = np.asarray(batch["labels"])
+    assert float(whole["tokens"]) == float((labels != IGNORE_INDEX).sum())
+    assert int(whole["bytes"]) == byte_lengths[labels[labels != IGNORE_INDEX]].sum()  # bits per byte's denominator
     for key in whole:
         np.testing.assert_allclose(sums[key], whole[key], rtol=1e-5, err_msg=key)
     flat, whole_flat = jax.tree.leaves(grads), jax.tree.leaves(whole_grads)
@@ -76,13 +79,14 @@ def test_mlm_head_on_labelled_positions_only_equals_every_position():
         def loss(p):
             batch = {"input_ids": ids, "labels": jnp.asarray(labels, jnp.int32)}
             sums = loss_sums(nnx.merge(graph, p, rest), batch, families()["roberta"].forward,
-                             label_capacity=capacity)
+                             label_capacity=capacity, byte_lengths=jnp.arange(config.vocab_size) % 7)
             return sums["loss_sum"], sums
         return jax.grad(loss, has_aux=True)(params)
 
     for labels in (sparse, dense_row):
         (whole_grads, whole), (grads, sums) = jax.jit(
             lambda: (grads_and_sums(labels, None), grads_and_sums(labels, 12)))()
+        assert int(sums["bytes"]) == (labels[labels != IGNORE_INDEX] % 7).sum()
         for key in whole:
             np.testing.assert_allclose(sums[key], whole[key], rtol=1e-5, err_msg=key)
         for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads)):
@@ -121,16 +125,18 @@ def test_reported_bart_metrics_leave_out_the_special_labels():
                 logits[row, t, label] = 30.0  # certain and right: loss ~0
             elif label != IGNORE_INDEX:
                 logits[row, t, (label + 1) % vocab] = 2.0  # wrong: loss log(e^2 + 5)
-    sums = cross_entropy_sums(jnp.asarray(logits), labels, unscored=(bos, pad, eos, 3 + 100))
+    byte_lengths = jnp.asarray([0, 0, 0, 1, 2, 4], jnp.int32)  # the specials stand for no text
+    sums = cross_entropy_sums(jnp.asarray(logits), labels, unscored=(bos, pad, eos, 3 + 100), byte_lengths=byte_lengths)
     wrong = np.log(np.exp(2.0) + vocab - 1)
     assert float(sums["tokens"]) == 7 and float(sums["scored_tokens"]) == 3
     np.testing.assert_allclose(float(sums["scored_loss_sum"]) / 3, wrong, rtol=1e-6)
     np.testing.assert_allclose(float(sums["loss_sum"]) / 7, 3 * wrong / 7, rtol=1e-5)
     assert float(sums["scored_correct"]) == 0 and float(sums["correct"]) == 4
+    assert int(sums["bytes"]) == int(sums["scored_bytes"]) == 1 + 2 + 4
     # the chunked path reports the same
     features = jnp.asarray(logits)
-    chunked = head_sums(lambda x: x, features, labels, loss_chunk=3, unscored=(bos, pad, eos))
-    for key in ("scored_loss_sum", "scored_tokens", "scored_correct", "loss_sum", "tokens"):
+    chunked = head_sums(lambda x: x, features, labels, loss_chunk=3, unscored=(bos, pad, eos), byte_lengths=byte_lengths)
+    for key in ("scored_loss_sum", "scored_tokens", "scored_correct", "loss_sum", "tokens", "bytes", "scored_bytes"):
         np.testing.assert_allclose(float(chunked[key]), float(sums[key]), rtol=1e-6, err_msg=key)
 
 

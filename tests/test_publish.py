@@ -25,7 +25,7 @@ from spmdlm.train import publish, setup
 TOKEN = "hf_emulated_token"
 CARD_FLAGS = ("--card_license", "apache-2.0", "--card_tags", "tiny,code", "--card_datasets", "someone/stdlib-json")
 RESULTS = {"eval_loss": 2.5, "eval_perplexity": math.exp(2.5), "eval_accuracy": 0.25, "eval_tokens": 512.0,
-           "train_loss": 2.75}
+           "eval_bits_per_byte": 1.25, "eval_bytes": 1024, "train_loss": 2.75}
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_every_family_gets_a_card_with_its_results_metadata_and_usage(family, tm
     assert data.model_name == "run"
     found = {r.metric_type: r.metric_value for r in data.eval_results}
     assert found == {"loss": RESULTS["eval_loss"], "perplexity": RESULTS["eval_perplexity"],
-                     "accuracy": RESULTS["eval_accuracy"]}
+                     "accuracy": RESULTS["eval_accuracy"], "bits_per_byte": RESULTS["eval_bits_per_byte"]}
     assert {(r.task_type, r.dataset_type, r.dataset_name) for r in data.eval_results} == \
         {(task, "someone/stdlib-json", "someone/stdlib-json")}
     text = card.text
@@ -224,7 +224,8 @@ def test_a_run_pushes_its_export_card_and_checkpoints(hub, tmp_path, tiny_config
     card = ModelCard.load(out / "hf" / "README.md")
     results = json.loads((out / "eval_results.json").read_text())
     assert {r.metric_type: r.metric_value for r in card.data.eval_results} == \
-        {"loss": results["eval_loss"], "perplexity": results["eval_perplexity"], "accuracy": results["eval_accuracy"]}
+        {"loss": results["eval_loss"], "perplexity": results["eval_perplexity"], "accuracy": results["eval_accuracy"],
+         "bits_per_byte": results["eval_bits_per_byte"]}
     assert card.data.model_name == f"{USER}/tiny-gpt2" and card.data.license == "apache-2.0"
 
 

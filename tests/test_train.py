@@ -53,9 +53,14 @@ def test_run_outputs(tmp_path, tiny_gpt2_config, cache_dir):
             "run_config.json"} <= names
     results = json.loads((out / "eval_results.json").read_text())
     assert results["eval_perplexity"] == pytest.approx(np.exp(results["eval_loss"]), rel=1e-6)
+    # bits per byte: the summed loss over the text's bytes (a byte-level BPE token has at least one byte)
+    assert results["eval_bits_per_byte"] == pytest.approx(
+        results["eval_loss"] * results["eval_tokens"] / results["eval_bytes"] / np.log(2), rel=1e-6)
+    assert results["eval_bytes"] >= results["eval_tokens"]
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics if "loss" in m] == [3, 6]
+    assert [m["step"] for m in metrics if "eval_bits_per_byte" in m] == [3, 6]
     assert all(m["tokens_per_second"] > 0 for m in metrics if "loss" in m)
     # GPT-2's blocks of the joined stream have no padding: every token slot is a real token
     assert all(m["real_tokens_per_second"] == pytest.approx(m["tokens_per_second"]) and m["padding_fraction"] == 0

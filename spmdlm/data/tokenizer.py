@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -297,6 +298,34 @@ def all_special_ids(tok: Tokenizer, family) -> tuple[int, ...]:
     roles = {i for i in special_token_ids(tok, family).values() if i is not None}
     added = {i for i, token in tok.get_added_tokens_decoder().items() if token.special}
     return tuple(sorted(roles | added))
+
+
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def token_byte_lengths(tok: Tokenizer, size: int) -> np.ndarray:
+    """int32 [size]: the UTF-8 bytes of text each id stands for, what bits per byte divides by (docs/evaluation.md).
+    Byte-level BPE: one byte per character of the token (each character stands for one byte, so a token holding part
+    of a character counts its part); otherwise the piece's UTF-8 with '▁' as one space, a byte-fallback piece
+    <0xNN> one byte. Special tokens (sentinels, EOS, <unk>, ...) and ids past the tokenizer's vocabulary 0; an added
+    token that is not special: its text."""
+    saved = json.loads(tok.to_str())
+    byte_level = "ByteLevel" in json.dumps(saved.get("decoder"))
+    byte_fallback = bool((saved.get("model") or {}).get("byte_fallback"))
+    added = tok.get_added_tokens_decoder()
+    lengths = np.zeros(size, np.int32)
+    for piece, i in tok.get_vocab(with_added_tokens=True).items():
+        if i >= size or (i in added and added[i].special):
+            continue
+        if i in added:
+            lengths[i] = len(piece.encode())
+        elif byte_level:
+            lengths[i] = len(piece)
+        elif byte_fallback and _BYTE_FALLBACK.fullmatch(piece):
+            lengths[i] = 1
+        else:
+            lengths[i] = len(piece.replace("▁", " ").encode())
+    return lengths
 
 
 def sentinel_ids(tok: Tokenizer, count: int = 100) -> np.ndarray:

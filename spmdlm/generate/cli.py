@@ -84,7 +84,7 @@ def read_prompts(args) -> list[str]:
 
 def load_run(run_dir: str | Path, step: int | None, mesh):
     """(model, config, tokenizer) of a training run's checkpoint: the newest that verifies, or `step`."""
-    model, config, tokenizer_dir = export.load_run(
+    model, config, tokenizer_dir, _ = export.load_run(
         run_dir, step, mesh, hint="pass the --output_dir of a training run, or --model_name_or_path for a "
                                   "transformers directory")
     return model, config, load_tokenizer(tokenizer_dir or run_dir)

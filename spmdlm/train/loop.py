@@ -78,13 +78,18 @@ def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None
 
 
 def summarise(totals: dict[str, Any]) -> dict[str, float]:
-    """Loss, perplexity, accuracy and tokens of eval sums: of the objective's scored labels first, when it has
-    them, then of all positions."""
+    """Loss, perplexity, accuracy, tokens, and bits per byte and bytes (docs/evaluation.md) of eval sums: of the
+    objective's scored labels first, when it has them, then of all positions."""
     def metrics(prefix: str, suffix: str = "") -> dict[str, float]:
         tokens = max(float(totals[f"{prefix}tokens"]), 1.0)
         loss = float(totals[f"{prefix}loss_sum"]) / tokens
-        return {f"eval_loss{suffix}": loss, f"eval_perplexity{suffix}": math.exp(min(loss, 50.0)),
-                f"eval_accuracy{suffix}": float(totals[f"{prefix}correct"]) / tokens, f"eval_tokens{suffix}": tokens}
+        out = {f"eval_loss{suffix}": loss, f"eval_perplexity{suffix}": math.exp(min(loss, 50.0)),
+               f"eval_accuracy{suffix}": float(totals[f"{prefix}correct"]) / tokens, f"eval_tokens{suffix}": tokens}
+        if f"{prefix}bytes" in totals:  # summed nats over the bytes the labels stand for, in bits
+            size = int(totals[f"{prefix}bytes"])
+            out[f"eval_bits_per_byte{suffix}"] = float(totals[f"{prefix}loss_sum"]) / max(size, 1) / math.log(2)
+            out[f"eval_bytes{suffix}"] = size
+        return out
 
     if "scored_tokens" not in totals:
         return metrics("")

@@ -43,7 +43,7 @@ TASKS = {Generation.FILL_MASK: "fill-mask", Generation.DECODER_ONLY: "text-gener
          Generation.ENCODER_DECODER: "text2text-generation", Generation.NONE: "feature-extraction"}
 # The model-index metrics: eval_results.json's key -> (metric type, pretty name)
 METRICS = {"eval_loss": ("loss", "Eval loss"), "eval_perplexity": ("perplexity", "Perplexity"),
-           "eval_accuracy": ("accuracy", "Token accuracy")}
+           "eval_accuracy": ("accuracy", "Token accuracy"), "eval_bits_per_byte": ("bits_per_byte", "Bits per byte")}
 TOKENIZER_KINDS = {"bpe": "byte-level BPE", "unigram": "Unigram (SentencePiece)"}
 EXAMPLE_TEXT = "Hello, my name is"
 

@@ -255,6 +255,7 @@ class Reporter:
                    if key.startswith("eval/") and key.endswith("/loss")]
         message = (f"eval at step {step}: loss {metrics['eval_loss']:.4f} | perplexity "
                    f"{metrics['eval_perplexity']:.2f} | accuracy {metrics['eval_accuracy']:.4f}"
+                   + (f" | bits/byte {metrics['eval_bits_per_byte']:.4f}" if "eval_bits_per_byte" in metrics else "")
                    + (f" | loss by source: {', '.join(sources)}" if sources else ""))
         (self._bar.write if self._bar is not None else log.info)(message)
         self.sync(force=False)
@@ -353,6 +354,7 @@ class Reporter:
             self.out = self.target
         labels = {"train_loss": "train loss {:.4f}", "eval_loss": "eval loss {:.4f}",
                   "eval_perplexity": "perplexity {:.2f}", "eval_accuracy": "accuracy {:.4f}",
+                  "eval_bits_per_byte": "bits/byte {:.4f}",
                   "train_tokens_per_second": "{:,.0f} tokens/s",
                   "train_real_tokens_per_second": "{:,.0f} real (non-padding) tokens/s", "total_steps": "{} steps"}
         parts = [fmt.format(results[k]) for k, fmt in labels.items() if k in results]

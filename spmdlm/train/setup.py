@@ -22,7 +22,7 @@ from spmdlm import devices, storage
 from spmdlm.config import DEFAULT_MODEL_TYPE, RunArgs
 from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cache
 from spmdlm.data.objectives import Objective
-from spmdlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
+from spmdlm.data.tokenizer import load_tokenizer, special_token_ids, token_byte_lengths, train_tokenizer
 from spmdlm.errors import ArgumentError, DataError, RunError
 from spmdlm.export import load_hf_into_state
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
@@ -168,15 +168,19 @@ class SourceDocuments:
     validation: list[str]
 
 
-def read_corpora(args: RunArgs, source: mixture.Source | None = None) -> tuple[list[str], list[str]]:
+def read_corpora(args: RunArgs, source: mixture.Source | None = None, *, need_train: bool = True
+                 ) -> tuple[list[str], list[str]]:
     """Training and validation documents (of one mixture `source`, else of the run's corpus); without a
     validation file a hash split of the training documents (or the dataset's own validation split). None with
-    --dataset_dir: it is tokenized already."""
+    --dataset_dir: it is tokenized already. `need_train` False (spmdlm.evaluate): a validation file is read alone."""
     if args.dataset_dir:
         return [], []
     train_file, validation_file = (source.train_file, source.validation_file) if source else \
         (args.train_file, args.validation_file)
     flag = source.origin if source else "--train_file"
+    if validation_file and not need_train:
+        return [], read_validation(args, validation_file, f"{flag} validation_file" if source else
+                                   "--validation_file")
     held_out, train_files = None, ()
     if train_file or args.dataset_name:
         # the string as given: expand_files splits its commas (--train_file a.txt,b.txt, as --validation_file)
@@ -194,18 +198,24 @@ def read_corpora(args: RunArgs, source: mixture.Source | None = None) -> tuple[l
     for doc in docs:
         (split_off if split and readers.in_validation_split(doc, split) else train).append(doc)
     if validation_file:
-        validation_files = readers.expand_files(validation_file, f"{flag} validation_file" if source else
-                                                "--validation_file")
-        warn_if_training_files(validation_files, train_files)
-        held_out = list(readers.read_documents(validation_files, text_column=args.text_column,
-                                               text_documents=args.text_documents))
+        held_out = read_validation(args, validation_file, f"{flag} validation_file" if source else
+                                   "--validation_file", train_files)
     if not train:
         raise DataError(f"the training corpus{f' of source {source.name}' if source else ''} has no text; check "
                         f"{flag}")
     return train, split_off if held_out is None else held_out
 
 
-def read_sources(args: RunArgs, sources: tuple[mixture.Source, ...]) -> list[SourceDocuments]:
+def read_validation(args: RunArgs, validation_file: str, flag: str, train_files=()) -> list[str]:
+    """The documents of held-out files (`flag` names them in errors); a warning if they are training files too."""
+    validation_files = readers.expand_files(validation_file, flag)
+    warn_if_training_files(validation_files, train_files)
+    return list(readers.read_documents(validation_files, text_column=args.text_column,
+                                       text_documents=args.text_documents))
+
+
+def read_sources(args: RunArgs, sources: tuple[mixture.Source, ...], *, need_train: bool = True
+                 ) -> list[SourceDocuments]:
     """Each mixture source's documents, read before anything is written (a prepared source's card is checked)."""
     corpora = []
     for source in sources:
@@ -216,7 +226,7 @@ def read_sources(args: RunArgs, sources: tuple[mixture.Source, ...]) -> list[Sou
                 raise DataError(f"{source.origin}: {e}") from None
             corpora.append(SourceDocuments(source, [], []))
         else:
-            corpora.append(SourceDocuments(source, *read_corpora(args, source)))
+            corpora.append(SourceDocuments(source, *read_corpora(args, source, need_train=need_train)))
     return corpora
 
 
@@ -247,6 +257,13 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
         vocab = args.vocab_size or config.vocab_size
         log.info("training a %d-token tokenizer on %d documents", vocab, len(train_docs))
         tok = train_tokenizer(ctx.family, train_docs, vocab)  # saved with run_config.json (write_run_files)
+    use_tokenizer(ctx, tok)
+    ctx.trained_tokenizer = origin == "trained" or (origin == "output_dir" and bool(ctx.previous.get("trained_tokenizer")))
+
+
+def use_tokenizer(ctx: RunContext, tok) -> None:
+    """The run's tokenizer, checked against the model's vocabulary; the config takes its special token ids."""
+    config = ctx.config
     if tok.get_vocab_size() > config.vocab_size:
         raise ArgumentError(f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
                             f"{config.vocab_size}; use --vocab_size/a config with vocab_size >= "
@@ -255,7 +272,6 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
     ctx.config = config.replace(**{f"{k}_token_id": v for k, v in special_token_ids(tok, ctx.family).items()
                                    if v is not None and f"{k}_token_id" in fields})
     ctx.tokenizer = tok
-    ctx.trained_tokenizer = origin == "trained" or (origin == "output_dir" and bool(ctx.previous.get("trained_tokenizer")))
 
 
 # -- stage 4: objective and data ------------------------------------------------------------------------------------
@@ -365,8 +381,14 @@ def setup_state(ctx: RunContext, *, abstract: bool):
     stepper = Stepper(graphdef, state, ctx.mesh, ctx.family.forward, grad_accum=args.gradient_accumulation_steps,
                       z_loss=args.z_loss, dropout_seed=args.seed, schedule=learning_rate_schedule(optim, steps),
                       loss_chunk=args.loss_chunk_size, label_capacity=ctx.objective.label_capacity,
-                      unscored=ctx.objective.unscored_label_ids, optim=optim)
+                      unscored=ctx.objective.unscored_label_ids, optim=optim, byte_lengths=byte_lengths(ctx))
     return graphdef, state, stepper
+
+
+def byte_lengths(ctx: RunContext):
+    """Each vocabulary id's UTF-8 bytes, for bits per byte; None without a tokenizer (--compile_for: the eval step
+    compiles without the one gather it adds)."""
+    return None if ctx.tokenizer is None else token_byte_lengths(ctx.tokenizer, ctx.config.vocab_size)
 
 
 def check_mesh_use(state, ctx: RunContext) -> None:

@@ -26,11 +26,13 @@ from spmdlm.train.optim import OptimConfig, evaluation_params, spike_counts
 
 
 def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0,
-                       unscored: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+                       unscored: tuple[int, ...] = (), byte_lengths: jax.Array | None = None) -> dict[str, jax.Array]:
     """Summed fp32 cross-entropy, optional T5X z-loss (coef · logsumexp²), token count and correct predictions.
 
     With `unscored` label ids (BART's special tokens), the same sums over the other labels too (`scored_*`): the
-    figures a run reports, as the HF script does, while it trains on every label."""
+    figures a run reports, as the HF script does, while it trains on every label. With `byte_lengths` (int32 [V],
+    data.tokenizer.token_byte_lengths), the UTF-8 bytes the counted labels stand for (`bytes`): bits per byte's
+    denominator."""
     logits = logits.astype(jnp.float32)
     valid = labels != IGNORE_INDEX
     safe_labels = jnp.where(valid, labels, 0)
@@ -42,8 +44,11 @@ def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0
 
     def sums(counted, prefix=""):
         weights = counted.astype(jnp.float32)
-        return {f"{prefix}loss_sum": jnp.sum((lse - target) * weights), f"{prefix}tokens": jnp.sum(weights),
-                f"{prefix}correct": jnp.sum(hit & counted).astype(jnp.float32)}
+        out = {f"{prefix}loss_sum": jnp.sum((lse - target) * weights), f"{prefix}tokens": jnp.sum(weights),
+               f"{prefix}correct": jnp.sum(hit & counted).astype(jnp.float32)}
+        if byte_lengths is not None:  # int32: exact where a float32 sum of a long evaluation would round
+            out[f"{prefix}bytes"] = jnp.sum(jnp.where(counted, byte_lengths[safe_labels], 0), dtype=jnp.int32)
+        return out
 
     out = {**sums(valid), "z_loss_sum": z_loss * jnp.sum(jnp.square(lse) * valid)}
     if unscored:
@@ -52,8 +57,8 @@ def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0
 
 
 def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, labels: jax.Array,
-                               chunk: int, z_loss: float = 0.0, unscored: tuple[int, ...] = ()
-                               ) -> dict[str, jax.Array]:
+                               chunk: int, z_loss: float = 0.0, unscored: tuple[int, ...] = (),
+                               byte_lengths: jax.Array | None = None) -> dict[str, jax.Array]:
     """`cross_entropy_sums(head(features), labels)` computed `chunk` positions at a time, so only one chunk's
     logits [B, chunk, V] exist at once, forward and backward (each chunk's logits are recomputed for its gradient
     under jax.checkpoint). A length that `chunk` does not divide is padded with ignored positions."""
@@ -69,7 +74,7 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features:
 
     @jax.checkpoint
     def chunk_sums(x, y):
-        return cross_entropy_sums(head(x), y, z_loss, unscored)
+        return cross_entropy_sums(head(x), y, z_loss, unscored, byte_lengths)
 
     def body(total, xy):
         return jax.tree.map(jnp.add, total, chunk_sums(*xy)), None
@@ -79,11 +84,12 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features:
 
 
 def head_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, labels: jax.Array, *, z_loss: float = 0.0,
-              loss_chunk: int = 0, unscored: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+              loss_chunk: int = 0, unscored: tuple[int, ...] = (), byte_lengths: jax.Array | None = None
+              ) -> dict[str, jax.Array]:
     """Loss sums of the LM head over `features` [B, T, d], all positions at once or `loss_chunk` at a time."""
     if 0 < loss_chunk < labels.shape[1]:
-        return chunked_cross_entropy_sums(head, features, labels, loss_chunk, z_loss, unscored)
-    return cross_entropy_sums(head(features), labels, z_loss, unscored)
+        return chunked_cross_entropy_sums(head, features, labels, loss_chunk, z_loss, unscored, byte_lengths)
+    return cross_entropy_sums(head(features), labels, z_loss, unscored, byte_lengths)
 
 
 def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capacity: int, **loss) -> dict:
@@ -105,18 +111,18 @@ def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capaci
 
 def loss_sums(model: nnx.Module, batch: Batch, forward: Forward, rngs: nnx.Rngs | None = None, *,
               z_loss: float = 0.0, loss_chunk: int = 0, label_capacity: int | None = None,
-              unscored: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+              unscored: tuple[int, ...] = (), byte_lengths: jax.Array | None = None) -> dict[str, jax.Array]:
     """The token-summed loss and metrics of one batch, the model called by its family's `forward`.
     `loss_chunk` > 0 computes them a chunk of positions at a time (`chunked_cross_entropy_sums`); `label_capacity`
     (the objective's) runs the LM head on labelled positions only (`labelled_positions_sums`). Both give the same
     sums as the plain loss. `unscored`: the objective's label ids left out of the reported figures
-    (`cross_entropy_sums`)."""
+    (`cross_entropy_sums`); `byte_lengths`: each id's UTF-8 bytes, for bits per byte (`cross_entropy_sums`)."""
     labels = batch["labels"]
     gather = bool(label_capacity) and label_capacity < labels.shape[1]
     if not gather and not 0 < loss_chunk < labels.shape[1]:
-        return cross_entropy_sums(forward(model, batch, rngs), labels, z_loss, unscored)
+        return cross_entropy_sums(forward(model, batch, rngs), labels, z_loss, unscored, byte_lengths)
     features = forward(model, batch, rngs, features_only=True)
-    loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, unscored=unscored)
+    loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, unscored=unscored, byte_lengths=byte_lengths)
     if gather:
         return labelled_positions_sums(model.head, features, labels, label_capacity, **loss)
     return head_sums(model.head, features, labels, **loss)
@@ -139,8 +145,12 @@ def real_tokens(batch: Batch) -> jax.Array:
 
 def model_for_evaluation(graphdef, state, optim: OptimConfig | None = None):
     """(model, optimizer) of the train state, the model holding the parameters to evaluate, sample from and export:
-    schedule-free AdamW's averaged sequence (optim.evaluation_params); for other optimizers the trained ones."""
-    model, optimizer = nnx.merge(graphdef, state)
+    schedule-free AdamW's averaged sequence (optim.evaluation_params); for other optimizers the trained ones. The
+    state of a model alone (spmdlm.evaluate) gives (model, None)."""
+    merged = nnx.merge(graphdef, state)
+    if isinstance(merged, nnx.Module):
+        return merged, None
+    model, optimizer = merged
     if optim is not None:
         nnx.update(model, evaluation_params(optim, optimizer.opt_state, nnx.state(model, nnx.Param)))
     return model, optimizer
@@ -155,11 +165,15 @@ class Stepper:
 
     def __init__(self, graphdef, state, mesh: Mesh, forward: Forward, *, grad_accum: int = 1, z_loss: float = 0.0,
                  dropout_seed: int = 0, schedule: optax.Schedule | None = None, loss_chunk: int = 0,
-                 label_capacity: int | None = None, unscored: tuple[int, ...] = (), optim: OptimConfig | None = None):
+                 label_capacity: int | None = None, unscored: tuple[int, ...] = (), optim: OptimConfig | None = None,
+                 byte_lengths: np.ndarray | None = None):
+        """`state`: the train state, or the state of a model alone to evaluate (no train step then). `byte_lengths`:
+        each vocabulary id's UTF-8 bytes, which evaluation sums for bits per byte."""
         self.graphdef, self.mesh, self.forward = graphdef, mesh, forward
         self.optim = optim  # evaluation reads its evaluation parameters (model_for_evaluation)
         self.grad_accum, self.schedule = grad_accum, schedule
         self.loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, label_capacity=label_capacity, unscored=unscored)
+        self.byte_lengths = None if byte_lengths is None else np.asarray(byte_lengths, np.int32)
         self.dropout_key = jax.random.key(dropout_seed)
         self.shardings = state_shardings(state)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -213,9 +227,10 @@ class Stepper:
         return nnx.state((model, optimizer)), metrics
 
     def eval_fn(self, state, batch: Batch):
-        """The loss sums of a batch under the current (evaluation) parameters."""
+        """The loss sums of a batch under the current (evaluation) parameters, with the bytes its labels stand for."""
         model, _ = model_for_evaluation(self.graphdef, state, self.optim)
-        return loss_sums(model, batch, self.forward, **self.loss)
+        byte_lengths = None if self.byte_lengths is None else jnp.asarray(self.byte_lengths)
+        return loss_sums(model, batch, self.forward, **self.loss, byte_lengths=byte_lengths)
 
     # -- compilation ---------------------------------------------------------------------------------------------
     def batch_shardings(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):
