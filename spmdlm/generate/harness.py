@@ -226,4 +226,5 @@ def metrics_of(values: dict[str, Any]) -> dict[str, float]:
 
 def flat_metrics(results: dict[str, dict[str, float]], prefix: str = TASK_METRICS) -> dict[str, float]:
     """{prefix/task/metric: value}: the keys of metrics.jsonl, the trackers and eval_results.json."""
-    return {f"{prefix}/{task}/{metric}": value for task, metrics in results.items() for metric, value in metrics.items()}
+    return {f"{prefix}/{task}/{metric}": value
+            for task, metrics in results.items() for metric, value in metrics.items()}
