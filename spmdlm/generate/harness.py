@@ -53,6 +53,7 @@ class HarnessModel:
         self.interrupt = interrupt
         bos = getattr(config, "bos_token_id", None) if family.tokenizer.specials.get("bos") else None
         self._prefix = config.eos_token_id if bos is None else bos  # the hf backend's: BOS, else EOS
+        self._prefix_text = tokenizer.decode([self._prefix], skip_special_tokens=False)
 
     @property
     def eot_token_id(self) -> int:
@@ -70,8 +71,7 @@ class HarnessModel:
         """As the hf backend: the tokenizer's own framing unless told otherwise or the text starts with the
         prefix token."""
         if add_special_tokens is None:
-            add_special_tokens = not string.startswith(self.tokenizer.decode([self._prefix],
-                                                                              skip_special_tokens=False))
+            add_special_tokens = not string.startswith(self._prefix_text)
         return self.tokenizer.encode(string, add_special_tokens=add_special_tokens).ids
 
     def loglikelihood(self, requests, disable_tqdm: bool = True) -> list[tuple[float, bool]]:
