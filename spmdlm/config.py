@@ -44,6 +44,17 @@ OPTIMIZER_FLAGS = frozenset({"optim", "adafactor"})  # two spellings of one choi
 
 
 
+def check_eval_tasks(args) -> None:
+    """--eval_tasks' companions (the family, lm-eval and the task names are checked in spmdlm/train/setup.py)."""
+    given = [f"--{name}" for name in ("eval_tasks_steps", "eval_tasks_dir", "eval_tasks_limit")
+             if getattr(args, name) is not None]
+    if given and not args.eval_tasks:
+        raise ArgumentError(f"{', '.join(given)} apply to --eval_tasks; give the tasks to run")
+    for name in ("eval_tasks_steps", "eval_tasks_limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
+
+
 def parse_scan_unroll(value: str) -> int | None:
     """--scan_unroll's value: None for auto, else the layers per scan iteration (0 = fully unrolled)."""
     if value == "auto":
@@ -132,6 +143,14 @@ class RunArgs:
     sample_prompts: str | None = _field(None, "prompts separated by | whose continuations (greedy and one sampled; "
                                         "RoBERTa: fill-mask of texts with <mask>) are logged while training")
     sample_every: int | None = _field(None, "log samples every N steps (default: --eval_steps)")
+    eval_tasks: str | None = _field(None, "LM-harness tasks (lm-eval task names, or the `task:` of local YAMLs in "
+                                    "--eval_tasks_dir), comma-separated, run on the model at the end and every "
+                                    "--eval_tasks_steps (GPT-2, T5, BART; pip install 'spmdlm[eval]'; "
+                                    "docs/harness.md)")
+    eval_tasks_steps: int | None = _field(None, "also run --eval_tasks every N steps (default: only at the end)")
+    eval_tasks_dir: str | None = _field(None, "a directory of local task YAMLs for --eval_tasks (lm-eval's "
+                                        "dataset_path: json with data_files: works offline)")
+    eval_tasks_limit: int | None = _field(None, "at most N examples of each --eval_tasks task")
     seed: int = _field(42, "seed for init, shuffling, objectives and dropout")
     # -- optimisation --------------------------------------------------------------------------------------------
     learning_rate: float = _field(5e-5, "peak learning rate")
@@ -417,6 +436,7 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
         args = args.replace(sample_every=args.eval_steps)
     elif args.sample_every < 1:
         raise ArgumentError(f"--sample_every must be at least 1, got {args.sample_every}")
+    check_eval_tasks(args)
     parse_scan_unroll(args.scan_unroll)
     if args.remat not in REMAT_CHOICES:
         raise ArgumentError(f"--remat must be one of {', '.join(REMAT_CHOICES)}, got {args.remat!r}")

@@ -54,6 +54,10 @@ class GenerateError(UserError):
     """Input that cannot be generated from: an empty or too long prompt, a model that does not generate text."""
 
 
+class TasksError(UserError):
+    """LM-harness tasks that cannot run: no lm-eval installed, an unknown task, a model without a likelihood."""
+
+
 class RunError(UserError):
     """A run that cannot start as asked (output dir, shapes, sizes)."""
 

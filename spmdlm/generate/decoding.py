@@ -148,6 +148,17 @@ def generate_ids(model, config, tokenizer, prompts: list[str], *, max_new_tokens
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1) -> list[list[int]]:
     """The new token ids of each prompt's `num_samples` continuations (prompt-major), each up to and including its
     EOS if it emitted one. `temperature` 0 decodes greedily."""
+    if num_samples < 1:
+        raise GenerateError(f"num_samples ({num_samples}) must be at least 1")
+    rows = [ids for ids in encode_prompts(config, tokenizer, prompts) for _ in range(num_samples)]
+    return generate_tokens(model, config, rows, vocab=tokenizer.get_vocab_size(), max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def generate_tokens(model, config, rows: list[list[int]], *, vocab: int | None = None, max_new_tokens: int = 64,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
+    """`generate_ids` of prompts given as token ids (framed as the family frames them); only ids below `vocab` (the
+    tokenizer's) are chosen. One compiled program per (rows, prompt bucket, cache slots)."""
     generation = get_family(config.model_type).generation
     if generation not in (Generation.DECODER_ONLY, Generation.ENCODER_DECODER):
         use = "use fill-mask" if generation is Generation.FILL_MASK else "it is trained only"
@@ -157,10 +168,9 @@ def generate_ids(model, config, tokenizer, prompts: list[str], *, max_new_tokens
         sampling.check()
     except ValueError as e:
         raise GenerateError(str(e)) from None
-    if max_new_tokens < 1 or num_samples < 1:
-        raise GenerateError(f"max_new_tokens ({max_new_tokens}) and num_samples ({num_samples}) must be at least 1")
-    rows = [ids for ids in encode_prompts(config, tokenizer, prompts) for _ in range(num_samples)]
-    specials = Specials.of(config, generation, tokenizer.get_vocab_size())
+    if max_new_tokens < 1:
+        raise GenerateError(f"max_new_tokens ({max_new_tokens}) must be at least 1")
+    specials = Specials.of(config, generation, vocab)
     longest = max(map(len, rows))
     ids = np.full((len(rows), min(_round_up(longest, PROMPT_BUCKET), config.max_length)), specials.pad, np.int32)
     mask = np.zeros(ids.shape, np.int32)

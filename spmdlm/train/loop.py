@@ -25,6 +25,7 @@ from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted, RunEr
 from spmdlm.export import export_state
 from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
+from spmdlm.generate.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
 from spmdlm.train.guard import RunLock, StopOnSignal
 from spmdlm.train import publish
@@ -94,6 +95,40 @@ def summarise(totals: dict[str, Any]) -> dict[str, float]:
     if "scored_tokens" not in totals:
         return metrics("")
     return {**metrics("scored_"), **metrics("", "_all_positions")}
+
+
+class TasksAbandoned(Exception):
+    """A stop signal arrived while LM-harness tasks ran: the save goes first."""
+
+
+def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = None) -> dict[str, float] | None:
+    """--eval_tasks on the parameters evaluation reads, as {eval_tasks/<task>/<metric>: value}; None when a stop
+    signal arrived meanwhile (as `evaluate`). Every process takes part (the model is sharded); process 0 reports."""
+    args = ctx.args
+    model, _ = model_for_evaluation(graphdef, state, optim_config_from_args(args))
+
+    def interrupt() -> None:
+        if abandoned(stop):
+            raise TasksAbandoned
+
+    lm = harness_lm(ctx.family, model, ctx.tokenizer, ctx.mesh, interrupt=interrupt, seed=args.seed,
+                    batch_size=args.per_device_eval_batch_size * batch_axis_size(ctx.mesh))
+    try:
+        results = run_tasks(lm, args.eval_tasks, manager=ctx.tasks, limit=args.eval_tasks_limit, seed=args.seed)
+    except TasksAbandoned:
+        return None
+    return flat_metrics(results)
+
+
+def final_task_metrics(ctx: RunContext, graphdef, state, reporter: Reporter, step: int, previous: dict[str, Any],
+                       keep_previous: bool) -> dict[str, float]:
+    """--eval_tasks at the end of a run (a finished run's own results when it only redoes what is missing)."""
+    before = {k: v for k, v in previous.items() if k.startswith(TASK_METRICS + "/")}
+    if keep_previous and before:
+        return before
+    metrics = task_metrics(ctx, graphdef, state)
+    reporter.log_tasks(step, metrics)
+    return metrics
 
 
 def run(args: RunArgs) -> dict[str, Any]:
@@ -187,6 +222,9 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
             metrics = evaluate(stepper, state, ctx)
             reporter.log_eval(step if not training else ctx.total_steps, metrics)
             results.update(metrics)
+    if ctx.tasks is not None:
+        results.update(final_task_metrics(ctx, graphdef, state, reporter, step if not training else ctx.total_steps,
+                                          previous_results, keep_previous=training and not trained))
     export = args.export_hf and training and (trained or not export_done(ctx.out))
     finish(ctx, graphdef, state, reporter, {**previous_results, **results}, export)
     return results
@@ -233,6 +271,11 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
                 metrics = evaluate(stepper, state, ctx, stop)
                 if metrics is not None:
                     reporter.log_eval(step, metrics)
+            if ctx.tasks is not None and args.eval_tasks_steps and step % args.eval_tasks_steps == 0 \
+                    and step < total_steps:
+                metrics = task_metrics(ctx, stepper.graphdef, state, stop)
+                if metrics is not None:
+                    reporter.log_tasks(step, metrics)
             if args.sample_prompts and (step % args.sample_every == 0 or step == total_steps):
                 reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
             stopping = stop.should_stop(step)

@@ -16,6 +16,7 @@ from spmdlm.data.mixture import describe_change
 from spmdlm.data.tokenizer import save_tokenizer
 from spmdlm.errors import RunError
 from spmdlm.export import export_complete
+from spmdlm.generate.harness import TASK_METRICS
 from spmdlm.train.guard import LOCK_NAME
 from spmdlm.train.report import write_json
 from spmdlm.train.setup import RunContext, is_main
@@ -241,6 +242,8 @@ def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:
     missing = []
     if ctx.data.validation_splits and ctx.args.evaluating and "eval_loss" not in previous_results:
         missing.append("evaluation")
+    if ctx.tasks is not None and not any(key.startswith(TASK_METRICS + "/") for key in previous_results):
+        missing.append("LM-harness tasks")
     if ctx.args.export_hf and not export_done(ctx.out):
         missing.append("export")
     return missing

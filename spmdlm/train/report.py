@@ -260,6 +260,16 @@ class Reporter:
         (self._bar.write if self._bar is not None else log.info)(message)
         self.sync(force=False)
 
+    def log_tasks(self, step: int, metrics: dict[str, float]):
+        """LM-harness task metrics ({eval_tasks/<task>/<metric>: value}): metrics.jsonl, the trackers, one line."""
+        if not self.enabled:
+            return
+        self._write({"step": step, **metrics})
+        shown = " | ".join(f"{key.split('/', 1)[1]} {value:.4g}" for key, value in metrics.items()
+                           if "_stderr" not in key)
+        (self._bar.write if self._bar is not None else log.info)(f"LM-harness tasks at step {step}: {shown}")
+        self.sync(force=False)
+
     def log_samples(self, step: int, samples: list[dict[str, Any]]):
         """Console, samples.jsonl and TensorBoard text."""
         if not self.enabled:

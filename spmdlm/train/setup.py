@@ -23,10 +23,12 @@ from spmdlm.config import DEFAULT_MODEL_TYPE, RunArgs
 from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cache
 from spmdlm.data.objectives import Objective
 from spmdlm.data.tokenizer import load_tokenizer, special_token_ids, token_byte_lengths, train_tokenizer
-from spmdlm.errors import ArgumentError, DataError, RunError
+from spmdlm.errors import ArgumentError, DataError, RunError, TasksError
 from spmdlm.export import load_hf_into_state
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
+from spmdlm.generate.harness import task_manager
+from spmdlm.generate.scoring import check_likelihood
 from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
 from spmdlm.models.layers import resolve_attention
 from spmdlm.train.optim import learning_rate_schedule, optim_config_from_args
@@ -80,6 +82,7 @@ class RunContext:
     schedule: pipeline.Schedule | None = None
     hub: Any = None  # spmdlm.train.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
     layer_plan: LayerPlan | None = None  # --remat and --scan_unroll as resolved (setup_state; train/plan.py)
+    tasks: Any = None  # --eval_tasks: lm_eval's TaskManager that holds them (resolve_tasks), or None
 
     @property
     def total_steps(self) -> int:
@@ -112,12 +115,24 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     check_flags_apply(args, family)
     if args.sample_prompts and family.generation is Generation.NONE:
         raise ArgumentError(f"--sample_prompts: a {family.name} model neither generates nor fills masks; leave it out")
+    tasks = resolve_tasks(args, family)
     family.check_lengths(args, config)
     if args.training and args.learning_rate == 0:
         log.warning("--learning_rate 0: training will not change the weights (give a positive rate to train)")
     attention = choose_attention(args, family, config, mesh)
     return RunContext(args, mesh, out, family, config, global_batch, run_start, config_name, attention,
-                      mixture.sources_of(args.train_file, args.data_mixture))
+                      mixture.sources_of(args.train_file, args.data_mixture), tasks=tasks)
+
+
+def resolve_tasks(args: RunArgs, family: Family):
+    """--eval_tasks, before any work: the family scores continuations, lm-eval is installed, every task exists."""
+    if not args.eval_tasks:
+        return None
+    try:
+        check_likelihood(family)
+        return task_manager(args.eval_tasks, [args.eval_tasks_dir] if args.eval_tasks_dir else ())
+    except TasksError as e:
+        raise ArgumentError(f"--eval_tasks: {e}") from None
 
 
 def choose_attention(args: RunArgs, family: Family, config, mesh: Mesh) -> str:
