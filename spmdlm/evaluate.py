@@ -3,6 +3,10 @@ transformers directory of the four families) on held-out text, with its objectiv
 
     python -m spmdlm.evaluate --model_name_or_path runs/gpt2-tiny --validation_file heldout.txt [--step 500]
         [--mesh data=4] [--seed 42] [--max_eval_samples 1000] [--output_file results.json]
+    python -m spmdlm.evaluate --model_name_or_path runs/gpt2-tiny --tasks my_mc,my_ppl --tasks_dir tasks/
+
+--tasks runs LM-harness tasks (lm-eval; local task YAMLs with --tasks_dir) on the same model through our own JAX
+adapter (spmdlm/generate/harness.py; docs/harness.md), with or without held-out text.
 
 Everything but the model is the launcher's flags and code (spmdlm/train/setup.py: data and objective;
 spmdlm/train/step.py: the eval step; spmdlm/train/loop.py: evaluation): --validation_file, --dataset_dir or
@@ -30,9 +34,10 @@ from spmdlm.config import RunArgs
 from spmdlm.data import mixture
 from spmdlm.errors import ArgumentError, DataError, UserError
 from spmdlm.families import family_choices
+from spmdlm.generate.harness import harness_lm, run_tasks, task_manager
 from spmdlm.launch import setup_devices
 from spmdlm.load import LoadedModel, load_model
-from spmdlm.mesh import make_mesh
+from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.train.loop import evaluate
 from spmdlm.train.report import strict_json
 from spmdlm.train.setup import (RunContext, byte_lengths, check_flags_apply, read_corpora, read_sources, setup_data,
@@ -60,6 +65,11 @@ def parser() -> argparse.ArgumentParser:
                     "spmdlm.launch --help); --model_name_or_path names the model.")
     p.add_argument("--step", type=int, default=None, help="a run's checkpoint at this step (default: the newest good)")
     p.add_argument("--output_file", default=None, help="also write the results here (JSON); never over a file")
+    p.add_argument("--tasks", default=None, help="LM-harness tasks (lm-eval task names, or the `task:` of local YAMLs "
+                   "in --tasks_dir), comma-separated; GPT-2, T5, BART (pip install 'spmdlm[eval]')")
+    p.add_argument("--tasks_dir", default=None, help="a directory of local task YAMLs for --tasks")
+    p.add_argument("--tasks_limit", type=int, default=None, help="at most N examples of each task")
+    p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples per task (default: the task's)")
     return p
 
 
@@ -75,12 +85,20 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
     if not args.model_name_or_path:
         raise ArgumentError("give --model_name_or_path: a run's --output_dir, one of its checkpoints/<step>, an "
                             "export or a transformers directory")
-    if not (args.validation_file or args.dataset_dir or args.data_mixture or args.train_file or args.dataset_name):
-        raise ArgumentError("nothing to evaluate on: give --validation_file, --dataset_dir or --data_mixture")
+    if not (own.tasks or held_out_given(args)):
+        raise ArgumentError("nothing to evaluate on: give --validation_file, --dataset_dir, --data_mixture or --tasks")
+    if (own.tasks_dir or own.tasks_limit is not None or own.num_fewshot is not None) and not own.tasks:
+        raise ArgumentError("--tasks_dir, --tasks_limit and --num_fewshot apply to --tasks; give the tasks to run")
+    if own.tasks_dir and not storage.path(own.tasks_dir, "--tasks_dir").is_dir():
+        raise ArgumentError(f"--tasks_dir {own.tasks_dir}: no such directory; give the folder of your task YAMLs")
     if own.output_file and storage.path(own.output_file, "--output_file").exists():
         raise ArgumentError(f"--output_file {own.output_file} exists; give a new path (results are never written "
                             "over a file)")
     return own, args
+
+
+def held_out_given(args: RunArgs) -> bool:
+    return bool(args.validation_file or args.dataset_dir or args.data_mixture or args.train_file or args.dataset_name)
 
 
 def context(args: RunArgs, loaded: LoadedModel) -> RunContext:
@@ -97,7 +115,24 @@ def context(args: RunArgs, loaded: LoadedModel) -> RunContext:
 
 
 def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
+    tasks = task_manager(own.tasks, [own.tasks_dir] if own.tasks_dir else ()) if own.tasks else None  # before loading
     loaded = load_model(args.model_name_or_path, make_mesh(args.mesh), step=own.step, tokenizer=args.tokenizer_name)
+    found = held_out(args, loaded) if held_out_given(args) else header(args, loaded)
+    if tasks is not None:
+        lm = harness_lm(loaded.family, loaded.model, loaded.tokenizer, loaded.mesh, seed=args.seed,
+                        batch_size=args.per_device_eval_batch_size * batch_axis_size(loaded.mesh))
+        found["tasks"] = run_tasks(lm, own.tasks, manager=tasks, limit=own.tasks_limit, num_fewshot=own.num_fewshot,
+                                   seed=args.seed)
+    return found
+
+
+def header(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
+    return {"model": args.model_name_or_path, "kind": loaded.kind, "step": loaded.step,
+            "model_type": loaded.family.name, "seed": args.seed}
+
+
+def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
+    """The objective's loss, perplexity, accuracy and bits per byte on the held-out text."""
     ctx = context(args, loaded)
     if ctx.sources:
         setup_mixture_data(ctx, read_sources(args, ctx.sources, need_train=False))
@@ -120,8 +155,7 @@ def results(loaded: LoadedModel, ctx: RunContext, metrics: dict[str, float]) -> 
             _, source, name = key.split("/", 2)
             per_source.setdefault(source, {})[name] = value
     args = ctx.args
-    return {"model": args.model_name_or_path, "kind": loaded.kind, "step": loaded.step, "model_type": ctx.family.name,
-            "objective": {flag.name: flag.of(args) for flag in ctx.family.flags}, "seed": args.seed,
+    return {**header(args, loaded), "objective": {flag.name: flag.of(args) for flag in ctx.family.flags},
             "max_eval_samples": args.max_eval_samples, **overall,
             **({"per_source": per_source} if per_source else {}), "note": NOTE}
 

@@ -224,6 +224,8 @@ def bad_run(tmp_path) -> Path:
       "{tmp}/held_out.txt"), "exists; give a new path"),
     (("--model_name_or_path", "{tmp}", "--validation_file", "x", "--block_sizes", "3"), "unrecognized arguments"),
     (("--model_name_or_path", "{tmp}", "--validation_file", "x", "--learning_rate", "3"), "--learning_rate does not"),
+    (("--model_name_or_path", "{tmp}", "--validation_file", "x", "--tasks_dir", "{tmp}"), "apply to --tasks"),
+    (("--model_name_or_path", "{tmp}", "--tasks", "tiny_mc", "--tasks_dir", "{tmp}/nowhere"), "no such directory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     bad_run(tmp_path)

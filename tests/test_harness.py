@@ -17,7 +17,7 @@ from lm_eval.models.huggingface import HFLM
 
 from conftest import read_metrics
 from family_fixtures import FIXTURES
-from spmdlm import export
+from spmdlm import evaluate, export
 from spmdlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.errors import TasksError
 from spmdlm.families import get_family
@@ -92,7 +92,7 @@ def hf_backend(path, config_json: dict) -> HFLM:
 # without generation, whose encoder-decoder path the hf backend lets run on past max_gen_toks (docs/harness.md)
 @pytest.mark.parametrize("family_name, devices, mesh_spec, tasks", [("gpt2", 8, "data=4,tensor=2", TASKS),
                                                                     ("t5", 1, "data=1", TASKS[:2])])
-def test_tasks_equal_lm_eval_hf_backend_on_the_export(family_name, devices, mesh_spec, tasks, tmp_path):
+def test_tasks_equal_lm_eval_hf_backend_on_the_export(family_name, devices, mesh_spec, tasks, tmp_path, capsys):
     family = get_family(family_name)
     tokenizer = train_tokenizer(family, corpus(), 300)
     config = family.config_class.from_dict({**FIXTURES[family_name].tiny_config,
@@ -124,6 +124,13 @@ def test_tasks_equal_lm_eval_hf_backend_on_the_export(family_name, devices, mesh
     for task in tasks:
         assert ours[task] == pytest.approx(theirs[task], rel=1e-4), task
     assert math.isfinite(ours["tiny_ppl"]["bits_per_byte"]) and ours["tiny_ppl"]["bits_per_byte"] > 0
+    if family_name == "gpt2":  # python -m spmdlm.evaluate --tasks: the same adapter from the command line
+        capsys.readouterr()
+        assert evaluate.main(["--model_name_or_path", str(path), "--tasks", "tiny_mc", "--tasks_dir", tasks_dir,
+                              "--mesh", mesh_spec, "--per_device_eval_batch_size", "1"]) == 0
+        found = json.loads(capsys.readouterr().out)
+        assert found["kind"] == "export" and "loss" not in found  # tasks only: no held-out text given
+        assert found["tasks"]["tiny_mc"] == pytest.approx(ours["tiny_mc"], rel=1e-5)
 
 
 def test_families_without_likelihood_say_so():
