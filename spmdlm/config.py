@@ -24,7 +24,7 @@ import yaml
 
 from spmdlm.data.mixture import sources_of
 from spmdlm.data.objectives import Flag
-from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP
+from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP, TEXT_FORMAT_HELP, TEXT_FORMATS
 from spmdlm.errors import ArgumentError
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
 from spmdlm.models.layers import REMAT_POLICIES
@@ -78,7 +78,8 @@ class RunArgs:
                             "jax.nn.dot_product_attention's XLA path; cudnn; splash. Resuming with another is fine")
     cache_dir: str | None = _field(None, "where tokenized data is cached (default ~/.cache/spmdlm)")
     # -- data ----------------------------------------------------------------------------------------------------
-    train_file: str | None = _field(None, "txt/json/jsonl/csv/parquet files (plain, .gz or .zst), comma-separated, "
+    train_file: str | None = _field(None, "text (any name), json/jsonl/csv/parquet files (plain, .gz, .zst, .xz, "
+                                    ".bz2), comma-separated, "
                                     "globs and directories allowed; parts ending in :WEIGHT are the sources of a "
                                     "weighted mixture, e.g. 'news/*.jsonl:0.6,wiki/:0.4' (weights normalised)")
     data_mixture: str | None = _field(None, "a YAML file of a weighted mixture (instead of --train_file): sources: "
@@ -93,6 +94,7 @@ class RunArgs:
                                                    "(default: 1; the tokenizer is multithreaded)")
     text_column: str | None = _field(None, "json/jsonl/csv: the field holding the text (default: text)")
     text_documents: str = _field("line", TEXT_DOCUMENTS_HELP)
+    text_format: str | None = _field(None, TEXT_FORMAT_HELP)
     validation_file: str | None = _field(None, "held-out files; default: a hash split of the training documents")
     validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
     max_train_samples: int | None = _field(None, "cap on training examples (after chunking)")
@@ -392,6 +394,8 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
         raise ArgumentError("give one of --train_file, --data_mixture, --dataset_dir and --dataset_name")
     if args.text_documents not in TEXT_DOCUMENTS:
         raise ArgumentError(f"--text_documents {args.text_documents!r}: use one of {', '.join(TEXT_DOCUMENTS)}")
+    if args.text_format not in (None, *TEXT_FORMATS):
+        raise ArgumentError(f"--text_format {args.text_format!r}: use one of {', '.join(TEXT_FORMATS)}")
     sources = sources_of(args.train_file, args.data_mixture)
     if sources and args.validation_file:
         raise ArgumentError("--validation_file does not apply to a mixture: give each source's validation_file in "

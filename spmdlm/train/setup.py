@@ -182,7 +182,7 @@ def read_corpora(args: RunArgs, source: mixture.Source | None = None) -> tuple[l
         # the string as given: expand_files splits its commas (--train_file a.txt,b.txt, as --validation_file)
         corpus = readers.open_corpus(train_file or (), dataset_name=args.dataset_name,
                                      dataset_config_name=args.dataset_config_name, text_column=args.text_column,
-                                     text_documents=args.text_documents, flag=flag)
+                                     text_documents=args.text_documents, text_format=args.text_format, flag=flag)
         docs, train_files = corpus.documents("train"), corpus.files
         if args.dataset_name and "validation" in corpus.splits and not validation_file:
             held_out = list(corpus.documents("validation"))
@@ -198,7 +198,7 @@ def read_corpora(args: RunArgs, source: mixture.Source | None = None) -> tuple[l
                                                 "--validation_file")
         warn_if_training_files(validation_files, train_files)
         held_out = list(readers.read_documents(validation_files, text_column=args.text_column,
-                                               text_documents=args.text_documents))
+                                               text_documents=args.text_documents, text_format=args.text_format))
     if not train:
         raise DataError(f"the training corpus{f' of source {source.name}' if source else ''} has no text; check "
                         f"{flag}")
