@@ -196,6 +196,19 @@ def test_the_loss_curve_and_the_samples_go_at_the_end(offline, tmp_path):
     assert [a.path for a in client.list_artifacts(run_id)] == ["loss_curve.png", "samples.jsonl"]
 
 
+def test_wandb_dir_when_set_is_where_wandb_writes(offline, monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    report = reporter(tmp_path / "out", "wandb")
+    report.start(0, 1)
+    report.log_train(1, train_metrics(1))
+    report.finish({"train_loss": 0.5})
+    run = wandb_run(next((tmp_path / "elsewhere" / "wandb").glob("offline-run-*")))
+    assert run["exit_code"] == 0 and run["config"]["output_dir"] == str(tmp_path / "out")
+    assert not (tmp_path / "out" / "wandb").exists()
+
+
 def test_a_tracker_failing_mid_run_is_one_warning(offline, monkeypatch, tmp_path, caplog):
     from mlflow.tracking import MlflowClient
 
