@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from spmdlm.data.mixture import sources_of
+from spmdlm.data.mixture import name_of, sources_of
 from spmdlm.data.objectives import Flag
 from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP, TEXT_FORMAT_HELP, TEXT_FORMATS
 from spmdlm.errors import ArgumentError
@@ -101,7 +101,9 @@ class RunArgs:
     max_eval_samples: int | None = _field(None, "cap on evaluation examples (after chunking)")
     overwrite_cache: bool = _field(False, "re-tokenize even when a cache exists")
     # -- run control ---------------------------------------------------------------------------------------------
-    output_dir: str = _field("runs/gpt2-tiny-stdlib", "where checkpoints, logs, metrics and the export go")
+    output_dir: str | None = _field(None, "where checkpoints, logs, metrics and the export go (default: "
+                                    "runs/MODEL-DATA, named after the preset or config and the data, e.g. "
+                                    "runs/roberta-tiny-fortunes)")
     overwrite_output_dir: bool = _field(False, "start afresh in a non-empty output dir instead of refusing")
     allow_data_change: bool = _field(False, "resume although the training data or the tokenizer changed since the run "
                                      "started (run_config.json records their fingerprints): the batches from then "
@@ -240,6 +242,7 @@ class FamilyChoices:
     family_flags: Mapping[str, tuple[str, ...]]  # model type -> the names of the objective flags that apply
     quickstarts: Mapping[str, Mapping[str, Any]]  # model type -> the embedded quick start's own flags
     presets: tuple[str, ...]  # --config_name presets
+    default_presets: Mapping[str, str] = dataclasses.field(default_factory=dict)  # model type -> its default preset
 
 
 # The embedded quick start: sized to finish on a 2-core CPU in a few minutes. Used for every flag the user did not
@@ -386,7 +389,31 @@ def parse_args(argv: list[str] | None, choices: FamilyChoices) -> tuple[RunArgs,
         # --optim and --adafactor are one choice: either given replaces the quick start's (T5's adafactor)
         taken = set(given) | (OPTIMIZER_FLAGS if OPTIMIZER_FLAGS & set(given) else set())
         args = args.replace(**{k: v for k, v in defaults.items() if k not in taken})
-    return validate(args, choices), set(given)
+    args = validate(args, choices)
+    if args.output_dir is None:
+        args = args.replace(output_dir=default_output_dir(args, choices.default_presets))
+    return args, set(given)
+
+
+def default_output_dir(args: RunArgs, default_presets: Mapping[str, str]) -> str:
+    """runs/MODEL-DATA: a run named after its model (preset, config file or checkpoint) and its data, so runs of
+    other models or data do not meet in one dir (the embedded quick starts: runs/gpt2-tiny-stdlib and so on)."""
+    model_type = args.model_type or DEFAULT_MODEL_TYPE
+    model = args.config_name or args.model_name_or_path or default_presets.get(model_type, model_type)
+    return f"runs/{name_of(model)}-{_data_name(args)}"
+
+
+def _data_name(args: RunArgs) -> str:
+    """The data's part of a default output dir: the sources' names (at most three), or stdlib for the embedded
+    corpus."""
+    if args.train_file:
+        sources = sources_of(args.train_file, None)
+        names = [s.name for s in sources] or [name_of(part) for part in args.train_file.split(",") if part.strip()]
+    else:
+        named = args.data_mixture or args.dataset_dir or args.dataset_name
+        names = [name_of(named)] if named else ["stdlib"]
+    names = list(dict.fromkeys(names))
+    return "+".join(names[:3] + ([f"{len(names) - 3}more"] if len(names) > 3 else []))
 
 
 def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:

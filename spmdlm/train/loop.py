@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import tempfile
 import time
 from typing import Any
 
@@ -92,10 +93,18 @@ def summarise(totals: dict[str, Any]) -> dict[str, float]:
 
 
 def run(args: RunArgs) -> dict[str, Any]:
+    if args.dry_run and args.training:  # writes nothing: the records go to a scratch cache, removed at the end
+        with tempfile.TemporaryDirectory(prefix="spmdlm-dry-run-") as scratch:
+            return run_in_output_dir(args.replace(cache_dir=scratch))
+    return run_in_output_dir(args)
+
+
+def run_in_output_dir(args: RunArgs) -> dict[str, Any]:
     ctx = resolve(args, time.perf_counter())
     ctx.hub = publish.hub_for(ctx)  # a bad repository id or no token: refused before anything is written
     corpora = read_sources(args, ctx.sources) if ctx.sources else read_corpora(args)
-    with RunLock(ctx.out, enabled=is_main()):  # before anything is written or removed in the output dir
+    # the lock before anything is written or removed in the output dir (a dry run does neither)
+    with RunLock(ctx.out, enabled=is_main() and not (args.dry_run and args.training)):
         prepare_output_dir(ctx, check_output_dir(ctx))
         return run_locked(ctx, corpora)
 
@@ -140,10 +149,9 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
         return stats
 
     stats = compile_train() if training and ctx.latest_step < ctx.total_steps else None
-    run_config = write_run_files(ctx)
-    if training and args.dry_run:
-        reporter.sync()  # a bucket output dir gets the compile record too
+    if training and args.dry_run:  # reported in the log only: nothing is written
         return {**results, **(stats or {})}
+    run_config = write_run_files(ctx)
 
     # -- stage 6: train (or restore for evaluation only) ---------------------------------------------------------
     step, trained = 0, False

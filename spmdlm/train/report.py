@@ -117,6 +117,7 @@ class Reporter:
         trackers.check_targets(targets, out)  # on every process: all stop together, before anything is trained
         # self.out: where the report files are written; the output dir itself, or a local staging folder for a bucket
         self.target, self.enabled = out, enabled
+        self.dry_run = bool(args is not None and args.dry_run)
         self.out = self._stage(out) if enabled and storage.is_remote(out) else out
         self._uploaded: dict[str, tuple[int, int]] = {}
         self._repaired: set[str] = set()  # the JSON-lines files whose torn tail (if any) was repaired (_append)
@@ -189,7 +190,8 @@ class Reporter:
                  mb("argument_bytes"),
                  mb("output_bytes"), mb("temp_bytes"), f"{stats['xla_flops_per_device']:.3g}"
                  if stats.get("xla_flops_per_device") else "n/a")
-        self._write({"step": 0, "event": "compile", **stats})
+        if not self.dry_run:  # a dry run writes nothing
+            self._write({"step": 0, "event": "compile", **stats})
 
     # -- per step ------------------------------------------------------------------------------------------------
     def tick(self, step: int):
