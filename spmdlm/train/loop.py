@@ -23,7 +23,7 @@ from spmdlm.config import RunArgs
 from spmdlm.data import pipeline
 from spmdlm.data.mixture import MixedSplit
 from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted, RunError
-from spmdlm.export import export_state
+from spmdlm.export import export_state, what_it_needs
 from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
 from spmdlm.mesh import batch_axis_size
@@ -203,6 +203,7 @@ def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[s
     if export:
         evaluated = nnx.state(model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args)))
         export_state(graphdef, evaluated, ctx.config, ctx.out / "hf", tokenizer=ctx.tokenizer)
+        log.info("exported to %s: %s", ctx.out / "hf", what_it_needs(ctx.family, ctx.out / "hf"))
     publish.publish_export(ctx, results)  # the model card, and the upload with --push_to_hub
 
 
