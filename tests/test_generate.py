@@ -32,7 +32,8 @@ from spmdlm.models.layers import Scale
 
 WORDS = "cat dog bird fish tree rock river cloud stone green red blue small big old new runs sees the a of and".split()
 CONFIGS = {
-    "gpt2": dict(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=4),
+    "gpt2": dict(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attn_pdrop=0.0),
     "t5": dict(vocab_size=420, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
                tie_word_embeddings=False),
     "bart": dict(vocab_size=320, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

@@ -29,7 +29,7 @@ def train_losses(output_dir: Path) -> list[float]:
 def test_tiny_model_overfits_a_small_text(tmp_path, cache_dir):
     config = tmp_path / "gpt2-overfit.json"
     config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 384, "n_positions": 64, "n_embd": 96,
-                                  "n_layer": 2, "n_head": 4}))
+                                  "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
     out = tmp_path / "overfit"
     code = main([
         "--train_file", str(FIXTURES / "overfit.txt"), "--config_name", str(config), "--output_dir", str(out),
