@@ -224,6 +224,11 @@ class RunArgs:
         return self.do_train is not False and not (self.do_eval and self.do_train is None)
 
     @property
+    def dry_running(self) -> bool:
+        """--dry_run of a training run: build, compile and report the step, and write nothing."""
+        return self.dry_run and self.training
+
+    @property
     def evaluating(self) -> bool:
         return self.do_eval is not False and not (self.do_train and self.do_eval is None)
 

@@ -93,7 +93,7 @@ def summarise(totals: dict[str, Any]) -> dict[str, float]:
 
 
 def run(args: RunArgs) -> dict[str, Any]:
-    if args.dry_run and args.training:  # writes nothing: the records go to a scratch cache, removed at the end
+    if args.dry_running:  # writes nothing: the records go to a scratch cache, removed at the end
         with tempfile.TemporaryDirectory(prefix="spmdlm-dry-run-") as scratch:
             return run_in_output_dir(args.replace(cache_dir=scratch))
     return run_in_output_dir(args)
@@ -104,7 +104,7 @@ def run_in_output_dir(args: RunArgs) -> dict[str, Any]:
     ctx.hub = publish.hub_for(ctx)  # a bad repository id or no token: refused before anything is written
     corpora = read_sources(args, ctx.sources) if ctx.sources else read_corpora(args)
     # the lock before anything is written or removed in the output dir (a dry run does neither)
-    with RunLock(ctx.out, enabled=is_main() and not (args.dry_run and args.training)):
+    with RunLock(ctx.out, enabled=is_main() and not args.dry_running):
         prepare_output_dir(ctx, check_output_dir(ctx))
         return run_locked(ctx, corpora)
 
@@ -149,7 +149,7 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
         return stats
 
     stats = compile_train() if training and ctx.latest_step < ctx.total_steps else None
-    if training and args.dry_run:  # reported in the log only: nothing is written
+    if args.dry_running:  # reported in the log only: nothing is written
         return {**results, **(stats or {})}
     run_config = write_run_files(ctx)
 

@@ -150,8 +150,9 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
     config and tokenizer in the output dir (a tokenizer we trained ourselves goes too, or a new corpus would silently
     reuse it)."""
     ctx.resuming = verdict == "resume"
-    if ctx.args.dry_run and ctx.args.training:  # writes nothing: the run is set up as if it had been cleared
-        ctx.previous = {} if verdict == "clear" else ctx.previous
+    if ctx.args.dry_running:  # writes nothing: the run is set up as if the dir had been cleared
+        if verdict == "clear":
+            ctx.previous = {}
         return
     if not is_main():
         return

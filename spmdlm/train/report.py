@@ -132,7 +132,7 @@ class Reporter:
         trackers.check_targets(targets, out)  # on every process: all stop together, before anything is trained
         # self.out: where the report files are written; the output dir itself, or a local staging folder for a bucket
         self.target, self.enabled = out, enabled
-        self.dry_run = bool(args is not None and args.dry_run)
+        self.dry_run = args is not None and args.dry_running
         self.out = self._stage(out) if enabled and storage.is_remote(out) else out
         self._uploaded: dict[str, tuple[int, int]] = {}
         self._repaired: set[str] = set()  # the JSON-lines files whose torn tail (if any) was repaired (_append)
