@@ -107,7 +107,8 @@ FIXTURES: dict[str, FamilyFixture] = {
         make_batch=_roberta_batch,
         output_mask="attention_mask",
         tiny_config=dict(model_type="roberta", vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, intermediate_size=128, max_position_embeddings=66),
+                         num_attention_heads=4, intermediate_size=128, max_position_embeddings=66, type_vocab_size=1,
+                         layer_norm_eps=1e-5),
         run_flags=("--max_seq_length", "32", "--learning_rate", "3e-3"),
     ),
     "t5": FamilyFixture(

@@ -39,7 +39,7 @@ CONFIGS = {
     "bart": dict(vocab_size=320, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                  decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64),
     "roberta": dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                    max_position_embeddings=66),
+                    max_position_embeddings=66, type_vocab_size=1, layer_norm_eps=1e-5),
 }
 PROMPTS = ["the cat", "a big old dog sees the river", "fish", "green", "the small bird of the blue cloud runs",
            "stone and rock", "a tree", "the red fish sees a new stone and the old", "cloud", "dog runs"]
