@@ -22,9 +22,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from spmdlm.data.mixture import sources_of
+from spmdlm.data.mixture import name_of, sources_of
 from spmdlm.data.objectives import Flag
-from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP
+from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP, TEXT_FORMAT_HELP, TEXT_FORMATS
 from spmdlm.errors import ArgumentError
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
 from spmdlm.models.layers import REMAT_POLICIES
@@ -89,7 +89,8 @@ class RunArgs:
                             "jax.nn.dot_product_attention's XLA path; cudnn; splash. Resuming with another is fine")
     cache_dir: str | None = _field(None, "where tokenized data is cached (default ~/.cache/spmdlm)")
     # -- data ----------------------------------------------------------------------------------------------------
-    train_file: str | None = _field(None, "txt/json/jsonl/csv/parquet files (plain, .gz or .zst), comma-separated, "
+    train_file: str | None = _field(None, "text (any name), json/jsonl/csv/parquet files (plain, .gz, .zst, .xz, "
+                                    ".bz2), comma-separated, "
                                     "globs and directories allowed; parts ending in :WEIGHT are the sources of a "
                                     "weighted mixture, e.g. 'news/*.jsonl:0.6,wiki/:0.4' (weights normalised)")
     data_mixture: str | None = _field(None, "a YAML file of a weighted mixture (instead of --train_file): sources: "
@@ -104,13 +105,16 @@ class RunArgs:
                                                    "(default: 1; the tokenizer is multithreaded)")
     text_column: str | None = _field(None, "json/jsonl/csv: the field holding the text (default: text)")
     text_documents: str = _field("line", TEXT_DOCUMENTS_HELP)
+    text_format: str | None = _field(None, TEXT_FORMAT_HELP)
     validation_file: str | None = _field(None, "held-out files; default: a hash split of the training documents")
     validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
     max_train_samples: int | None = _field(None, "cap on training examples (after chunking)")
     max_eval_samples: int | None = _field(None, "cap on evaluation examples (after chunking)")
     overwrite_cache: bool = _field(False, "re-tokenize even when a cache exists")
     # -- run control ---------------------------------------------------------------------------------------------
-    output_dir: str = _field("runs/gpt2-tiny-stdlib", "where checkpoints, logs, metrics and the export go")
+    output_dir: str | None = _field(None, "where checkpoints, logs, metrics and the export go (default: "
+                                    "runs/MODEL-DATA, named after the preset or config and the data, e.g. "
+                                    "runs/roberta-tiny-fortunes)")
     overwrite_output_dir: bool = _field(False, "start afresh in a non-empty output dir instead of refusing")
     allow_data_change: bool = _field(False, "resume although the training data or the tokenizer changed since the run "
                                      "started (run_config.json records their fingerprints): the batches from then "
@@ -239,6 +243,11 @@ class RunArgs:
         return self.do_train is not False and not (self.do_eval and self.do_train is None)
 
     @property
+    def dry_running(self) -> bool:
+        """--dry_run of a training run: build, compile and report the step, and write nothing."""
+        return self.dry_run and self.training
+
+    @property
     def evaluating(self) -> bool:
         return self.do_eval is not False and not (self.do_train and self.do_eval is None)
 
@@ -257,6 +266,7 @@ class FamilyChoices:
     family_flags: Mapping[str, tuple[str, ...]]  # model type -> the names of the objective flags that apply
     quickstarts: Mapping[str, Mapping[str, Any]]  # model type -> the embedded quick start's own flags
     presets: tuple[str, ...]  # --config_name presets
+    default_presets: Mapping[str, str] = dataclasses.field(default_factory=dict)  # model type -> its default preset
 
 
 # The embedded quick start: sized to finish on a 2-core CPU in a few minutes. Used for every flag the user did not
@@ -403,7 +413,31 @@ def parse_args(argv: list[str] | None, choices: FamilyChoices) -> tuple[RunArgs,
         # --optim and --adafactor are one choice: either given replaces the quick start's (T5's adafactor)
         taken = set(given) | (OPTIMIZER_FLAGS if OPTIMIZER_FLAGS & set(given) else set())
         args = args.replace(**{k: v for k, v in defaults.items() if k not in taken})
-    return validate(args, choices), set(given)
+    args = validate(args, choices)
+    if args.output_dir is None:
+        args = args.replace(output_dir=default_output_dir(args, choices.default_presets))
+    return args, set(given)
+
+
+def default_output_dir(args: RunArgs, default_presets: Mapping[str, str]) -> str:
+    """runs/MODEL-DATA: a run named after its model (preset, config file or checkpoint) and its data, so runs of
+    other models or data do not meet in one dir (the embedded quick starts: runs/gpt2-tiny-stdlib and so on)."""
+    model_type = args.model_type or DEFAULT_MODEL_TYPE
+    model = args.config_name or args.model_name_or_path or default_presets.get(model_type, model_type)
+    return f"runs/{name_of(model)}-{_data_name(args)}"
+
+
+def _data_name(args: RunArgs) -> str:
+    """The data's part of a default output dir: the sources' names (at most three), or stdlib for the embedded
+    corpus."""
+    if args.train_file:
+        sources = sources_of(args.train_file, None)
+        names = [s.name for s in sources] or [name_of(part) for part in args.train_file.split(",") if part.strip()]
+    else:
+        named = args.data_mixture or args.dataset_dir or args.dataset_name
+        names = [name_of(named)] if named else ["stdlib"]
+    names = list(dict.fromkeys(names))
+    return "+".join(names[:3] + ([f"{len(names) - 3}more"] if len(names) > 3 else []))
 
 
 def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
@@ -411,6 +445,8 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
         raise ArgumentError("give one of --train_file, --data_mixture, --dataset_dir and --dataset_name")
     if args.text_documents not in TEXT_DOCUMENTS:
         raise ArgumentError(f"--text_documents {args.text_documents!r}: use one of {', '.join(TEXT_DOCUMENTS)}")
+    if args.text_format not in (None, *TEXT_FORMATS):
+        raise ArgumentError(f"--text_format {args.text_format!r}: use one of {', '.join(TEXT_FORMATS)}")
     sources = sources_of(args.train_file, args.data_mixture)
     if sources and args.validation_file:
         raise ArgumentError("--validation_file does not apply to a mixture: give each source's validation_file in "

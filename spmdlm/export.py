@@ -40,6 +40,7 @@ from spmdlm.data.records import no_space, remove_stale_temps
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer
 from spmdlm.errors import ExportError, UserError
 from spmdlm.families import checked_config, get_family, load_pretrained_config
+from spmdlm.families.base import Family, Generation
 from spmdlm.mesh import make_mesh
 from spmdlm.models.config import HFConfig
 
@@ -352,7 +353,90 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None 
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
     model, config, tokenizer_dir, _ = load_run(checkpoint, step, make_mesh(mesh_spec))
     save_hf(model, config, out, tokenizer=load_tokenizer(tokenizer_dir) if tokenizer_dir else None, release=True)
+    if jax.process_index() == 0:
+        write_export_card(out, config, str(checkpoint), step)
+        print(what_it_needs(get_family(config.model_type), out))
     return out
+
+
+# -- what an export needs to be used -----------------------------------------------------------------------------------
+TORCH_CPU_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+# The Hub task of what each kind of model is asked for (pipeline_tag, the model-index task, a tag).
+TASKS = {Generation.FILL_MASK: "fill-mask", Generation.DECODER_ONLY: "text-generation",
+         Generation.ENCODER_DECODER: "text2text-generation", Generation.NONE: "feature-extraction"}
+EXAMPLE_TEXT = "Hello, my name is"
+
+
+def _mask_of(family: Family) -> str:
+    return family.tokenizer.specials.get("mask") or ("<extra_id_0>" if family.tokenizer.num_sentinels else "")
+
+
+def usage_snippet(family: Family, model_id: str) -> str:
+    """Python that loads the export (a local path or a Hub id) and uses it as the family's models are used."""
+    auto, mask = family.hf_auto_class, _mask_of(family)
+    load = (f'model_id = "{model_id}"\ntokenizer = AutoTokenizer.from_pretrained(model_id)\n'
+            f"model = {auto}.from_pretrained(model_id)\n")
+    if family.generation is Generation.FILL_MASK:
+        return (f'from transformers import pipeline\n\nmodel_id = "{model_id}"\n'
+                f'fill_mask = pipeline("fill-mask", model=model_id)\nprint(fill_mask("{EXAMPLE_TEXT} {mask}."))')
+    if family.generation is Generation.DECODER_ONLY:
+        prompt = EXAMPLE_TEXT
+    elif family.generation is Generation.ENCODER_DECODER:
+        prompt = f"{EXAMPLE_TEXT} {mask}." if mask else EXAMPLE_TEXT
+    else:  # a model that does not generate: its outputs for a text
+        return (f"from transformers import {auto}, AutoTokenizer\n\n{load}"
+                f'outputs = model(**tokenizer("{EXAMPLE_TEXT}", return_tensors="pt"))')
+    return (f"from transformers import {auto}, AutoTokenizer\n\n{load}"
+            f'inputs = tokenizer("{prompt}", return_tensors="pt")\n'
+            "outputs = model.generate(**inputs, max_new_tokens=20, do_sample=False)\n"
+            "print(tokenizer.decode(outputs[0], skip_special_tokens=True))")
+
+
+def without_torch(family: Family, folder) -> str | None:
+    """The spmdlm.generate command that uses the export without PyTorch (JAX only), or None: nothing to ask."""
+    if family.generation is Generation.NONE:
+        return None
+    mask = _mask_of(family)
+    prompt = f"{EXAMPLE_TEXT} {mask}." if family.generation is not Generation.DECODER_ONLY and mask else EXAMPLE_TEXT
+    fill = " --fill_mask" if family.generation is Generation.FILL_MASK else ""
+    return f'python -m spmdlm.generate --model_name_or_path {folder} --prompt "{prompt}"{fill}'
+
+
+def what_it_needs(family: Family, folder) -> str:
+    """One line for the log of every export: transformers' side needs PyTorch, spmdlm.generate does not."""
+    spmdlm_way = without_torch(family, folder)
+    return (f"transformers' pipelines and {family.hf_auto_class} on {folder} need PyTorch (CPU-only: "
+            f"{TORCH_CPU_INSTALL})" + (f"; without it: {spmdlm_way}" if spmdlm_way else ""))
+
+
+def card_usage_lines(family: Family, model_id: str, folder) -> list[str]:
+    """The card's "How to use": the snippet, what it needs, and the way without PyTorch."""
+    lines = ["```python", usage_snippet(family, model_id), "```", "",
+             "transformers runs this on PyTorch, which spmdlm does not install; the CPU-only wheel is enough (a "
+             "plain `pip install torch` brings several GB of CUDA libraries):", "", "```bash", TORCH_CPU_INSTALL,
+             "```"]
+    spmdlm_way = without_torch(family, folder)
+    if spmdlm_way:
+        lines += ["", "Without PyTorch, spmdlm runs the export itself (JAX):", "", "```bash", spmdlm_way, "```"]
+    return lines
+
+
+def write_export_card(out, config: HFConfig, checkpoint: str, step: int | None) -> None:
+    """README.md of an export made by `python -m spmdlm.export`: what it is and how to use it (the training run's
+    own card, with data and results, is the one in its OUTPUT_DIR/hf)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    family, out = get_family(config.model_type), storage.path(out)
+    task = TASKS[family.generation]
+    data = ModelCardData(library_name="transformers", pipeline_tag=task, tags=[family.name, "spmdlm", task])
+    which = f"step {step}" if step is not None else "the newest verified step"
+    where = str(out) if storage.is_remote(out) else str(Path(out).absolute())
+    body = "\n".join([f"# {Path(where).name}", "",
+                      f"A {family.name} model (`{family.hf_auto_class}`) exported by `python -m spmdlm.export` from "
+                      f"the checkpoint at {which} of the spmdlm run `{checkpoint}` (the run's own card, with its data "
+                      "and results, is its `hf/README.md`).", "",
+                      "## How to use", "", *card_usage_lines(family, where, where), ""])
+    storage.write_atomic(out / "README.md", str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")))
 
 
 def main(argv: list[str] | None = None) -> int:

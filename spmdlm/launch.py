@@ -201,9 +201,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
     return config.parse_args(argv, family_choices())
 
 
+def log_output_dir(args: RunArgs, given: bool) -> None:
+    """The first line of a run: where it goes (a dry run: where it would go)."""
+    how = "" if given else " (named after the model and the data; --output_dir to choose)"
+    log.info("output dir %s%s%s", args.output_dir, how, ": --dry_run writes nothing there" if args.dry_run else "")
+
+
 def _main(argv: list[str] | None) -> int:
     try:
-        args, _ = parse_args(argv)
+        args, given = parse_args(argv)
         if args.compile_for:  # compile for a TPU slice this machine does not have: nothing runs, nothing is written
             use_cpu_backend()
             setup_logging()
@@ -215,6 +221,7 @@ def _main(argv: list[str] | None) -> int:
         setup_devices(args)
         plan_mesh(args.mesh, args.dcn_mesh, jax.devices())  # fail on a bad mesh before reading any data
         setup_logging()
+        log_output_dir(args, "output_dir" in given)
         run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -41,7 +41,7 @@ def tiny_gpt2_config(tmp_path_factory) -> Path:
     """A GPT-2 small enough that a train step takes milliseconds."""
     path = tmp_path_factory.mktemp("configs") / "gpt2-micro.json"
     path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512, "n_positions": 64, "n_embd": 64,
-                                "n_layer": 2, "n_head": 4}))
+                                "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
     return path
 
 

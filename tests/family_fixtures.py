@@ -89,7 +89,8 @@ FIXTURES: dict[str, FamilyFixture] = {
         },
         make_batch=_gpt2_batch,
         output_mask="attention_mask",
-        tiny_config=dict(model_type="gpt2", vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4),
+        tiny_config=dict(model_type="gpt2", vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
         run_flags=("--block_size", "32", "--learning_rate", "3e-3"),
     ),
     "roberta": FamilyFixture(
@@ -106,7 +107,8 @@ FIXTURES: dict[str, FamilyFixture] = {
         make_batch=_roberta_batch,
         output_mask="attention_mask",
         tiny_config=dict(model_type="roberta", vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, intermediate_size=128, max_position_embeddings=66),
+                         num_attention_heads=4, intermediate_size=128, max_position_embeddings=66, type_vocab_size=1,
+                         layer_norm_eps=1e-5),
         run_flags=("--max_seq_length", "32", "--learning_rate", "3e-3"),
     ),
     "t5": FamilyFixture(

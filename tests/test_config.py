@@ -73,6 +73,19 @@ def test_embedded_corpus_uses_the_quickstart_unless_overridden():
         assert args.config_name == f"{family}-tiny" and args.output_dir == f"runs/{family}-tiny-stdlib"
 
 
+def test_the_default_output_dir_is_named_after_the_model_and_the_data():
+    output_dir = lambda *argv: parse_args(list(argv))[0].output_dir
+    assert output_dir() == "runs/gpt2-tiny-stdlib"  # the README's first command: as before
+    assert output_dir("--model_type", "roberta", "--config_name", "roberta-tiny", "--train_file",
+                      "/usr/share/games/fortunes/de/") == "runs/roberta-tiny-de"
+    assert output_dir("--model_type", "roberta", "--train_file", "corpus/*.txt") == "runs/roberta-base-corpus"
+    assert output_dir("--model_type", "t5", "--config_name", "conf/t5-small.json", "--train_file",
+                      "licenses/Apache-2.0,docs/notes.txt.gz") == "runs/t5-small-Apache-2+notes"
+    assert output_dir("--train_file", "news/*.jsonl:0.6,wiki/:0.4") == "runs/gpt2-news+wiki"
+    assert output_dir("--dataset_dir", "data/gpt2-1024/", "--model_type", "gpt2") == "runs/gpt2-gpt2-1024"
+    assert output_dir("--train_file", "x.txt", "--output_dir", "mine") == "mine"
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_argument_file(tmp_path, suffix):
     values = {"train_file": "a.txt", "learning_rate": 0.1, "do_train": True, "mesh": "data=2,fsdp=-1", "block_size": "16"}
@@ -124,7 +137,7 @@ def test_help_is_grouped_with_each_default_once_and_the_presets_listed():
         assert f"\n{title}:\n" in text
     flat = " ".join(text.split())
     assert "(default: None)" not in flat and not re.search(r"default[^()]*\) \(default:", flat)  # one per flag
-    assert "quick-start values" in flat and "gpt2: output_dir=runs/gpt2-tiny-stdlib" in flat
+    assert "quick-start values" in flat and "gpt2: config_name=gpt2-tiny" in flat
     assert all(name in flat for name in preset_names())
 
 

@@ -2,6 +2,7 @@
 family's config checks, for training and for export alike (a config the model cannot reproduce is refused in one
 line with exit 2, whichever way it comes in)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from conftest import FIXTURES
 from spmdlm import export, launch
 from spmdlm.errors import ConfigError
-from spmdlm.families import load_config, load_pretrained_config
+from spmdlm.families import checked_config, families, load_config, load_pretrained_config
 
 LAYERDROP = {"model_type": "bart", "vocab_size": 512, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
              "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 64,
@@ -58,3 +59,29 @@ def test_every_source_runs_the_checks(layerdrop_dir, tmp_path):
     with pytest.raises(ConfigError, match="encoder_layerdrop"):
         load_pretrained_config(layerdrop_dir)
     assert load_config("bart-tiny").encoder_layers == 2  # a shipped preset passes the same checks
+
+
+# What a config.json leaves out means transformers' default to transformers; spmdlm must read it the same, or refuse.
+SAID_FOR_SPMDLM = {"t5": {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}}  # absent: refused
+
+
+@pytest.mark.parametrize("model_type", sorted(families()))
+def test_a_config_json_means_what_transformers_reads_from_it(model_type):
+    import transformers
+
+    said = SAID_FOR_SPMDLM.get(model_type, {})
+    ours = checked_config({"model_type": model_type, **said}, None, "config.json")
+    theirs = type(transformers.AutoConfig.for_model(model_type))(**said)
+    # transformers 5's T5Config sets tie_word_embeddings true whatever it is given, keeping the truth in
+    # scale_decoder_outputs (docs/architecture.md §5): compared as that
+    quirk = {"tie_word_embeddings"} if model_type == "t5" else set()
+    if quirk:
+        assert theirs.scale_decoder_outputs is ours.tie_word_embeddings is False
+    compared = [f.name for f in dataclasses.fields(ours) if hasattr(theirs, f.name) and f.name not in quirk]
+    assert len(compared) >= 10
+    assert {name: getattr(ours, name) for name in compared} == {name: getattr(theirs, name) for name in compared}
+    if said:  # what spmdlm cannot honour: refused in one line, not read differently
+        with pytest.raises(ConfigError, match="^T5 feed_forward_proj 'relu' \\(absent: transformers' default\\)"):
+            checked_config({"model_type": model_type}, None, "config.json")
+        with pytest.raises(ConfigError, match="tie_word_embeddings is absent"):
+            checked_config({"model_type": model_type, "feed_forward_proj": "gated-gelu"}, None, "config.json")

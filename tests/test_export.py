@@ -66,12 +66,18 @@ def export_ids(run_dir: Path, text: str) -> list[int]:
     return load_tokenizer(run_dir).encode(text, add_special_tokens=False).ids
 
 
-def test_export_cli_and_sharded_checkpoint_match(trained, tmp_path, tiny_gpt2_config, cache_dir):
+def test_export_cli_and_sharded_checkpoint_match(trained, tmp_path, tiny_gpt2_config, cache_dir, capsys):
     sharded = tmp_path / "sharded"
     train(sharded, "data=2,fsdp=2,tensor=2", tiny_gpt2_config, cache_dir, "--export_hf", "false")
     assert export.main(["--checkpoint", str(sharded), "--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
     assert export.main(["--checkpoint", str(trained), "--out", str(tmp_path / "b"), "--step", "6",
                         "--mesh", "fsdp=8"]) == 0
+    # the card, the usage snippet on the local path, and what the transformers side needs (also in the output)
+    card = (tmp_path / "b" / "README.md").read_text()
+    assert "checkpoint at step 6" in card and f'model_id = "{tmp_path / "b"}"' in card
+    assert export.TORCH_CPU_INSTALL in card and export.TORCH_CPU_INSTALL in capsys.readouterr().out
+    assert export.export_complete(tmp_path / "b")
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)

@@ -32,13 +32,14 @@ from spmdlm.models.layers import Scale
 
 WORDS = "cat dog bird fish tree rock river cloud stone green red blue small big old new runs sees the a of and".split()
 CONFIGS = {
-    "gpt2": dict(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=4),
+    "gpt2": dict(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attn_pdrop=0.0),
     "t5": dict(vocab_size=420, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
                tie_word_embeddings=False),
     "bart": dict(vocab_size=320, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                  decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64),
     "roberta": dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                    max_position_embeddings=66),
+                    max_position_embeddings=66, type_vocab_size=1, layer_norm_eps=1e-5),
 }
 PROMPTS = ["the cat", "a big old dog sees the river", "fish", "green", "the small bird of the blue cloud runs",
            "stone and rock", "a tree", "the red fish sees a new stone and the old", "cloud", "dog runs"]

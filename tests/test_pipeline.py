@@ -130,11 +130,11 @@ def test_readers(tmp_path, name, text, expected):
     assert list(readers.read_documents([path])) == expected
 
 
-def test_missing_and_unknown_files(tmp_path):
+def test_missing_and_binary_files(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         readers.expand_files(str(tmp_path / "nope.txt"))
     (tmp_path / "a.bin").write_bytes(b"\0")
-    with pytest.raises(DataError, match="unknown file type"):
+    with pytest.raises(DataError, match="a.bin looks binary"):
         list(readers.read_documents([tmp_path / "a.bin"]))
 
 

@@ -209,7 +209,8 @@ def test_open_dataset_refuses_another_tokenizer_length_or_mode(corpus, tokenizer
          "records of 129 tokens: pass the same length flags or prepare the data again"),
         (dict(tokenizer=tok, record_length=33, mode="sentences"),
          f"--dataset_dir {out} was prepared for gpt2 --block_size 32 \\('stream' records\\) but this run's objective "
-         "needs 'sentences' records: prepare the data again for this objective$"),
+         "needs 'sentences' records: pass --block_size 32 as it was prepared \\(--model_type gpt2\\), or prepare the "
+         "data again for this objective$"),
     ]
     for kwargs, message in refusals:
         with pytest.raises(DataError, match=f"^{message}"):
@@ -230,6 +231,13 @@ def test_open_dataset_refuses_another_tokenizer_length_or_mode(corpus, tokenizer
     card_path.write_text(json.dumps({**json.loads(card_text), "version": 1}))  # an earlier version's
     with pytest.raises(DataError, match=f"^--dataset_dir {out}: dataset format version 1, this spmdlm reads 2 .*"
                                         r"python -m spmdlm.prepare \.\.\. --overwrite$"):
+        open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
+    packed = {"line_by_line": True, "packing": True, "max_seq_length": 33, "mlm_probability": None}
+    card_path.write_text(json.dumps({**json.loads(card_text), "for_model": "roberta", "mode": "packed_lines",
+                                     "objective": packed}))  # as RoBERTa's --line_by_line --packing writes it
+    with pytest.raises(DataError, match=re.escape("but this run's objective needs 'stream' records: pass "
+                                                  "--line_by_line --packing --max_seq_length 33 as it was prepared "
+                                                  "(--model_type roberta), or prepare")):
         open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
     card_path.write_text(card_text)
     data = bytearray(shard.read_bytes())

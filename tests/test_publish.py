@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard
 
 from family_fixtures import FIXTURES, STDLIB_JSON
 from hub_emulator import USER, HubEmulator
-from spmdlm import storage
+from spmdlm import export, storage
 from spmdlm.errors import ArgumentError
 from spmdlm.export import export_complete, save_hf
 from spmdlm.families import get_family
@@ -89,8 +89,11 @@ def test_every_family_gets_a_card_with_its_results_metadata_and_usage(family, tm
     assert "| eval_loss | 2.5 |" in text and "Trained with spmdlm " in text
     expected = {"roberta": 'pipeline("fill-mask"', "gpt2": "AutoModelForCausalLM.from_pretrained"}
     assert expected.get(family, "AutoModelForSeq2SeqLM.from_pretrained") in text
+    assert export.TORCH_CPU_INSTALL in text  # transformers' side needs PyTorch; spmdlm.generate does not
+    assert f"python -m spmdlm.generate --model_name_or_path {folder}" in text
+    assert ("--fill_mask" in text) == (family == "roberta")
     capsys.readouterr()
-    run_snippet(card, "run", folder)
+    run_snippet(card, str(folder), folder)  # the local export, as nothing was pushed
     assert capsys.readouterr().out  # it printed what the (random) model made of the example
 
 
@@ -108,7 +111,7 @@ def test_a_card_without_metadata_flags_or_results(tmp_path, tiny_configs, cache_
 def test_a_family_from_elsewhere_gets_the_usage_of_what_it_declares():
     family = dataclasses.replace(get_family("gpt2"), name="mine", hf_auto_class="AutoModel",
                                  generation=Generation.NONE)
-    code = publish.usage_snippet(family, "user/mine")
+    code = export.usage_snippet(family, "user/mine")
     compile(code, "snippet", "exec")
     assert "from transformers import AutoModel," in code and "generate" not in code
     assert publish.TASKS[family.generation] == "feature-extraction"
@@ -155,10 +158,11 @@ def test_an_export_in_a_bucket_gets_its_card_and_is_uploaded(gcs_bucket, hub, tm
     save_hf(ctx.family.make_model(ctx.config, rngs=nnx.Rngs(0)), ctx.config, local, tokenizer=ctx.tokenizer)
     storage.upload(local, remote)
     publish.write_model_card(remote, ctx, RESULTS)
-    publish.write_model_card(local, ctx, RESULTS)
+    card = (remote / "README.md").read_bytes()
+    assert f'model_id = "{remote}"'.encode() in card  # the snippet loads the export where it is
     target = publish.Hub("in-a-bucket", endpoint=hub.url, token=TOKEN, private=False, export_dir=remote)
     assert target.upload(remote, "the export")
-    assert hub.repos[f"{USER}/in-a-bucket"].files == folder_files(local)
+    assert hub.repos[f"{USER}/in-a-bucket"].files == {**folder_files(local), "README.md": card}
 
 
 def warnings_of(text: str) -> list[str]:
@@ -227,6 +231,7 @@ def test_a_run_pushes_its_export_card_and_checkpoints(hub, tmp_path, tiny_config
         {"loss": results["eval_loss"], "perplexity": results["eval_perplexity"], "accuracy": results["eval_accuracy"],
          "bits_per_byte": results["eval_bits_per_byte"]}
     assert card.data.model_name == f"{USER}/tiny-gpt2" and card.data.license == "apache-2.0"
+    assert f'model_id = "{USER}/tiny-gpt2"' in card.text  # pushed: the snippet loads it from the Hub
 
 
 @pytest.mark.parametrize("server", ["commit refused", "nothing listening"])

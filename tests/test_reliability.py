@@ -22,6 +22,7 @@ from spmdlm.launch import main
 import spmdlm.launch
 from spmdlm import devices
 from spmdlm.train import setup
+from spmdlm.train.guard import RunLock
 from spmdlm.train.step import Stepper
 
 
@@ -181,6 +182,20 @@ def test_a_second_run_in_the_same_output_dir_is_refused(capsys, base_run, tmp_pa
                            f"{socket.gethostname()}, started 2026-11-30 10:00:00); wait for it to finish or choose "
                            "another --output_dir")
     assert sorted(p.name for p in out.rglob("*")) == before  # --overwrite_output_dir removed nothing
+
+
+def test_a_refused_run_leaves_no_directory_it_made(tmp_path):
+    out = tmp_path / "runs" / "gpt2-tiny-corpus"  # runs/ did not exist either: the default output dir's parent
+    with pytest.raises(RuntimeError):
+        with RunLock(out):
+            assert (out / "run.lock").is_file()
+            raise RuntimeError("refused after the lock was taken (a layout the dataset does not have)")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "other").mkdir()
+    with RunLock(out):
+        pass
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["other"]  # what was there before stays
 
 
 # -- save failures, preemption -------------------------------------------------------------------------------------

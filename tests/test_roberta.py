@@ -15,7 +15,7 @@ from spmdlm.launch import main
 
 TINY = {"model_type": "roberta", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "intermediate_size": 256, "max_position_embeddings": 66,
-        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "type_vocab_size": 1, "layer_norm_eps": 1e-5}
 
 
 @pytest.fixture()

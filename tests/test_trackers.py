@@ -19,6 +19,7 @@ from spmdlm.config import RunArgs
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.launch import main
 from spmdlm.train import trackers
+from spmdlm.train import report as report_module
 from spmdlm.train.report import Reporter
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra (pip install -e '.[wandb]')")
@@ -194,6 +195,38 @@ def test_the_loss_curve_and_the_samples_go_at_the_end(offline, tmp_path):
     client = mlflow.tracking.MlflowClient((tmp_path / "mlruns").absolute().as_uri())
     run_id = json.loads((tmp_path / trackers.IDS_FILE).read_text())["mlflow"]
     assert [a.path for a in client.list_artifacts(run_id)] == ["loss_curve.png", "samples.jsonl"]
+
+
+def test_wandb_dir_when_set_is_where_wandb_writes(offline, monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    report = reporter(tmp_path / "out", "wandb")
+    report.start(0, 1)
+    report.log_train(1, train_metrics(1))
+    report.finish({"train_loss": 0.5})
+    run = wandb_run(next((tmp_path / "elsewhere" / "wandb").glob("offline-run-*")))
+    assert run["exit_code"] == 0 and run["config"]["output_dir"] == str(tmp_path / "out")
+    assert not (tmp_path / "out" / "wandb").exists()
+
+
+@pytest.mark.parametrize("columns", [0, 80])
+def test_a_terminal_of_0_columns_gets_log_lines_not_an_invisible_bar(tmp_path, monkeypatch, columns):
+    terminal = types.SimpleNamespace(isatty=lambda: True, fileno=lambda: 2, write=sys.__stderr__.write,
+                                     flush=lambda: None)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd: os.terminal_size((columns, 24)))
+    report = reporter(tmp_path, "tensorboard")
+    report.start(0, 2)
+    assert (report._bar is not None) == (columns > 0)
+    report.close_bar()
+
+
+def test_the_loss_plot_is_titled_in_words():
+    assert report_module.plot_title("roberta-tiny-de", "roberta", {"data": 8, "fsdp": 1, "tensor": 1}) == \
+        "roberta-tiny-de (roberta, mesh data=8)"
+    assert report_module.plot_title("r", "t5", {"data": 1, "fsdp": 1, "tensor": 1}) == \
+        "r (t5, mesh data=1, fsdp=1, tensor=1)"
 
 
 def test_a_tracker_failing_mid_run_is_one_warning(offline, monkeypatch, tmp_path, caplog):

@@ -29,7 +29,7 @@ def train_losses(output_dir: Path) -> list[float]:
 def test_tiny_model_overfits_a_small_text(tmp_path, cache_dir):
     config = tmp_path / "gpt2-overfit.json"
     config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 384, "n_positions": 64, "n_embd": 96,
-                                  "n_layer": 2, "n_head": 4}))
+                                  "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
     out = tmp_path / "overfit"
     code = main([
         "--train_file", str(FIXTURES / "overfit.txt"), "--config_name", str(config), "--output_dir", str(out),
@@ -96,9 +96,15 @@ def test_resume_onto_another_mesh_and_evaluate_only(tmp_path, tiny_gpt2_config, 
     assert json.loads((whole / "eval_results.json").read_text())["eval_loss"] == pytest.approx(final, rel=1e-5)
 
 
-def test_dry_run_compiles_and_stops(tmp_path, tiny_gpt2_config, cache_dir):
+def test_dry_run_compiles_and_stops_leaving_the_disk_unchanged(tmp_path, tiny_gpt2_config, cache_dir, capsys):
     out = tmp_path / "dry"
+    snapshot = lambda: sorted((p, p.stat().st_mtime_ns) for d in (tmp_path, cache_dir) for p in d.rglob("*"))
+    before = snapshot()
     assert launch(out, tiny_gpt2_config, cache_dir, "--mesh", "data=8", "--max_steps", "5", "--dry_run") == 0
-    compiled = [m for m in read_metrics(out) if m.get("event") == "compile"]
-    assert compiled and compiled[0]["compile_seconds"] > 0 and compiled[0]["temp_bytes"] > 0
-    assert not (out / "checkpoints").exists() and not [m for m in read_metrics(out) if "loss" in m]
+    assert snapshot() == before and not out.exists()  # no tokenizer, run_config.json, metrics.jsonl or cache entry
+    logged = [line.split(" INFO ", 1)[-1] for line in capsys.readouterr().out.splitlines()]
+    assert logged[0] == f"output dir {out}: --dry_run writes nothing there"
+    compiled = [line for line in logged if line.startswith("train step compiled in")]
+    assert len(compiled) == 1 and "temporaries" in compiled[0]
+
+

@@ -119,9 +119,15 @@ def _local_shard(folder, remote, shard: dict) -> Path:
 def _prepared_for(folder, card: dict) -> str:
     """What a dataset was prepared for, in words: its family and the objective flags it was given (not those off,
     nor the default --document_attention, which every card has)."""
+    return f"--dataset_dir {folder} was prepared for {card.get('for_model')} {_flags_of(card)}".rstrip()
+
+
+def _flags_of(card: dict) -> str:
+    """The launcher flags a dataset was prepared with ('--line_by_line --packing --max_seq_length 128'): those given,
+    not those off, nor the default --document_attention, which every card has."""
     unsaid = lambda k, v: v in (None, False) or (k == DOCUMENT_ATTENTION.name and v == DOCUMENT_ATTENTION.default)
-    flags = " ".join(f"--{k} {v}" for k, v in (card.get("objective") or {}).items() if not unsaid(k, v))
-    return f"--dataset_dir {folder} was prepared for {card.get('for_model')} {flags}".rstrip()
+    return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in (card.get("objective") or {}).items()
+                    if not unsaid(k, v))
 
 
 def open_dataset(dataset_dir: str | os.PathLike, *, tokenizer, record_length: int, mode: str,
@@ -137,7 +143,8 @@ def open_dataset(dataset_dir: str | os.PathLike, *, tokenizer, record_length: in
     card = read_card(folder)
     if card["mode"] != mode:  # first: another mode has another length too (packed_lines), and says why
         raise DataError(f"{_prepared_for(folder, card)} ({card['mode']!r} records) but this run's objective needs "
-                        f"{mode!r} records: prepare the data again for this objective")
+                        f"{mode!r} records: pass {_flags_of(card) or 'no objective flags'} as it was prepared "
+                        f"(--model_type {card.get('for_model')}), or prepare the data again for this objective")
     if card["record_length"] != record_length:
         raise DataError(f"{_prepared_for(folder, card)} (records of {card['record_length']} tokens) but this run "
                         f"needs records of {record_length} tokens: pass the same length flags or prepare the data "

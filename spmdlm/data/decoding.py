@@ -1,13 +1,16 @@
-"""Decoding one input file into text lines, for spmdlm.data.readers: .gz and .zst decompressed as they stream, the
+"""Decoding one input file into text lines, for spmdlm.data.readers: .gz, .zst, .xz and .bz2 decompressed as they
+stream, the
 encoding from a BOM (else UTF-8), a file that looks binary refused, bytes that are not UTF-8 replaced by U+FFFD and
 counted.
 """
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import gzip
 import io
+import lzma
 import logging
 import re
 from pathlib import Path
@@ -17,9 +20,11 @@ from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)
 
-COMPRESSION_SUFFIXES = {".gz", ".zst"}
+COMPRESSION_SUFFIXES = {".gz", ".zst", ".xz", ".bz2"}
 DATASETS_HINT = "pip install 'spmdlm[datasets]'"  # the extra that brings zstandard, pyarrow and datasets
 
+BINARY_FIX = ("give text files (any suffix; plain, .gz, .zst, .xz or .bz2) or leave it out of the inputs "
+              "(--text_format parquet if it is parquet)")
 BINARY_PROBE = 8192  # bytes looked at to tell text from binary
 MAX_INVALID_SHARE = 0.3  # a text file with more undecodable bytes than this in the probe is taken for binary
 # A BOM says the encoding; the UTF-32 ones come first, as the UTF-32 LE BOM begins with the UTF-16 LE one.
@@ -42,7 +47,8 @@ def formats(path: Path) -> tuple[str, str | None]:
 
 
 def _open_binary(path: Path):
-    """(raw file, readable binary stream): .gz through gzip, .zst through zstandard, else the file itself."""
+    """(raw file, readable binary stream): .gz, .xz and .bz2 through the standard library, .zst through zstandard,
+    else the file itself."""
     _, compression = formats(path)
     if compression == ".zst":
         try:
@@ -51,15 +57,24 @@ def _open_binary(path: Path):
             raise DataError(f"{path}: reading .zst files needs zstandard: pip install zstandard (or "
                             f"{DATASETS_HINT})") from None
     raw = path.open("rb")  # a local file, or a gs:// object read through gcsfs
-    if compression == ".gz":
-        return raw, gzip.GzipFile(fileobj=raw, mode="rb")
+    if compression in _STDLIB_DECOMPRESSORS:
+        return raw, _STDLIB_DECOMPRESSORS[compression](raw)
     if compression == ".zst":
         return raw, io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
     return raw, raw
 
 
-def _decompression_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [EOFError, gzip.BadGzipFile]
+_STDLIB_DECOMPRESSORS = {".gz": lambda raw: gzip.GzipFile(fileobj=raw, mode="rb"),
+                         ".xz": lambda raw: lzma.LZMAFile(raw, mode="rb"),
+                         ".bz2": lambda raw: bz2.BZ2File(raw, mode="rb")}
+
+
+def _decompression_errors(path: Path) -> tuple[type[BaseException], ...]:
+    """What a damaged stream raises: EOFError when truncated; bz2 says any other damage with a bare OSError, so that
+    is caught for .bz2 files only."""
+    errors: list[type[BaseException]] = [EOFError, gzip.BadGzipFile, lzma.LZMAError]
+    if formats(path)[1] == ".bz2":
+        errors.append(OSError)
     try:
         import zstandard
 
@@ -80,18 +95,16 @@ def _encoding(path: Path) -> str:
     try:
         with raw, f:
             head = f.read(BINARY_PROBE)
-    except _decompression_errors() as e:
+    except _decompression_errors(path) as e:
         raise _bad_compressed(path, e) from None
     encoding = next((encoding for bom, encoding in BOMS if head.startswith(bom)), "utf-8")
     if encoding in ("utf-16", "utf-32"):
         return encoding  # UTF-16/32 text is full of NUL bytes: no binary check
     if b"\0" in head:
-        raise DataError(f"{path} looks binary (NUL bytes in its first {len(head)} bytes); "
-                        "give text files (.txt, .json, .jsonl, .csv)")
+        raise DataError(f"{path} looks binary (NUL bytes in its first {len(head)} bytes); {BINARY_FIX}")
     invalid = len(_ESCAPED_BYTE.findall(head.decode("utf-8", errors="surrogateescape")))
     if invalid > MAX_INVALID_SHARE * len(head):
-        raise DataError(f"{path} looks binary ({invalid} of its first {len(head)} bytes are not UTF-8); "
-                        "give text files (.txt, .json, .jsonl, .csv)")
+        raise DataError(f"{path} looks binary ({invalid} of its first {len(head)} bytes are not UTF-8); {BINARY_FIX}")
     return encoding
 
 
@@ -111,7 +124,7 @@ def text_lines(path: Path, newline: str | None = None, stats=None) -> Iterator[s
                 line, count = _ESCAPED_BYTE.subn("\ufffd", line)
                 invalid += count
                 yield line
-    except _decompression_errors() as e:
+    except _decompression_errors(path) as e:
         raise _bad_compressed(path, e) from None
     finally:
         if stats is not None:

@@ -1,8 +1,10 @@
 """Reading documents (docs/data.md): inputs -> the corpus's non-empty texts, one document each.
 
-Files: txt (one document per line, per blank-line-separated paragraph or per file: --text_documents),
-json/jsonl/csv/tsv (a text field), parquet (pyarrow), each plain or compressed (.gz, .zst; decoded by
-spmdlm.data.decoding), and Hugging Face `datasets` (local `save_to_disk` dirs, parquet dirs,
+Files: text (one document per line, per blank-line-separated paragraph or per file: --text_documents),
+json/jsonl/csv/tsv (a text field), parquet (pyarrow), each plain or compressed (.gz, .zst, .xz, .bz2; decoded by
+spmdlm.data.decoding). The format is the suffix's (.json/.jsonl, .csv/.tsv, .parquet), or --text_format's; any other
+file is text, whatever its name, and one whose bytes are not text is refused. Also Hugging Face `datasets` (local
+`save_to_disk` dirs, parquet dirs,
 Hub names); `ReadStats` counts what was skipped or repaired. Also the embedded corpus (this Python's standard
 library sources) and the held-out split by document hash.
 
@@ -29,10 +31,16 @@ from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)
 
-TEXT_SUFFIXES = {".txt", ".text", ".md", ".py"}
-JSON_SUFFIXES = {".json", ".jsonl"}
-CSV_SUFFIXES = {".csv", ".tsv"}
-PARQUET_SUFFIXES = {".parquet"}
+SUFFIX_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
+TEXT_FORMATS = ("text", "json", "csv", "parquet")  # --text_format
+TEXT_FORMAT_HELP = ("the format of every input file, whatever its name: text, json (JSON lines or an array), csv "
+                    "(.tsv files tab-separated), parquet. Default: from the suffix (.json/.jsonl, .csv/.tsv, "
+                    ".parquet), any other file being text (checked: binary files are refused)")
+
+
+def file_format(path: Path, text_format: str | None = None) -> str:
+    """One of TEXT_FORMATS: `text_format` when given, else the suffix's (before any compression suffix), else text."""
+    return text_format or SUFFIX_FORMATS.get(formats(path)[0], "text")
 
 
 @dataclasses.dataclass
@@ -65,9 +73,8 @@ class ReadStats:
 
 
 def _readable(path: Path) -> bool:
-    """A file a directory input contributes: a known format, plain or compressed, not hidden."""
-    fmt, _ = formats(path)
-    return not path.name.startswith(".") and fmt in TEXT_SUFFIXES | JSON_SUFFIXES | CSV_SUFFIXES | PARQUET_SUFFIXES
+    """A file a directory input contributes: any that is not hidden (its bytes are checked when it is read)."""
+    return not path.name.startswith(".")
 
 
 def _directory_files(folder: Path) -> list[Path]:
@@ -82,7 +89,7 @@ def _directory_files(folder: Path) -> list[Path]:
             path = Path(root) / name
             if not _readable(path):
                 continue
-            if not path.is_file():  # a FIFO, socket or device of a known name: reading it would block or never end
+            if not path.is_file():  # a FIFO, socket or device: reading it would block or never end
                 log.warning("skipping %s: %s, not a regular file", path, _kind(path))
                 continue
             found.append(path)
@@ -120,7 +127,7 @@ def same_file(a: Path, b: Path) -> bool:
 def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> list[Path]:
     """Expand comma-separated paths, globs or directories in a stable order; every one must give a file.
 
-    A directory gives the files of known formats under it (recursively, hidden ones skipped, sorted by path).
+    A directory gives the files under it (recursively, hidden ones skipped, sorted by path).
     All missing inputs are listed in one error.
     """
     if isinstance(patterns, str):
@@ -247,7 +254,7 @@ def _json_lines(path: Path, lines: Iterable[tuple[int, str]], stats: ReadStats) 
 
 
 def _read_csv(path: Path, text_column: str | None, stats: ReadStats) -> Iterator[str]:
-    fmt, _ = formats(path)
+    fmt, _ = formats(path)  # the delimiter: tab for .tsv, whatever --text_format says
     reader = csv.DictReader(text_lines(path, newline="", stats=stats), delimiter="\t" if fmt == ".tsv" else ",")
     # line_num is the source line where the row ends, the one an editor shows.
     yield from _texts(((f"{path}:{reader.line_num}", row) for row in reader), text_column, stats)
@@ -279,27 +286,26 @@ def _read_parquet(path: Path, text_column: str | None, stats: ReadStats) -> Iter
                 stats.empty_lines += 1
 
 
+def _documents_of(path: Path, fmt: str, text_column: str | None, stats: ReadStats, text_documents: str):
+    if fmt == "json":
+        return _read_json(path, text_column, stats)
+    if fmt == "csv":
+        return _read_csv(path, text_column, stats)
+    if fmt == "parquet":
+        return _read_parquet(path, text_column, stats)
+    return _read_txt(path, stats, text_documents)
+
+
 def read_documents(files: Iterable[Path], *, text_column: str | None = None, stats: ReadStats | None = None,
-                   text_documents: str = "line") -> Iterator[str]:
+                   text_documents: str = "line", text_format: str | None = None) -> Iterator[str]:
     """The non-empty documents of the files: a text file's lines, paragraphs or whole text (`text_documents`), or
-    the `text_column` ("text") field of a record.
+    the `text_column` ("text") field of a record. Each file's format is `file_format`'s.
 
     `stats`, if given, counts the files, documents, replaced bytes and skipped empty lines and files.
     """
     stats = stats if stats is not None else ReadStats()
     for path in files:
-        fmt, _ = formats(path)
-        if fmt in JSON_SUFFIXES:
-            documents = _read_json(path, text_column, stats)
-        elif fmt in CSV_SUFFIXES:
-            documents = _read_csv(path, text_column, stats)
-        elif fmt in PARQUET_SUFFIXES:
-            documents = _read_parquet(path, text_column, stats)
-        elif fmt in TEXT_SUFFIXES or fmt == "":
-            documents = _read_txt(path, stats, text_documents)
-        else:
-            raise DataError(f"{path}: unknown file type {fmt!r}; use .txt, .json, .jsonl, .csv or .parquet "
-                            "(optionally .gz or .zst)")
+        documents = _documents_of(path, file_format(path, text_format), text_column, stats, text_documents)
         stats.files += 1
         count = 0
         for document in documents:
@@ -411,13 +417,14 @@ def _file_entry(path: Path) -> dict:
 
 @dataclasses.dataclass
 class Corpus:
-    """Documents from files (txt/json/jsonl/csv/parquet, plain, .gz or .zst) or from a `datasets` dataset."""
+    """Documents from files (text/json/jsonl/csv/parquet, plain or compressed) or from a `datasets` dataset."""
 
     files: tuple[Path, ...] = ()
     dataset_name: str | None = None
     dataset_config_name: str | None = None
     text_column: str | None = None
     text_documents: str = "line"  # text files only: TEXT_DOCUMENTS
+    text_format: str | None = None  # TEXT_FORMATS, or None: each file's suffix says
     _loaded: dict | None = dataclasses.field(default=None, repr=False)
 
     def _dataset(self) -> dict:
@@ -434,7 +441,7 @@ class Corpus:
         stats = stats if stats is not None else ReadStats()
         if not self.dataset_name:
             return read_documents(self.files, text_column=self.text_column, stats=stats,
-                                  text_documents=self.text_documents)
+                                  text_documents=self.text_documents, text_format=self.text_format)
         loaded = self._dataset()
         if split not in loaded:
             raise DataError(f"--dataset_name {self.dataset_name} has no {split!r} split (it has "
@@ -449,8 +456,10 @@ class Corpus:
         """What the inputs are, cheaply: each file's path, size, mtime and a hash of samples of it (a local dataset
         dir lists its files; a Hub dataset is named only)."""
         if not self.dataset_name:
+            # text_format only when given, so the manifests (and cache keys) of earlier corpora stay as they were
             return {"files": [_file_entry(p) for p in self.files], "text_column": self.text_column,
-                    "text_documents": self.text_documents}
+                    "text_documents": self.text_documents, **({"text_format": self.text_format}
+                                                              if self.text_format else {})}
         path = Path(self.dataset_name).expanduser()
         files = ([path] if path.is_file() else
                  sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir()
@@ -462,7 +471,7 @@ class Corpus:
 
 def open_corpus(inputs: Sequence[str] = (), *, dataset_name: str | None = None,
                 dataset_config_name: str | None = None, text_column: str | None = None,
-                text_documents: str = "line", flag: str = "INPUTS") -> Corpus:
+                text_documents: str = "line", text_format: str | None = None, flag: str = "INPUTS") -> Corpus:
     """The corpus of `inputs` (files, globs, directories) or of `--dataset_name`; missing inputs in one error."""
     if inputs and dataset_name:
         raise DataError("give input files or --dataset_name, not both")
@@ -474,14 +483,16 @@ def open_corpus(inputs: Sequence[str] = (), *, dataset_name: str | None = None,
         raise DataError("--dataset_config_name needs --dataset_name")
     if not inputs:
         raise DataError(f"no input: give {flag} (files, globs or directories) or --dataset_name")
-    return Corpus(files=tuple(expand_files(inputs, flag)), text_column=text_column, text_documents=text_documents)
+    return Corpus(files=tuple(expand_files(inputs, flag)), text_column=text_column, text_documents=text_documents,
+                  text_format=text_format)
 
 
 def add_corpus_arguments(parser) -> None:
     """The corpus flags of the commands that read one (spmdlm.prepare, spmdlm.tokenizer): INPUTS or --dataset_name
     (read with `corpus_of`)."""
     parser.add_argument("inputs", nargs="*", metavar="INPUTS",
-                        help="files, globs or directories: txt/json/jsonl/csv/parquet, plain, .gz or .zst")
+                        help="files, globs or directories: text (any name), json/jsonl/csv/parquet; plain, .gz, .zst, "
+                             ".xz or .bz2")
     parser.add_argument("--dataset_name", default=None,
                         help="a datasets dataset: a save_to_disk dir, parquet file/dir, or Hub name (needs "
                              f"{DATASETS_HINT})")
@@ -489,10 +500,11 @@ def add_corpus_arguments(parser) -> None:
     parser.add_argument("--text_column", default=None, help="json/jsonl/csv/parquet/datasets: the text field "
                                                             "(default: text)")
     parser.add_argument("--text_documents", choices=TEXT_DOCUMENTS, default="line", help=TEXT_DOCUMENTS_HELP)
+    parser.add_argument("--text_format", choices=TEXT_FORMATS, default=None, help=TEXT_FORMAT_HELP)
 
 
 def corpus_of(args) -> Corpus:
     """The corpus that `add_corpus_arguments`' flags name."""
     return open_corpus(args.inputs, dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
-                       text_column=args.text_column, text_documents=args.text_documents)
+                       text_column=args.text_column, text_documents=args.text_documents, text_format=args.text_format)
 

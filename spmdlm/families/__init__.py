@@ -85,7 +85,8 @@ def family_choices() -> FamilyChoices:
     known = families()
     return FamilyChoices(objective_flags(), {name: tuple(flag.name for flag in f.flags) for name, f in known.items()},
                          {name: f.quickstart for name, f in known.items()},
-                         tuple(preset_names()) + tuple(sorted(all_presets())))
+                         tuple(preset_names()) + tuple(sorted(all_presets())),
+                         {name: f.default_preset for name, f in known.items()})
 
 
 # -- the one config resolution ----------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ FAMILY = Family(
     tokenizer=dataclasses.replace(FRAMED_BPE_TOKENIZER, hf_class="BartTokenizerFast"),
     objective_class=Denoising,
     default_preset="bart-base",
-    quickstart=dict(output_dir="runs/bart-tiny-stdlib", config_name="bart-tiny", max_seq_length=128,
+    quickstart=dict(config_name="bart-tiny", max_seq_length=128,
                     per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
                     max_steps=400, sample_prompts="def<mask>(self):|import<mask>"),
     check_lengths=check_lengths,

@@ -81,7 +81,7 @@ FAMILY = Family(
         hf_class="GPT2TokenizerFast",
     ),
     default_preset="gpt2",
-    quickstart=dict(output_dir="runs/gpt2-tiny-stdlib", config_name="gpt2-tiny", block_size=128,
+    quickstart=dict(config_name="gpt2-tiny", block_size=128,
                     per_device_train_batch_size=4, learning_rate=2e-3, weight_decay=0.01, adam_beta2=0.98,
                     max_steps=400, sample_prompts="def main(|import os"),
     check_lengths=check_lengths,

@@ -99,7 +99,7 @@ FAMILY = Family(
     tokenizer=dataclasses.replace(FRAMED_BPE_TOKENIZER, hf_class="RobertaTokenizerFast"),
     objective_class=MaskedLM,
     default_preset="roberta-base",
-    quickstart=dict(output_dir="runs/roberta-tiny-stdlib", config_name="roberta-tiny", max_seq_length=128,
+    quickstart=dict(config_name="roberta-tiny", max_seq_length=128,
                     per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
                     max_steps=400, sample_prompts="import<mask>|def<mask>(self):"),
     check_lengths=check_lengths,

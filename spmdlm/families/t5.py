@@ -131,7 +131,7 @@ FAMILY = Family(
         num_sentinels=NUM_SENTINELS,
     ),
     default_preset="t5-v1_1-base",
-    quickstart=dict(output_dir="runs/t5-v1_1-tiny-stdlib", config_name="t5-v1_1-tiny", max_seq_length=128,
+    quickstart=dict(config_name="t5-v1_1-tiny", max_seq_length=128,
                     per_device_train_batch_size=4, learning_rate=5e-3, adafactor=True, weight_decay=0.001,
                     max_steps=300, sample_prompts="def <extra_id_0>(self):|import <extra_id_0>"),
     check_lengths=check_lengths,

@@ -1,7 +1,9 @@
 """GPT-2: a decoder-only transformer with pre-LayerNorm blocks, learned positions and a tied LM head.
 
 Mirrors transformers' `GPT2LMHeadModel` (attribute names follow it where our shared layers allow;
-`spmdlm/families/gpt2.py` holds the rename table). The blocks are stacked and scanned (`h.layers`). Dropout uses HF's pdrop names and defaults to 0, the pretraining recipe's setting.
+`spmdlm/families/gpt2.py` holds the rename table). The blocks are stacked and scanned (`h.layers`). Dropout uses HF's
+pdrop names and defaults (0.1, what transformers reads from a config.json without them); the presets set 0, the
+pretraining recipe's setting.
 Generation (`init_cache`, `extend`) feeds tokens through a preallocated KV cache (`layers.Cache`).
 """
 
@@ -32,9 +34,9 @@ class GPT2Config(HFConfig):
     n_head: int = 12
     n_inner: int | None = None
     activation_function: str = "gelu_new"
-    resid_pdrop: float = 0.0
-    embd_pdrop: float = 0.0
-    attn_pdrop: float = 0.0
+    resid_pdrop: float = 0.1  # transformers' defaults (a config.json without them means 0.1); presets say 0.0
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
     scale_attn_weights: bool = True

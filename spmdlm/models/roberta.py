@@ -35,10 +35,10 @@ class RobertaConfig(HFConfig):
     hidden_act: str = "gelu"
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 514
-    type_vocab_size: int = 1
+    max_position_embeddings: int = 512  # transformers' defaults, as a config.json without them means (presets: 514, 1)
+    type_vocab_size: int = 2
     initializer_range: float = 0.02
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-12
     pad_token_id: int = 1
     bos_token_id: int = 0
     eos_token_id: int = 2

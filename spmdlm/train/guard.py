@@ -42,13 +42,13 @@ class RunLock:
     def __init__(self, out: Path, enabled: bool = True):
         self.out, self.enabled = storage.path(out), enabled
         self.path = self.out / LOCK_NAME
-        self._created_dir = False
+        self._created_dirs: list = []  # those this lock made, deepest first (the output dir, then e.g. runs/)
 
     def __enter__(self) -> "RunLock":
         if not self.enabled:
             return self
         try:
-            self._created_dir = not self.out.exists()
+            self._created_dirs = [] if storage.is_remote(self.out) else _missing_dirs(Path(self.out))
             self.out.mkdir(parents=True, exist_ok=True)
             self._create()
         except FileExistsError:
@@ -86,9 +86,20 @@ class RunLock:
                         f"choose another --output_dir{gone}")
 
     def _remove_created_dir(self) -> None:
-        if self._created_dir and not storage.is_remote(self.out) and self.out.is_dir() \
-                and not any(self.out.iterdir()):
-            self.out.rmdir()  # (a bucket has no empty directories)
+        """A refused run leaves the disk as it was: the dirs it made, while empty (a bucket has no empty dirs)."""
+        for folder in self._created_dirs:
+            if not folder.is_dir() or any(folder.iterdir()):
+                return
+            folder.rmdir()
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and its ancestors that do not exist, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 # The signals that end a run, each handled as a request to save and stop: SIGTERM (schedulers, preemption),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import tempfile
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ from spmdlm.config import RunArgs
 from spmdlm.data import pipeline
 from spmdlm.data.mixture import MixedSplit
 from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted, RunError
-from spmdlm.export import export_state
+from spmdlm.export import export_state, what_it_needs
 from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
 from spmdlm.generate.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
@@ -132,10 +133,18 @@ def final_task_metrics(ctx: RunContext, graphdef, state, reporter: Reporter, ste
 
 
 def run(args: RunArgs) -> dict[str, Any]:
+    if args.dry_running:  # writes nothing: the records go to a scratch cache, removed at the end
+        with tempfile.TemporaryDirectory(prefix="spmdlm-dry-run-") as scratch:
+            return run_in_output_dir(args.replace(cache_dir=scratch))
+    return run_in_output_dir(args)
+
+
+def run_in_output_dir(args: RunArgs) -> dict[str, Any]:
     ctx = resolve(args, time.perf_counter())
     ctx.hub = publish.hub_for(ctx)  # a bad repository id or no token: refused before anything is written
     corpora = read_sources(args, ctx.sources) if ctx.sources else read_corpora(args)
-    with RunLock(ctx.out, enabled=is_main()):  # before anything is written or removed in the output dir
+    # the lock before anything is written or removed in the output dir (a dry run does neither)
+    with RunLock(ctx.out, enabled=is_main() and not args.dry_running):
         prepare_output_dir(ctx, check_output_dir(ctx))
         return run_locked(ctx, corpora)
 
@@ -180,10 +189,9 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
         return stats
 
     stats = compile_train() if training and ctx.latest_step < ctx.total_steps else None
-    run_config = write_run_files(ctx)
-    if training and args.dry_run:
-        reporter.sync()  # a bucket output dir gets the compile record too
+    if args.dry_running:  # reported in the log only: nothing is written
         return {**results, **(stats or {})}
+    run_config = write_run_files(ctx)
 
     # -- stage 6: train (or restore for evaluation only) ---------------------------------------------------------
     step, trained = 0, False
@@ -238,6 +246,7 @@ def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[s
     if export:
         evaluated = nnx.state(model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args)))
         export_state(graphdef, evaluated, ctx.config, ctx.out / "hf", tokenizer=ctx.tokenizer)
+        log.info("exported to %s: %s", ctx.out / "hf", what_it_needs(ctx.family, ctx.out / "hf"))
     publish.publish_export(ctx, results)  # the model card, and the upload with --push_to_hub
 
 

@@ -151,6 +151,10 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
     config and tokenizer in the output dir (a tokenizer we trained ourselves goes too, or a new corpus would silently
     reuse it)."""
     ctx.resuming = verdict == "resume"
+    if ctx.args.dry_running:  # writes nothing: the run is set up as if the dir had been cleared
+        if verdict == "clear":
+            ctx.previous = {}
+        return
     if not is_main():
         return
     if verdict == "clear":

@@ -26,8 +26,7 @@ import jax
 from spmdlm import __version__, checkpoint, storage
 from spmdlm.data import datasets, readers
 from spmdlm.errors import ArgumentError
-from spmdlm.export import export_complete, save_hf
-from spmdlm.families.base import Family, Generation
+from spmdlm.export import TASKS, card_usage_lines, export_complete, save_hf
 from spmdlm.mesh import batch_axis_size
 from spmdlm.train.optim import optim_config_from_args
 from spmdlm.train.setup import RunContext, is_main
@@ -38,14 +37,10 @@ log = logging.getLogger("spmdlm")
 DEFAULT_ENDPOINT = "https://huggingface.co"  # huggingface_hub's own default
 CARD_NAME = "README.md"
 CHECKPOINT_DIR_IN_REPO = "last-checkpoint"
-# The Hub task of what each kind of model is asked for (pipeline_tag, the model-index task, a tag).
-TASKS = {Generation.FILL_MASK: "fill-mask", Generation.DECODER_ONLY: "text-generation",
-         Generation.ENCODER_DECODER: "text2text-generation", Generation.NONE: "feature-extraction"}
 # The model-index metrics: eval_results.json's key -> (metric type, pretty name)
 METRICS = {"eval_loss": ("loss", "Eval loss"), "eval_perplexity": ("perplexity", "Perplexity"),
            "eval_accuracy": ("accuracy", "Token accuracy"), "eval_bits_per_byte": ("bits_per_byte", "Bits per byte")}
 TOKENIZER_KINDS = {"bpe": "byte-level BPE", "unigram": "Unigram (SentencePiece)"}
-EXAMPLE_TEXT = "Hello, my name is"
 
 
 # -- the model card --------------------------------------------------------------------------------------------------
@@ -62,6 +57,7 @@ def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | 
     task = TASKS[family.generation]
     datasets_given = _split(args.card_datasets)
     model_id = repo_id_of(ctx)
+    where = _where(folder)  # the snippet loads the local export unless it is on the Hub
     data = ModelCardData(
         library_name="transformers", license=args.card_license, pipeline_tag=task,
         tags=[family.name, "spmdlm", task, *_split(args.card_tags)], datasets=datasets_given or None,
@@ -78,9 +74,14 @@ def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | 
         "## Training data", "", *_data_lines(ctx), "",
         "## Training procedure", "", *_training_lines(ctx), "",
         "## Evaluation", "", *_evaluation_lines(results, step, ctx.total_steps), "",
-        "## How to use", "", "```python", usage_snippet(family, model_id), "```", "",
+        "## How to use", "", *card_usage_lines(family, model_id if ctx.hub is not None else where, where), "",
         f"Trained with spmdlm {__version__} (JAX and Flax NNX pretraining of RoBERTa, GPT-2, T5 and BART).", ""])
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def _where(folder) -> str:
+    """The export's path as its card names it: absolute (a bucket's URL as it is)."""
+    return str(storage.absolute(folder))
 
 
 def repo_id_of(ctx: RunContext) -> str:
@@ -196,29 +197,6 @@ def _evaluation_lines(results: dict[str, Any], step: int | None, total_steps: in
         return [f"None yet: this upload is the model at step {step} of {total_steps}; the final upload has the "
                 "evaluation." if step is not None else "The run did not evaluate (no held-out data)."]
     return ["| metric | value |", "| --- | --- |", *(f"| {key} | {value:.6g} |" for key, value in rows)]
-
-
-def usage_snippet(family: Family, model_id: str) -> str:
-    """Python that loads the export from the Hub and uses it as the family's models are used."""
-    auto = family.hf_auto_class
-    specials = family.tokenizer.specials
-    mask = specials.get("mask") or ("<extra_id_0>" if family.tokenizer.num_sentinels else "")
-    load = (f'model_id = "{model_id}"\ntokenizer = AutoTokenizer.from_pretrained(model_id)\n'
-            f"model = {auto}.from_pretrained(model_id)\n")
-    if family.generation is Generation.FILL_MASK:
-        return (f'from transformers import pipeline\n\nmodel_id = "{model_id}"\n'
-                f'fill_mask = pipeline("fill-mask", model=model_id)\nprint(fill_mask("{EXAMPLE_TEXT} {mask}."))')
-    if family.generation is Generation.DECODER_ONLY:
-        prompt = EXAMPLE_TEXT
-    elif family.generation is Generation.ENCODER_DECODER:
-        prompt = f"{EXAMPLE_TEXT} {mask}." if mask else EXAMPLE_TEXT
-    else:  # a model that does not generate: its outputs for a text
-        return (f"from transformers import {auto}, AutoTokenizer\n\n{load}"
-                f'outputs = model(**tokenizer("{EXAMPLE_TEXT}", return_tensors="pt"))')
-    return (f"from transformers import {auto}, AutoTokenizer\n\n{load}"
-            f'inputs = tokenizer("{prompt}", return_tensors="pt")\n'
-            "outputs = model.generate(**inputs, max_new_tokens=20, do_sample=False)\n"
-            "print(tokenizer.decode(outputs[0], skip_special_tokens=True))")
 
 
 def _split(text: str | None) -> list[str]:

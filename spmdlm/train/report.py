@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -106,6 +107,20 @@ def repair_torn_tail(path: Path) -> None:
             log.warning("%s: dropped its torn last line (%d bytes, a crash mid-write)", path, end - start)
 
 
+def terminal_columns() -> int:
+    """The width stderr's terminal reports (0 when it reports none, or is no terminal)."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # not a terminal, or stderr replaced by an object without a fd
+        return 0
+
+
+def plot_title(run_name: str, model_type: str, mesh_shape) -> str:
+    """'roberta-tiny-de (roberta, mesh data=8)': the mesh's axes of more than one device (all of them if none)."""
+    axes = {axis: size for axis, size in mesh_shape.items() if size > 1} or dict(mesh_shape)
+    return f"{run_name} ({model_type}, mesh {', '.join(f'{axis}={size}' for axis, size in axes.items())})"
+
+
 SYNC_SECONDS = 30.0  # a bucket output dir's reports are uploaded at most this often (and at checkpoints, at the end)
 
 
@@ -117,6 +132,7 @@ class Reporter:
         trackers.check_targets(targets, out)  # on every process: all stop together, before anything is trained
         # self.out: where the report files are written; the output dir itself, or a local staging folder for a bucket
         self.target, self.enabled = out, enabled
+        self.dry_run = args is not None and args.dry_running
         self.out = self._stage(out) if enabled and storage.is_remote(out) else out
         self._uploaded: dict[str, tuple[int, int]] = {}
         self._repaired: set[str] = set()  # the JSON-lines files whose torn tail (if any) was repaired (_append)
@@ -130,6 +146,7 @@ class Reporter:
         run_config = {**args.to_json(), "global_batch": global_batch, "model_config": config.to_hf_dict()} \
             if args is not None else {}
         run_name = (args and args.run_name) or storage.absolute(out).name  # --output_dir . has a name too
+        self.run_name = run_name
         self._trackers = trackers.Trackers(trackers.build(targets, self.out, run_name, run_config))
         self._rates: list[float] = []
         self._real_rates: list[float] = []
@@ -170,7 +187,9 @@ class Reporter:
 
         self._trackers.start(step)
         self._total = total
-        if sys.stderr.isatty():  # a log file gets plain lines (log_train), not carriage-return bar fragments
+        # a log file gets plain lines (log_train), not carriage-return bar fragments; so does a terminal that
+        # reports 0 columns (some CI and IDE consoles), where tqdm would draw nothing at all
+        if sys.stderr.isatty() and terminal_columns() > 0:
             self._bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
 
     def truncate_after(self, step: int):
@@ -189,7 +208,8 @@ class Reporter:
                  mb("argument_bytes"),
                  mb("output_bytes"), mb("temp_bytes"), f"{stats['xla_flops_per_device']:.3g}"
                  if stats.get("xla_flops_per_device") else "n/a")
-        self._write({"step": 0, "event": "compile", **stats})
+        if not self.dry_run:  # a dry run writes nothing
+            self._write({"step": 0, "event": "compile", **stats})
 
     # -- per step ------------------------------------------------------------------------------------------------
     def tick(self, step: int):
@@ -319,7 +339,7 @@ class Reporter:
             ax.plot(*zip(*evals), "o-", label="eval loss")
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/token)")
-        ax.set_title(f"{self.config.model_type} on mesh {dict(self.mesh.shape)}")
+        ax.set_title(plot_title(self.run_name, self.config.model_type, self.mesh.shape))
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

@@ -201,7 +201,7 @@ def read_corpora(args: RunArgs, source: mixture.Source | None = None, *, need_tr
         # the string as given: expand_files splits its commas (--train_file a.txt,b.txt, as --validation_file)
         corpus = readers.open_corpus(train_file or (), dataset_name=args.dataset_name,
                                      dataset_config_name=args.dataset_config_name, text_column=args.text_column,
-                                     text_documents=args.text_documents, flag=flag)
+                                     text_documents=args.text_documents, text_format=args.text_format, flag=flag)
         docs, train_files = corpus.documents("train"), corpus.files
         if args.dataset_name and "validation" in corpus.splits and not validation_file:
             held_out = list(corpus.documents("validation"))
@@ -226,7 +226,7 @@ def read_validation(args: RunArgs, validation_file: str, flag: str, train_files=
     validation_files = readers.expand_files(validation_file, flag)
     warn_if_training_files(validation_files, train_files)
     return list(readers.read_documents(validation_files, text_column=args.text_column,
-                                       text_documents=args.text_documents))
+                                       text_documents=args.text_documents, text_format=args.text_format))
 
 
 def read_sources(args: RunArgs, sources: tuple[mixture.Source, ...], *, need_train: bool = True

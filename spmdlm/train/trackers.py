@@ -171,9 +171,9 @@ class TensorBoard(Tracker):
 
 
 class WandB(Tracker):
-    """A W&B run in project WANDB_PROJECT (default spmdlm), its files under OUTPUT_DIR/wandb (where WANDB_MODE=offline
-    leaves them for `wandb sync`): the run config, each record of metrics.jsonl at its train step under the same
-    keys, and at the end the final results (summary), the loss curve and the samples (a table)."""
+    """A W&B run in project WANDB_PROJECT (default spmdlm), its files under OUTPUT_DIR/wandb (WANDB_DIR/wandb when that
+    is set; where WANDB_MODE=offline leaves them for `wandb sync`): the run config, each record of metrics.jsonl at its
+    train step under the same keys, and at the end the final results (summary), the loss curve and the samples (a table)."""
 
     name = "wandb"
 
@@ -185,7 +185,8 @@ class WandB(Tracker):
         import wandb
 
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spmdlm"), name=self.run_name,
-                               id=saved_id(self.out, self.name), resume="allow", dir=str(self.out),
+                               id=saved_id(self.out, self.name), resume="allow",
+                               dir=None if os.environ.get("WANDB_DIR") else str(self.out),  # None: wandb reads it
                                config=self.run_config, allow_val_change=True,  # a resume may change some settings
                                reinit="create_new")  # never finishes a run of the caller's own
         save_id(self.out, self.name, self._run.id)
