@@ -8,8 +8,6 @@ import os
 # programs spend more time compiling than running (benchmarks never run under this). Subprocesses inherit both
 # flags; those that must simulate their own devices (the launcher adds the count) pass COMPILE_FLAGS alone.
 COMPILE_FLAGS = "--xla_backend_optimization_level=1"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
-                           + COMPILE_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Many tests compile the same tiny programs (and launch subprocesses that do): one persistent compilation cache for
@@ -20,6 +18,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmdlm-test-jax-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+from spmdlm.mesh import simulated_devices_flags  # noqa: E402  (imports jax: after the variables it reads)
+
+os.environ["XLA_FLAGS"] = simulated_devices_flags(f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_FLAGS}", 8)
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
