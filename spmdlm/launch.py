@@ -204,6 +204,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunArgs, set[str]]:
 def _main(argv: list[str] | None) -> int:
     try:
         args, _ = parse_args(argv)
+        config.mask_command_line()
         if args.compile_for:  # compile for a TPU slice this machine does not have: nothing runs, nothing is written
             use_cpu_backend()
             setup_logging()

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import struct
+import subprocess
 import sys
 import time
 import types
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, read_metrics, run_killed_after_first_checkpoint
-from spmdlm.config import RunArgs
+from conftest import COMPILE_FLAGS, FIXTURES, REPO, read_metrics, run_killed_after_first_checkpoint
+from spmdlm.config import RunArgs, masked
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.launch import main
 from spmdlm.train import trackers
@@ -235,3 +236,35 @@ def test_mlflow_file_store_in_a_bucket_is_refused(monkeypatch):
         trackers.check_targets(("tensorboard", "mlflow"), "gs://bucket/run")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
     trackers.check_targets(("tensorboard", "mlflow"), "gs://bucket/run")
+
+
+def test_no_secret_reaches_a_file_or_a_tracker(tmp_path, tiny_gpt2_config, cache_dir):
+    """A Hub token given by flag, and the tokens of the environment, are in no file under the output dir or $HOME
+    after a run reporting to every tracker (W&B offline, which records the command line; MLflow's file store)."""
+    home, out = tmp_path / "home", tmp_path / "run"
+    home.mkdir()
+    markers = {"flag": "hf_FlagSecretMarker4711", "HF_TOKEN": "hf_EnvSecretMarker4712",
+               "WANDB_API_KEY": "0123456789abcdef0123456789abcdefSecret13", "HUGGING_FACE_HUB_TOKEN": "hf_Marker4714"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_", "HF_", "XDG_"))}
+    env.update({"HOME": str(home), "XLA_FLAGS": COMPILE_FLAGS, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
+                **{k: v for k, v in markers.items() if k != "flag"}})
+    argv = launch_argv(out, tiny_gpt2_config, cache_dir, "--report_to", "wandb,mlflow,tensorboard", "--max_steps",
+                       "2", "--mesh", "data=1", "--do_eval", "false", f"--hub_token={markers['flag']}", "--token",
+                       markers["flag"])
+    done = subprocess.run([sys.executable, "-m", "spmdlm.launch", *argv], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = [p for root in (out, home) for p in root.rglob("*") if p.is_file()]
+    assert any((out / "wandb").rglob("*.wandb")) and any((out / "mlruns").rglob("meta.yaml"))
+    for path in files:
+        data = path.read_bytes()
+        for name, marker in markers.items():
+            assert marker.encode() not in data, f"{name}'s value in {path}"
+    recorded = b"".join(p.read_bytes() for p in (out / "wandb").rglob("*.wandb"))
+    assert b"--hub_token=***" in recorded and b"--token" in recorded  # the command line, masked
+
+
+def test_the_command_line_is_masked():
+    assert masked(["--hub_token", "hf_a", "--token=hf_b", "--token", "--run_name", "x", "--hub_model_id", "o/m"]) == \
+        ["--hub_token", "***", "--token=***", "--token", "--run_name", "x", "--hub_model_id", "o/m"]
