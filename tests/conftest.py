@@ -24,7 +24,9 @@ from spmdlm.mesh import simulated_devices_flags  # noqa: E402  (imports jax: aft
 os.environ["XLA_FLAGS"] = simulated_devices_flags(f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_FLAGS}", 8)
 
 import json  # noqa: E402
+import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -36,6 +38,17 @@ FIXTURES = REPO / "data"
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenized-data cache for the whole session, so runs of the same corpus tokenize once."""
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def silent_server(monkeypatch) -> Iterator[str]:
+    """http://127.0.0.1:PORT of a loopback socket that accepts connections (the kernel's backlog) and never answers:
+    a dead server. Network calls are bounded at 2 s (SPMDLM_NETWORK_TIMEOUT) while it lives."""
+    monkeypatch.setenv("SPMDLM_NETWORK_TIMEOUT", "2")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,11 @@ network."""
 import json
 import logging
 import os
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -227,6 +229,39 @@ def test_a_tracker_that_cannot_start_is_one_line(offline, monkeypatch, tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://tracking")
     with pytest.raises(RunError, match=r"^--report_to mlflow: could not start its run: .*nosuchscheme"):
         reporter(tmp_path, "mlflow").start(0, 4)
+
+
+@pytest.mark.parametrize("server", ["never answering", "nothing listening"])
+def test_an_mlflow_server_that_does_not_answer_is_one_line_within_the_bound(offline, monkeypatch, tmp_path,
+                                                                          silent_server, server):
+    """MLflow's own timeouts and retries would hold the start for 20+ minutes (never answering) or ~4.5 (a closed
+    port)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = silent_server if server == "never answering" else f"http://127.0.0.1:{closed.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        start = time.monotonic()
+        with pytest.raises(RunError, match=r"^--report_to mlflow: could not start its run: no answer within 2 s"):
+            reporter(tmp_path, "mlflow").start(0, 4)
+    assert time.monotonic() - start < 5
+
+
+def test_a_tracker_call_that_never_returns_is_one_warning_and_the_run_goes_on(monkeypatch, tmp_path, caplog):
+    """After its last step, the run does not wait for a stuck tracker beyond the bound (2 s here)."""
+    monkeypatch.setenv("SPMDLM_NETWORK_TIMEOUT", "2")
+    stuck = threading.Event()  # never set: the call hangs as on a server that never answers
+    hanging = types.SimpleNamespace(name="mlflow", external=True, start=lambda step: None,
+                                    log=lambda record: stuck.wait(), finish=lambda *a: stuck.wait())
+    group = trackers.Trackers([hanging])
+    group.start(0)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="spmdlm"):
+        group.log({"step": 1, "loss": 2.0})
+        group.finish({}, None, [])
+    assert time.monotonic() - start < 5
+    assert [r.getMessage() for r in caplog.records] == [
+        "--report_to mlflow: logging step 1 failed (no answer within 2 s (the server is unreachable or not answering; "
+        "SPMDLM_NETWORK_TIMEOUT sets the bound)); the run goes on without mlflow (metrics.jsonl has everything)"]
 
 
 def test_mlflow_file_store_in_a_bucket_is_refused(monkeypatch):
