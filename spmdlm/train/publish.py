@@ -319,11 +319,12 @@ def publish_export(ctx: RunContext, results: dict[str, Any]) -> None:
     folder = ctx.out / "hf"
     if ctx.data.train is None or not export_complete(folder):
         return
-    if ctx.hub is not None:
-        ctx.hub.create()  # first: the card names the repository's full id
-    if is_main():
+    given_id = ctx.hub.repo_id if ctx.hub is not None else None
+    if is_main():  # first, whatever the hub does
         write_model_card(folder, ctx, results)
-    if ctx.hub is not None and ctx.hub.created:
+    if ctx.hub is not None and ctx.hub.create():
+        if ctx.hub.repo_id != given_id:  # the card names the repository's full id (user/name), known now
+            write_model_card(folder, ctx, results)
         ctx.hub.upload(folder, f"{ctx.family.name} after {ctx.total_steps} steps")
 
 
