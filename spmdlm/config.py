@@ -40,6 +40,7 @@ LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "invers
 DECAYING_SCHEDULES = ("linear", "cosine", "inverse_sqrt", "wsd")  # those --min_lr_ratio applies to
 WSD_DECAY_RATIO = 0.1  # wsd without --decay_steps or --decay_ratio: the last 10% of the steps decay
 OPTIMIZER_FLAGS = frozenset({"optim", "adafactor"})  # two spellings of one choice
+SECRET_FLAGS = ("hub_token", "token")  # never written anywhere: run_config.json, trackers, the command line
 
 
 
@@ -254,7 +255,8 @@ class RunArgs:
     def to_json(self) -> dict[str, Any]:
         """Flat, as run_config.json records it: the objective flags beside the others."""
         out = dataclasses.asdict(self)
-        out.pop("hub_token"), out.pop("token")  # never write secrets to disk
+        for name in SECRET_FLAGS:  # never write secrets to disk
+            out.pop(name)
         return {**out, **out.pop("objective")}
 
 
@@ -395,6 +397,25 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     if problem and mark is not None:
         return f"{problem} at line {mark.line + 1} column {mark.column + 1}"
     return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def masked(argv: list[str]) -> list[str]:
+    """A command line with the values of SECRET_FLAGS (`--hub_token X`, `--hub_token=X`) replaced by ***."""
+    secret = {f"--{name}" for name in SECRET_FLAGS}
+    out = []
+    for i, word in enumerate(argv):
+        name, equals, _ = word.partition("=")
+        out.append(f"{name}=***" if equals and name in secret else
+                   "***" if i > 0 and argv[i - 1] in secret and not word.startswith("--") else word)
+    return out
+
+
+def mask_command_line() -> None:
+    """Mask the secrets in this process's own command line, which trackers record (W&B's run files): once parsed,
+    nothing here needs them from there."""
+    sys.argv[1:] = masked(sys.argv[1:])
+    if hasattr(sys, "orig_argv"):
+        sys.orig_argv[1:] = masked(sys.orig_argv[1:])
 
 
 def parse_args(argv: list[str] | None, choices: FamilyChoices) -> tuple[RunArgs, set[str]]:

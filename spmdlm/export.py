@@ -43,6 +43,9 @@ from spmdlm.families import checked_config, get_family, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.mesh import make_mesh
 from spmdlm.models.config import HFConfig
+from spmdlm.train.optim import evaluation_needs_optimizer, optim_config_of_run
+from spmdlm.train.state import build_train_state
+from spmdlm.train.step import model_for_evaluation
 
 
 
@@ -328,18 +331,28 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
     ckpt.check_format(run_config, run_dir)
     config = checked_config(run_config.get("model_config") or {}, None, str(run_config_path))
     family = get_family(config.model_type)
-    manager = ckpt.make_manager(run_dir, read_only=True)
-    with jax.set_mesh(mesh):
-        graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
-        if step is None:
-            state, step = ckpt.restore_newest_good(manager, abstract, model_only=True, move_aside=False)
-        else:
-            state, step = ckpt.restore(manager, step, abstract, model_only=True)
+    model, step = _evaluation_model(ckpt.make_manager(run_dir, read_only=True), step, family, config, mesh,
+                                    optim_config_of_run(run_config))
     # Where training found its tokenizer: --tokenizer_name, the --model_name_or_path it started from, or the run's.
     given = [run_config.get("tokenizer_name"), run_config.get("model_name_or_path"), run_dir]
     tokenizer_dir = next((p for p in given if p and (storage.path(p).is_file()
                                                     or (storage.path(p) / "tokenizer.json").exists())), None)
-    return nnx.merge(graphdef, state), config, tokenizer_dir, step
+    return model, config, tokenizer_dir, step
+
+
+def _evaluation_model(manager, step: int | None, family, config, mesh, optim) -> tuple[nnx.Module, int]:
+    """(the checkpoint's model holding the parameters the run evaluated and exported (step.model_for_evaluation),
+    its step): restored with its optimizer state where those are read from it (schedule-free AdamW's average)."""
+    restore = (lambda target, **kw: ckpt.restore_newest_good(manager, target, move_aside=False, **kw)) \
+        if step is None else (lambda target, **kw: ckpt.restore(manager, step, target, **kw))
+    with jax.set_mesh(mesh):
+        if evaluation_needs_optimizer(optim):
+            graphdef, abstract = build_train_state(family, config, mesh, optim=optim, abstract=True)
+            state, step = restore(abstract)
+            return model_for_evaluation(graphdef, state, optim)[0], step
+        graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
+        state, step = restore(abstract, model_only=True)
+        return nnx.merge(graphdef, state), step
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None = None, mesh_spec: str = "data=-1",

@@ -30,6 +30,7 @@ from spmdlm.families import family_choices  # noqa: E402
 from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu  # noqa: E402
 from spmdlm.train.aot import run_compile_for, use_cpu_backend  # noqa: E402
 from spmdlm.train.loop import run  # noqa: E402
+from spmdlm.train.network import env_seconds  # noqa: E402
 
 log = logging.getLogger("spmdlm")
 
@@ -69,14 +70,7 @@ def _detected_cluster() -> bool:
 
 
 def heartbeat_timeout() -> int:
-    value = os.environ.get(HEARTBEAT_TIMEOUT_ENV, "")
-    try:
-        seconds = int(value) if value else DEFAULT_HEARTBEAT_TIMEOUT_S
-    except ValueError:
-        raise ArgumentError(f"{HEARTBEAT_TIMEOUT_ENV}={value!r} is not a number of seconds") from None
-    if seconds < 1:
-        raise ArgumentError(f"{HEARTBEAT_TIMEOUT_ENV} must be at least 1 second, got {seconds}")
-    return seconds
+    return env_seconds(HEARTBEAT_TIMEOUT_ENV, DEFAULT_HEARTBEAT_TIMEOUT_S, int)
 
 
 def join_job(**kwargs) -> None:
@@ -210,6 +204,7 @@ def log_output_dir(args: RunArgs, given: bool) -> None:
 def _main(argv: list[str] | None) -> int:
     try:
         args, given = parse_args(argv)
+        config.mask_command_line()
         if args.compile_for:  # compile for a TPU slice this machine does not have: nothing runs, nothing is written
             use_cpu_backend()
             setup_logging()

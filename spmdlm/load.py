@@ -11,25 +11,20 @@ The model is sharded on `mesh` as training shards it; it computes in float32.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmdlm import checkpoint, storage
+from spmdlm import storage
 from spmdlm.checkpoint import checkpoint_dir
-from spmdlm.config import RunArgs
 from spmdlm.data.tokenizer import load_tokenizer
 from spmdlm.errors import ArgumentError, ConfigError
 from spmdlm.export import MARKER, load_hf, load_run
 from spmdlm.families import get_family
 from spmdlm.families.base import Family
 from spmdlm.models.config import HFConfig
-from spmdlm.train.optim import optim_config_from_args
-from spmdlm.train.state import build_train_state
-from spmdlm.train.step import model_for_evaluation
 
 RUN_CONFIG = "run_config.json"
 
@@ -53,8 +48,7 @@ def load_model(path: str | Path, mesh: Mesh, *, step: int | None = None, tokeniz
     where = storage.path(path, "--model_name_or_path")
     run_dir, step = _run_and_step(where, step)
     if run_dir is not None:
-        model, config, tokenizer_dir, step = load_run(run_dir, step, mesh)
-        model = evaluation_model(model, run_dir, step, mesh)
+        model, config, tokenizer_dir, step = load_run(run_dir, step, mesh)  # the parameters the run evaluated
         return LoadedModel(get_family(config.model_type), model, config,
                            load_tokenizer(tokenizer or tokenizer_dir or run_dir), mesh, "checkpoint", step)
     if step is not None:
@@ -77,19 +71,3 @@ def _run_and_step(where, step: int | None):
             raise ArgumentError(f"--step {step} contradicts the checkpoint {where} (step {where.name}); give one")
         return run_dir, int(where.name)
     return None, step
-
-
-def evaluation_model(model: nnx.Module, run_dir, step: int, mesh: Mesh) -> nnx.Module:
-    """The parameters the run evaluates and exports (spmdlm.train.step.model_for_evaluation): a schedule-free
-    AdamW checkpoint's model holds the sequence its gradients are taken at, and the averaged one is computed from
-    its optimizer state (restored with it); for other optimizers `model` as it is."""
-    saved = json.loads((run_dir / RUN_CONFIG).read_text())  # load_run read it: valid JSON
-    fields = {f.name for f in dataclasses.fields(RunArgs)} - {"objective"}
-    optim = optim_config_from_args(RunArgs(**{k: v for k, v in saved.items() if k in fields}))
-    if optim.optimizer != "schedule_free_adamw":
-        return model
-    family = get_family(saved["model_config"]["model_type"])
-    config = family.config_class.from_dict(saved["model_config"])
-    graphdef, abstract = build_train_state(family, config, mesh, optim=optim, abstract=True)
-    state, _ = checkpoint.restore(checkpoint.make_manager(run_dir, read_only=True), step, abstract)
-    return model_for_evaluation(graphdef, state, optim)[0]

@@ -167,12 +167,25 @@ def skip_absent_tpu() -> bool:
     return True
 
 
+# XLA:CPU aborts the process (SIGABRT, "Termination timeout for `all reduce ...` of 40 seconds exceeded") when one
+# simulated device reaches a collective 40 s after another, as on a busy host in a long evaluation. The devices are
+# threads of this one process, so a late one is slow, not lost: it may be up to an hour late.
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=3600"
+
+
+def simulated_devices_flags(flags: str, count: int) -> str:
+    """XLA_FLAGS `flags` plus those that simulate `count` host devices (the collectives' patience included)."""
+    if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
+        flags = f"{flags} {COLLECTIVE_TIMEOUT_FLAG}"
+    return f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
 def simulate_cpu_devices(count: int) -> bool:
     """Ask XLA for `count` host devices; must run before JAX initialises its backends. True if the flag was set."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" in flags:
         return False
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ["XLA_FLAGS"] = simulated_devices_flags(flags, count)
     return True
 
 

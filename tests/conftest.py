@@ -8,8 +8,6 @@ import os
 # programs spend more time compiling than running (benchmarks never run under this). Subprocesses inherit both
 # flags; those that must simulate their own devices (the launcher adds the count) pass COMPILE_FLAGS alone.
 COMPILE_FLAGS = "--xla_backend_optimization_level=1"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
-                           + COMPILE_FLAGS).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Many tests compile the same tiny programs (and launch subprocesses that do): one persistent compilation cache for
@@ -21,8 +19,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+from spmdlm.mesh import simulated_devices_flags  # noqa: E402  (imports jax: after the variables it reads)
+
+os.environ["XLA_FLAGS"] = simulated_devices_flags(f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_FLAGS}", 8)
+
 import json  # noqa: E402
+import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -34,6 +38,17 @@ FIXTURES = REPO / "data"
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenized-data cache for the whole session, so runs of the same corpus tokenize once."""
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def silent_server(monkeypatch) -> Iterator[str]:
+    """http://127.0.0.1:PORT of a loopback socket that accepts connections (the kernel's backlog) and never answers:
+    a dead server. Network calls are bounded at 2 s (SPMDLM_NETWORK_TIMEOUT) while it lives."""
+    monkeypatch.setenv("SPMDLM_NETWORK_TIMEOUT", "2")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
 
 
 @pytest.fixture(scope="session")

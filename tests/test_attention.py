@@ -51,6 +51,20 @@ def test_an_explicit_choice_that_cannot_run_is_refused_with_the_fix(requested, p
     assert message in str(raised.value)
 
 
+@pytest.mark.parametrize("device_kind, dtype, expected", [
+    ("TPU v3", BF16, "xla"), ("TPU v2", BF16, "xla"), ("TPU v3", F32, "splash"), ("TPU v4", BF16, "splash"),
+    ("TPU v5 lite", BF16, "splash"),
+])
+def test_auto_keeps_the_einsums_where_the_tpu_compiler_rejects_the_kernel(device_kind, dtype, expected):
+    kw = dict(training=True, dropout=0.0, biased=False, device_kind=device_kind)
+    chosen, said = attention.resolve("auto", platform="tpu", dtype=dtype, **kw)
+    assert chosen == expected
+    assert (said is None) if expected == "splash" else (f"splash kernel's bfloat16 matmuls for {device_kind}" in said)
+    if expected == "xla":
+        with pytest.raises(ValueError, match="use --attention auto or xla, or --dtype float32"):
+            attention.resolve("splash", platform="tpu", dtype=dtype, **kw)
+
+
 def test_explicit_choices_that_can_run_are_kept():
     kw = dict(training=True, dropout=0.0, biased=False)
     assert attention.resolve("xla", platform="tpu", dtype=BF16, **{**kw, "dropout": 0.1}) == ("xla", None)

@@ -126,3 +126,21 @@ def test_export_errors_write_nothing(tmp_path, trained, capsys):
                  "--output_dir", str(tmp_path / "y")]) == 2
     assert "holds a 'bert' model" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+
+
+def test_export_of_a_schedule_free_run_is_the_model_it_evaluated_and_exported(tmp_path, tiny_gpt2_config, cache_dir,
+                                                                             monkeypatch):
+    """Schedule-free AdamW evaluates its averaged parameters, not the interpolated ones it trains: `export
+    --checkpoint` (and `generate --checkpoint`, which loads through it) gives the run's own hf/ export."""
+    run = tmp_path / "run"
+    train(run, "data=8", tiny_gpt2_config, cache_dir, "--optim", "schedule_free_adamw", "--max_steps", "2",
+          "--do_eval", "false")
+    assert export.main(["--checkpoint", str(run), "--out", str(tmp_path / "export")]) == 0
+    own, exported = (load_file(path / "model.safetensors") for path in (run / "hf", tmp_path / "export"))
+    assert own.keys() == exported.keys()
+    for key in own:
+        np.testing.assert_array_equal(exported[key], own[key], err_msg=key)
+    monkeypatch.setattr(export, "evaluation_needs_optimizer", lambda optim: False)  # the interpolated parameters
+    assert export.main(["--checkpoint", str(run), "--out", str(tmp_path / "interpolated")]) == 0
+    interpolated = load_file(tmp_path / "interpolated" / "model.safetensors")
+    assert max(float(np.max(np.abs(interpolated[k] - own[k]))) for k in own) > 1e-4

@@ -1,10 +1,15 @@
 """Mesh parsing and the logical rule table (golden parameter shardings per family: test_families.py)."""
 
+import os
+import signal
+import subprocess
+import sys
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from spmdlm.mesh import MeshError, make_mesh, parse_mesh, resolve_spec
+from spmdlm.mesh import MeshError, make_mesh, parse_mesh, resolve_spec, simulated_devices_flags
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -50,3 +55,37 @@ def test_resolve_spec_drops_indivisible_axes_and_fills_fsdp():
     assert resolve_spec((768,), ("norm",), shape, fill_fsdp=True) == P(None)
     assert resolve_spec((8, 16, 3, 4), ("batch", "length", "act_heads", None), shape) == P(("data", "fsdp"), None,
                                                                                             None, None)
+
+
+# Device 1 reaches the all-reduce 3 s after device 0, as a simulated device does on a busy host.
+LATE_DEVICE = """
+import time, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((2,), ("data",))
+
+def late(index):
+    time.sleep(3.0 * int(index))
+    return index
+
+def local(x):
+    index = jax.pure_callback(late, jax.ShapeDtypeStruct((), jnp.int32), jax.lax.axis_index("data"))
+    return jax.lax.psum(x + index, "data")
+
+f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+print(int(f(jax.device_put(jnp.zeros(2, jnp.int32), NamedSharding(mesh, P("data")))).sum()))
+"""
+
+
+def test_a_late_simulated_device_does_not_abort_the_run():
+    """XLA:CPU aborts (SIGABRT) a collective that one device reaches its terminate timeout (40 s by default) after
+    another; the simulated devices' flags raise it. 1 s (after the 'stuck' warning's timeout, also 1 s here) shows the
+    flag is the one that governs the abort."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = lambda flags: subprocess.run([sys.executable, "-c", LATE_DEVICE], env={**env, "XLA_FLAGS": flags},
+                                       capture_output=True, text=True, timeout=120)
+    aborted = run(simulated_devices_flags("--xla_cpu_collective_call_terminate_timeout_seconds=1 "
+                                          "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1", 2))
+    assert aborted.returncode == -signal.SIGABRT and "Termination timeout for `all reduce" in aborted.stderr
+    assert "seconds=3600" in simulated_devices_flags("", 2)
+    finished = run(simulated_devices_flags("", 2))
+    assert finished.returncode == 0 and finished.stdout.split() == ["2"], finished.stderr

@@ -176,10 +176,11 @@ def nobody_listening() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-@pytest.mark.parametrize("server", ["commit refused", "nothing listening"])
-def test_a_failed_upload_is_one_warning_line(server, hub, tmp_path, caplog):
+@pytest.mark.parametrize("server", ["commit refused", "nothing listening", "never answering"])
+def test_a_failed_upload_is_one_warning_line(server, hub, tmp_path, caplog, request):
     hub.fail["commit"] = 403
-    url = hub.url if server == "commit refused" else nobody_listening()
+    url = {"commit refused": lambda: hub.url, "nothing listening": nobody_listening,
+           "never answering": lambda: request.getfixturevalue("silent_server")}[server]()
     (tmp_path / "a").write_text("x")
     target = publish.Hub("tiny", endpoint=url, token=TOKEN, private=False, export_dir=tmp_path)
     with caplog.at_level("INFO"):
@@ -188,6 +189,7 @@ def test_a_failed_upload_is_one_warning_line(server, hub, tmp_path, caplog):
     message = record.getMessage()
     assert "\n" not in message and url in message and "tiny" in message and "unaffected" in message
     assert ("403" in message and "--hub_token" in message) if server == "commit refused" else "hf upload" in message
+    assert ("no answer within 2 s" in message) == (server == "never answering")
 
 
 def test_the_run_refuses_a_bad_repository_id_or_no_token_before_it_starts(tmp_path, monkeypatch):
@@ -234,19 +236,22 @@ def test_a_run_pushes_its_export_card_and_checkpoints(hub, tmp_path, tiny_config
     assert f'model_id = "{USER}/tiny-gpt2"' in card.text  # pushed: the snippet loads it from the Hub
 
 
-@pytest.mark.parametrize("server", ["commit refused", "nothing listening"])
+@pytest.mark.parametrize("server", ["commit refused", "nothing listening", "never answering"])
 def test_a_run_whose_upload_fails_ends_as_it_would_have_with_one_warning(server, hub, tmp_path, tiny_configs,
-                                                                         cache_dir, capsys, monkeypatch):
+                                                                         cache_dir, capsys, monkeypatch, request):
     hub.fail["commit"] = 403
     if server == "nothing listening":
         monkeypatch.setenv("HF_ENDPOINT", nobody_listening())
+    if server == "never answering":  # the run ends within the bound (2 s each call), not never
+        monkeypatch.setenv("HF_ENDPOINT", request.getfixturevalue("silent_server"))
     out = tmp_path / "run"
     capsys.readouterr()
     assert main(flags("gpt2", out, tiny_configs["gpt2"], cache_dir, "--push_to_hub", "--hub_token", TOKEN)) == 0
     captured = capsys.readouterr()
     (warning,) = warnings_of(captured.out + captured.err)
     assert "--push_to_hub" in warning and "run" in warning and "Traceback" not in captured.err
-    assert export_complete(out / "hf") and (out / "hf" / "README.md").is_file()
+    assert ("no answer within 2 s" in warning) == (server == "never answering")
+    assert export_complete(out / "hf") and (out / "hf" / "README.md").is_file() and not (out / "run.lock").exists()
     assert "eval_loss" in json.loads((out / "eval_results.json").read_text())
     if server == "commit refused":  # the same command again, once the hub takes it: the finished run is uploaded
         hub.fail.clear()

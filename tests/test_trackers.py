@@ -6,16 +6,19 @@ network."""
 import json
 import logging
 import os
+import socket
 import struct
+import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, read_metrics, run_killed_after_first_checkpoint
-from spmdlm.config import RunArgs
+from conftest import COMPILE_FLAGS, FIXTURES, REPO, read_metrics, run_killed_after_first_checkpoint
+from spmdlm.config import RunArgs, masked
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.launch import main
 from spmdlm.train import trackers
@@ -261,6 +264,39 @@ def test_a_tracker_that_cannot_start_is_one_line(offline, monkeypatch, tmp_path)
         reporter(tmp_path, "mlflow").start(0, 4)
 
 
+@pytest.mark.parametrize("server", ["never answering", "nothing listening"])
+def test_an_mlflow_server_that_does_not_answer_is_one_line_within_the_bound(offline, monkeypatch, tmp_path,
+                                                                          silent_server, server):
+    """MLflow's own timeouts and retries would hold the start for 20+ minutes (never answering) or ~4.5 (a closed
+    port)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = silent_server if server == "never answering" else f"http://127.0.0.1:{closed.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        start = time.monotonic()
+        with pytest.raises(RunError, match=r"^--report_to mlflow: could not start its run: no answer within 2 s"):
+            reporter(tmp_path, "mlflow").start(0, 4)
+    assert time.monotonic() - start < 5
+
+
+def test_a_tracker_call_that_never_returns_is_one_warning_and_the_run_goes_on(monkeypatch, tmp_path, caplog):
+    """After its last step, the run does not wait for a stuck tracker beyond the bound (2 s here)."""
+    monkeypatch.setenv("SPMDLM_NETWORK_TIMEOUT", "2")
+    stuck = threading.Event()  # never set: the call hangs as on a server that never answers
+    hanging = types.SimpleNamespace(name="mlflow", external=True, start=lambda step: None,
+                                    log=lambda record: stuck.wait(), finish=lambda *a: stuck.wait())
+    group = trackers.Trackers([hanging])
+    group.start(0)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="spmdlm"):
+        group.log({"step": 1, "loss": 2.0})
+        group.finish({}, None, [])
+    assert time.monotonic() - start < 5
+    assert [r.getMessage() for r in caplog.records] == [
+        "--report_to mlflow: logging step 1 failed (no answer within 2 s (the server is unreachable or not answering; "
+        "SPMDLM_NETWORK_TIMEOUT sets the bound)); the run goes on without mlflow (metrics.jsonl has everything)"]
+
+
 def test_mlflow_file_store_in_a_bucket_is_refused(monkeypatch):
     """A bucket keeps no empty folders, and MLflow's file store needs them to find a run again on resume."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -268,3 +304,35 @@ def test_mlflow_file_store_in_a_bucket_is_refused(monkeypatch):
         trackers.check_targets(("tensorboard", "mlflow"), "gs://bucket/run")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking:5000")
     trackers.check_targets(("tensorboard", "mlflow"), "gs://bucket/run")
+
+
+def test_no_secret_reaches_a_file_or_a_tracker(tmp_path, tiny_gpt2_config, cache_dir):
+    """A Hub token given by flag, and the tokens of the environment, are in no file under the output dir or $HOME
+    after a run reporting to every tracker (W&B offline, which records the command line; MLflow's file store)."""
+    home, out = tmp_path / "home", tmp_path / "run"
+    home.mkdir()
+    markers = {"flag": "hf_FlagSecretMarker4711", "HF_TOKEN": "hf_EnvSecretMarker4712",
+               "WANDB_API_KEY": "0123456789abcdef0123456789abcdefSecret13", "HUGGING_FACE_HUB_TOKEN": "hf_Marker4714"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_", "HF_", "XDG_"))}
+    env.update({"HOME": str(home), "XLA_FLAGS": COMPILE_FLAGS, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
+                **{k: v for k, v in markers.items() if k != "flag"}})
+    argv = launch_argv(out, tiny_gpt2_config, cache_dir, "--report_to", "wandb,mlflow,tensorboard", "--max_steps",
+                       "2", "--mesh", "data=1", "--do_eval", "false", f"--hub_token={markers['flag']}", "--token",
+                       markers["flag"])
+    done = subprocess.run([sys.executable, "-m", "spmdlm.launch", *argv], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = [p for root in (out, home) for p in root.rglob("*") if p.is_file()]
+    assert any((out / "wandb").rglob("*.wandb")) and any((out / "mlruns").rglob("meta.yaml"))
+    for path in files:
+        data = path.read_bytes()
+        for name, marker in markers.items():
+            assert marker.encode() not in data, f"{name}'s value in {path}"
+    recorded = b"".join(p.read_bytes() for p in (out / "wandb").rglob("*.wandb"))
+    assert b"--hub_token=***" in recorded and b"--token" in recorded  # the command line, masked
+
+
+def test_the_command_line_is_masked():
+    assert masked(["--hub_token", "hf_a", "--token=hf_b", "--token", "--run_name", "x", "--hub_model_id", "o/m"]) == \
+        ["--hub_token", "***", "--token=***", "--token", "--run_name", "x", "--hub_model_id", "o/m"]

@@ -33,6 +33,10 @@ IMPLEMENTATIONS = ("xla", "dot_product", "cudnn", "splash")
 CHOICES = ("auto", *IMPLEMENTATIONS)  # --attention
 SPLASH_BLOCK = 128  # the splash kernel's tiles are multiples of the TPU's 128 lanes: lengths must be too
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+# TPU generations (device_kind prefixes) whose Mosaic compiler cannot lower the splash kernel's bfloat16 matmuls
+# (libtpu 0.0.42: "CompileTimeMosaicUnsupportedRhsType: Unsupported matmul RHS type on target:
+# vector<128x128xbf16>"); float32 compiles there. tests/test_compile_for.py compiles both.
+SPLASH_FLOAT32_ONLY = ("tpu v2", "tpu v3")
 
 
 @jax.tree_util.register_dataclass
@@ -176,15 +180,25 @@ def _splash(q, k, v, mask: AttentionMask, scale: float) -> jax.Array:
     return to_heads_first(attend(q, k, v, q_segments, kv_segments))
 
 
-def resolve(requested: str, *, platform: str, dtype, training: bool, dropout: float, biased: bool
-            ) -> tuple[str, str | None]:
+def _splash_uncompilable(device_kind: str, dtype) -> str | None:
+    """Why this TPU generation's compiler rejects the splash kernel at `dtype`, or None."""
+    if jnp.dtype(dtype) != jnp.float32 and device_kind.lower().startswith(SPLASH_FLOAT32_ONLY):
+        return (f"the TPU compiler (Mosaic) cannot build the splash kernel's {jnp.dtype(dtype).name} matmuls for "
+                f"{device_kind}")
+    return None
+
+
+def resolve(requested: str, *, platform: str, dtype, training: bool, dropout: float, biased: bool,
+            device_kind: str = "") -> tuple[str, str | None]:
     """The implementation a run uses for `requested` (CHOICES) and a line saying why when `auto` did not pick the
-    platform's kernel. `dropout`: the model's largest attention dropout; `biased`: some attention adds a bias.
+    platform's kernel. `dropout`: the model's largest attention dropout; `biased`: some attention adds a bias;
+    `device_kind`: the devices' generation (jax's device_kind), for kernels some generations cannot compile.
     Raises ValueError (naming the fix) for an explicit choice that cannot run here."""
     if requested not in CHOICES:
         raise ValueError(f"choose one of {', '.join(CHOICES)}")
     dropping = training and dropout > 0.0
     kernel = {"gpu": "cudnn", "tpu": "splash"}.get(platform)
+    uncompilable = _splash_uncompilable(device_kind, dtype) if platform == "tpu" else None
     if requested == "auto":
         if kernel is None:
             return "xla", None
@@ -193,6 +207,8 @@ def resolve(requested: str, *, platform: str, dtype, training: bool, dropout: fl
                            "kernels have none (a config with attention dropout 0 uses the kernel)")
         if kernel == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES:
             return "xla", "auto = xla, not cudnn: cuDNN's flash attention needs --dtype bfloat16"
+        if kernel == "splash" and uncompilable:
+            return "xla", f"auto = xla, not splash: {uncompilable} (--dtype float32 would take the kernel)"
         return kernel, ("auto = splash; the self-attention with T5's relative-position bias keeps xla (the kernel "
                         "takes no bias)" if kernel == "splash" and biased else None)
     if requested in ("cudnn", "splash") and requested != kernel:
@@ -200,6 +216,8 @@ def resolve(requested: str, *, platform: str, dtype, training: bool, dropout: fl
                  "splash": "a TPU (or --compile_for a TPU slice)"}[requested]
         raise ValueError(f"the {requested} kernel needs {where}, and this run's devices are {platform}; use "
                          "--attention auto or xla")
+    if requested == "splash" and uncompilable:
+        raise ValueError(f"{uncompilable}: use --attention auto or xla, or --dtype float32")
     if requested == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES:
         raise ValueError("cuDNN's flash attention takes bfloat16/float16: add --dtype bfloat16, or use --attention "
                          "xla")

@@ -383,12 +383,12 @@ def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
     return model
 
 
-def resolve_attention(model: nnx.Module, requested: str, *, platform: str, dtype, training: bool
-                      ) -> tuple[str, str | None]:
+def resolve_attention(model: nnx.Module, requested: str, *, platform: str, dtype, training: bool,
+                      device_kind: str = "") -> tuple[str, str | None]:
     """attention.resolve for `model` (an abstract one will do): weighs its largest attention dropout and whether some
     attention takes a bias."""
     layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, Attention)]
-    return resolve(requested, platform=platform, dtype=dtype, training=training,
+    return resolve(requested, platform=platform, dtype=dtype, training=training, device_kind=device_kind,
                    dropout=max((m.dropout_rate for m in layers), default=0.0), biased=any(m.biased for m in layers))
 
 

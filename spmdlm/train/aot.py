@@ -146,6 +146,10 @@ def _compiled(compile_step) -> dict[str, Any]:
         compiled = compile_step()
     except jax.errors.JaxRuntimeError as e:
         text = str(e)
+        if "Mosaic failed to compile" in text:  # a generation the kernel table (models/attention.py) does not know
+            reason = text.split("\n", 1)[0].split("Mosaic failed to compile TPU kernel: ", 1)[-1]
+            raise ArgumentError(f"--compile_for: the TPU compiler rejected the fused attention kernel ({reason}); "
+                                "use --attention xla") from None
         if "RESOURCE_EXHAUSTED" not in text and "memory" not in text.lower():
             raise
         lines = [line.strip() for line in text.replace("RESOURCE_EXHAUSTED: ", "").splitlines() if line.strip()]

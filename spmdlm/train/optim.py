@@ -73,6 +73,12 @@ def optim_config_from_args(args: RunArgs) -> OptimConfig:
     )
 
 
+def optim_config_of_run(run_config: dict) -> OptimConfig:
+    """The OptimConfig of a run as its run_config.json records it (a flag it predates: that flag's default)."""
+    known = {field.name for field in dataclasses.fields(RunArgs)} - {"objective"}
+    return optim_config_from_args(RunArgs(**{k: v for k, v in run_config.items() if k in known}))
+
+
 def wsd_decay_steps(cfg: OptimConfig, total_steps: int) -> int:
     """The steps of WSD's final decay: --decay_steps, else --decay_ratio of all the steps (at least one)."""
     if cfg.decay_steps is not None:
@@ -335,6 +341,11 @@ def spike_counts(opt_state) -> dict[str, jax.Array]:
     return {"skipped_steps": found[0].skipped, "consecutive_skips": found[0].consecutive} if found else {}
 
 
+def evaluation_needs_optimizer(cfg: OptimConfig) -> bool:
+    """Whether `evaluation_params` reads the optimizer's state (so a checkpoint's model alone is not the model)."""
+    return cfg.optimizer == "schedule_free_adamw"
+
+
 def evaluation_params(cfg: OptimConfig, opt_state, params):
     """The parameters to evaluate, export and sample from: for schedule_free_adamw the averaged sequence x
     (optax.contrib.schedule_free_eval_params) — the train state's parameters are the interpolation y where the
@@ -343,7 +354,7 @@ def evaluation_params(cfg: OptimConfig, opt_state, params):
     `opt_state`: the optimizer's (nnx.Optimizer.opt_state, or its pure arrays); `params`: the model's parameters
     (nnx.state(model, nnx.Param), or pure arrays). The result is for nnx.update(model, ...).
     """
-    if cfg.optimizer != "schedule_free_adamw":
+    if not evaluation_needs_optimizer(cfg):
         return params
     state = _states_of(opt_state, optax.contrib.ScheduleFreeState)[0]
     return optax.contrib.schedule_free_eval_params(state, nnx.as_pure(params))

@@ -5,8 +5,9 @@ The card is built with huggingface_hub's ModelCardData and EvalResult (the YAML 
 shows) around a body written from the run's context; what it says about the model's use follows the family's
 `generation` and `hf_auto_class`, so a family from another package gets a card that fits it too.
 
-Uploads go from process 0, through HfApi (create_repo once, then upload_folder). A failed upload is one warning line
-and changes nothing local: the run goes on, its exit code and outputs are what they would have been without it.
+Uploads go from process 0, through HfApi (create_repo once, then upload_folder), each bounded in time (network.py: a
+hub that does not answer is a failure like any other). A failed upload is one warning line and changes nothing
+local: the run goes on, its exit code and outputs are what they would have been without it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from spmdlm.data import datasets, readers
 from spmdlm.errors import ArgumentError
 from spmdlm.export import TASKS, card_usage_lines, export_complete, save_hf
 from spmdlm.mesh import batch_axis_size
+from spmdlm.train import network
 from spmdlm.train.optim import optim_config_from_args
 from spmdlm.train.setup import RunContext, is_main
 from spmdlm.train.step import model_for_evaluation
@@ -225,7 +227,8 @@ class Hub:
             try:
                 with _quiet_hub_logs():
                     # private=None leaves the visibility to the hub (public, or an organisation's default)
-                    url = self.api.create_repo(self.repo_id, private=self.private or None, exist_ok=True)
+                    url = network.bounded(lambda: self.api.create_repo(self.repo_id, private=self.private or None,
+                                                                       exist_ok=True))
             except Exception as e:  # noqa: BLE001 - any failure (network, HTTP, auth) must leave the run as it is
                 self._warn("creating the repository", e)
                 return False
@@ -239,8 +242,11 @@ class Hub:
             return False
         try:
             with _local(folder) as local, _quiet_hub_logs():
-                self.api.upload_folder(repo_id=self.repo_id, folder_path=local, path_in_repo=path_in_repo,
-                                       commit_message=f"spmdlm: {what}", delete_patterns="*" if replace else None)
+                size = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
+                network.bounded(lambda: self.api.upload_folder(
+                    repo_id=self.repo_id, folder_path=local, path_in_repo=path_in_repo,
+                    commit_message=f"spmdlm: {what}", delete_patterns="*" if replace else None),
+                    network.timeout_s() + size / network.UPLOAD_BYTES_PER_S)
         except Exception as e:  # noqa: BLE001 - as in create
             self._warn(f"uploading {what} to", e)
             return False
@@ -280,6 +286,7 @@ def hub_for(ctx: RunContext) -> Hub | None:
     if not token:
         raise ArgumentError("--push_to_hub needs a Hub token: give --hub_token, set HF_TOKEN or run `hf auth login`")
     endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    network.timeout_s()  # a bad SPMDLM_NETWORK_TIMEOUT: refused now
     return Hub(repo_id, endpoint=endpoint, token=token, private=args.hub_private_repo, export_dir=ctx.out / "hf")
 
 
@@ -290,11 +297,12 @@ def publish_export(ctx: RunContext, results: dict[str, Any]) -> None:
     folder = ctx.out / "hf"
     if ctx.data.train is None or not export_complete(folder):
         return
-    if ctx.hub is not None:
-        ctx.hub.create()  # first: the card names the repository's full id
-    if is_main():
+    given_id = ctx.hub.repo_id if ctx.hub is not None else None
+    if is_main():  # first, whatever the hub does
         write_model_card(folder, ctx, results)
-    if ctx.hub is not None and ctx.hub.created:
+    if ctx.hub is not None and ctx.hub.create():
+        if ctx.hub.repo_id != given_id:  # the card names the repository's full id (user/name), known now
+            write_model_card(folder, ctx, results)
         ctx.hub.upload(folder, f"{ctx.family.name} after {ctx.total_steps} steps")
 
 

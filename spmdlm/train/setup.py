@@ -138,10 +138,11 @@ def resolve_tasks(args: RunArgs, family: Family):
 def choose_attention(args: RunArgs, family: Family, config, mesh: Mesh) -> str:
     """--attention for this run's model on its devices (those of the slice compiled for, with --compile_for)."""
     model = nnx.eval_shape(lambda: family.make_model(config, rngs=nnx.Rngs(0)))
-    platform = mesh.devices.flat[0].platform
+    device = mesh.devices.flat[0]
+    platform = device.platform
     try:
         chosen, note = resolve_attention(model, args.attention, platform=platform, dtype=DTYPES[args.dtype],
-                                         training=args.training)
+                                         training=args.training, device_kind=device.device_kind)
     except ValueError as e:
         raise ArgumentError(f"--attention {args.attention}: {e}") from None
     if note:

@@ -2,7 +2,8 @@
 
 Each tracker is a small class with start / log / finish; Reporter (report.py) holds them in a `Trackers`, on process
 0 only. A library asked for but not installed is a one-line error before anything is trained; so is a W&B or MLflow
-run that cannot be started. Once the run trains, a W&B or MLflow call that fails is one warning and that tracker is
+run that cannot be started. Every W&B and MLflow call is bounded in time (network.py): a server that does not answer
+is a failure like any other. Once the run trains, a W&B or MLflow call that fails is one warning and that tracker is
 dropped: the run goes on (TensorBoard's failure, a full disk, still stops it, as the checkpoints would fail next).
 A resumed run continues the same W&B and MLflow runs: their ids are kept in OUTPUT_DIR/trackers.json.
 See docs/tracking.md.
@@ -21,6 +22,7 @@ from typing import Any, Iterable
 
 from spmdlm import storage
 from spmdlm.errors import ArgumentError, RunError
+from spmdlm.train import network
 
 log = logging.getLogger("spmdlm")
 
@@ -32,6 +34,8 @@ LIBRARIES = {"wandb": "wandb", "mlflow": "mlflow"}  # --report_to name -> the mo
 def check_targets(targets: Iterable[str], out) -> None:
     """A tracker asked for that cannot work (its library missing; MLflow's default store in a bucket): one line now,
     not a run trained without it."""
+    if any(target in LIBRARIES for target in targets):
+        network.timeout_s()  # a bad SPMDLM_NETWORK_TIMEOUT: refused now
     for target in targets:
         module = LIBRARIES.get(target)
         if module and importlib.util.find_spec(module) is None:
@@ -315,7 +319,7 @@ class Trackers:
         for tracker in self._waiting:
             if tracker.external:
                 try:
-                    tracker.start(step)
+                    network.bounded(lambda: tracker.start(step))
                 except Exception as e:  # noqa: BLE001 - a login, a server, a store: the library's own message
                     raise RunError(f"--report_to {tracker.name}: could not start its run: {one_line(e)}; fix that "
                                    f"or leave {tracker.name} out of --report_to") from None
@@ -330,7 +334,7 @@ class Trackers:
                 call(tracker)
                 continue
             try:
-                call(tracker)
+                network.bounded(lambda: call(tracker))
             except Exception as e:  # noqa: BLE001 - the tracker is lost, the run is not
                 log.warning("--report_to %s: %s failed (%s); the run goes on without %s (metrics.jsonl has "
                             "everything)", tracker.name, what, one_line(e), tracker.name)
