@@ -26,7 +26,7 @@ from spmdlm.bounds import Bounds
 from spmdlm.data.mixture import sources_of
 from spmdlm.data.objectives import Flag
 from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP
-from spmdlm.errors import ArgumentError
+from spmdlm.errors import ArgumentError, yaml_problem
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
 from spmdlm.models.layers import REMAT_POLICIES
 
@@ -389,22 +389,13 @@ def _read_args_file(path: Path, known: set[str]) -> list[str]:
         raise ArgumentError(f"argument file {path} is not valid JSON: {e.msg} at line {e.lineno} column "
                             f"{e.colno}") from None
     except yaml.YAMLError as e:
-        raise ArgumentError(f"argument file {path} is not valid YAML: {_yaml_problem(e)}") from None
+        raise ArgumentError(f"argument file {path} is not valid YAML: {yaml_problem(e)}") from None
     if not isinstance(values, dict):
         raise ArgumentError(f"argument file {path} must hold a mapping of flag names to values")
     unknown = sorted(set(values) - known)
     if unknown:
         raise ArgumentError(f"argument file {path}: unknown keys {', '.join(unknown)}")
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items() if v is not None]
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    """One line of a YAML parse error: what and where (PyYAML's own message spans several lines)."""
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None)
-    if problem and mark is not None:
-        return f"{problem} at line {mark.line + 1} column {mark.column + 1}"
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def parse_args(argv: list[str] | None, choices: FamilyChoices) -> tuple[RunArgs, set[str]]:

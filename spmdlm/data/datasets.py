@@ -30,7 +30,7 @@ from pathlib import Path
 
 from spmdlm import storage
 from spmdlm.data.objectives import DOCUMENT_ATTENTION
-from spmdlm.data.readers import Corpus, ReadStats
+from spmdlm.data.readers import DATASET_CARD, Corpus, ReadStats
 from spmdlm.data.records import (TOKENS_SUFFIX, Cut, PreparedSplit, RecordShards, default_workers, file_sha256,
                                  no_space, progress_bar, remove_stale_temps, token_file_problem, tokenize_into)
 from spmdlm.data.tokenizer import save_tokenizer
@@ -38,7 +38,7 @@ from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)
 
-CARD_NAME = "dataset.json"
+CARD_NAME = DATASET_CARD
 CARD_FORMAT = "spmdlm-dataset"
 CARD_VERSION = 2  # 1: ArrayRecord shards
 TOKENIZER_DIR = "tokenizer"  # the dataset's copy of its tokenizer (loadable with --tokenizer_name DATASET/tokenizer)

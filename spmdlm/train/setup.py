@@ -7,6 +7,7 @@ abstract state only. The output dir's policy is spmdlm/train/outputs.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -207,17 +208,38 @@ def read_corpora(args: RunArgs, source: mixture.Source | None = None) -> tuple[l
 
 def read_sources(args: RunArgs, sources: tuple[mixture.Source, ...]) -> list[SourceDocuments]:
     """Each mixture source's documents, read before anything is written (a prepared source's card is checked)."""
-    corpora = []
+    corpora, tokenizers = [], {}
     for source in sources:
         if source.dataset_dir:
-            try:
-                datasets.read_card(source.dataset_dir)
-            except DataError as e:
-                raise DataError(f"{source.origin}: {e}") from None
+            with naming(source):
+                card = datasets.read_card(source.dataset_dir)
+            check_one_tokenizer(source, card, tokenizers)
             corpora.append(SourceDocuments(source, [], []))
         else:
-            corpora.append(SourceDocuments(source, *read_corpora(args, source)))
+            with naming(source):
+                corpora.append(SourceDocuments(source, *read_corpora(args, source)))
     return corpora
+
+
+@contextlib.contextmanager
+def naming(source: mixture.Source):
+    """A mixture source's data error names the source (its flag or --data_mixture entry)."""
+    try:
+        yield
+    except DataError as e:
+        raise DataError(str(e) if source.origin in str(e) else f"{source.origin}: {e}") from None
+
+
+def check_one_tokenizer(source: mixture.Source, card: dict, seen: dict[str, mixture.Source]) -> None:
+    """A mixture's prepared sources share one tokenizer (the run's): one of another than the first's is refused,
+    with the fix that works for both (prepare it again with the first's tokenizer). `seen`: sha256 -> source."""
+    sha = card["tokenizer"]["sha256"]
+    first_sha, first = next(iter(seen.items()), (sha, source))
+    seen.setdefault(sha, source)
+    if sha != first_sha:
+        raise DataError(f"{source.origin}: {source.dataset_dir} was tokenized with another tokenizer than source "
+                        f"{first.name}'s {first.dataset_dir}; a mixture's sources share one tokenizer: prepare it "
+                        f"again with --tokenizer {storage.path(first.dataset_dir) / datasets.TOKENIZER_DIR}")
 
 
 def warn_if_training_files(validation_files, train_files) -> None:
@@ -276,11 +298,12 @@ def setup_mixture_data(ctx: RunContext, corpora: list[SourceDocuments]) -> None:
     train, validation = [], {}
     for corpus in corpora:
         source = corpus.source
-        if source.dataset_dir:
-            source_train, held_out = open_prepared(ctx, source.dataset_dir)
-        else:
-            source_train = tokenize(ctx, corpus.train, "train") if args.training else None
-            held_out = tokenize_validation(ctx, corpus.validation, bool(source.validation_file), source.name)
+        with naming(source):
+            if source.dataset_dir:
+                source_train, held_out = open_prepared(ctx, source.dataset_dir)
+            else:
+                source_train = tokenize(ctx, corpus.train, "train") if args.training else None
+                held_out = tokenize_validation(ctx, corpus.validation, bool(source.validation_file), source.name)
         train.append(cap_train_samples(args, source_train))
         if held_out is not None:
             validation[source.name] = held_out
