@@ -120,3 +120,21 @@ def test_a_prepared_dataset_is_not_read_as_text(tmp_path):
     with pytest.raises(DataError, match=f"--train_file source x {folder}: is a dataset prepared by python -m "
                                         "spmdlm.prepare, not text; give it as --dataset_dir"):
         expand_files(f"{folder}", "--train_file source x")
+
+
+# -- a damaged model.safetensors ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_safetensors_is_one_line(tmp_path, tiny_gpt2_config, damage):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from spmdlm.errors import ExportError
+    from spmdlm.export import load_hf
+
+    (tmp_path / "config.json").write_text(tiny_gpt2_config.read_text())
+    file = tmp_path / "model.safetensors"
+    save_file({"transformer.wte.weight": np.zeros((512, 64), np.float32)}, str(file))
+    data = file.read_bytes()
+    file.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x10" + b"\x00" * 7 + b"{not json" + data)
+    with pytest.raises(ExportError, match=f"{file} is truncated or damaged .*; export or download it again"):
+        load_hf(tmp_path)
