@@ -138,3 +138,76 @@ def test_a_damaged_safetensors_is_one_line(tmp_path, tiny_gpt2_config, damage):
     file.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x10" + b"\x00" * 7 + b"{not json" + data)
     with pytest.raises(ExportError, match=f"{file} is truncated or damaged .*; export or download it again"):
         load_hf(tmp_path)
+
+
+# -- tokenizer training memory: documents cut into pieces, as the record writer does -------------------------------
+@pytest.mark.parametrize("model", ["gpt2", "t5"])
+def test_the_tokenizer_trainer_reads_long_documents_in_pieces(monkeypatch, model):
+    import numpy as np
+
+    from spmdlm.data import records
+    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.families import get_family
+
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghij"), rng.integers(2, 7))) for _ in range(200)]
+    doc = " ".join(rng.choice(words, 3000)) + "  double  spaces stay   whole. And\nlines too"
+    whole = train_tokenizer(get_family(model), [doc], 400).to_str()
+    monkeypatch.setattr(records, "PIECE_CHARS", 100)
+    pieces = list(records.in_pieces([doc, "short"]))
+    assert "".join(pieces[:-1]) == doc and pieces[-1] == "short" and len(pieces) > 100
+    assert max(map(len, pieces)) < 120
+    assert train_tokenizer(get_family(model), [doc], 400).to_str() == whole  # the same word counts
+
+
+# -- logs and prompts --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2_tokenizer():
+    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.families import get_family
+
+    return train_tokenizer(get_family("gpt2"), FIXTURES.joinpath("overfit.txt").read_text().splitlines(), 300)
+
+
+def test_sample_prompts_keep_the_tokenizer_s_own_bars(gpt2_tokenizer):
+    from spmdlm.train.loop import split_prompts
+
+    assert split_prompts("a<|endoftext|>b|c||", gpt2_tokenizer) == ["a<|endoftext|>b", "c"]
+    assert split_prompts("def main(|import os", gpt2_tokenizer) == ["def main(", "import os"]
+
+
+def test_the_validation_split_s_padding_line_says_validation(caplog, tmp_path, gpt2_tokenizer):
+    import logging
+
+    from spmdlm.data.token_cache import prepare_split
+
+    with caplog.at_level(logging.INFO, logger="spmdlm"):
+        prepare_split(["one line", "two more lines here"], gpt2_tokenizer, record_length=8, separator_id=0,
+                      cache_dir=tmp_path, mode="lines", pad_id=0, name="validation")
+    lines = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("lines records of 8 tokens: validation 2 with"), lines
+
+
+def test_one_document_that_leaves_no_held_out_text_says_so(caplog):
+    import logging
+    import types
+
+    from spmdlm.launch import parse_args
+    from spmdlm.train.setup import tokenize_validation
+
+    args, _ = parse_args(["--train_file", "x.txt", "--text_documents", "file"])
+    with caplog.at_level(logging.WARNING, logger="spmdlm"):
+        assert tokenize_validation(types.SimpleNamespace(args=args), [], False) is None
+    assert "no evaluation: the held-out 5.0% of the documents is none of them" in caplog.text
+
+
+def test_generate_from_a_folder_without_a_tokenizer_says_what_to_copy(capsys, tmp_path, tiny_gpt2_config):
+    from spmdlm.generate.cli import main as generate
+
+    (tmp_path / "config.json").write_text(tiny_gpt2_config.read_text())
+    assert generate(["--model_name_or_path", str(tmp_path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: --model_name_or_path {tmp_path} has no tokenizer (tokenizer.json or "
+                           "spiece.model): copy the tokenizer the model was trained with into it (a run's is "
+                           "OUTPUT_DIR/tokenizer.json)")
+    assert "--tokenizer_name" not in err

@@ -380,7 +380,7 @@ def _write_dataset(corpus: Corpus, tokenizer, folder: Path, head: dict, *, worke
         if head["validation"]["from"] == "the dataset's validation split":
             split_stats["validation"] = tokenize_into(
                 corpus.documents("validation", stats), tokenizer, {"train": sinks["validation"]}, cut,
-                workers=workers, on_chunk=on_chunk)["train"]
+                workers=workers, on_chunk=on_chunk, name="validation")["train"]
     elapsed = time.perf_counter() - started
     shards = {split: sink.close() for split, sink in sinks.items()}
     train = split_stats["train"]

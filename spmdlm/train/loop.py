@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import time
 from typing import Any
 
@@ -258,7 +259,7 @@ def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]
     """What the model makes of --sample_prompts now: a greedy and a sampled continuation of each (RoBERTa: its top
     candidates for each <mask>). Every process takes part (the model is sharded); process 0 reports."""
     model, _ = model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args))
-    prompts = [p for p in ctx.args.sample_prompts.split("|") if p.strip()]
+    prompts = split_prompts(ctx.args.sample_prompts, ctx.tokenizer)
     if ctx.family.generation is Generation.FILL_MASK:
         return [{"prompt": p, "fill_mask": [[token for token, _, _ in candidates]
                                             for candidates in fill_mask(model, ctx.config, ctx.tokenizer, p, 3)]}
@@ -267,6 +268,20 @@ def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]
     greedy = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.0, **common)
     sampled = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.8, top_k=50, seed=step, **common)
     return [{"prompt": p, "greedy": g, "sampled": s} for p, g, s in zip(prompts, greedy, sampled)]
+
+
+def split_prompts(text: str, tokenizer) -> list[str]:
+    """--sample_prompts split at |, except within the tokenizer's special tokens (GPT-2's <|endoftext|>)."""
+    kept = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if "|" in t.content), key=len,
+                  reverse=True)
+    parts = re.split(f"({'|'.join(map(re.escape, kept))})|\\|" if kept else r"(\|)", text)  # text, bar, text, ...
+    prompts, current = [], parts[0]
+    for token, after in zip(parts[1::2], parts[2::2]):
+        if token in (None, "|"):  # a bare bar: the next prompt
+            prompts, current = prompts + [current], after
+        else:
+            current += token + after
+    return [p for p in prompts + [current] if p.strip()]
 
 
 def save(manager, step: int, state, iterator, run_config: dict, pending: list[dict], last_saved: int,

@@ -341,14 +341,20 @@ def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None =
     """The held-out documents tokenized, or None: not evaluating, none held out, or a hash split too small for one
     example (a warning; a given validation file that small is an error)."""
     args = ctx.args
-    if not docs or not args.evaluating:
+    if not args.evaluating:
+        return None
+    of = f" of source {source}" if source else ""
+    if not docs:  # e.g. one document (--text_documents file) falls on the training side of the hash split
+        if args.validation_split_percentage and not given:
+            log.warning("no evaluation%s: the held-out %.1f%% of the documents is none of them (the split is per "
+                        "document); give a validation file, or more documents", of, args.validation_split_percentage)
         return None
     try:
         return tokenize(ctx, docs, "validation")
     except DataError as e:
         if given:
             raise
-        of, fix = (f" of source {source}", "give it a validation_file") if source else ("", "pass --validation_file")
+        fix = "give it a validation_file" if source else "pass --validation_file"
         log.warning("no evaluation%s: the held-out %.1f%% of the documents is too small (%s); raise "
                     "--validation_split_percentage or %s", of, args.validation_split_percentage, e, fix)
         return None
