@@ -211,3 +211,93 @@ def test_generate_from_a_folder_without_a_tokenizer_says_what_to_copy(capsys, tm
                            "spiece.model): copy the tokenizer the model was trained with into it (a run's is "
                            "OUTPUT_DIR/tokenizer.json)")
     assert "--tokenizer_name" not in err
+
+
+# -- a tracker that cannot start ------------------------------------------------------------------------------------
+def test_a_tracker_that_cannot_start_leaves_the_output_dir_as_it_was(capsys, monkeypatch, tmp_path, cache_dir,
+                                                                      tiny_gpt2_config):
+    pytest.importorskip("mlflow", reason="the mlflow extra (pip install -e '.[mlflow]')")
+    from spmdlm.train.outputs import OUR_OUTPUTS
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://nowhere")  # refused by MLflow at once
+    out = tmp_path / "run"
+    line = refused(capsys, *small_run(out, cache_dir, tiny_gpt2_config, "--report_to", "mlflow"))
+    assert line.startswith("error: --report_to mlflow: could not start its run:"), line
+    assert line.endswith("; fix that or leave mlflow out of --report_to")
+    # nothing a retry without mlflow would refuse (an earlier run's metrics.jsonl, run_config.json, mlruns/)
+    assert not out.exists() or not {p.name for p in out.iterdir()} & set(OUR_OUTPUTS)
+
+
+# -- prepared datasets: ids beyond the vocabulary refused at start; the card describes the dataset trained on --------
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, gpt2_tokenizer):
+    from spmdlm.data.tokenizer import save_tokenizer
+    from spmdlm.families import get_family
+    from spmdlm.prepare import main as prepare
+
+    folder = tmp_path_factory.mktemp("prepared")
+    save_tokenizer(gpt2_tokenizer, folder / "tok", get_family("gpt2"), model_max_length=64)
+    assert prepare(["--tokenizer", str(folder / "tok"), "--for_model", "gpt2", "--block_size", "16", "--out",
+                    str(folder / "ds"), "--workers", "1", "--validation_percentage", "0",
+                    str(FIXTURES / "overfit.txt")]) == 0
+    return folder / "ds"
+
+
+def test_a_shard_with_an_id_beyond_the_vocabulary_is_refused_at_start(tmp_path, prepared, gpt2_tokenizer):
+    import shutil
+
+    import numpy as np
+
+    from spmdlm.data.datasets import open_dataset
+    from spmdlm.errors import DataError
+
+    out = shutil.copytree(prepared, tmp_path / "ds")
+    train, _, _ = open_dataset(out, tokenizer=gpt2_tokenizer, record_length=17, mode="stream")  # as prepared: fine
+    tokens = np.memmap(train.paths[0], dtype=np.int32, mode="r+")
+    tokens[40] = gpt2_tokenizer.get_vocab_size() + 7
+    tokens.flush()
+    with pytest.raises(DataError, match=f"--dataset_dir {out}: shard .* holds token id 307, outside the "
+                                        "tokenizer's 300 ids \\(a damaged shard\\); prepare the dataset again"):
+        open_dataset(out, tokenizer=gpt2_tokenizer, record_length=17, mode="stream")
+
+
+def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2_tokenizer):
+    import shutil
+    import types
+
+    from spmdlm.data.datasets import CARD_NAME
+    from spmdlm.launch import parse_args
+    from spmdlm.train import publish, setup
+
+    out = shutil.copytree(prepared, tmp_path / "ds")
+    args, _ = parse_args(["--dataset_dir", str(out)])
+    ctx = types.SimpleNamespace(args=args, tokenizer=gpt2_tokenizer, dataset_cards={}, sources=(),
+                                objective=types.SimpleNamespace(record_length=17, preparation="stream"))
+    train, _ = setup.open_prepared(ctx, str(out))
+    card = json.loads((out / CARD_NAME).read_text())
+    card["read"]["files"], card["splits"]["train"]["documents"] = 99, 12345  # prepared anew while training
+    (out / CARD_NAME).write_text(json.dumps(card))
+    ctx.data = types.SimpleNamespace(train=train)
+    assert publish._data_lines(ctx)[0] == f"- corpus: the prepared dataset `{out}` (1 files, 20 training documents)"
+
+
+# -- export/generate of checkpoints that do not restore: no folder or flag they do not have ----------------------
+def test_read_only_restores_name_the_cause_not_damaged_checkpoints(monkeypatch, tmp_path):
+    import types
+
+    from spmdlm import checkpoint
+
+    def restore(manager, step, *args, **kwargs):
+        raise checkpoint.CheckpointError(f"the checkpoint at step {step} cannot be read (shape (64, 512) != (32, 512))")
+
+    monkeypatch.setattr(checkpoint, "all_complete_steps", lambda manager, move_aside: [2, 4])
+    monkeypatch.setattr(checkpoint, "restore", restore)
+    manager = types.SimpleNamespace(directory=tmp_path / "checkpoints")
+    with pytest.raises(checkpoint.CheckpointError) as refusal:
+        checkpoint.restore_newest_good(manager, None, move_aside=False, model_only=True)
+    message = str(refusal.value)
+    assert message == (f"no checkpoint in {tmp_path / 'checkpoints'} can be restored into the model its "
+                       "run_config.json describes (the checkpoint at step 4 cannot be read (shape (64, 512) != "
+                       "(32, 512))); check that the checkpoints are this run's")
+    assert checkpoint.DAMAGED_DIR not in message and "--overwrite_output_dir" not in message
+    assert not (tmp_path / checkpoint.DAMAGED_DIR).exists()

@@ -78,6 +78,7 @@ class RunContext:
     trained_tokenizer: bool = False
     objective: Objective | None = None
     data: Data | None = None
+    dataset_cards: dict = dataclasses.field(default_factory=dict)  # prepared datasets' cards as opened, by directory
     schedule: pipeline.Schedule | None = None
     hub: Any = None  # spmdlm.train.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
     layer_plan: LayerPlan | None = None  # --remat and --scan_unroll as resolved (setup_state; train/plan.py)
@@ -314,9 +315,10 @@ def setup_mixture_data(ctx: RunContext, corpora: list[SourceDocuments]) -> None:
 def open_prepared(ctx: RunContext, dataset_dir: str):
     """(train, validation) of a dataset prepared by python -m spmdlm.prepare, checked against this run's tokenizer
     and lengths; each only when the run trains or evaluates."""
-    train, validation, _ = datasets.open_dataset(dataset_dir, tokenizer=ctx.tokenizer,
-                                                record_length=ctx.objective.record_length,
-                                                mode=ctx.objective.preparation)
+    train, validation, card = datasets.open_dataset(dataset_dir, tokenizer=ctx.tokenizer,
+                                                   record_length=ctx.objective.record_length,
+                                                   mode=ctx.objective.preparation)
+    ctx.dataset_cards[dataset_dir] = card  # what the model card describes, even if the dataset is prepared anew
     return train if ctx.args.training else None, validation if ctx.args.evaluating else None
 
 
