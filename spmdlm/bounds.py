@@ -26,13 +26,14 @@ class Bounds:
     def describe(self) -> str:
         """'at least 1', 'above 0', 'in [0, 1)': the valid values in words."""
         if self.low is not None and self.high is not None:
-            return f"in {'(' if self.above else '['}{_number(self.low)}, {_number(self.high)}{')' if self.below else ']'}"
+            low, high = _number(self.low), _number(self.high)
+            return f"in {'(' if self.above else '['}{low}, {high}{')' if self.below else ']'}"
         if self.low is not None:
             return f"{'above' if self.above else 'at least'} {_number(self.low)}"
         return "" if self.high is None else f"{'below' if self.below else 'at most'} {_number(self.high)}"
 
     def admits(self, value: float) -> bool:
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):  # (an int is finite, and may exceed a float)
             return False
         if self.low is not None and (value <= self.low if self.above else value < self.low):
             return False
@@ -43,8 +44,8 @@ def _number(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-ANY = Bounds()
-MAX_STEPS = 2**31 - 1  # the optimizer's and the loop's step counters are int32  # a numeric flag without bounds of its own: finite is all it must be
+ANY = Bounds()  # a numeric flag without bounds of its own: finite is all it must be
+MAX_STEPS = 2**31 - 1  # the optimizer's and the loop's step counters are int32
 
 
 def check(name: str, value, bounds: Bounds | None) -> None:
@@ -54,7 +55,7 @@ def check(name: str, value, bounds: Bounds | None) -> None:
     bounds = bounds or ANY
     if not bounds.admits(value):
         valid = bounds.describe()
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             valid = "a finite number" + (f" {valid}" if valid else "")
         hint = f" ({bounds.hint})" if bounds.hint else ""
         raise ArgumentError(f"--{name} must be {valid}, got {value}{hint}")

@@ -19,6 +19,7 @@ from test_reliability_inputs import FIXTURES, refused, small_run
     ("--num_train_epochs", "nan", "--num_train_epochs must be a finite number at least 0, got nan"),
     ("--num_train_epochs", "inf", "--num_train_epochs must be a finite number at least 0, got inf"),
     ("--spike_window", str(2**31), "--spike_window must be in [2, 100000], got 2147483648"),
+    ("--max_steps", "1" + "0" * 400, "--max_steps must be in [-1, 2147483647], got 1000"),
     ("--adam_epsilon", "-1e-8", "--adam_epsilon must be above 0, got -1e-08 (e.g. 1e-8"),
     ("--adam_epsilon", "0", "--adam_epsilon must be above 0, got 0.0"),
     ("--adam_epsilon", "nan", "--adam_epsilon must be a finite number above 0, got nan"),
@@ -100,7 +101,8 @@ def test_prepared_sources_of_two_tokenizers_get_advice_that_works(tmp_path):
     from spmdlm.launch import parse_args
     from spmdlm.train.setup import read_sources
 
-    fake_dataset(tmp_path / "a", "1" * 64), fake_dataset(tmp_path / "b", "2" * 64), fake_dataset(tmp_path / "c", "1" * 64)
+    for name, sha in (("a", "1" * 64), ("b", "2" * 64), ("c", "1" * 64)):
+        fake_dataset(tmp_path / name, sha)
     path = tmp_path / "mix.yaml"
     path.write_text("- {name: a, dataset_dir: a, weight: 1}\n- {name: c, dataset_dir: c, weight: 1}\n"
                     "- {name: b, dataset_dir: b, weight: 1}\n")
