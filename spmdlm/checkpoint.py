@@ -261,15 +261,23 @@ def restore_newest_good(manager: ocp.CheckpointManager, state, data_iterator=Non
                         **kwargs):
     """Restore the newest checkpoint that reads and verifies; each newer one that does not is reported in one line
     and (with `move_aside`) moved to OUTPUT_DIR/damaged_checkpoints. Returns (state, step)."""
+    failures = []
     for step in sorted(all_complete_steps(manager, move_aside=move_aside), reverse=True):
         try:
             return restore(manager, step, state, data_iterator, **kwargs)
         except CheckpointError as e:
+            failures.append(e)
             where = set_aside(manager, step) if move_aside else None
             log.warning("%s; %s", e, f"moved it to {where}, trying the previous one" if where
                         else "trying the previous one")
-    raise CheckpointError(f"no checkpoint in {manager.directory} can be restored (damaged ones are in "
-                          f"{storage.path(str(manager.directory)).parent / DAMAGED_DIR}); start afresh with --overwrite_output_dir")
+    if move_aside:  # training: the damaged ones were moved aside, and the run may start afresh
+        raise CheckpointError(f"no checkpoint in {manager.directory} can be restored (damaged ones are in "
+                              f"{storage.path(str(manager.directory)).parent / DAMAGED_DIR}); start afresh with "
+                              "--overwrite_output_dir")
+    # export and generate read only: nothing moved, and the cause is often a model other than run_config.json's
+    newest = f" ({failures[0]})" if failures else ""
+    raise CheckpointError(f"no checkpoint in {manager.directory} can be restored into the model its run_config.json "
+                          f"describes{newest}; check that the checkpoints are this run's")
 
 
 def all_complete_steps(manager: ocp.CheckpointManager, *, move_aside: bool) -> list[int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import textwrap
 import typing
@@ -22,10 +21,12 @@ from typing import Any, Mapping
 
 import yaml
 
+from spmdlm import bounds
+from spmdlm.bounds import Bounds
 from spmdlm.data.mixture import name_of, sources_of
 from spmdlm.data.objectives import Flag
 from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP, TEXT_FORMAT_HELP, TEXT_FORMATS
-from spmdlm.errors import ArgumentError
+from spmdlm.errors import ArgumentError, yaml_problem
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
 from spmdlm.models.layers import REMAT_POLICIES
 
@@ -51,9 +52,6 @@ def check_eval_tasks(args) -> None:
              if getattr(args, name) is not None]
     if given and not args.eval_tasks:
         raise ArgumentError(f"{', '.join(given)} apply to --eval_tasks; give the tasks to run")
-    for name in ("eval_tasks_steps", "eval_tasks_limit"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
 
 
 def parse_scan_unroll(value: str) -> int | None:
@@ -260,6 +258,44 @@ class RunArgs:
         return {**out, **out.pop("objective")}
 
 
+# Every numeric flag's valid values (spmdlm/bounds.py: finite, within these bounds), checked in one place
+# (`check_numbers`) before anything is read or written; tests/test_config.py checks that no numeric flag is missing.
+SPIKE_WINDOW_MAX = 100_000  # its two float32 windows are scanned at every step: 2**31 steps took 16 GiB
+_AT_LEAST_1, _OFF_OR_MORE = Bounds(1), Bounds(0, hint="0 = off")
+FLAG_BOUNDS: Mapping[str, Bounds] = {
+    **dict.fromkeys(("vocab_size", "preprocessing_num_workers", "max_train_samples", "max_eval_samples",
+                     "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "global_batch_size", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
+                     "keep_every_n_steps", "max_consecutive_skips", "sample_every", "decay_steps", "num_processes",
+                     "num_slices", "eval_tasks_steps", "eval_tasks_limit"), _AT_LEAST_1),
+    **dict.fromkeys(("save_every_minutes", "weight_decay"), _OFF_OR_MORE),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), Bounds(0, 1, below=True)),
+    "validation_split_percentage": Bounds(0, 100, below=True, hint="a percentage of the training documents"),
+    "num_train_epochs": Bounds(0, hint="fractions allowed; or give --max_steps"),
+    "max_steps": Bounds(-1, bounds.MAX_STEPS, hint="-1 = from --num_train_epochs"),
+    "skip_step_on_spike": Bounds(0, hint="0 = off, else a number of standard deviations, e.g. 6"),
+    "spike_window": Bounds(2, SPIKE_WINDOW_MAX, hint="a number of steps, e.g. 100: the window is scanned at every "
+                           "step"),
+    "seed": Bounds(0, SEED_MAX, hint="Grain's shuffle takes an unsigned 32-bit seed"),
+    "learning_rate": Bounds(0, hint="a negative rate climbs the loss"),
+    "adam_epsilon": Bounds(0, above=True, hint="e.g. 1e-8: it keeps the update finite where a gradient's second "
+                           "moment is 0"),
+    "max_grad_norm": Bounds(0, hint="0 = no clipping"),
+    "warmup_steps": Bounds(0),
+    "min_lr_ratio": Bounds(0, 1, hint="a fraction of --learning_rate"),
+    "decay_ratio": Bounds(0, 1, above=True, hint="a fraction of the steps"),
+    "z_loss": Bounds(0, hint="0 = off, e.g. 1e-4 as T5X: a negative one rewards a large log-partition"),
+    "loss_chunk_size": Bounds(0, hint="0 = all positions at once"),
+    "process_id": Bounds(0),
+}
+
+
+def check_numbers(args: RunArgs) -> None:
+    """The one rule of every numeric flag (spmdlm/bounds.py); the objectives' flags: check_objective_flags."""
+    for field in dataclasses.fields(RunArgs):
+        bounds.check(field.name, getattr(args, field.name), FLAG_BOUNDS.get(field.name))
+
+
 @dataclasses.dataclass(frozen=True)
 class FamilyChoices:
     """What the parser needs to know of the model families, handed in by the launcher."""
@@ -381,22 +417,13 @@ def _read_args_file(path: Path, known: set[str]) -> list[str]:
         raise ArgumentError(f"argument file {path} is not valid JSON: {e.msg} at line {e.lineno} column "
                             f"{e.colno}") from None
     except yaml.YAMLError as e:
-        raise ArgumentError(f"argument file {path} is not valid YAML: {_yaml_problem(e)}") from None
+        raise ArgumentError(f"argument file {path} is not valid YAML: {yaml_problem(e)}") from None
     if not isinstance(values, dict):
         raise ArgumentError(f"argument file {path} must hold a mapping of flag names to values")
     unknown = sorted(set(values) - known)
     if unknown:
         raise ArgumentError(f"argument file {path}: unknown keys {', '.join(unknown)}")
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items() if v is not None]
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    """One line of a YAML parse error: what and where (PyYAML's own message spans several lines)."""
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None)
-    if problem and mark is not None:
-        return f"{problem} at line {mark.line + 1} column {mark.column + 1}"
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def masked(argv: list[str]) -> list[str]:
@@ -462,6 +489,8 @@ def _data_name(args: RunArgs) -> str:
 
 
 def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
+    check_numbers(args)
+    check_objective_flags(args.objective, choices.objective_flags)
     if sum(x is not None for x in (args.train_file, args.dataset_dir, args.dataset_name, args.data_mixture)) > 1:
         raise ArgumentError("give one of --train_file, --data_mixture, --dataset_dir and --dataset_name")
     if args.text_documents not in TEXT_DOCUMENTS:
@@ -481,46 +510,19 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
         raise ArgumentError(f"--dtype {args.dtype!r} is not supported; use float32 or bfloat16")
     if args.attention not in ATTENTION_CHOICES:
         raise ArgumentError(f"--attention {args.attention!r}: use one of {', '.join(ATTENTION_CHOICES)}")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "logging_steps", "save_steps"):
-        if getattr(args, name) < 1:
-            raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.eval_steps is None:
         args = args.replace(eval_steps=args.logging_steps)
-    elif args.eval_steps < 1:
-        raise ArgumentError(f"--eval_steps must be at least 1, got {args.eval_steps}")
     if args.sample_every is None:
         args = args.replace(sample_every=args.eval_steps)
-    elif args.sample_every < 1:
-        raise ArgumentError(f"--sample_every must be at least 1, got {args.sample_every}")
     check_eval_tasks(args)
     parse_scan_unroll(args.scan_unroll)
     if args.remat not in REMAT_CHOICES:
         raise ArgumentError(f"--remat must be one of {', '.join(REMAT_CHOICES)}, got {args.remat!r}")
     if args.gradient_checkpointing:
         args = args.replace(remat="full")
-    if args.loss_chunk_size < 0:
-        raise ArgumentError(f"--loss_chunk_size must be 0 (off) or a positive number, got {args.loss_chunk_size}")
-    for name in ("max_train_samples", "max_eval_samples", "save_total_limit", "vocab_size", "global_batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ArgumentError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if not 0 <= args.seed <= SEED_MAX:  # Grain's shuffle and random_map take a uint32 seed
-        raise ArgumentError(f"--seed must be in [0, {SEED_MAX}] (2**32-1), got {args.seed}")
-    # A negative rate is gradient ascent; 0 is allowed, as in the HF scripts (a run that leaves the weights as they
-    # are: throughput, memory, the pipeline), with a warning when the run starts (spmdlm/train/setup.py).
-    for name, what in (("learning_rate", "0 or more (a negative rate climbs the loss)"),
-                       ("weight_decay", "0 (off) or more"), ("max_grad_norm", "0 (no clipping) or more")):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise ArgumentError(f"--{name} must be {what}, got {value}")
-    if args.warmup_steps < 0:
-        raise ArgumentError(f"--warmup_steps must be 0 or more, got {args.warmup_steps}")
     args = check_optimizer(args)
     check_schedule(args)
     check_around_the_run(args)
-    check_objective_flags(args.objective, choices.objective_flags)
-    if not 0 <= args.validation_split_percentage < 100:
-        raise ArgumentError("--validation_split_percentage must be in [0, 100)")
     if (args.evaluating and not args.training and not args.validation_file and not args.validation_split_percentage
             and args.dataset_dir is None and args.dataset_name is None and not sources):
         raise ArgumentError("nothing to evaluate: --do_eval without training needs held-out documents; give "
@@ -538,9 +540,6 @@ def check_optimizer(args: RunArgs) -> RunArgs:
         raise ArgumentError(f"--optim {args.optim!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
     elif args.adafactor and args.optim != "adafactor":
         raise ArgumentError(f"--adafactor means --optim adafactor, not --optim {args.optim}; give one of them")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(args, name) < 1:
-            raise ArgumentError(f"--{name} must be in [0, 1), got {getattr(args, name)}")
     if args.optim == "schedule_free_adamw" and args.adam_beta1 == 0:
         raise ArgumentError("--optim schedule_free_adamw needs --adam_beta1 above 0 (its weight between the "
                             "iterate and its average)")
@@ -553,9 +552,6 @@ def check_schedule(args: RunArgs) -> None:
     if args.lr_scheduler_type not in LR_SCHEDULERS:
         raise ArgumentError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not supported; use one of "
                             f"{', '.join(LR_SCHEDULERS)}")
-    if not 0 <= args.min_lr_ratio <= 1:
-        raise ArgumentError(f"--min_lr_ratio must be between 0 and 1 (a fraction of --learning_rate), got "
-                            f"{args.min_lr_ratio}")
     if args.min_lr_ratio and args.lr_scheduler_type not in DECAYING_SCHEDULES:
         raise ArgumentError(f"--min_lr_ratio applies to the decaying schedules ({', '.join(DECAYING_SCHEDULES)}), "
                             f"not --lr_scheduler_type {args.lr_scheduler_type}; leave it out")
@@ -565,19 +561,16 @@ def check_schedule(args: RunArgs) -> None:
                                 "--lr_scheduler_type wsd")
     if args.decay_steps is not None and args.decay_ratio is not None:
         raise ArgumentError("give one of --decay_steps and --decay_ratio")
-    if args.decay_steps is not None and args.decay_steps < 1:
-        raise ArgumentError(f"--decay_steps must be at least 1, got {args.decay_steps}")
-    if args.decay_ratio is not None and not 0 < args.decay_ratio <= 1:
-        raise ArgumentError(f"--decay_ratio must be above 0 and at most 1, got {args.decay_ratio}")
     if args.decay_steps and 0 < args.max_steps < args.warmup_steps + args.decay_steps:
         raise ArgumentError(f"--warmup_steps {args.warmup_steps} and --decay_steps {args.decay_steps} exceed "
                             f"--max_steps {args.max_steps}; give fewer decay steps (or --decay_ratio)")
 
 
 def check_objective_flags(values: Mapping[str, Any], flags: tuple[Flag, ...]) -> None:
-    """Each given objective flag's own rule (e.g. a probability between 0 and 1)."""
+    """Each given objective flag's own rule: a numeric one's bounds (as every numeric flag's), another's check."""
     for flag in flags:
         value = values.get(flag.name, flag.default)
+        bounds.check(flag.name, value, flag.bounds)
         if value is not None and not flag.check(value):
             raise ArgumentError(f"--{flag.name} {flag.rule}, got {value}")
 
@@ -602,14 +595,3 @@ def check_around_the_run(args: RunArgs) -> None:
     if args.push_to_hub and not args.export_hf and args.hub_strategy == "end":
         raise ArgumentError("--push_to_hub uploads the export, and --export_hf false writes none: drop "
                             "--export_hf false, or upload checkpoints with --hub_strategy checkpoint")
-    if args.skip_step_on_spike < 0:
-        raise ArgumentError(f"--skip_step_on_spike must be 0 (off) or a positive number of standard deviations, got "
-                            f"{args.skip_step_on_spike}")
-    if args.spike_window < 2:
-        raise ArgumentError(f"--spike_window must be at least 2 steps, got {args.spike_window}")
-    if args.max_consecutive_skips < 1:
-        raise ArgumentError(f"--max_consecutive_skips must be at least 1, got {args.max_consecutive_skips}")
-    if args.save_every_minutes < 0:
-        raise ArgumentError(f"--save_every_minutes must be 0 (off) or positive, got {args.save_every_minutes}")
-    if args.keep_every_n_steps is not None and args.keep_every_n_steps < 1:
-        raise ArgumentError(f"--keep_every_n_steps must be at least 1, got {args.keep_every_n_steps}")

@@ -10,6 +10,15 @@ from __future__ import annotations
 import signal
 
 
+def yaml_problem(error: Exception) -> str:
+    """One line of a YAML parse error: what and where (PyYAML's own message spans several lines)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1} column {mark.column + 1}"
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
 class UserError(ValueError):
     """Input that cannot work, with the fix in the message (exit status 2)."""
 

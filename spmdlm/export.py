@@ -13,6 +13,7 @@ Every directory may be a gs:// path (spmdlm/storage.py): an export to a bucket i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import importlib.metadata
 import json
@@ -229,13 +230,21 @@ def export_state(graphdef, state, config: HFConfig, out_dir: str | Path, tokeniz
     return save_hf(model, config, out_dir, tokenizer=tokenizer, release=True)
 
 
+@contextlib.contextmanager
 def _open_safetensors(path: Path):
+    """The checkpoint's model.safetensors, open for reading; a truncated or damaged one is an ExportError (one
+    line), when it is opened or when a tensor is read."""
     file = path / "model.safetensors"
     if not file.is_file():
         other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.index.json"))
         hint = f" (found {', '.join(other)}: re-save with save_pretrained(safe_serialization=True))" if other else ""
         raise ExportError(f"{path}: no model.safetensors{hint}")
-    return safe_open(str(storage.local_copy(file)), framework="numpy")  # a bucket's: copied to local disk first
+    try:
+        with safe_open(str(storage.local_copy(file)), framework="numpy") as f:  # a bucket's: copied locally first
+            yield f
+    except SafetensorError as e:
+        raise ExportError(f"{file} is truncated or damaged ({str(e).splitlines()[0]}); export or download it "
+                          "again") from None
 
 
 def _fill_params(model: nnx.Module, path: Path, mesh=None) -> None:

@@ -101,7 +101,7 @@ def test_argument_file(tmp_path, suffix):
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "float16"], "--dtype"),
     (["--per_device_train_batch_size", "0"], "at least 1"),
-    (["--mlm_probability", "1.5"], "between 0 and 1"),
+    (["--mlm_probability", "1.5"], r"--mlm_probability must be in \(0, 1\), got 1.5"),
     (["--dataset_name", "oscar"], "--train_file"),
     (["--lr_scheduler_type", "foo"], "lr_scheduler_type"),
     (["--block_size", "0"], "--block_size must be at least 1"),

@@ -102,11 +102,11 @@ def test_args_file_not_text(capsys, tmp_path):
 
 # -- 3: optimiser values that cannot train --------------------------------------------------------------------------
 @pytest.mark.parametrize("flag, value, expected", [
-    ("--learning_rate", "-1", "--learning_rate must be 0 or more (a negative rate climbs the loss), got -1.0"),
-    ("--learning_rate", "nan", "--learning_rate must be 0 or more"),
-    ("--weight_decay", "-0.1", "--weight_decay must be 0 (off) or more, got -0.1"),
-    ("--max_grad_norm", "-1", "--max_grad_norm must be 0 (no clipping) or more, got -1.0"),
-    ("--warmup_steps", "-5", "--warmup_steps must be 0 or more, got -5"),
+    ("--learning_rate", "-1", "--learning_rate must be at least 0, got -1.0 (a negative rate climbs the loss)"),
+    ("--learning_rate", "nan", "--learning_rate must be a finite number at least 0, got nan"),
+    ("--weight_decay", "-0.1", "--weight_decay must be at least 0, got -0.1 (0 = off)"),
+    ("--max_grad_norm", "-1", "--max_grad_norm must be at least 0, got -1.0 (0 = no clipping)"),
+    ("--warmup_steps", "-5", "--warmup_steps must be at least 0, got -5"),
 ])
 def test_negative_optimiser_values(capsys, tmp_path, cache_dir, tiny_gpt2_config, flag, value, expected):
     line = refused(capsys, *small_run(tmp_path / "run", cache_dir, tiny_gpt2_config, flag, value))

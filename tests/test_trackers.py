@@ -180,7 +180,11 @@ def train_metrics(step: int) -> list[dict]:
              "learning_rate": 1e-3, "grad_norm": 0.5}]
 
 
-def test_the_loss_curve_and_the_samples_go_at_the_end(offline, tmp_path):
+def test_the_loss_curve_and_the_samples_go_at_the_end(offline, monkeypatch, tmp_path_factory, tmp_path):
+    home = tmp_path_factory.mktemp("home")  # W&B's logs and staging go to OUTPUT_DIR/wandb too, not under $HOME
+    monkeypatch.setenv("HOME", str(home))
+    for key in trackers.WANDB_DIRS:
+        monkeypatch.delenv(key)
     report = reporter(tmp_path, "wandb,mlflow")
     report.start(0, 2)
     for step in (1, 2):
@@ -189,6 +193,7 @@ def test_the_loss_curve_and_the_samples_go_at_the_end(offline, tmp_path):
     report.finish({"train_loss": 0.5})
     run = wandb_run(next((tmp_path / "wandb").glob("offline-run-*")))
     assert sorted(run["history"]) == [1, 2] and run["exit_code"] == 0
+    assert [p for p in home.rglob("*") if "wandb" in p.name] == [] and list((tmp_path / "wandb").rglob("*.log"))
     media = next((tmp_path / "wandb").glob("offline-run-*")) / "files" / "media"
     assert [p.name.split("_")[:3] for p in (media / "images").iterdir()] == [["loss", "curve", "2"]]  # at the last step
     table = json.loads(next((media / "table").iterdir()).read_text())

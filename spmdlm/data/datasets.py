@@ -28,21 +28,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from spmdlm import storage
 from spmdlm.data.objectives import DOCUMENT_ATTENTION
-from spmdlm.data.readers import Corpus, ReadStats
+from spmdlm.data.readers import DATASET_CARD, Corpus, ReadStats
 from spmdlm.data.records import (TOKENS_SUFFIX, Cut, PreparedSplit, RecordShards, default_workers, file_sha256,
                                  no_space, progress_bar, remove_stale_temps, token_file_problem, tokenize_into)
+from spmdlm.data.sentences import SENTENCE_END
 from spmdlm.data.tokenizer import save_tokenizer
 from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)
 
-CARD_NAME = "dataset.json"
+CARD_NAME = DATASET_CARD
 CARD_FORMAT = "spmdlm-dataset"
 CARD_VERSION = 2  # 1: ArrayRecord shards
 TOKENIZER_DIR = "tokenizer"  # the dataset's copy of its tokenizer (loadable with --tokenizer_name DATASET/tokenizer)
 DEFAULT_SHARD_BYTES = 256 << 20
+ID_CHECK_CHUNK = 1 << 24  # tokens per step of the id check (64 MiB)
 
 
 # -- opening a dataset (training) --------------------------------------------------------------------------------------
@@ -156,7 +160,24 @@ def open_dataset(dataset_dir: str | os.PathLike, *, tokenizer, record_length: in
     train = _open_split(folder, card, "train", verify)
     if train is None:
         raise DataError(f"--dataset_dir {folder} has no training split; prepare the dataset again")
-    return train, _open_split(folder, card, "validation", verify), card
+    validation = _open_split(folder, card, "validation", verify)
+    for split in filter(None, (train, validation)):
+        _check_ids(folder, split, card["mode"], tokenizer.get_vocab_size())
+    return train, validation, card
+
+
+def _check_ids(folder, split: PreparedSplit, mode: str, vocab_size: int) -> None:
+    """Every token id of the split's shards lies in [0, vocab_size): an id outside (a damaged or foreign shard) would
+    read as NaN from the embedding and end the run as a divergence. One pass over the memory maps (~1 GB/s)."""
+    id_bits = SENTENCE_END - 1 if mode == "sentences" else -1  # BART's records flag each sentence's last token
+    for path in split.paths:
+        tokens = np.memmap(path, dtype=np.int32, mode="r")
+        for start in range(0, len(tokens), ID_CHECK_CHUNK):
+            ids = tokens[start:start + ID_CHECK_CHUNK] & id_bits
+            if ids.size and not (0 <= ids.min() and ids.max() < vocab_size):
+                bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+                raise DataError(f"--dataset_dir {folder}: shard {path.name} holds token id {bad}, outside the "
+                                f"tokenizer's {vocab_size} ids (a damaged shard); prepare the dataset again")
 
 
 # -- preparing a dataset (python -m spmdlm.prepare) ------------------------------------------------------------------
@@ -387,7 +408,7 @@ def _write_dataset(corpus: Corpus, tokenizer, folder: Path, head: dict, *, worke
         if head["validation"]["from"] == "the dataset's validation split":
             split_stats["validation"] = tokenize_into(
                 corpus.documents("validation", stats), tokenizer, {"train": sinks["validation"]}, cut,
-                workers=workers, on_chunk=on_chunk)["train"]
+                workers=workers, on_chunk=on_chunk, name="validation")["train"]
     elapsed = time.perf_counter() - started
     shards = {split: sink.close() for split, sink in sinks.items()}
     train = split_stats["train"]

@@ -28,13 +28,14 @@ import yaml
 
 from spmdlm import storage
 from spmdlm.data.records import PreparedSplit
-from spmdlm.errors import ArgumentError
+from spmdlm.errors import ArgumentError, yaml_problem
 
 PERIOD = 10_000  # global examples per period: a source's share is exact to 1/PERIOD over every period
 SLOT_STREAM = 0x6D697800  # rng keys (seed, SLOT_STREAM, period), kept apart from EpochOrder's (seed, epoch)
 SOURCE_STREAM = 0x6D697900  # source k's epoch order: (seed, SOURCE_STREAM + k, epoch)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a source's name, as in eval/<name>/loss
-WEIGHTED = re.compile(r"(?P<path>.+):(?P<weight>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")  # only a trailing :float
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")  # a weight: a decimal, exponent allowed
+WEIGHTED = re.compile(rf"(?P<path>.+):(?P<weight>{NUMBER.pattern})")  # only a trailing :float
 MIXTURE_KEYS = ("name", "train_file", "dataset_dir", "weight", "validation_file")
 
 
@@ -76,7 +77,8 @@ def parse_train_file(text: str) -> tuple[Source, ...]:
                             "(a source of several files is a glob or a directory, or use --data_mixture)")
     names = unique_names([name_of(match["path"]) for match in matches])
     weights = normalised([float(match["weight"]) for match in matches], names, "--train_file")
-    return tuple(Source(name, weight, train_file=match["path"]) for name, weight, match in zip(names, weights, matches))
+    return tuple(Source(name, weight, train_file=match["path"], origin=f"--train_file source {name}")
+                 for name, weight, match in zip(names, weights, matches))
 
 
 def name_of(pattern: str) -> str:
@@ -108,6 +110,9 @@ def normalised(weights: Sequence[float], names: Sequence[str], where: str) -> li
             raise ArgumentError(f"{where}: source {name} has weight {weight:g}; weights must be positive (leave a "
                                 "source out instead of weighting it 0)")
     total = sum(weights)
+    if not math.isfinite(total):
+        raise ArgumentError(f"{where}: the weights sum to more than a float holds; scale them down (only their "
+                            "ratios count)")
     shares = [weight / total for weight in weights]
     for name, count in zip(names, slot_counts(shares)):
         if count == 0:
@@ -126,8 +131,7 @@ def read_mixture_file(path: str) -> tuple[Source, ...]:
     try:
         loaded = yaml.safe_load(file.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ArgumentError(f"{where} is not valid YAML: {first}") from None
+        raise ArgumentError(f"{where} is not valid YAML: {yaml_problem(e)}") from None
     entries = loaded.get("sources") if isinstance(loaded, dict) else loaded
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
         raise ArgumentError(f"{where}: expected `sources:`, a list of mappings with name, train_file or "
@@ -148,17 +152,23 @@ def read_mixture_file(path: str) -> tuple[Source, ...]:
         if entry.get("dataset_dir") is not None and entry.get("validation_file") is not None:
             raise ArgumentError(f"{where}: source {name}: a dataset_dir has its own validation split; leave out "
                                 "validation_file")
-        weight = entry.get("weight")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise ArgumentError(f"{where}: source {name} needs a numeric weight (got {weight!r})")
         names.append(name)
-        weights.append(float(weight))
+        weights.append(_weight(entry.get("weight"), f"{where}: source {name}"))
     shares = normalised(weights, names, where)
     beside = lambda value: None if value is None else _beside(file.parent, str(value))
     return tuple(Source(name, share, train_file=beside(entry.get("train_file")),
                         dataset_dir=beside(entry.get("dataset_dir")),
                         validation_file=beside(entry.get("validation_file")), origin=f"{where} source {name}")
                  for name, share, entry in zip(names, shares, entries))
+
+
+def _weight(value, where: str) -> float:
+    """A source's weight; YAML 1.1 (PyYAML) reads `1e-3` as a string, so a string that is a number counts too."""
+    if isinstance(value, str) and NUMBER.fullmatch(value.strip()):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentError(f"{where} needs a numeric weight (got {value!r})")
+    return float(value)
 
 
 def _beside(folder: Path, value: str) -> str:

@@ -22,6 +22,7 @@ import grain
 import jax
 import numpy as np
 
+from spmdlm.bounds import MAX_STEPS
 from spmdlm.data.mixture import SOURCE_STREAM, MixedSplit, MixtureOrder
 from spmdlm.data.objectives import Objective, padding_example
 from spmdlm.data.records import PreparedSplit, TokenRecords
@@ -201,4 +202,7 @@ def make_schedule(num_records: int, global_batch: int, num_train_epochs: float, 
     total = max_steps if max_steps and max_steps > 0 else int(steps_per_epoch * num_train_epochs)
     if total <= 0:
         raise DataError(f"--num_train_epochs {num_train_epochs} gives no training steps; raise it or set --max_steps")
+    if total > MAX_STEPS:
+        raise DataError(f"--num_train_epochs {num_train_epochs} gives {total} steps, more than the {MAX_STEPS} a step "
+                        "counter holds; lower it or set --max_steps")
     return Schedule(steps_per_epoch, total, num_epochs=-(-total // steps_per_epoch))

@@ -31,6 +31,7 @@ from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)
 
+DATASET_CARD = "dataset.json"  # the card of a dataset prepared by python -m spmdlm.prepare (spmdlm/data/datasets.py)
 SUFFIX_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 TEXT_FORMATS = ("text", "json", "csv", "parquet")  # --text_format
 TEXT_FORMAT_HELP = ("the format of every input file, whatever its name: text, json (JSON lines or an array), csv "
@@ -146,6 +147,9 @@ def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> l
         for match in (storage.path(m, flag) for m in matches):
             if match.is_file():
                 found.append(match)
+            elif (match / DATASET_CARD).is_file():  # its shards are tokens, not text
+                raise DataError(f"{flag} {match}: is a dataset prepared by python -m spmdlm.prepare, not text; give "
+                                "it as --dataset_dir (in a mixture: as a source's dataset_dir in --data_mixture)")
             elif match.is_dir():
                 found.extend(_directory_files(match))
             elif _special(match):  # a FIFO has no size and cannot seek (the manifest samples files) or be re-read

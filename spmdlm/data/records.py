@@ -112,6 +112,18 @@ def _pieces(doc: str) -> list[int]:
     return starts
 
 
+def in_pieces(texts: Iterable[str]) -> Iterator[str]:
+    """Each text, a long one cut into pieces of about PIECE_CHARS where its tokenization does not change (_pieces):
+    what the tokenizer trainer reads, so it holds one piece's pre-tokenization at a time, not a document's."""
+    for text in texts:
+        starts = _pieces(text)
+        if len(starts) == 1:
+            yield text
+            continue
+        for start, end in zip(starts, starts[1:] + [len(text)]):
+            yield text[start:end]
+
+
 def _encode_long(tokenizer, doc: str) -> _Encoded:
     """One long document piece by piece (a 50 MB line tokenized whole held ~10 GB), offsets into the document."""
     starts = _pieces(doc)
@@ -328,9 +340,11 @@ def default_workers() -> int:
 
 
 def tokenize_into(documents: Iterable[str], tokenizer, sinks: dict[str, RecordShards], cut: Cut, *,
-                  workers: int = 1, on_chunk: Callable[[int, int], None] | None = None) -> dict[str, SplitStats]:
+                  workers: int = 1, on_chunk: Callable[[int, int], None] | None = None,
+                  name: str | None = None) -> dict[str, SplitStats]:
     """Tokenize `documents` into records written to `sinks["train"]` (and `sinks["validation"]` when
-    cut.validation_percentage > 0). The one preparation path of the token cache and of `spmdlm.prepare`.
+    cut.validation_percentage > 0). The one preparation path of the token cache and of `spmdlm.prepare`. `name`:
+    what the log calls a single sink's records when they are not training records (e.g. "validation").
 
     workers <= 1 tokenizes in this process; more spawn that many processes (one tokenizer thread each, no JAX),
     each given chunks of documents, while this process reads, cuts and writes the results in input order: the
@@ -362,7 +376,7 @@ def tokenize_into(documents: Iterable[str], tokenizer, sinks: dict[str, RecordSh
     stats = {split: cutter.finish() for split, cutter in cutters.items()}
     if cut.mode in PADDED_MODES:
         log.info("%s records of %d tokens: %s (pad tokens / record tokens)", cut.mode, cut.record_length,
-                 ", ".join(f"{split} {s.examples} with {s.padding_fraction(cut.record_length):.1%} padding"
+                 ", ".join(f"{name or split} {s.examples} with {s.padding_fraction(cut.record_length):.1%} padding"
                            for split, s in stats.items()))
     return stats
 

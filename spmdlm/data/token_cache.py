@@ -120,7 +120,7 @@ def prepare_split(
     try:
         with bar:
             stats = tokenize_into(documents, tokenizer, {"train": sink}, cut, workers=workers,
-                                  on_chunk=lambda docs, tokens: bar.update(docs))["train"]
+                                  on_chunk=lambda docs, tokens: bar.update(docs), name=name)["train"]
         sink.close()
     except BaseException as e:
         tmp.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from spmdlm import checkpoint as ckpt
 from spmdlm import storage
-from spmdlm.data.tokenizer import TokenizerError, load_tokenizer
+from spmdlm.data.tokenizer import SPIECE_NAME, TokenizerError, load_tokenizer
 from spmdlm import export
 from spmdlm.export import ExportError, load_hf
 from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
@@ -91,10 +91,15 @@ def load_run(run_dir: str | Path, step: int | None, mesh):
 
 
 def load_export(path: str | Path, mesh):
-    if not storage.path(path, "--model_name_or_path").is_dir():
+    folder = storage.path(path, "--model_name_or_path")
+    if not folder.is_dir():
         raise ConfigError(f"--model_name_or_path {path}: no such directory")
-    model, config = load_hf(path, mesh=mesh)
-    return model, config, load_tokenizer(path)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", SPIECE_NAME)):  # before the weights load
+        raise GenerateError(f"--model_name_or_path {path} has no tokenizer (tokenizer.json or spiece.model): copy "
+                            "the tokenizer the model was trained with into it (a run's is OUTPUT_DIR/tokenizer.json)")
+    tokenizer = load_tokenizer(folder)
+    model, config = load_hf(folder, mesh=mesh)
+    return model, config, tokenizer
 
 
 def run(args) -> tuple[list[dict], object]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import tempfile
 import time
 from typing import Any
@@ -31,7 +32,7 @@ from spmdlm.mesh import batch_axis_size
 from spmdlm.train.guard import RunLock, StopOnSignal
 from spmdlm.train import publish
 from spmdlm.train.outputs import (check_fingerprints, check_output_dir, export_done, missing_outputs,
-                                  prepare_output_dir, read_results, write_run_files)
+                                  outputs_undone_on_failure, prepare_output_dir, read_results, write_run_files)
 from spmdlm.train.report import Reporter, write_json
 from spmdlm.train.trackers import is_eval_key
 from spmdlm.train.setup import (RunContext, check_memory, is_main, read_corpora, read_sources, resolve, setup_data,
@@ -163,32 +164,32 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
         raise RunError(f"--output_dir {ctx.out} holds a checkpoint at step {ctx.latest_step}, past this run's "
                        f"{ctx.total_steps} steps; give --max_steps {ctx.latest_step} or more to continue it, or use "
                        "another --output_dir")
-    graphdef, state, stepper = setup_state(ctx, abstract=ctx.resuming)
-    n_params = count_parameters(graphdef, state)
-    mesh = ctx.mesh
-    log.info("model %s (config %s): %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices "
-             "x %d accumulation) | %d steps", ctx.family.name, ctx.config_source, n_params / 1e6, dict(mesh.shape),
-             ctx.global_batch, ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
-             batch_axis_size(mesh), args.gradient_accumulation_steps, ctx.total_steps)
     reporter = Reporter(ctx.out, enabled=is_main(), family=ctx.family, config=ctx.config, objective=ctx.objective,
-                        global_batch=ctx.global_batch, mesh=mesh, dtype=args.dtype, run_start=ctx.run_start, args=args)
-    previous_results = read_results(ctx.out) if ctx.resuming else {}
-    results: dict[str, Any] = {"total_steps": ctx.total_steps, "parameters": n_params}
+                        global_batch=ctx.global_batch, mesh=ctx.mesh, dtype=args.dtype, run_start=ctx.run_start,
+                        args=args)
     training = ctx.data.train is not None
-    if training and ctx.latest_step >= ctx.total_steps and not missing_outputs(ctx, previous_results):
-        log.info("the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing to "
-                 "do (--overwrite_output_dir starts afresh)", ctx.out, ctx.latest_step, ctx.total_steps)
-        if args.push_to_hub:  # re-running a finished run retries its upload
-            publish.publish_export(ctx, {**results, **previous_results})
-        return {**results, **previous_results}
+    with outputs_undone_on_failure(ctx):  # a tracker that cannot start, a step that does not fit: nothing left
+        if training and ctx.latest_step < ctx.total_steps and not args.dry_run:
+            reporter.start_trackers(ctx.latest_step)  # first: a login or a server that fails costs no setup
+        graphdef, state, stepper = setup_state(ctx, abstract=ctx.resuming)
+        n_params = count_parameters(graphdef, state)
+        log_setup(ctx, n_params)
+        previous_results = read_results(ctx.out) if ctx.resuming else {}
+        results: dict[str, Any] = {"total_steps": ctx.total_steps, "parameters": n_params}
+        if training and ctx.latest_step >= ctx.total_steps and not missing_outputs(ctx, previous_results):
+            log.info("the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing "
+                     "to do (--overwrite_output_dir starts afresh)", ctx.out, ctx.latest_step, ctx.total_steps)
+            if args.push_to_hub:  # re-running a finished run retries its upload
+                publish.publish_export(ctx, {**results, **previous_results})
+            return {**results, **previous_results}
 
-    def compile_train() -> dict[str, Any]:
-        stats = stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
-        check_memory(stats, ctx)  # before anything is written: a refused run leaves the output dir as it was
-        reporter.compile_stats(stats)
-        return stats
+        def compile_train() -> dict[str, Any]:
+            stats = stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
+            check_memory(stats, ctx)  # before anything is written: a refused run leaves the output dir as it was
+            reporter.compile_stats(stats)
+            return stats
 
-    stats = compile_train() if training and ctx.latest_step < ctx.total_steps else None
+        stats = compile_train() if training and ctx.latest_step < ctx.total_steps else None
     if args.dry_running:  # reported in the log only: nothing is written
         return {**results, **(stats or {})}
     run_config = write_run_files(ctx)
@@ -236,6 +237,14 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
     export = args.export_hf and training and (trained or not export_done(ctx.out))
     finish(ctx, graphdef, state, reporter, {**previous_results, **results}, export)
     return results
+
+
+def log_setup(ctx: RunContext, n_params: int) -> None:
+    args, mesh = ctx.args, ctx.mesh
+    log.info("model %s (config %s): %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices "
+             "x %d accumulation) | %d steps", ctx.family.name, ctx.config_source, n_params / 1e6, dict(mesh.shape),
+             ctx.global_batch, ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
+             batch_axis_size(mesh), args.gradient_accumulation_steps, ctx.total_steps)
 
 
 def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[str, Any], export: bool) -> None:
@@ -315,7 +324,7 @@ def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]
     """What the model makes of --sample_prompts now: a greedy and a sampled continuation of each (RoBERTa: its top
     candidates for each <mask>). Every process takes part (the model is sharded); process 0 reports."""
     model, _ = model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args))
-    prompts = [p for p in ctx.args.sample_prompts.split("|") if p.strip()]
+    prompts = split_prompts(ctx.args.sample_prompts, ctx.tokenizer)
     if ctx.family.generation is Generation.FILL_MASK:
         return [{"prompt": p, "fill_mask": [[token for token, _, _ in candidates]
                                             for candidates in fill_mask(model, ctx.config, ctx.tokenizer, p, 3)]}
@@ -324,6 +333,20 @@ def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]
     greedy = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.0, **common)
     sampled = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.8, top_k=50, seed=step, **common)
     return [{"prompt": p, "greedy": g, "sampled": s} for p, g, s in zip(prompts, greedy, sampled)]
+
+
+def split_prompts(text: str, tokenizer) -> list[str]:
+    """--sample_prompts split at |, except within the tokenizer's special tokens (GPT-2's <|endoftext|>)."""
+    kept = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if "|" in t.content), key=len,
+                  reverse=True)
+    parts = re.split(f"({'|'.join(map(re.escape, kept))})|\\|" if kept else r"(\|)", text)  # text, bar, text, ...
+    prompts, current = [], parts[0]
+    for token, after in zip(parts[1::2], parts[2::2]):
+        if token in (None, "|"):  # a bare bar: the next prompt
+            prompts, current = prompts + [current], after
+        else:
+            current += token + after
+    return [p for p in prompts + [current] if p.strip()]
 
 
 def save(manager, step: int, state, iterator, run_config: dict, pending: list[dict], last_saved: int,

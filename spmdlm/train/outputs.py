@@ -4,6 +4,7 @@ may remove, and the files it leaves for a resume and for the next run (run_confi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -165,6 +166,20 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
             storage.remove(ctx.out / name)
         ctx.previous = {}
     ctx.out.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def outputs_undone_on_failure(ctx: RunContext):
+    """A fresh run's outputs of ours that appear in the block are removed if it fails (e.g. a tracker's folder when
+    the tracker cannot start), so the same or the advised command runs next time instead of being refused."""
+    before = {p.name for p in ctx.out.iterdir()} if is_main() else set()
+    try:
+        yield
+    except Exception:
+        if is_main() and not ctx.resuming:
+            for name in ({p.name for p in ctx.out.iterdir()} - before) & set(OUR_OUTPUTS):
+                storage.remove(ctx.out / name)
+        raise
 
 
 def check_data_format(saved: dict, out) -> None:

@@ -138,7 +138,7 @@ def _data_lines(ctx: RunContext) -> list[str]:
                   for s, split in zip(ctx.sources, train.splits)]
         return lines
     if args.dataset_dir:
-        card = datasets.read_card(args.dataset_dir)
+        card = ctx.dataset_cards.get(args.dataset_dir) or datasets.read_card(args.dataset_dir)  # as trained on
         source = (f"the prepared dataset `{args.dataset_dir}` ({card['read']['files']:,} files, "
                   f"{card['splits']['train']['documents']:,} training documents)")
     elif args.dataset_name:

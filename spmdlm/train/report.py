@@ -192,6 +192,12 @@ class Reporter:
         if sys.stderr.isatty() and terminal_columns() > 0:
             self._bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
 
+    def start_trackers(self, step: int):
+        """The external trackers' runs (a login, a server): started before the run writes anything, so one that
+        cannot start leaves nothing behind."""
+        if self.enabled:
+            self._trackers.start(step)
+
     def truncate_after(self, step: int):
         """On resume, drop logged lines past the checkpoint: those steps are about to be run again."""
         for path in (self.out / "metrics.jsonl", self.out / "samples.jsonl"):
@@ -208,8 +214,8 @@ class Reporter:
                  mb("argument_bytes"),
                  mb("output_bytes"), mb("temp_bytes"), f"{stats['xla_flops_per_device']:.3g}"
                  if stats.get("xla_flops_per_device") else "n/a")
-        if not self.dry_run:  # a dry run writes nothing
-            self._write({"step": 0, "event": "compile", **stats})
+        if not self.dry_run:  # a dry run writes nothing; the trackers get no compile record
+            self._append("metrics.jsonl", strict_json({"step": 0, "event": "compile", **stats}))
 
     # -- per step ------------------------------------------------------------------------------------------------
     def tick(self, step: int):

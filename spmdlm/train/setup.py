@@ -7,6 +7,7 @@ abstract state only. The output dir's policy is spmdlm/train/outputs.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -79,6 +80,7 @@ class RunContext:
     trained_tokenizer: bool = False
     objective: Objective | None = None
     data: Data | None = None
+    dataset_cards: dict = dataclasses.field(default_factory=dict)  # prepared datasets' cards as opened, by directory
     schedule: pipeline.Schedule | None = None
     hub: Any = None  # spmdlm.train.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
     layer_plan: LayerPlan | None = None  # --remat and --scan_unroll as resolved (setup_state; train/plan.py)
@@ -233,17 +235,38 @@ def read_validation(args: RunArgs, validation_file: str, flag: str, train_files=
 def read_sources(args: RunArgs, sources: tuple[mixture.Source, ...], *, need_train: bool = True
                  ) -> list[SourceDocuments]:
     """Each mixture source's documents, read before anything is written (a prepared source's card is checked)."""
-    corpora = []
+    corpora, tokenizers = [], {}
     for source in sources:
         if source.dataset_dir:
-            try:
-                datasets.read_card(source.dataset_dir)
-            except DataError as e:
-                raise DataError(f"{source.origin}: {e}") from None
+            with naming(source):
+                card = datasets.read_card(source.dataset_dir)
+            check_one_tokenizer(source, card, tokenizers)
             corpora.append(SourceDocuments(source, [], []))
         else:
-            corpora.append(SourceDocuments(source, *read_corpora(args, source, need_train=need_train)))
+            with naming(source):
+                corpora.append(SourceDocuments(source, *read_corpora(args, source, need_train=need_train)))
     return corpora
+
+
+@contextlib.contextmanager
+def naming(source: mixture.Source):
+    """A mixture source's data error names the source (its flag or --data_mixture entry)."""
+    try:
+        yield
+    except DataError as e:
+        raise DataError(str(e) if source.origin in str(e) else f"{source.origin}: {e}") from None
+
+
+def check_one_tokenizer(source: mixture.Source, card: dict, seen: dict[str, mixture.Source]) -> None:
+    """A mixture's prepared sources share one tokenizer (the run's): one of another than the first's is refused,
+    with the fix that works for both (prepare it again with the first's tokenizer). `seen`: sha256 -> source."""
+    sha = card["tokenizer"]["sha256"]
+    first_sha, first = next(iter(seen.items()), (sha, source))
+    seen.setdefault(sha, source)
+    if sha != first_sha:
+        raise DataError(f"{source.origin}: {source.dataset_dir} was tokenized with another tokenizer than source "
+                        f"{first.name}'s {first.dataset_dir}; a mixture's sources share one tokenizer: prepare it "
+                        f"again with --tokenizer {storage.path(first.dataset_dir) / datasets.TOKENIZER_DIR}")
 
 
 def warn_if_training_files(validation_files, train_files) -> None:
@@ -308,11 +331,12 @@ def setup_mixture_data(ctx: RunContext, corpora: list[SourceDocuments]) -> None:
     train, validation = [], {}
     for corpus in corpora:
         source = corpus.source
-        if source.dataset_dir:
-            source_train, held_out = open_prepared(ctx, source.dataset_dir)
-        else:
-            source_train = tokenize(ctx, corpus.train, "train") if args.training else None
-            held_out = tokenize_validation(ctx, corpus.validation, bool(source.validation_file), source.name)
+        with naming(source):
+            if source.dataset_dir:
+                source_train, held_out = open_prepared(ctx, source.dataset_dir)
+            else:
+                source_train = tokenize(ctx, corpus.train, "train") if args.training else None
+                held_out = tokenize_validation(ctx, corpus.validation, bool(source.validation_file), source.name)
         train.append(cap_train_samples(args, source_train))
         if held_out is not None:
             validation[source.name] = held_out
@@ -323,9 +347,10 @@ def setup_mixture_data(ctx: RunContext, corpora: list[SourceDocuments]) -> None:
 def open_prepared(ctx: RunContext, dataset_dir: str):
     """(train, validation) of a dataset prepared by python -m spmdlm.prepare, checked against this run's tokenizer
     and lengths; each only when the run trains or evaluates."""
-    train, validation, _ = datasets.open_dataset(dataset_dir, tokenizer=ctx.tokenizer,
-                                                record_length=ctx.objective.record_length,
-                                                mode=ctx.objective.preparation)
+    train, validation, card = datasets.open_dataset(dataset_dir, tokenizer=ctx.tokenizer,
+                                                   record_length=ctx.objective.record_length,
+                                                   mode=ctx.objective.preparation)
+    ctx.dataset_cards[dataset_dir] = card  # what the model card describes, even if the dataset is prepared anew
     return train if ctx.args.training else None, validation if ctx.args.evaluating else None
 
 
@@ -350,14 +375,20 @@ def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None =
     """The held-out documents tokenized, or None: not evaluating, none held out, or a hash split too small for one
     example (a warning; a given validation file that small is an error)."""
     args = ctx.args
-    if not docs or not args.evaluating:
+    if not args.evaluating:
+        return None
+    of = f" of source {source}" if source else ""
+    if not docs:  # e.g. one document (--text_documents file) falls on the training side of the hash split
+        if args.validation_split_percentage and not given:
+            log.warning("no evaluation%s: the held-out %.1f%% of the documents is none of them (the split is per "
+                        "document); give a validation file, or more documents", of, args.validation_split_percentage)
         return None
     try:
         return tokenize(ctx, docs, "validation")
     except DataError as e:
         if given:
             raise
-        of, fix = (f" of source {source}", "give it a validation_file") if source else ("", "pass --validation_file")
+        fix = "give it a validation_file" if source else "pass --validation_file"
         log.warning("no evaluation%s: the held-out %.1f%% of the documents is too small (%s); raise "
                     "--validation_split_percentage or %s", of, args.validation_split_percentage, e, fix)
         return None

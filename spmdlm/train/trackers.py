@@ -28,6 +28,7 @@ log = logging.getLogger("spmdlm")
 
 IDS_FILE = "trackers.json"  # {"wandb": run id, "mlflow": run id}, what a resumed run continues
 MLFLOW_STORE = "mlruns"  # MLflow's local file store in the output dir, unless MLFLOW_TRACKING_URI says otherwise
+WANDB_DIRS = {"WANDB_CACHE_DIR": "cache", "WANDB_DATA_DIR": "data"}  # W&B's folders outside dir=, in OUTPUT_DIR/wandb
 LIBRARIES = {"wandb": "wandb", "mlflow": "mlflow"}  # --report_to name -> the module it needs
 
 
@@ -188,6 +189,8 @@ class WandB(Tracker):
     def start(self, step: int) -> None:
         import wandb
 
+        for variable, folder in WANDB_DIRS.items():  # else its logs and staging go under $HOME (unless set by the user)
+            os.environ.setdefault(variable, str(self.out / "wandb" / folder))
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spmdlm"), name=self.run_name,
                                id=saved_id(self.out, self.name), resume="allow",
                                dir=None if os.environ.get("WANDB_DIR") else str(self.out),  # None: wandb reads it

@@ -17,13 +17,16 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 
+from spmdlm.bounds import Bounds
+
 IGNORE_INDEX = -100
 
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
     """A command-line flag an objective takes (`python -m spmdlm.launch` and `spmdlm.prepare` build theirs from
-    these declarations). `check` returns True for a valid value; `rule` says what a valid value is."""
+    these declarations). A numeric flag declares its `bounds`; another's `check` returns True for a valid value and
+    `rule` says what a valid value is."""
 
     name: str
     type: type
@@ -32,25 +35,22 @@ class Flag:
     check: Callable[[Any], bool] = lambda value: True
     rule: str = ""
     resume: bool = True  # a run resumes only with the value it started with
+    bounds: Bounds | None = None  # a numeric flag's valid values (spmdlm/bounds.py: finite, and within these)
 
     def of(self, args) -> Any:
         """The flag's value in run arguments (their `objective` mapping), or its default."""
         return args.objective.get(self.name, self.default)
 
 
-def at_least_one(value) -> bool:
-    return value is None or value >= 1
-
-
-def open_unit(value) -> bool:
-    return value is None or 0 < value < 1
+AT_LEAST_ONE = Bounds(1)
+OPEN_UNIT = Bounds(0, 1, above=True, below=True, hint="a fraction of the tokens")
 
 
 # Flags several objectives share.
 MAX_SEQ_LENGTH = Flag("max_seq_length", int, None, "encoder length for RoBERTa/T5/BART (default: RoBERTa and BART "
-                      "the model's positions up to 512 and 1024, T5 512)", at_least_one, "must be at least 1")
+                      "the model's positions up to 512 and 1024, T5 512)", bounds=AT_LEAST_ONE)
 MLM_PROBABILITY = Flag("mlm_probability", float, None, "MLM masking rate / T5 noise density (default 0.15); BART: "
-                       "the HF script's name for --mask_ratio", open_unit, "must be between 0 and 1")
+                       "the HF script's name for --mask_ratio", bounds=OPEN_UNIT)
 DOCUMENT_ATTENTION = Flag("document_attention", str, "joined", "records cut from the document stream: 'joined' lets "
                           "every token attend across the documents a record holds (GPT-2's practice, the default); "
                           "'isolated' makes each document a segment of its own: attention, positions and (T5, BART) "

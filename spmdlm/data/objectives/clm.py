@@ -13,10 +13,10 @@ import dataclasses
 import numpy as np
 
 from spmdlm.data.objectives import (DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_MODES, SEGMENT_FIELDS, Flag, Objective,
-                                    at_least_one, segments)
+                                    AT_LEAST_ONE, segments)
 
-BLOCK_SIZE = Flag("block_size", int, None, "CLM example length (default: min(1024, n_positions))", at_least_one,
-                  "must be at least 1")
+BLOCK_SIZE = Flag("block_size", int, None, "CLM example length (default: min(1024, n_positions))",
+                  bounds=AT_LEAST_ONE)
 
 
 @dataclasses.dataclass(frozen=True)

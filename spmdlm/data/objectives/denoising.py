@@ -52,17 +52,18 @@ from typing import Sequence
 
 import numpy as np
 
+from spmdlm.bounds import Bounds
 from spmdlm.data.objectives import (DECODER_SEGMENT_FIELDS, DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_MODES, IGNORE_INDEX,
-                                    MAX_SEQ_LENGTH, MLM_PROBABILITY, SEGMENT_FIELDS, Flag, Framed, after, open_unit,
+                                    MAX_SEQ_LENGTH, MLM_PROBABILITY, SEGMENT_FIELDS, Flag, Framed, after, OPEN_UNIT,
                                     row_rngs, segments)
 from spmdlm.data.sentences import SENTENCE_END
 
-MASK_RATIO = Flag("mask_ratio", float, None, "BART text infilling: fraction of tokens masked (default 0.3)", open_unit,
-                  "must be between 0 and 1")
+MASK_RATIO = Flag("mask_ratio", float, None, "BART text infilling: fraction of tokens masked (default 0.3)",
+                  bounds=OPEN_UNIT)
 POISSON_LAMBDA = Flag("poisson_lambda", float, 3.0, "BART text infilling: mean span length (Poisson)",
-                      lambda value: value > 0, "must be positive")
+                      bounds=Bounds(0, above=True, hint="tokens"))
 PERMUTE_SENTENCE_RATIO = Flag("permute_sentence_ratio", float, 1.0, "BART: fraction of sentences permuted",
-                              lambda value: 0 <= value <= 1, "must be in [0, 1]")
+                              bounds=Bounds(0, 1))
 
 _ID_BITS = SENTENCE_END - 1
 _NO_LENGTHS = np.zeros(0, dtype=np.int64)

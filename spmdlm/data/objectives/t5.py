@@ -37,12 +37,13 @@ import functools
 
 import numpy as np
 
+from spmdlm.bounds import Bounds
 from spmdlm.data.objectives import (DECODER_SEGMENT_FIELDS, DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_MODES, IGNORE_INDEX,
                                     MAX_SEQ_LENGTH, MLM_PROBABILITY, SEGMENT_FIELDS, Flag, Vectorised, after,
                                     segments)
 
 MEAN_NOISE_SPAN_LENGTH = Flag("mean_noise_span_length", float, 3.0, "T5 span corruption: mean length of a corrupted "
-                              "span")
+                              "span", bounds=Bounds(1, hint="tokens per span, 3 in T5"))
 
 
 def compute_input_and_target_lengths(
