@@ -263,6 +263,31 @@ def test_a_shard_with_an_id_beyond_the_vocabulary_is_refused_at_start(tmp_path, 
         open_dataset(out, tokenizer=gpt2_tokenizer, record_length=17, mode="stream")
 
 
+def test_a_large_datasets_ids_are_checked_at_each_shards_ends_only(tmp_path, prepared, gpt2_tokenizer, monkeypatch):
+    """Above ID_SCAN_ALL_BYTES every start of every host would read the whole dataset: the first and last chunk of
+    each shard are scanned (chunks of 8 tokens here), a bad id between them is left to the opt-in sha256 check."""
+    import shutil
+
+    import numpy as np
+
+    from spmdlm.data import datasets
+    from spmdlm.errors import DataError
+
+    monkeypatch.setattr(datasets, "ID_SCAN_ALL_BYTES", 0)
+    monkeypatch.setattr(datasets, "ID_CHECK_CHUNK", 8)
+    out = shutil.copytree(prepared, tmp_path / "ds")
+    path = datasets.open_dataset(out, tokenizer=gpt2_tokenizer, record_length=17, mode="stream")[0].paths[0]
+    tokens = np.memmap(path, dtype=np.int32, mode="r+")
+    assert len(tokens) > 3 * 8
+    tokens[12] = 999  # the second chunk: not scanned
+    tokens.flush()
+    datasets.open_dataset(out, tokenizer=gpt2_tokenizer, record_length=17, mode="stream")
+    tokens[len(tokens) - 1] = 999  # the last chunk: scanned
+    tokens.flush()
+    with pytest.raises(DataError, match="holds token id 999"):
+        datasets.open_dataset(out, tokenizer=gpt2_tokenizer, record_length=17, mode="stream")
+
+
 def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2_tokenizer):
     import shutil
     import types
