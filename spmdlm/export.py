@@ -399,20 +399,23 @@ def _sharding_of(var: nnx.Variable, mesh):
     return current if isinstance(current, jax.sharding.Sharding) else None
 
 
-def load_hf(path: str | Path, *, mesh=None, dtype=None) -> tuple[nnx.Module, HFConfig]:
-    """An NNX model with the weights of a transformers checkpoint, sharded on `mesh` (or the current mesh)."""
+def load_hf(path: str | Path, *, mesh=None, dtype=None, config: HFConfig | None = None) -> tuple[nnx.Module,
+                                                                                            HFConfig]:
+    """An NNX model with the weights of a transformers checkpoint, sharded on `mesh` (or the current mesh).
+    `config`: the model's, where its vocabulary extends the checkpoint's (the rows appended, `grown`)."""
     path = storage.path(path, "--model_name_or_path")
-    config = load_pretrained_config(path)
+    source = load_pretrained_config(path)
+    config = config or source
     family = get_family(config.model_type)
     mesh = mesh if mesh is not None else _current_mesh()
     build = lambda: family.make_model(config, rngs=nnx.Rngs(0), dtype=dtype or jnp.float32)
     if mesh is not None:
         with jax.set_mesh(mesh):
             model = nnx.eval_shape(build)  # no random init: every parameter is replaced below
-            _fill_params(model, path, mesh)
+            _fill_params(model, path, mesh, source_config=source)
     else:
         model = nnx.eval_shape(build)
-        _fill_params(model, path)
+        _fill_params(model, path, source_config=source)
     return model, config
 
 

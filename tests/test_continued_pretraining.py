@@ -24,7 +24,8 @@ from spmdlm import export
 from spmdlm.data import pipeline
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.families import get_family
-from spmdlm.launch import main
+from spmdlm.launch import main, parse_args
+from spmdlm.train.setup import resolve
 
 WORDS = "lamp keeper harbour boat sail letter apples tide wind north grey cape bay rowed smiled failed".split()
 LINES = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(8 + i % 5)) + f", day {i}." for i in range(300)]
@@ -121,12 +122,26 @@ LAYOUTS = [  # (family, tokenizer layout, weight layout): every tokenizer layout
 def test_each_layout_gives_the_checkpoints_tokenizer_and_weights(family, tokenizer, weights, tmp_path, corpus):
     folder = tmp_path / "checkpoint"
     model = checkpoint(folder, family, tokenizer, weights, corpus)
-    ours = load_tokenizer(folder, get_family(family))
-    assert ours.encode(SENTENCE).ids == reference_tokenizer(folder, tokenizer)(SENTENCE)["input_ids"]
-    loaded, _ = export.load_hf(folder)
+    assert_reads_as(folder, family, model, reference_tokenizer(folder, tokenizer))
+
+
+def assert_reads_as(source, family: str, model, tokenizer) -> None:
+    """`source` (a directory or gs:// URL) gives `tokenizer`'s ids and, exported again, `model`'s tensors exactly."""
+    assert load_tokenizer(source, get_family(family)).encode(SENTENCE).ids == tokenizer(SENTENCE)["input_ids"]
+    loaded, _ = export.load_hf(source)
     state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
     for name, value in export.hf_tensors(loaded):
         np.testing.assert_array_equal(value, state[name], err_msg=name)
+
+
+def test_a_checkpoint_in_a_bucket(gcs_bucket, tmp_path, corpus):
+    """--model_name_or_path gs://...: T5 v1.1 as published (spiece.model, pytorch_model.bin), read from the bucket."""
+    from spmdlm import storage
+
+    folder = tmp_path / "checkpoint"
+    model = checkpoint(folder, "t5", "spiece.model", "pytorch_model.bin", corpus)
+    storage.upload(folder, f"{gcs_bucket}/t5-v1_1")
+    assert_reads_as(f"{gcs_bucket}/t5-v1_1", "t5", model, reference_tokenizer(folder, "spiece.model"))
 
 
 def test_a_pytorch_checkpoint_is_read_without_running_pickled_code(tmp_path):
@@ -231,6 +246,8 @@ def test_a_continued_run_starts_from_the_checkpoint(family, tmp_path, corpus, mo
 
 
 def test_a_tokenizer_extending_the_checkpoints_grows_the_embeddings(tmp_path, corpus):
+    """T5 (its head untied): the run's config grows, the loader appends mean rows, transformers reloads the export.
+    Nothing is compiled: the run's own resolve and the loader its state takes the weights from."""
     folder = tmp_path / "checkpoint"
     size = T5_PIECES + 100
     model = checkpoint(folder, "t5", "spiece.model", "model.safetensors", corpus, vocab_size=size)
@@ -238,13 +255,18 @@ def test_a_tokenizer_extending_the_checkpoints_grows_the_embeddings(tmp_path, co
     assert len(extended) == size
     extended.add_tokens(["keeperhouse", "lampwick", "<north>"])
     extended.save_pretrained(tmp_path / "extended")
-    continue_run("t5", folder, tmp_path / "out", corpus, "--tokenizer_name", str(tmp_path / "extended"))
-    grown = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "out" / "hf")
+    args, _ = parse_args(["--model_name_or_path", str(folder), "--tokenizer_name", str(tmp_path / "extended"),
+                          "--train_file", str(corpus), "--output_dir", str(tmp_path / "out"), "--max_seq_length", "32"])
+    ctx = resolve(args, 0.0)
+    assert ctx.config.vocab_size == size + 3 and ctx.checkpoint_config.vocab_size == size
+    ours, _ = export.load_hf(folder, config=ctx.config)
+    export.save_hf(ours, ctx.config, tmp_path / "hf", tokenizer=ctx.tokenizer)
+    grown = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf")
     assert grown.config.vocab_size == size + 3
     for name in ("shared.weight", "lm_head.weight"):
         old, new = model.state_dict()[name].numpy(), grown.state_dict()[name].numpy()
         assert new.shape == (size + 3, old.shape[1])
-        np.testing.assert_allclose(new[:size], old, rtol=0, atol=1e-7)  # the old ids' rows unchanged
+        np.testing.assert_array_equal(new[:size], old)  # the old ids' rows unchanged
         np.testing.assert_allclose(new[size:], np.broadcast_to(old.mean(0), (3, old.shape[1])), rtol=1e-6, atol=1e-7)
-    ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "out" / "hf")("the lampwick")["input_ids"]
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("the lampwick")["input_ids"]
     assert ids == extended("the lampwick")["input_ids"] and size + 1 in ids
