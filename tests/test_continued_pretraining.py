@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -144,12 +144,16 @@ def test_a_checkpoint_in_a_bucket(gcs_bucket, tmp_path, corpus):
     assert_reads_as(f"{gcs_bucket}/t5-v1_1", "t5", model, reference_tokenizer(folder, "spiece.model"))
 
 
-def test_a_pytorch_checkpoint_is_read_without_running_pickled_code(tmp_path):
+def test_a_pytorch_checkpoint_runs_no_pickled_code_and_without_torch_names_the_extra(tmp_path, monkeypatch):
     folder = tmp_path / "checkpoint"
     folder.mkdir()
-    hf_model("gpt2").config.save_pretrained(folder)
+    config = hf_model("gpt2").config
+    config.save_pretrained(folder)
     torch.save({"weights": Evil()}, folder / "pytorch_model.bin")
     with pytest.raises(export.ExportError, match=r"^cannot read .*pytorch_model.bin as plain tensors .*[^\n]$"):
+        export.load_hf(folder)
+    monkeypatch.setitem(sys.modules, "torch", None)  # torch not installed
+    with pytest.raises(export.ExportError, match=r"needs torch to read \(pip install 'spmdlm\[torch\]'\), or convert"):
         export.load_hf(folder)
 
 
