@@ -1,6 +1,7 @@
-"""Continued pretraining against training from scratch, at equal steps on the new corpus (docs/continued_pretraining.md).
+"""Continued pretraining against training from scratch at equal steps on a new corpus (docs/continued_pretraining.md).
 
-    python benchmarks/continued_pretraining.py [--families roberta,t5] [--steps_a 300] [--steps_b 100] [--keep]
+    python benchmarks/continued_pretraining.py [--families roberta,t5] [--steps_a 300] [--steps_b 100]
+        [--continued_lr_scale 1.0] [--keep]
 
 Per family, with tiny models whose checkpoints transformers writes:
 1. a random transformers model (RoBERTa, or T5 v1.1-shaped) and a tokenizer trained on corpus A, saved as released
@@ -8,7 +9,8 @@ Per family, with tiny models whose checkpoints transformers writes:
 2. pretrained on corpus A for --steps_a steps (`--model_name_or_path` that checkpoint), its export saved again in the
    released layout: the "released checkpoint";
 3. on corpus B, the same number of steps (--steps_b) twice: continued from the released checkpoint (its own
-   tokenizer, a lower rate, short warmup), and from scratch (same architecture and tokenizer, the pretraining rate).
+   tokenizer, a short warmup, the pretraining rate x --continued_lr_scale), and from scratch (same architecture
+   and tokenizer, the pretraining rate and warmup).
 Corpus A is this Python's standard-library sources of some packages, corpus B another package's (asyncio): the
 same language, another domain. Prints one JSON line per run and a markdown table of B's eval loss by step (step 0:
 an evaluation-only run of each starting point).
@@ -31,17 +33,13 @@ CORPUS_A = ("email", "http", "json", "logging", "urllib", "xml", "importlib", "c
 CORPUS_B = ("asyncio",)
 COMMON = ["--mesh", "data=1", "--global_batch_size", "16", "--export_hf", "true", "--sample_prompts=",
           "--logging_steps", "50", "--max_eval_samples", "256", "--per_device_eval_batch_size", "32"]
-FAMILIES = {  # the model (transformers config), its length flags, and each run's optimizer flags
+FAMILIES = {  # the model (transformers config), its length flags, its optimizer and learning rate
     "roberta": dict(config=dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                 intermediate_size=512, max_position_embeddings=66),
-                    lengths=["--max_seq_length", "64"],
-                    pretrain=["--learning_rate", "1e-3", "--warmup_steps", "30"],
-                    continued=["--learning_rate", "3e-4", "--warmup_steps", "10"]),
+                    lengths=["--max_seq_length", "64"], optimizer=[], learning_rate=1e-3),
     "t5": dict(config=dict(vocab_size=2048, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
                            feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0),
-               lengths=["--max_seq_length", "64"],
-               pretrain=["--adafactor", "--learning_rate", "1e-2", "--warmup_steps", "30"],
-               continued=["--adafactor", "--learning_rate", "3e-3", "--warmup_steps", "10"]),
+               lengths=["--max_seq_length", "64"], optimizer=["--adafactor"], learning_rate=1e-2),
 }
 
 
@@ -51,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--steps_a", type=int, default=300, help="pretraining steps on corpus A")
     p.add_argument("--steps_b", type=int, default=100, help="steps on corpus B, continued and from scratch")
     p.add_argument("--eval_steps", type=int, default=25)
+    p.add_argument("--continued_lr_scale", type=float, default=1.0,
+                   help="the continued run's learning rate as a multiple of the pretraining (and scratch) rate")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p.parse_args(argv)
 
@@ -70,6 +70,7 @@ def base_checkpoint(family: str, folder: Path, corpus_a: Path) -> None:
 
     folder.mkdir(parents=True)
     config = dict(FAMILIES[family]["config"])
+    torch.manual_seed(0)  # the random initialisation: the same checkpoint every time
     if family == "t5":
         import sentencepiece
 
@@ -120,16 +121,19 @@ def compare(family: str, work: Path, args) -> list[dict]:
     corpus_b = write_corpus(work / "b.txt", CORPUS_B)
     base, released = work / f"{family}-base", work / f"{family}-released"
     base_checkpoint(family, base, corpus_a)
-    every = ["--eval_steps", str(args.eval_steps), *spec["lengths"]]
+    every = ["--eval_steps", str(args.eval_steps), *spec["lengths"], *spec["optimizer"]]
+    rate = spec["learning_rate"]
+    pretrain = ["--learning_rate", str(rate), "--warmup_steps", "30"]
+    continued = ["--learning_rate", str(rate * args.continued_lr_scale), "--warmup_steps", "10"]
     runs = [launch(work / f"{family}-pretrain-a", "--model_name_or_path", str(base), "--train_file", str(corpus_a),
-                   "--max_steps", str(args.steps_a), *spec["pretrain"], *every)]
+                   "--max_steps", str(args.steps_a), *pretrain, *every)]
     release(work / f"{family}-pretrain-a" / "hf", base, released)
     on_b = ["--train_file", str(corpus_b), "--max_steps", str(args.steps_b), *every]
     scratch = ["--config_name", str(released), "--tokenizer_name", str(released)]
     runs += [launch(work / f"{family}-continued-step0", "--model_name_or_path", str(released), "--do_eval", *on_b),
              launch(work / f"{family}-scratch-step0", *scratch, "--do_eval", *on_b),
-             launch(work / f"{family}-continued", "--model_name_or_path", str(released), *spec["continued"], *on_b),
-             launch(work / f"{family}-scratch", *scratch, *spec["pretrain"], *on_b)]
+             launch(work / f"{family}-continued", "--model_name_or_path", str(released), *continued, *on_b),
+             launch(work / f"{family}-scratch", *scratch, *pretrain, *on_b)]
     for run in runs:
         print(json.dumps({"family": family, **run}), flush=True)
     return runs

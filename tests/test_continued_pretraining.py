@@ -45,7 +45,8 @@ def corpus(tmp_path_factory) -> Path:
 def hf_model(family: str, **overrides):
     """The family's tiny model (family_fixtures.py) as a random transformers model, special ids as our tokenizers'."""
     fixture = FIXTURES[family]
-    values = {k: v for k, v in fixture.tiny_config.items() if k not in ("model_type", "tie_word_embeddings", "feed_forward_proj")}
+    given = ("model_type", "tie_word_embeddings", "feed_forward_proj")  # T5's config class sets the last two
+    values = {k: v for k, v in fixture.tiny_config.items() if k not in given}
     if family == "gpt2":
         values.update(bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
