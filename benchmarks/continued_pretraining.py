@@ -1,6 +1,6 @@
 """Continued pretraining against training from scratch at equal steps on a new corpus (docs/continued_pretraining.md).
 
-    python benchmarks/continued_pretraining.py [--families roberta,t5] [--steps_a 300] [--steps_b 100]
+    python benchmarks/continued_pretraining.py [--families roberta,t5] [--steps_a 600] [--steps_b 100]
         [--continued_lr_scale 1.0] [--keep]
 
 Per family, with tiny models whose checkpoints transformers writes:
@@ -9,8 +9,8 @@ Per family, with tiny models whose checkpoints transformers writes:
 2. pretrained on corpus A for --steps_a steps (`--model_name_or_path` that checkpoint), its export saved again in the
    released layout: the "released checkpoint";
 3. on corpus B, the same number of steps (--steps_b) twice: continued from the released checkpoint (its own
-   tokenizer, a short warmup, the pretraining rate x --continued_lr_scale), and from scratch (same architecture
-   and tokenizer, the pretraining rate and warmup).
+   tokenizer), and from scratch (same architecture and tokenizer). Both take the pretraining's optimizer flags and
+   warmup, and its rate (the continued run's times --continued_lr_scale): only the starting point differs.
 Corpus A is this Python's standard-library sources of some packages, corpus B another package's (asyncio): the
 same language, another domain. Prints one JSON line per run and a markdown table of B's eval loss by step (step 0:
 an evaluation-only run of each starting point).
@@ -46,7 +46,7 @@ FAMILIES = {  # the model (transformers config), its length flags, its optimizer
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--families", default="roberta,t5")
-    p.add_argument("--steps_a", type=int, default=300, help="pretraining steps on corpus A")
+    p.add_argument("--steps_a", type=int, default=600, help="pretraining steps on corpus A")
     p.add_argument("--steps_b", type=int, default=100, help="steps on corpus B, continued and from scratch")
     p.add_argument("--eval_steps", type=int, default=25)
     p.add_argument("--continued_lr_scale", type=float, default=1.0,
@@ -124,7 +124,7 @@ def compare(family: str, work: Path, args) -> list[dict]:
     every = ["--eval_steps", str(args.eval_steps), *spec["lengths"], *spec["optimizer"]]
     rate = spec["learning_rate"]
     pretrain = ["--learning_rate", str(rate), "--warmup_steps", "30"]
-    continued = ["--learning_rate", str(rate * args.continued_lr_scale), "--warmup_steps", "10"]
+    continued = ["--learning_rate", str(rate * args.continued_lr_scale), "--warmup_steps", "30"]
     runs = [launch(work / f"{family}-pretrain-a", "--model_name_or_path", str(base), "--train_file", str(corpus_a),
                    "--max_steps", str(args.steps_a), *pretrain, *every)]
     release(work / f"{family}-pretrain-a" / "hf", base, released)
