@@ -24,7 +24,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ from safetensors.numpy import save_file
 from spmdlm import checkpoint as ckpt
 from spmdlm import storage
 from spmdlm.data.records import no_space, remove_stale_temps
-from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer
+from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_layout
 from spmdlm.errors import ExportError, UserError
 from spmdlm.families import checked_config, get_family, load_pretrained_config
 from spmdlm.families.base import Family, Generation
@@ -230,44 +230,165 @@ def export_state(graphdef, state, config: HFConfig, out_dir: str | Path, tokeniz
     return save_hf(model, config, out_dir, tokenizer=tokenizer, release=True)
 
 
-@contextlib.contextmanager
-def _open_safetensors(path: Path):
-    """The checkpoint's model.safetensors, open for reading; a truncated or damaged one is an ExportError (one
-    line), when it is opened or when a tensor is read."""
-    file = path / "model.safetensors"
-    if not file.is_file():
-        other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.index.json"))
-        hint = f" (found {', '.join(other)}: re-save with save_pretrained(safe_serialization=True))" if other else ""
-        raise ExportError(f"{path}: no model.safetensors{hint}")
+WEIGHT_LAYOUTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                  "pytorch_model.bin.index.json")  # transformers' order of preference
+
+
+class CheckpointTensors:
+    """The tensors of a transformers checkpoint directory in any layout transformers writes (WEIGHT_LAYOUTS: one
+    file, or shards listed by an index's weight_map), read one tensor at a time. PyTorch `.bin` files are read with
+    `torch.load(weights_only=True)`, which runs no pickled code, memory-mapped. A bucket's files are copied to local
+    disk first, each when first needed."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        layout = next((name for name in WEIGHT_LAYOUTS if (path / name).is_file()), None)
+        if layout is None:
+            other = sorted(p.name for pattern in ("*.h5", "*.msgpack", "*.ckpt*") for p in path.glob(pattern))
+            hint = (f" (found {', '.join(other)}: load it in transformers and save_pretrained it, which writes "
+                    "model.safetensors)") if other else ""
+            raise ExportError(f"{path}: no weights: expected {', '.join(WEIGHT_LAYOUTS)}{hint}")
+        self._open: dict[str, Any] = {}
+        self.file_of = self._weight_map(layout)
+
+    def _weight_map(self, layout: str) -> dict[str, str]:
+        if not layout.endswith(".index.json"):
+            return {name: layout for name in self._file(layout).keys()}
+        index = self.path / layout
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ExportError(f"{index} is not a checkpoint index (no weight_map: {e}); re-save the checkpoint with "
+                              "save_pretrained") from None
+        absent = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+        if absent:
+            raise ExportError(f"{index} lists shards that are not there: {', '.join(absent[:3])}; download them too")
+        return dict(weight_map)
+
+    def _file(self, name: str):
+        if name not in self._open:
+            local = str(storage.local_copy(self.path / name))
+            with self._readable(name):
+                self._open[name] = _torch_load(local) if name.endswith(".bin") else \
+                    safe_open(local, framework="numpy").__enter__()
+        return self._open[name]
+
+    @contextlib.contextmanager
+    def _readable(self, name: str):
+        """A truncated or damaged safetensors file is one line, when it is opened or when a tensor is read."""
+        try:
+            yield
+        except SafetensorError as e:
+            raise ExportError(f"{self.path / name} is truncated or damaged ({str(e).splitlines()[0]}); export or "
+                              "download it again") from None
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        file = self._file(self.file_of[name])
+        return tuple(file[name].shape) if isinstance(file, dict) else tuple(file.get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        """A tensor as float32 (the tensors of a .bin file are torch's, of any float dtype)."""
+        file = self._file(self.file_of[name])
+        if isinstance(file, dict):
+            return file[name].float().numpy()
+        with self._readable(self.file_of[name]):
+            return file.get_tensor(name).astype(np.float32)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._open.values():
+            if not isinstance(handle, dict):
+                handle.__exit__(None, None, None)
+        self._open.clear()
+
+
+def _torch_load(file: str) -> dict:
+    """A PyTorch state dict without running pickled code; one line where torch is missing or the file is not one."""
     try:
-        with safe_open(str(storage.local_copy(file)), framework="numpy") as f:  # a bucket's: copied locally first
-            yield f
-    except SafetensorError as e:
-        raise ExportError(f"{file} is truncated or damaged ({str(e).splitlines()[0]}); export or download it "
-                          "again") from None
+        import torch
+    except ImportError:
+        raise ExportError(f"{file} is a PyTorch checkpoint, which needs torch to read (pip install 'spmdlm[torch]'), "
+                          "or convert it once to model.safetensors: transformers' from_pretrained, then "
+                          "save_pretrained") from None
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - pickle's UnpicklingError, zipfile's and torch's RuntimeError
+        first = str(e).strip().partition("\n")[0]
+        raise ExportError(f"cannot read {file} as plain tensors (torch.load weights_only=True): {first}") from None
 
 
-def _fill_params(model: nnx.Module, path: Path, mesh=None) -> None:
+def _param_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameters' shapes for `config`, by path, from an abstract model (nothing allocated)."""
+    model = nnx.eval_shape(lambda: get_family(config.model_type).make_model(config, rngs=nnx.Rngs(0)))
+    return {path: tuple(var.shape) for path, var in _param_variables(model).items()}
+
+
+def _rule_shape(shapes: dict, rule) -> tuple[int, ...]:
+    shape = shapes[rule.ours]
+    return shape if rule.layer is None else shape[1:]
+
+
+def matched_rules(tensors: CheckpointTensors, config: HFConfig):
+    """The family table's rules for `config`, checked against a checkpoint's tensors (every tensor there, none left
+    over, each of the size `config` gives it) without reading them: -> (rules, HF name -> name in the file, absent
+    optional tensors, our parameter shapes)."""
+    path = tensors.path
+    table = get_family(config.model_type).table
+    names = tensors.names()
+    alias = {n: n for n in names} | {table.hf_prefix + n: n for n in names if not n.startswith(table.hf_prefix)}
+    rules = list(table.expand(config))
+    absent = {rule.hf for rule in rules if rule.hf not in alias}
+    missing = sorted(n for n in absent if not any(re.search(p, n) for p in table.optional))
+    if missing:
+        raise ExportError(f"{path}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    used = {alias[rule.hf] for rule in rules if rule.hf not in absent}
+    unexpected = [n for n in sorted(names - used) if not any(re.search(p, n) for p in table.ignore)]
+    if unexpected:
+        raise ExportError(f"{path}: tensors this {config.model_type} model has no place for: "
+                          f"{', '.join(unexpected[:4])}")
+    shapes = _param_shapes(config)
+    for rule in rules:
+        if rule.hf not in absent:
+            found, needed = tensors.shape(alias[rule.hf]), _rule_shape(shapes, rule)
+            if np.prod(found) != np.prod(needed):  # the layouts only transpose and reshape
+                raise ExportError(f"{path}: tensor {alias[rule.hf]} has shape {list(found)}, but the model of its "
+                                  f"config.json needs {int(np.prod(needed))} values ({list(needed)} here); the "
+                                  "weights and config.json are of different models")
+    return rules, alias, absent, shapes
+
+
+def check_checkpoint(path: str | Path, config: HFConfig) -> None:
+    """Every check of a checkpoint's weights against its config that needs no tensor read (matched_rules)."""
+    with CheckpointTensors(storage.path(path, "--model_name_or_path")) as tensors:
+        matched_rules(tensors, config)
+
+
+def grown(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """`value` grown to `shape` along its one longer axis (an extended vocabulary), the new rows the mean of the old
+    ones, as transformers' resize_token_embeddings initialises them."""
+    if value.shape == tuple(shape):
+        return value
+    (axis,) = [i for i, (a, b) in enumerate(zip(value.shape, shape)) if a != b]
+    extra = list(value.shape)
+    extra[axis] = shape[axis] - value.shape[axis]
+    mean = value.mean(axis=axis, keepdims=True, dtype=np.float64).astype(value.dtype)
+    return np.concatenate([value, np.broadcast_to(mean, extra)], axis=axis)
+
+
+def _fill_params(model: nnx.Module, path: Path, mesh=None, source_config: HFConfig | None = None) -> None:
     """Load the HF tensors at `path` into `model`'s parameters, each placed with the parameter's sharding.
 
     Per-layer HF tensors fill the slices of our stacked parameters; each parameter is placed once it is whole.
+    `source_config`: the checkpoint's own config where the model's vocabulary extends it (rows appended, `grown`).
     """
-    config = model.config
-    table = get_family(config.model_type).table
     variables = _param_variables(model)
-    with _open_safetensors(path) as f:
-        names = set(f.keys())
-        alias = {n: n for n in names} | {table.hf_prefix + n: n for n in names if not n.startswith(table.hf_prefix)}
-        rules = list(table.expand(config))
-        absent = {rule.hf for rule in rules if rule.hf not in alias}
-        missing = sorted(n for n in absent if not any(re.search(p, n) for p in table.optional))
-        if missing:
-            raise ExportError(f"{path}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-        used = {alias[rule.hf] for rule in rules if rule.hf not in absent}
-        unexpected = [n for n in sorted(names - used) if not any(re.search(p, n) for p in table.ignore)]
-        if unexpected:
-            raise ExportError(f"{path}: tensors this {config.model_type} model has no place for: "
-                              f"{', '.join(unexpected[:4])}")
+    with CheckpointTensors(path) as tensors:
+        rules, alias, absent, source_shapes = matched_rules(tensors, source_config or model.config)
         last_use = {rule.ours: i for i, rule in enumerate(rules)}
         pending: dict[str, np.ndarray] = {}
         for i, rule in enumerate(rules):
@@ -277,7 +398,7 @@ def _fill_params(model: nnx.Module, path: Path, mesh=None) -> None:
             if rule.hf in absent:  # an optional tensor, e.g. BART's final_logits_bias in a BartModel checkpoint
                 value = np.zeros(target, np.float32)
             else:
-                value = rule.layout[1](f.get_tensor(alias[rule.hf]).astype(np.float32), target)
+                value = grown(rule.layout[1](tensors.get(alias[rule.hf]), _rule_shape(source_shapes, rule)), target)
             if rule.layer is None:
                 pending[rule.ours] = value
             else:
@@ -294,20 +415,23 @@ def _sharding_of(var: nnx.Variable, mesh):
     return current if isinstance(current, jax.sharding.Sharding) else None
 
 
-def load_hf(path: str | Path, *, mesh=None, dtype=None) -> tuple[nnx.Module, HFConfig]:
-    """An NNX model with the weights of a transformers checkpoint, sharded on `mesh` (or the current mesh)."""
+def load_hf(path: str | Path, *, mesh=None, dtype=None, config: HFConfig | None = None) -> tuple[nnx.Module,
+                                                                                            HFConfig]:
+    """An NNX model with the weights of a transformers checkpoint, sharded on `mesh` (or the current mesh).
+    `config`: the model's, where its vocabulary extends the checkpoint's (the rows appended, `grown`)."""
     path = storage.path(path, "--model_name_or_path")
-    config = load_pretrained_config(path)
+    source = load_pretrained_config(path)
+    config = config or source
     family = get_family(config.model_type)
     mesh = mesh if mesh is not None else _current_mesh()
     build = lambda: family.make_model(config, rngs=nnx.Rngs(0), dtype=dtype or jnp.float32)
     if mesh is not None:
         with jax.set_mesh(mesh):
             model = nnx.eval_shape(build)  # no random init: every parameter is replaced below
-            _fill_params(model, path, mesh)
+            _fill_params(model, path, mesh, source_config=source)
     else:
         model = nnx.eval_shape(build)
-        _fill_params(model, path)
+        _fill_params(model, path, source_config=source)
     return model, config
 
 
@@ -316,10 +440,11 @@ def _current_mesh():
     return None if mesh.empty else mesh
 
 
-def load_hf_into_state(path: str | Path, graphdef, state):
-    """Put a transformers checkpoint's weights into a freshly initialised (model, optimizer) train state."""
+def load_hf_into_state(path: str | Path, graphdef, state, source_config: HFConfig | None = None):
+    """Put a transformers checkpoint's weights into a freshly initialised (model, optimizer) train state;
+    `source_config`: the checkpoint's config where the run's vocabulary extends it."""
     model, optimizer = nnx.merge(graphdef, state)
-    _fill_params(model, storage.path(path, "--model_name_or_path"))
+    _fill_params(model, storage.path(path, "--model_name_or_path"), source_config=source_config)
     return nnx.state((model, optimizer))
 
 
@@ -345,7 +470,7 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
     # Where training found its tokenizer: --tokenizer_name, the --model_name_or_path it started from, or the run's.
     given = [run_config.get("tokenizer_name"), run_config.get("model_name_or_path"), run_dir]
     tokenizer_dir = next((p for p in given if p and (storage.path(p).is_file()
-                                                    or (storage.path(p) / "tokenizer.json").exists())), None)
+                                                    or tokenizer_layout(storage.path(p)))), None)
     return model, config, tokenizer_dir, step
 
 
@@ -374,7 +499,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None 
     if out.exists() and any(out.iterdir()) and not overwrite and not unfinished:
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
     model, config, tokenizer_dir, _ = load_run(checkpoint, step, make_mesh(mesh_spec))
-    save_hf(model, config, out, tokenizer=load_tokenizer(tokenizer_dir) if tokenizer_dir else None, release=True)
+    tokenizer = load_tokenizer(tokenizer_dir, get_family(config.model_type)) if tokenizer_dir else None
+    save_hf(model, config, out, tokenizer=tokenizer, release=True)
     if jax.process_index() == 0:
         write_export_card(out, config, str(checkpoint), step)
         print(what_it_needs(get_family(config.model_type), out))

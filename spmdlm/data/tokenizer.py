@@ -168,27 +168,41 @@ def _canonical_unigram(tok: Tokenizer, num_specials: int) -> Tokenizer:
 
 
 SPIECE_NAME = "spiece.model"
+SPM_BPE_NAME = "sentencepiece.bpe.model"
+# How a transformers checkpoint ships its tokenizer, in the order transformers prefers them; all but the first are
+# converted by transformers itself (its slow -> fast conversion, which reads SentencePiece models through protobuf).
+TOKENIZER_LAYOUTS = (("tokenizer.json",), ("vocab.json", "merges.txt"), (SPIECE_NAME,), (SPM_BPE_NAME,))
+# Read beside a layout's files: the special tokens, added tokens and the class to build (transformers' own rules).
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "config.json")
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a tokenizer.json file, or the tokenizer.json inside a directory (e.g. a transformers tokenizer dir), or a
-    SentencePiece model (a `.model` file, or a directory holding `spiece.model` and no tokenizer.json), which is
-    converted to the tokenizer transformers' T5TokenizerFast builds from it (same ids, 100 sentinels appended).
-    A gs:// path is read from the bucket (only the file needed)."""
+def tokenizer_layout(folder) -> tuple[str, ...] | None:
+    """The files of the tokenizer a directory holds (the first layout of TOKENIZER_LAYOUTS found), or None."""
+    if not folder.is_dir():
+        return None
+    return next((layout for layout in TOKENIZER_LAYOUTS if all((folder / name).is_file() for name in layout)), None)
+
+
+def load_tokenizer(path: str | os.PathLike, family=None) -> Tokenizer:
+    """Load a tokenizer.json file, a SentencePiece `.model` file, or the tokenizer of a directory in any layout a
+    transformers checkpoint ships (TOKENIZER_LAYOUTS). Files other than tokenizer.json are converted by transformers
+    with the class tokenizer_config.json names, else the layout's class for `family` (a family or TokenizerSpec):
+    vocab.json + merges.txt -> GPT-2's or RoBERTa's byte-level BPE, spiece.model -> T5's (100 sentinels appended),
+    sentencepiece.bpe.model -> XLM-R's (fairseq ids). A gs:// path is read from the bucket (only the files needed)."""
     path = storage.path(path, "--tokenizer_name")
+    file = path
     if path.is_dir():
-        if (path / "tokenizer.json").is_file() or not (path / SPIECE_NAME).is_file():
-            file = path / "tokenizer.json"
-        else:
-            return spiece_tokenizer(path / SPIECE_NAME)
-    else:
-        file = path
+        layout = tokenizer_layout(path) or ("tokenizer.json",)
+        if layout != ("tokenizer.json",):
+            return converted_tokenizer(path, layout, family)
+        file = path / "tokenizer.json"
     if file.is_file() and file.suffix == ".model":
-        return spiece_tokenizer(storage.local_copy(file))
+        return spiece_tokenizer(file)
     if not file.is_file():
         raise TokenizerError(
-            f"no tokenizer at {path}: expected a tokenizer.json file, a SentencePiece spiece.model, or a directory "
-            "holding one; fix --tokenizer_name or train a new tokenizer"
+            f"no tokenizer at {path}: expected a tokenizer.json file, vocab.json + merges.txt, a SentencePiece "
+            f"{SPIECE_NAME} or {SPM_BPE_NAME}, or a directory holding one; fix --tokenizer_name or train a new "
+            "tokenizer"
         )
     try:
         return Tokenizer.from_str(file.read_text()) if storage.is_remote(file) else Tokenizer.from_file(str(file))
@@ -196,40 +210,72 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise TokenizerError(f"cannot read tokenizer {file}: {e}") from e
 
 
+def _layout_class(folder, layout: tuple[str, ...], family) -> str | None:
+    """The transformers tokenizer class for a layout; None: AutoTokenizer decides (tokenizer_config.json names the
+    class, or config.json's model_type gives it)."""
+    config = folder / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class"):
+        return None
+    if layout == (SPIECE_NAME,):
+        return "T5Tokenizer"
+    if layout == (SPM_BPE_NAME,):
+        return "XLMRobertaTokenizer"
+    if family is None:
+        return None
+    return "RobertaTokenizer" if tokenizer_spec(family).frames_with_bos else "GPT2Tokenizer"
+
+
+def converted_tokenizer(folder, layout: tuple[str, ...], family=None) -> Tokenizer:
+    """The `tokenizers.Tokenizer` transformers builds from a checkpoint's tokenizer files (vocab.json + merges.txt,
+    a SentencePiece model), with the special and added tokens its side files declare."""
+    files = {name: folder / name for name in layout + TOKENIZER_SIDE_FILES if (folder / name).is_file()}
+    return _through_transformers(files, _layout_class(folder, layout, family), folder)
+
+
 def spiece_tokenizer(model_file: str | os.PathLike) -> Tokenizer:
     """A SentencePiece model as the `tokenizers.Tokenizer` of `T5TokenizerFast.from_pretrained` on a directory that
-    holds only that model (T5's defaults: 100 <extra_id_k> sentinels, <extra_id_0> last; EOS appended).
+    holds only that model (T5's defaults: 100 <extra_id_k> sentinels, <extra_id_0> last; EOS appended)."""
+    return _through_transformers({SPIECE_NAME: storage.path(model_file)}, "T5Tokenizer", model_file)
 
-    transformers is needed here only (no torch). In transformers 5, `T5TokenizerFast(vocab_file=...)` ignores the
-    file and `from_pretrained` converts it: the conversion goes through from_pretrained on a private copy.
-    """
+
+def _through_transformers(files: dict, class_name: str | None, source) -> Tokenizer:
+    """transformers' tokenizer of `files` (name in a private directory -> where it is), as a tokenizers.Tokenizer.
+
+    transformers is needed here only (no torch). In transformers 5 a tokenizer class given `vocab_file=` ignores the
+    file, and only `from_pretrained` converts it: hence the private copy (also of a bucket's files)."""
     import logging
-    import shutil
     import tempfile
 
     import sentencepiece
 
-    model_file = Path(model_file)
-    try:
-        sentencepiece.SentencePieceProcessor(model_file=str(model_file))
-    except Exception as e:  # sentencepiece raises RuntimeError/OSError with a multi-line message
-        first = str(e).strip().partition("\n")[0]
-        raise TokenizerError(f"cannot read SentencePiece model {model_file}: {first}") from None
-    from transformers import T5TokenizerFast
+    import transformers
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)
     try:
-        with tempfile.TemporaryDirectory(prefix="spmdlm-spiece-") as folder:
-            shutil.copyfile(model_file, Path(folder) / SPIECE_NAME)
-            converted = T5TokenizerFast.from_pretrained(folder, local_files_only=True)
+        with tempfile.TemporaryDirectory(prefix="spmdlm-tokenizer-") as folder:
+            for name, file in files.items():
+                (Path(folder) / name).write_bytes(file.read_bytes())
+                if name.endswith(".model"):  # a readable model, or one line saying why not
+                    try:
+                        sentencepiece.SentencePieceProcessor(model_file=str(Path(folder) / name))
+                    except Exception as e:  # RuntimeError/OSError with a multi-line message
+                        raise TokenizerError(f"cannot read SentencePiece model {file}: {_first_line(e)}") from None
+            cls = transformers.AutoTokenizer if class_name is None else \
+                getattr(transformers, f"{class_name}Fast", None) or getattr(transformers, class_name)
+            converted = cls.from_pretrained(folder, local_files_only=True)
+    except TokenizerError:
+        raise
     except Exception as e:  # noqa: BLE001 - transformers' conversion errors come in many types
-        first = str(e).strip().partition("\n")[0]
-        raise TokenizerError(f"cannot convert SentencePiece model {model_file}: {first}") from None
+        raise TokenizerError(f"cannot convert the tokenizer of {source}: {_first_line(e)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     return Tokenizer.from_str(converted.backend_tokenizer.to_str())
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().partition("\n")[0]
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max_length: int) -> None:

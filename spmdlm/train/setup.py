@@ -19,13 +19,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from spmdlm import devices, storage
+from spmdlm import devices, export, storage
 from spmdlm.config import DEFAULT_MODEL_TYPE, RunArgs
 from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cache
 from spmdlm.data.objectives import Objective
-from spmdlm.data.tokenizer import load_tokenizer, special_token_ids, token_byte_lengths, train_tokenizer
+from spmdlm.data.tokenizer import (TOKENIZER_LAYOUTS, load_tokenizer, special_token_ids, token_byte_lengths,
+                                   tokenizer_layout, train_tokenizer)
 from spmdlm.errors import ArgumentError, DataError, RunError, TasksError
-from spmdlm.export import load_hf_into_state
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.generate.harness import task_manager
@@ -78,6 +78,7 @@ class RunContext:
     latest_step: int = 0  # of the checkpoints found when resuming
     tokenizer: Any = None
     trained_tokenizer: bool = False
+    checkpoint_config: Any = None  # --model_name_or_path's own, where --tokenizer_name extends its vocabulary
     objective: Objective | None = None
     data: Data | None = None
     dataset_cards: dict = dataclasses.field(default_factory=dict)  # prepared datasets' cards as opened, by directory
@@ -122,8 +123,62 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     if args.training and args.learning_rate == 0:
         log.warning("--learning_rate 0: training will not change the weights (give a positive rate to train)")
     attention = choose_attention(args, family, config, mesh)
-    return RunContext(args, mesh, out, family, config, global_batch, run_start, config_name, attention,
-                      mixture.sources_of(args.train_file, args.data_mixture), tasks=tasks)
+    ctx = RunContext(args, mesh, out, family, config, global_batch, run_start, config_name, attention,
+                     mixture.sources_of(args.train_file, args.data_mixture), tasks=tasks)
+    if args.model_name_or_path:
+        check_pretrained(ctx)
+    return ctx
+
+
+# -- a checkpoint to continue (--model_name_or_path): its tokenizer and weights, checked before any corpus is read -----
+def check_pretrained(ctx: RunContext) -> None:
+    """The run's tokenizer is the checkpoint's own (or --tokenizer_name's, which may extend it: the vocabulary grows)
+    or a prepared dataset's; never one trained here. Then the weights are checked against the config."""
+    args, family = ctx.args, ctx.family
+    path = storage.path(args.model_name_or_path, "--model_name_or_path")
+    own = load_tokenizer(path, family) if tokenizer_layout(path) else None
+    if args.tokenizer_name:
+        ctx.tokenizer = load_tokenizer(args.tokenizer_name, family)
+        if own is not None:
+            extend_vocabulary(ctx, own)
+    elif dataset_dir_of(ctx):
+        ctx.tokenizer = load_tokenizer(storage.path(dataset_dir_of(ctx)) / datasets.TOKENIZER_DIR, family)
+    elif own is not None:
+        ctx.tokenizer = own
+    else:
+        layouts = " or ".join(" + ".join(layout) for layout in TOKENIZER_LAYOUTS)
+        raise ArgumentError(f"--model_name_or_path {path} has no tokenizer ({layouts}); pass the tokenizer it was "
+                            "trained with as --tokenizer_name")
+    check_tokenizer_fits(ctx.tokenizer, ctx.config)
+    export.check_checkpoint(path, ctx.checkpoint_config or ctx.config)
+
+
+def dataset_dir_of(ctx: RunContext) -> str | None:
+    return ctx.args.dataset_dir or next((s.dataset_dir for s in ctx.sources if s.dataset_dir), None)
+
+
+def extend_vocabulary(ctx: RunContext, own) -> None:
+    """--tokenizer_name over a checkpoint with its own tokenizer: it must keep every id of the checkpoint's (new
+    tokens appended, as tokenizer.add_tokens does); the embedding grows to hold them (export.grown)."""
+    old, new = own.get_vocab(), ctx.tokenizer.get_vocab()
+    moved = sorted((i, token) for token, i in old.items() if new.get(token) != i)
+    if moved:
+        i, token = moved[0]
+        raise ArgumentError(f"--tokenizer_name {ctx.args.tokenizer_name} does not extend the tokenizer of "
+                            f"--model_name_or_path: {len(moved)} of its tokens have other ids (e.g. {token!r}: {i} -> "
+                            f"{new.get(token)}); give a tokenizer that keeps every old id and appends new tokens "
+                            "(transformers' add_tokens), or leave --tokenizer_name out")
+    if len(new) > ctx.config.vocab_size:
+        log.info("--tokenizer_name extends the checkpoint's %d tokens by %d: the embedding grows from %d to %d rows, "
+                 "the new ones the mean of the old", len(old), len(new) - len(old), ctx.config.vocab_size, len(new))
+        ctx.checkpoint_config, ctx.config = ctx.config, ctx.config.replace(vocab_size=len(new))
+
+
+def check_tokenizer_fits(tok, config) -> None:
+    if tok.get_vocab_size() > config.vocab_size:
+        raise ArgumentError(f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
+                            f"{config.vocab_size}; use --vocab_size/a config with vocab_size >= "
+                            f"{tok.get_vocab_size()} or a smaller tokenizer")
 
 
 def resolve_tasks(args: RunArgs, family: Family):
@@ -280,15 +335,16 @@ def warn_if_training_files(validation_files, train_files) -> None:
 
 
 def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
-    """Given (--tokenizer_name), the model's, one found in the output dir, or one trained here on the corpus."""
+    """Given (--tokenizer_name), a checkpoint's (chosen by check_pretrained), one found in the output dir, or one
+    trained here on the corpus."""
     args, out, config = ctx.args, ctx.out, ctx.config
     origin = "trained"
-    if args.tokenizer_name:
-        tok, origin = load_tokenizer(args.tokenizer_name), "given"
-    elif dataset_dir := args.dataset_dir or next((s.dataset_dir for s in ctx.sources if s.dataset_dir), None):
+    if ctx.tokenizer is not None:  # --model_name_or_path's own, or the one given with it
+        tok, origin = ctx.tokenizer, "model"
+    elif args.tokenizer_name:
+        tok, origin = load_tokenizer(args.tokenizer_name, ctx.family), "given"
+    elif dataset_dir := dataset_dir_of(ctx):
         tok, origin = load_tokenizer(storage.path(dataset_dir) / datasets.TOKENIZER_DIR), "given"
-    elif args.model_name_or_path and (storage.path(args.model_name_or_path) / "tokenizer.json").exists():
-        tok, origin = load_tokenizer(args.model_name_or_path), "model"
     elif (out / "tokenizer.json").exists():
         log.info("reusing the tokenizer in %s", out)
         tok, origin = load_tokenizer(out), "output_dir"
@@ -303,10 +359,7 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
 def use_tokenizer(ctx: RunContext, tok) -> None:
     """The run's tokenizer, checked against the model's vocabulary; the config takes its special token ids."""
     config = ctx.config
-    if tok.get_vocab_size() > config.vocab_size:
-        raise ArgumentError(f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
-                            f"{config.vocab_size}; use --vocab_size/a config with vocab_size >= "
-                            f"{tok.get_vocab_size()} or a smaller tokenizer")
+    check_tokenizer_fits(tok, config)
     fields = {f.name for f in dataclasses.fields(config)}
     ctx.config = config.replace(**{f"{k}_token_id": v for k, v in special_token_ids(tok, ctx.family).items()
                                    if v is not None and f"{k}_token_id" in fields})
@@ -424,7 +477,7 @@ def setup_state(ctx: RunContext, *, abstract: bool):
                                         abstract=abstract)
     check_mesh_use(state, ctx)
     if args.model_name_or_path and not abstract:
-        state = load_hf_into_state(args.model_name_or_path, graphdef, state)
+        state = export.load_hf_into_state(args.model_name_or_path, graphdef, state, ctx.checkpoint_config)
     stepper = Stepper(graphdef, state, ctx.mesh, ctx.family.forward, grad_accum=args.gradient_accumulation_steps,
                       z_loss=args.z_loss, dropout_seed=args.seed, schedule=learning_rate_schedule(optim, steps),
                       loss_chunk=args.loss_chunk_size, label_capacity=ctx.objective.label_capacity,
