@@ -37,9 +37,23 @@ def start_emulator(bucket: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, str(HERE.parent / "tests" / "gcs_emulator.py"), "start", "--host",
-                               "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", bucket, "--quiet"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE.parent / "tests" / "gcs_emulator.py"),
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--in-memory",
+            "--default-bucket",
+            bucket,
+            "--quiet",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(600):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
@@ -49,33 +63,53 @@ def start_emulator(bucket: str) -> tuple[subprocess.Popen, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-def bench(model: str, corpus: Path, folder: Path, bucket: str, seq_len: int, global_batch: int, batches: int,
-          vocab: int) -> list[dict]:
+def bench(
+    model: str, corpus: Path, folder: Path, bucket: str, seq_len: int, global_batch: int, batches: int, vocab: int
+) -> list[dict]:
+    from bench_read import memmap_rate
+
     from spmdlm import storage
     from spmdlm.data import datasets, pipeline, readers
     from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
     from spmdlm.families import get_family
     from spmdlm.prepare import resolve_objective
-    from bench_read import memmap_rate
 
     family = get_family(model)
     docs = [line for line in corpus.read_text(encoding="utf-8").splitlines() if line.strip()]
     tok = train_tokenizer(family, docs[:20000], vocab)
-    family, objective, flags, _ = resolve_objective(model, tok, {family.flags[0].name: seq_len},
-                                                    config_name=family.quickstart["config_name"])
+    family, objective, flags, _ = resolve_objective(
+        model, tok, {family.flags[0].name: seq_len}, config_name=family.quickstart["config_name"]
+    )
     ids = special_token_ids(tok, family)
     mode = objective.preparation
     remote = f"{bucket}/{model}-{seq_len}"
     start = time.perf_counter()
-    card = datasets.prepare_dataset(readers.open_corpus([str(corpus)]), tok, remote, family=family, objective=flags,
-                                    record_length=objective.record_length, mode=mode, separator_id=ids["eos"],
-                                    pad_id=ids.get("pad"), validation_percentage=0, workers=1, progress=False,
-                                    shard_bytes=4 << 20)
+    card = datasets.prepare_dataset(
+        readers.open_corpus([str(corpus)]),
+        tok,
+        remote,
+        family=family,
+        objective=flags,
+        record_length=objective.record_length,
+        mode=mode,
+        separator_id=ids["eos"],
+        pad_id=ids.get("pad"),
+        validation_percentage=0,
+        workers=1,
+        progress=False,
+        shard_bytes=4 << 20,
+    )
     shards = card["splits"]["train"]["shards"]
     size = sum(s["bytes"] for s in shards)
     record_tokens = card["splits"]["train"]["examples"] * objective.record_length
-    common = {"model": model, "seq_len": seq_len, "record_length": objective.record_length, "shards": len(shards),
-              "dataset_mb": round(size / 1e6, 2), "record_tokens": record_tokens}
+    common = {
+        "model": model,
+        "seq_len": seq_len,
+        "record_length": objective.record_length,
+        "shards": len(shards),
+        "dataset_mb": round(size / 1e6, 2),
+        "record_tokens": record_tokens,
+    }
     lines = [{"bench": "prepare_to_bucket", **common, "seconds": round(time.perf_counter() - start, 2)}]
 
     start = time.perf_counter()
@@ -84,16 +118,31 @@ def bench(model: str, corpus: Path, folder: Path, bucket: str, seq_len: int, glo
             while f.read(8 << 20):
                 pass
     seconds = time.perf_counter() - start
-    lines.append({"bench": "stream", **common, "seconds": round(seconds, 3), "mb_per_s": round(size / 1e6 / seconds, 1),
-                  "record_tokens_per_s": round(record_tokens / seconds)})
+    lines.append(
+        {
+            "bench": "stream",
+            **common,
+            "seconds": round(seconds, 3),
+            "mb_per_s": round(size / 1e6 / seconds, 1),
+            "record_tokens_per_s": round(record_tokens / seconds),
+        }
+    )
 
     os.environ["SPMDLM_LOCAL_CACHE"] = str(folder / f"local-{model}")
     for kind in ("cold", "warm"):
         start = time.perf_counter()
         train, _, _ = datasets.open_dataset(remote, tokenizer=tok, record_length=objective.record_length, mode=mode)
         seconds = time.perf_counter() - start
-        lines.append({"bench": "copy", "kind": kind, **common, "seconds": round(seconds, 3),
-                      "mb_per_s": round(size / 1e6 / seconds, 1), "record_tokens_per_s": round(record_tokens / seconds)})
+        lines.append(
+            {
+                "bench": "copy",
+                "kind": kind,
+                **common,
+                "seconds": round(seconds, 3),
+                "mb_per_s": round(size / 1e6 / seconds, 1),
+                "record_tokens_per_s": round(record_tokens / seconds),
+            }
+        )
 
     first = next(iter(objective.example_spec()))
     input_tokens = int(np.prod(objective.example_spec()[first][0]))
@@ -103,10 +152,19 @@ def bench(model: str, corpus: Path, folder: Path, bucket: str, seq_len: int, glo
         next(it)
     seconds = time.perf_counter() - start
     limit = memmap_rate(train, global_batch, seconds=1.0) * global_batch * input_tokens
-    lines.append({"bench": "read", **common, "objective": type(objective).__name__, "global_batch": global_batch,
-                  "batches": batches, "seconds": round(seconds, 3),
-                  "tokens_per_s": round(batches * global_batch * input_tokens / seconds),
-                  "memmap_limit_tokens_per_s": round(limit), "load_avg": os.getloadavg()})
+    lines.append(
+        {
+            "bench": "read",
+            **common,
+            "objective": type(objective).__name__,
+            "global_batch": global_batch,
+            "batches": batches,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(batches * global_batch * input_tokens / seconds),
+            "memmap_limit_tokens_per_s": round(limit),
+            "load_avg": os.getloadavg(),
+        }
+    )
     return lines
 
 
@@ -126,12 +184,17 @@ def main(argv=None) -> None:
     server, url = start_emulator("bench")
     os.environ["STORAGE_EMULATOR_HOST"] = url
     try:
-        print(json.dumps({"bench": "env", "cpus": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg(),
-                          "emulator": url}), flush=True)
+        print(
+            json.dumps(
+                {"bench": "env", "cpus": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg(), "emulator": url}
+            ),
+            flush=True,
+        )
         corpus = make_corpus(folder / "corpus.txt", args.mb)
         for model in args.models.split(","):
-            for line in bench(model, corpus, folder, "gs://bench", args.seq_len, args.global_batch, args.batches,
-                              args.vocab_size):
+            for line in bench(
+                model, corpus, folder, "gs://bench", args.seq_len, args.global_batch, args.batches, args.vocab_size
+            ):
                 print(json.dumps(line), flush=True)
     finally:
         server.terminate()

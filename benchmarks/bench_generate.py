@@ -80,8 +80,9 @@ def bench_config(name: str, args) -> list[dict]:
 
         def theirs(n):
             with torch.inference_mode():
-                return hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                   do_sample=False, num_beams=1)[:, PROMPT_TOKENS:].tolist()
+                return hf.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, num_beams=1
+                )[:, PROMPT_TOKENS:].tolist()
 
         compiles = decoding.prefill._cache_size(), decoding.decode._cache_size()
         start = time.perf_counter()
@@ -91,24 +92,32 @@ def bench_config(name: str, args) -> list[dict]:
         compiled = decoding.prefill._cache_size() - compiles[0], decoding.decode._cache_size() - compiles[1]
         reference = theirs(args.new_tokens)
         n = args.new_tokens
-        times = timed_round_robin([lambda: ours(n), lambda: theirs(n), lambda: ours(1), lambda: theirs(1)],
-                                  args.repeats)
+        times = timed_round_robin(
+            [lambda: ours(n), lambda: theirs(n), lambda: ours(1), lambda: theirs(1)], args.repeats
+        )
         t_ours, t_theirs = (times[0], times[2]), (times[1], times[3])
-        recompiled = (decoding.prefill._cache_size() - compiles[0], decoding.decode._cache_size() - compiles[1]) \
-            != compiled
+        recompiled = (
+            decoding.prefill._cache_size() - compiles[0],
+            decoding.decode._cache_size() - compiles[1],
+        ) != compiled
         decoded = batch * (args.new_tokens - 1)
         shapes = len({-(-(PROMPT_TOKENS + k) // decoding.SLOT_BUCKET) for k in (args.new_tokens, 1)})
         record = {
-            "config": name, "parameters": n_params, "batch": batch, "prompt_tokens": PROMPT_TOKENS,
+            "config": name,
+            "parameters": n_params,
+            "batch": batch,
+            "prompt_tokens": PROMPT_TOKENS,
             "new_tokens": args.new_tokens,
             "ours_decode_tokens_per_s": decoded / (t_ours[0] - t_ours[1]),
             "hf_decode_tokens_per_s": decoded / (t_theirs[0] - t_theirs[1]),
-            "ours_prefill_plus_one_s": t_ours[1], "hf_prefill_plus_one_s": t_theirs[1],
+            "ours_prefill_plus_one_s": t_ours[1],
+            "hf_prefill_plus_one_s": t_theirs[1],
             "ours_first_call_s": compile_s,
             # one prefill and one decode loop per cache length (the two lengths may share one), none when timed
             "compiled_once_per_shape": compiled == (shapes, shapes) and not recompiled,
             "compiled_prefill_decode": compiled,
-            "same_tokens": first == reference, "full_length": all(len(r) == args.new_tokens for r in first + reference),
+            "same_tokens": first == reference,
+            "full_length": all(len(r) == args.new_tokens for r in first + reference),
         }
         record["ratio_ours_over_hf"] = record["ours_decode_tokens_per_s"] / record["hf_decode_tokens_per_s"]
         print(json.dumps(record), flush=True)
@@ -128,15 +137,19 @@ def main(argv=None):
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     results = [r for name in args.configs.split(",") for r in bench_config(name, args)]
-    print(f"\njax {jax.__version__} ({jax.devices()[0].device_kind}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(
+        f"\njax {jax.__version__} ({jax.devices()[0].device_kind}), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     print("| config | params | batch | ours tok/s | transformers tok/s | ratio | compiled once | same tokens |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['config']} | {r['parameters'] / 1e6:.1f}M | {r['batch']} | {r['ours_decode_tokens_per_s']:,.0f} | "
-              f"{r['hf_decode_tokens_per_s']:,.0f} | {r['ratio_ours_over_hf']:.2f} | {r['compiled_once_per_shape']} | "
-              f"{r['same_tokens'] and r['full_length']} |")
+        print(
+            f"| {r['config']} | {r['parameters'] / 1e6:.1f}M | {r['batch']} | {r['ours_decode_tokens_per_s']:,.0f} | "
+            f"{r['hf_decode_tokens_per_s']:,.0f} | {r['ratio_ours_over_hf']:.2f} | {r['compiled_once_per_shape']} | "
+            f"{r['same_tokens'] and r['full_length']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,14 @@ def parse_args(argv=None):
 def own_flags(optimizer: str, quickstart: dict) -> list[str]:
     """The flags an optimizer's conventions need on top of the quick start's."""
     if optimizer == "lion":
-        return ["--learning_rate", str(quickstart["learning_rate"] / 5),
-                "--weight_decay", str(quickstart.get("weight_decay", 0.0) * 5), "--adam_beta2", "0.99"]
+        return [
+            "--learning_rate",
+            str(quickstart["learning_rate"] / 5),
+            "--weight_decay",
+            str(quickstart.get("weight_decay", 0.0) * 5),
+            "--adam_beta2",
+            "0.99",
+        ]
     if optimizer == "schedule_free_adamw":
         return ["--lr_scheduler_type", "constant"]
     return []
@@ -52,16 +58,36 @@ def run(model: str, optimizer: str, args) -> dict:
     from spmdlm.families import quickstart
 
     out = Path(tempfile.mkdtemp(prefix=f"bench-optim-{model}-{optimizer}-", dir="/tmp"))
-    command = [sys.executable, "-m", "spmdlm.launch", "--model_type", model, "--optim", optimizer,
-               "--output_dir", str(out), "--max_steps", str(args.max_steps),
-               "--eval_steps", str(args.eval_steps), "--save_steps", str(args.max_steps), "--mesh", args.mesh,
-               "--export_hf", "false", "--sample_prompts=", *own_flags(optimizer, quickstart(model)), *args.extra]
+    command = [
+        sys.executable,
+        "-m",
+        "spmdlm.launch",
+        "--model_type",
+        model,
+        "--optim",
+        optimizer,
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(args.max_steps),
+        "--eval_steps",
+        str(args.eval_steps),
+        "--save_steps",
+        str(args.max_steps),
+        "--mesh",
+        args.mesh,
+        "--export_hf",
+        "false",
+        "--sample_prompts=",
+        *own_flags(optimizer, quickstart(model)),
+        *args.extra,
+    ]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     record = {"model": model, "optimizer": optimizer, "command": " ".join(command[1:]), "seconds": round(seconds, 1)}
     if done.returncode != 0:
-        record["error"] = (done.stderr.strip().splitlines() or ["exit code %d" % done.returncode])[-1]
+        record["error"] = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
     else:
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         record["eval_loss"] = {m["step"]: m["eval_loss"] for m in lines if "eval_loss" in m}
@@ -72,8 +98,10 @@ def run(model: str, optimizer: str, args) -> dict:
 
 def table(records: list[dict]) -> str:
     steps = sorted({step for r in records for step in r.get("eval_loss", {})})
-    rows = ["| optimizer | " + " | ".join(f"eval loss @{s}" for s in steps) + " | seconds |",
-            "| --- |" + " ---: |" * (len(steps) + 1)]
+    rows = [
+        "| optimizer | " + " | ".join(f"eval loss @{s}" for s in steps) + " | seconds |",
+        "| --- |" + " ---: |" * (len(steps) + 1),
+    ]
     for r in records:
         losses = r.get("eval_loss", {})
         cells = [f"{losses[s]:.4f}" if s in losses else "-" for s in steps]

@@ -74,17 +74,59 @@ def docstring_lines() -> list[str]:
     return lines
 
 
-def launch(out: Path, corpus: Path, tokenizer: Path, args, *, packing: bool, batch: int, steps: int,
-           eval_steps: int) -> float:
-    command = [sys.executable, "-m", "spmdlm.launch", "--model_type", "roberta", "--config_name", "roberta-tiny",
-               "--train_file", str(corpus), "--tokenizer_name", str(tokenizer), "--output_dir", str(out),
-               "--overwrite_output_dir", "--cache_dir", str(out.parent / "cache"), "--line_by_line",
-               "--max_seq_length", str(args.max_seq_length), "--per_device_train_batch_size", str(batch),
-               "--per_device_eval_batch_size", "64", "--mesh", "data=1", "--max_steps", str(steps),
-               "--learning_rate", "1e-3", "--warmup_steps", "30", "--lr_scheduler_type", "constant",
-               "--weight_decay", "0.01", "--adam_beta2", "0.98", "--logging_steps", "1",
-               "--eval_steps", str(eval_steps), "--save_steps", str(10 * steps), "--export_hf", "false",
-               "--seed", "0", *(["--packing"] if packing else [])]
+def launch(
+    out: Path, corpus: Path, tokenizer: Path, args, *, packing: bool, batch: int, steps: int, eval_steps: int
+) -> float:
+    command = [
+        sys.executable,
+        "-m",
+        "spmdlm.launch",
+        "--model_type",
+        "roberta",
+        "--config_name",
+        "roberta-tiny",
+        "--train_file",
+        str(corpus),
+        "--tokenizer_name",
+        str(tokenizer),
+        "--output_dir",
+        str(out),
+        "--overwrite_output_dir",
+        "--cache_dir",
+        str(out.parent / "cache"),
+        "--line_by_line",
+        "--max_seq_length",
+        str(args.max_seq_length),
+        "--per_device_train_batch_size",
+        str(batch),
+        "--per_device_eval_batch_size",
+        "64",
+        "--mesh",
+        "data=1",
+        "--max_steps",
+        str(steps),
+        "--learning_rate",
+        "1e-3",
+        "--warmup_steps",
+        "30",
+        "--lr_scheduler_type",
+        "constant",
+        "--weight_decay",
+        "0.01",
+        "--adam_beta2",
+        "0.98",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        str(eval_steps),
+        "--save_steps",
+        str(10 * steps),
+        "--export_hf",
+        "false",
+        "--seed",
+        "0",
+        *(["--packing"] if packing else []),
+    ]
     print("+", " ".join(command), f"> {out}.log", file=sys.stderr, flush=True)
     started = time.perf_counter()
     with open(f"{out}.log", "w") as log:  # a line a step (logging every step: exact real-token counts)
@@ -95,8 +137,10 @@ def launch(out: Path, corpus: Path, tokenizer: Path, args, *, packing: bool, bat
 def cache_metas(cache: Path) -> dict[tuple[str, int], dict]:
     """{(split, record_length): the token cache's metadata}: the padded run's records are max_seq_length - 2 long,
     the packed run's max_seq_length."""
-    return {(path.stem, json.loads(path.read_text())["record_length"]): json.loads(path.read_text())
-            for path in cache.glob("*/*.json")}
+    return {
+        (path.stem, json.loads(path.read_text())["record_length"]): json.loads(path.read_text())
+        for path in cache.glob("*/*.json")
+    }
 
 
 def curves(out: Path, tokens_per_step: int) -> tuple[list[dict], list[dict]]:
@@ -136,8 +180,23 @@ def main(argv=None) -> int:
     lines = docstring_lines()
     corpus.write_text("\n".join(lines) + "\n")
     tokenizer = args.out / "tokenizer"
-    subprocess.run([sys.executable, "-m", "spmdlm.tokenizer", "--for_model", "roberta", "--vocab_size", "4096",
-                    "--overwrite", "--out", str(tokenizer), str(corpus)], check=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmdlm.tokenizer",
+            "--for_model",
+            "roberta",
+            "--vocab_size",
+            "4096",
+            "--overwrite",
+            "--out",
+            str(tokenizer),
+            str(corpus),
+        ],
+        check=True,
+        cwd=REPO,
+    )
 
     from spmdlm.data import records
     from spmdlm.data.tokenizer import load_tokenizer
@@ -149,21 +208,28 @@ def main(argv=None) -> int:
     rows = []
     sink.write = rows.append
     ids = {"bos": tok.token_to_id("<s>"), "eos": tok.token_to_id("</s>"), "pad": tok.token_to_id("<pad>")}
-    packed = records.tokenize_into(lines, tok, {"train": sink}, records.Cut(args.max_seq_length, ids["eos"],
-                                   "packed_lines", ids["pad"], bos_id=ids["bos"]))["train"]
+    packed = records.tokenize_into(
+        lines,
+        tok,
+        {"train": sink},
+        records.Cut(args.max_seq_length, ids["eos"], "packed_lines", ids["pad"], bos_id=ids["bos"]),
+    )["train"]
     ratio = packed.tokens / packed.examples / (np.minimum(lengths, args.max_seq_length - 2) + 2).mean()
 
     # padded and packed: the same batch and steps (equal compute); packed_small: batch / R, as many more steps, so
     # each step sees about the padded run's real tokens (equal real tokens at equal steps)
     small = max(1, round(args.batch_size / ratio))
     small_steps = math.ceil(args.steps * args.batch_size / (small * ratio))
-    plan = {"padded": (False, args.batch_size, args.steps, args.eval_every),
-            "packed": (True, args.batch_size, args.steps, max(1, round(args.eval_every / ratio))),
-            "packed_small": (True, small, small_steps, round(args.eval_every * small_steps / args.steps))}
+    plan = {
+        "padded": (False, args.batch_size, args.steps, args.eval_every),
+        "packed": (True, args.batch_size, args.steps, max(1, round(args.eval_every / ratio))),
+        "packed_small": (True, small, small_steps, round(args.eval_every * small_steps / args.steps)),
+    }
     runs = {}
     for name, (packing, batch, steps, eval_steps) in plan.items():
-        seconds = launch(args.out / name, corpus, tokenizer, args, packing=packing, batch=batch, steps=steps,
-                         eval_steps=eval_steps)
+        seconds = launch(
+            args.out / name, corpus, tokenizer, args, packing=packing, batch=batch, steps=steps, eval_steps=eval_steps
+        )
         train, evals = curves(args.out / name, batch * args.max_seq_length)
         results = json.loads((args.out / name / "eval_results.json").read_text())
         runs[name] = dict(seconds=seconds, train=train, evals=evals, results=results)
@@ -173,8 +239,8 @@ def main(argv=None) -> int:
     padded_meta, packed_meta = metas[("train", length - 2)], metas[("train", length)]
     padding = {
         "padded_records": padded_meta["pad_tokens"] / (padded_meta["num_records"] * (length - 2)),
-        "padded_examples": 1 - (padded_meta["num_tokens"] + 2 * padded_meta["num_records"])
-        / (padded_meta["num_records"] * length),
+        "padded_examples": 1
+        - (padded_meta["num_tokens"] + 2 * padded_meta["num_records"]) / (padded_meta["num_records"] * length),
         "packed_records": packed_meta["pad_tokens"] / (packed_meta["num_records"] * length),
         "packed_examples": packed_meta["pad_tokens"] / (packed_meta["num_records"] * length),
     }
@@ -189,9 +255,13 @@ def main(argv=None) -> int:
                 point[f"eval_loss_{name}"] = float(np.interp(row["real_tokens"], xs, [e["eval_loss"] for e in curve]))
         at_equal_tokens.append(point)
     report = {
-        "corpus": {"lines": len(lines), "train_lines": padded_meta["documents"],
-                   "mean_tokens_per_line": float(lengths.mean()), "max_seq_length": length,
-                   "lines_truncated": int((lengths > length - 2).sum())},
+        "corpus": {
+            "lines": len(lines),
+            "train_lines": padded_meta["documents"],
+            "mean_tokens_per_line": float(lengths.mean()),
+            "max_seq_length": length,
+            "lines_truncated": int((lengths > length - 2).sum()),
+        },
         "records": {"padded": padded_meta["num_records"], "packed": packed_meta["num_records"]},
         "padding_fraction": padding,
         "real_tokens_per_example_ratio": float(ratio),
@@ -201,23 +271,38 @@ def main(argv=None) -> int:
         "eval_loss_at_end": {name: run["results"]["eval_loss"] for name, run in runs.items()},
         "real_tokens_at_end": {name: run["train"][-1]["real_tokens"] for name, run in runs.items()},
         "run_seconds": {name: run["seconds"] for name, run in runs.items()},
-        "settings": {"runs": {name: dict(zip(("packing", "global_batch", "steps", "eval_steps"), settings))
-                              for name, settings in plan.items()},
-                     "python": sys.version.split()[0], "load_average": os.getloadavg()},
+        "settings": {
+            "runs": {
+                name: dict(zip(("packing", "global_batch", "steps", "eval_steps"), settings))
+                for name, settings in plan.items()
+            },
+            "python": sys.version.split()[0],
+            "load_average": os.getloadavg(),
+        },
     }
     print(json.dumps(report))
     print(f"\n{len(lines)} lines, {lengths.mean():.1f} tokens a line; records: {report['records']}")
-    print(f"padding: records {padding['padded_records']:.1%} -> {padding['packed_records']:.1%}, examples "
-          f"{padding['padded_examples']:.1%} -> {padding['packed_examples']:.1%}")
+    print(
+        f"padding: records {padding['padded_records']:.1%} -> {padding['packed_records']:.1%}, examples "
+        f"{padding['padded_examples']:.1%} -> {padding['packed_examples']:.1%}"
+    )
     rates = report["real_tokens_per_second"]
-    print("real tokens/s: " + ", ".join(f"{name} {rate:,.0f} ({rate / rates['padded']:.2f}x)"
-                                        for name, rate in rates.items()))
-    print("eval loss at equal real tokens (real tokens | padded step, loss | packed step, loss | packed_small step, "
-          "loss):")
+    print(
+        "real tokens/s: "
+        + ", ".join(f"{name} {rate:,.0f} ({rate / rates['padded']:.2f}x)" for name, rate in rates.items())
+    )
+    print(
+        "eval loss at equal real tokens (real tokens | padded step, loss | packed step, loss | packed_small step, "
+        "loss):"
+    )
     for row in at_equal_tokens:
-        print(f"  {row['real_tokens']:9,.0f} | " + " | ".join(
-            f"{row.get('step_' + name, float('nan')):6.1f} {row.get('eval_loss_' + name, float('nan')):.4f}"
-            for name in ("padded", "packed", "packed_small")))
+        print(
+            f"  {row['real_tokens']:9,.0f} | "
+            + " | ".join(
+                f"{row.get('step_' + name, float('nan')):6.1f} {row.get('eval_loss_' + name, float('nan')):.4f}"
+                for name in ("padded", "packed", "packed_small")
+            )
+        )
     print(f"eval loss at the end: {report['eval_loss_at_end']} (padded and packed: equal steps)")
     return 0
 

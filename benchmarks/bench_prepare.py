@@ -54,14 +54,16 @@ def make_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
             lengths = rng.integers(5, 26, 20_000)
             ends = np.cumsum(lengths)
             ends = ends[ends < len(words)]
-            sentences = [" ".join(words[a:b]).capitalize() + rng.choice([".", "!", "?", "."])
-                         for a, b in zip(np.r_[0, ends[:-1]], ends)]
+            sentences = [
+                " ".join(words[a:b]).capitalize() + rng.choice([".", "!", "?", "."])
+                for a, b in zip(np.r_[0, ends[:-1]], ends)
+            ]
             per_doc = rng.integers(1, 13, len(sentences))
             lines, i = [], 0
             for n in per_doc:
                 if i >= len(sentences):
                     break
-                lines.append(" ".join(sentences[i:i + n]))
+                lines.append(" ".join(sentences[i : i + n]))
                 i += n
             block = "\n".join(lines) + "\n"
             f.write(block)
@@ -142,8 +144,13 @@ def bench_prepare(corpus: Path, tok_dir: Path, folder: Path, workers: int, block
     shutil.rmtree(out, ignore_errors=True)  # else the re-run is a no-op (same inputs)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "JAX_PLATFORMS": "cpu"}
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", CHILD, str(corpus), str(tok_dir), str(out), str(workers),
-                             str(block)], capture_output=True, text=True, env=env, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, str(corpus), str(tok_dir), str(out), str(workers), str(block)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     wall = time.perf_counter() - started
     if result.returncode:
         raise SystemExit(f"prepare failed: {result.stderr.strip().splitlines()[-1]}")
@@ -152,22 +159,37 @@ def bench_prepare(corpus: Path, tok_dir: Path, folder: Path, workers: int, block
     for path in sorted(out.iterdir()):
         if path.is_file():
             digest.update(path.name.encode() + path.read_bytes())
-    return {"bench": "prepare", "corpus_mb": round(corpus.stat().st_size / 1e6, 1), "workers": workers,
-            "record_length": block + 1, **{k: round(v, 2) if isinstance(v, float) else v for k, v in child.items()},
-            "tokens_per_s": round(child["tokens"] / child["seconds"]),
-            "mb_per_s": round(corpus.stat().st_size / 1e6 / child["seconds"], 2),
-            "process_wall_s": round(wall, 2), "dataset_sha256": digest.hexdigest()[:16]}
+    return {
+        "bench": "prepare",
+        "corpus_mb": round(corpus.stat().st_size / 1e6, 1),
+        "workers": workers,
+        "record_length": block + 1,
+        **{k: round(v, 2) if isinstance(v, float) else v for k, v in child.items()},
+        "tokens_per_s": round(child["tokens"] / child["seconds"]),
+        "mb_per_s": round(corpus.stat().st_size / 1e6 / child["seconds"], 2),
+        "process_wall_s": round(wall, 2),
+        "dataset_sha256": digest.hexdigest()[:16],
+    }
 
 
-def bench_read(corpus: Path, tok_dir: Path, folder: Path, model: str, seq_len: int, global_batch: int,
-               batches: int, threads: list[int], megabytes: float) -> list[dict]:
+def bench_read(
+    corpus: Path,
+    tok_dir: Path,
+    folder: Path,
+    model: str,
+    seq_len: int,
+    global_batch: int,
+    batches: int,
+    threads: list[int],
+    megabytes: float,
+) -> list[dict]:
     import grain
+    from bench_read import memmap_rate
 
     from spmdlm.data import datasets, pipeline, readers
     from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
     from spmdlm.families import get_family
     from spmdlm.prepare import resolve_objective
-    from bench_read import memmap_rate
 
     family = get_family(model)
     small = folder / f"read-{megabytes:g}mb.txt"
@@ -176,22 +198,39 @@ def bench_read(corpus: Path, tok_dir: Path, folder: Path, model: str, seq_len: i
             small.write_text("".join(f.readlines(int(megabytes * 1e6))), encoding="utf-8")
     tok = load_tokenizer(tok_dir)
     flag = family.flags[0].name
-    family, objective, flags, config = resolve_objective(model, tok, {flag: seq_len},
-                                                         config_name=family.quickstart["config_name"])
+    family, objective, flags, config = resolve_objective(
+        model, tok, {flag: seq_len}, config_name=family.quickstart["config_name"]
+    )
     ids = special_token_ids(tok, family)
     mode = objective.preparation
     out = folder / f"read-{model}-{seq_len}"
-    card = datasets.prepare_dataset(readers.open_corpus([str(small)]), tok, out, family=family, objective=flags,
-                                    record_length=objective.record_length, mode=mode, separator_id=ids["eos"],
-                                    pad_id=ids.get("pad"), validation_percentage=0, workers=2, progress=False)
+    card = datasets.prepare_dataset(
+        readers.open_corpus([str(small)]),
+        tok,
+        out,
+        family=family,
+        objective=flags,
+        record_length=objective.record_length,
+        mode=mode,
+        separator_id=ids["eos"],
+        pad_id=ids.get("pad"),
+        validation_percentage=0,
+        workers=2,
+        progress=False,
+    )
     train, _, _ = datasets.open_dataset(out, tokenizer=tok, record_length=objective.record_length, mode=mode)
     first = next(iter(objective.example_spec()))
     input_tokens = int(np.prod(objective.example_spec()[first][0]))
     lines = []
     for num_threads in threads:
-        it = pipeline.train_batches(train, objective, seed=0, global_batch=global_batch, num_epochs=100,
-                                    read_options=grain.ReadOptions(num_threads=num_threads,
-                                                                   prefetch_buffer_size=2 * global_batch))
+        it = pipeline.train_batches(
+            train,
+            objective,
+            seed=0,
+            global_batch=global_batch,
+            num_epochs=100,
+            read_options=grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=2 * global_batch),
+        )
         # Timed from the first batch on: a prefetching reader has batches ready before the clock starts otherwise.
         start = time.perf_counter()
         next(it)
@@ -201,16 +240,29 @@ def bench_read(corpus: Path, tok_dir: Path, folder: Path, model: str, seq_len: i
         seconds = time.perf_counter() - start
         examples = batches * global_batch
         limit = memmap_rate(train, global_batch, seconds=1.0) * global_batch * input_tokens
-        lines.append({"bench": "read", "model": model, "objective": type(objective).__name__, "mode": mode,
-                      "seq_len": seq_len, "record_length": objective.record_length, "input_field": first,
-                      "input_tokens_per_example": input_tokens, "global_batch": global_batch,
-                      "grain_num_threads": num_threads, "batches": batches, "seconds": round(seconds, 3),
-                      "first_batch_s": round(first_s, 3),
-                      "examples_per_s": round(examples / seconds),
-                      "tokens_per_s": round(examples * input_tokens / seconds),
-                      "record_tokens_per_s": round(examples * objective.record_length / seconds),
-                      "memmap_limit_tokens_per_s": round(limit), "load_avg": os.getloadavg(),
-                      "dataset_examples": card["splits"]["train"]["examples"]})
+        lines.append(
+            {
+                "bench": "read",
+                "model": model,
+                "objective": type(objective).__name__,
+                "mode": mode,
+                "seq_len": seq_len,
+                "record_length": objective.record_length,
+                "input_field": first,
+                "input_tokens_per_example": input_tokens,
+                "global_batch": global_batch,
+                "grain_num_threads": num_threads,
+                "batches": batches,
+                "seconds": round(seconds, 3),
+                "first_batch_s": round(first_s, 3),
+                "examples_per_s": round(examples / seconds),
+                "tokens_per_s": round(examples * input_tokens / seconds),
+                "record_tokens_per_s": round(examples * objective.record_length / seconds),
+                "memmap_limit_tokens_per_s": round(limit),
+                "load_avg": os.getloadavg(),
+                "dataset_examples": card["splits"]["train"]["examples"],
+            }
+        )
     return lines
 
 
@@ -236,21 +288,40 @@ def main(argv=None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     sizes = [float(s) for s in args.sizes.split(",")] + ([80.0] if args.large else [])
     models = args.models.split(",")
-    print(json.dumps({"bench": "env", "python": platform.python_version(), "machine": platform.machine(),
-                      "cpus": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg(), "dir": str(folder)}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "env",
+                "python": platform.python_version(),
+                "machine": platform.machine(),
+                "cpus": len(os.sched_getaffinity(0)),
+                "load_avg": os.getloadavg(),
+                "dir": str(folder),
+            }
+        ),
+        flush=True,
+    )
     corpora = {size: make_corpus(folder / f"corpus-{size:g}mb.txt", size) for size in sizes}
     smallest = corpora[min(sizes)]
     toks = train_tokenizers(smallest, folder, sorted(set(models) | {"gpt2"}), args.vocab_size)
     if not args.skip_prepare:
-        for size, corpus in corpora.items():
+        for corpus in corpora.values():
             for workers in [int(w) for w in args.workers.split(",")]:
                 print(json.dumps(bench_prepare(corpus, toks["gpt2"], folder, workers, args.block_size)), flush=True)
     if not args.skip_read:
         threads = [int(t) for t in args.read_threads.split(",")]
         for model in models:
-            for line in bench_read(smallest, toks[model], folder, model, args.seq_len, args.global_batch,
-                                   args.batches, threads, args.read_mb):
+            for line in bench_read(
+                smallest,
+                toks[model],
+                folder,
+                model,
+                args.seq_len,
+                args.global_batch,
+                args.batches,
+                threads,
+                args.read_mb,
+            ):
                 print(json.dumps(line), flush=True)
 
 

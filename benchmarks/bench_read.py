@@ -89,7 +89,7 @@ def memmap_rate(split, batch: int, seconds: float) -> float:
     count, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         step = count % steps
-        np.asarray(tokens[order[step * batch:(step + 1) * batch]])
+        np.asarray(tokens[order[step * batch : (step + 1) * batch]])
         count += 1
     return count / elapsed
 
@@ -119,8 +119,11 @@ def main(argv=None) -> None:
                 rate = iterator_rate(split, objective, args.batch, threads, args.seconds) * tokens
                 limit = (limit + memmap_rate(split, args.batch, args.seconds / 2) * tokens) / 2
                 load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-                print(f"| {name} | {length} | {threads} | {rate / 1e6:.2f}M | {limit / 1e6:.1f}M | "
-                      f"{rate / limit:.1%} | {load} |", flush=True)
+                print(
+                    f"| {name} | {length} | {threads} | {rate / 1e6:.2f}M | {limit / 1e6:.1f}M | "
+                    f"{rate / limit:.1%} | {load} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

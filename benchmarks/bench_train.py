@@ -27,11 +27,14 @@ import resource
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+from spmdlm.models.attention import IMPLEMENTATIONS as ATTENTIONS
 
 # Importing jax starts no backend: the device flags (prepare_devices) are read when the first one starts.
 from spmdlm.models.layers import REMAT_POLICIES
-from spmdlm.models.attention import IMPLEMENTATIONS as ATTENTIONS
+
 
 def _families():
     from spmdlm.families import families
@@ -48,40 +51,74 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a model family: " + " | ".join(_families()))
     p.add_argument("--config", help="preset name in models/, a JSON file or an HF config dir (default: tiny preset)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field (HF name), e.g. --set n_layer=4; repeatable")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field (HF name), e.g. --set n_layer=4; repeatable",
+    )
     p.add_argument("--mesh", default="data=-1", help="e.g. data=1, data=8, fsdp=-1 (CPU devices are simulated)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     p.add_argument("--batch_size", type=int, default=8, help="examples per batch-axis device")
     p.add_argument("--seq_len", type=int, help="sequence (encoder) length (default: the model's, at most 512)")
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (after compilation)")
-    p.add_argument("--jit", default="jax", choices=("jax", "flat", "nnx"),
-                   help="jax: Stepper's jax.jit over the split state; flat: jax.jit over a flat list of arrays; "
-                        "nnx: nnx.jit over (model, optimizer)")
-    p.add_argument("--attention", default="xla", choices=ATTENTIONS,
-                   help="the model's attention option: xla = einsums; dot_product = jax.nn.dot_product_attention; "
-                        "cudnn = its cuDNN kernel (NVIDIA GPUs)")
+    p.add_argument(
+        "--jit",
+        default="jax",
+        choices=("jax", "flat", "nnx"),
+        help="jax: Stepper's jax.jit over the split state; flat: jax.jit over a flat list of arrays; "
+        "nnx: nnx.jit over (model, optimizer)",
+    )
+    p.add_argument(
+        "--attention",
+        default="xla",
+        choices=ATTENTIONS,
+        help="the model's attention option: xla = einsums; dot_product = jax.nn.dot_product_attention; "
+        "cudnn = its cuDNN kernel (NVIDIA GPUs)",
+    )
     p.add_argument("--no_donate", dest="donate", action="store_false", help="do not donate the state to the step")
     p.add_argument("--xla", default="", help="XLA compiler options for the step, 'name:value;name:value'")
-    p.add_argument("--remat", default="auto", choices=("auto", *REMAT_POLICIES),
-                   help="what each layer keeps for its backward pass, as the launcher's flag (auto: its choice)")
+    p.add_argument(
+        "--remat",
+        default="auto",
+        choices=("auto", *REMAT_POLICIES),
+        help="what each layer keeps for its backward pass, as the launcher's flag (auto: its choice)",
+    )
     p.add_argument("--loss_chunk_size", type=int, default=0, help="as the launcher's flag (0 = off)")
-    p.add_argument("--all_positions", dest="labelled_only", action="store_false",
-                   help="the LM head on every position even where the objective labels few (MLM)")
-    p.add_argument("--scan_unroll", default="auto",
-                   help="layers per iteration of the layer scan, as the launcher's flag; 0 = fully unrolled; auto = "
-                        "the launcher's choice")
+    p.add_argument(
+        "--all_positions",
+        dest="labelled_only",
+        action="store_false",
+        help="the LM head on every position even where the objective labels few (MLM)",
+    )
+    p.add_argument(
+        "--scan_unroll",
+        default="auto",
+        help="layers per iteration of the layer scan, as the launcher's flag; 0 = fully unrolled; auto = "
+        "the launcher's choice",
+    )
     p.add_argument("--unroll", dest="scan_unroll", action="store_const", const="0", help="= --scan_unroll 0")
-    p.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,...]",
-                   help="a variant to measure against the base settings in the same run; repeatable")
-    p.add_argument("--profile", metavar="DIR", help="after the measured steps, trace 3 more steps of the base "
-                   "variant into DIR and write DIR/report.json: time per XLA op and per op category (op_profile.py)")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,...]",
+        help="a variant to measure against the base settings in the same run; repeatable",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after the measured steps, trace 3 more steps of the base "
+        "variant into DIR and write DIR/report.json: time per XLA op and per op category (op_profile.py)",
+    )
     p.add_argument("--profile_label", default="spmdlm", help="the report's column title")
     p.add_argument("--learning_rate", type=float, default=1e-4)
     p.add_argument("--weight_decay", type=float, default=0.01)
-    p.add_argument("--max_grad_norm", type=float, default=1.0,
-                   help="as the launcher's (0 = no clipping, as the HF Flax scripts)")
+    p.add_argument(
+        "--max_grad_norm", type=float, default=1.0, help="as the launcher's (0 = no clipping, as the HF Flax scripts)"
+    )
     p.add_argument("--seed", type=int, default=0, help="numpy seed of the synthetic batch and init seed")
     if extra is not None:
         extra(p)
@@ -185,20 +222,36 @@ def parse_variant(text: str, base: Variant) -> Variant:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in ("jit", "attention", "donate", "xla", "unroll", "loss_chunk", "labelled_only",
-                                "remat"):
-            fail(f"--compare {text!r}: use jit=, attention=, donate=, xla=, unroll=, loss_chunk=, labelled_only= or "
-                 "remat= (comma-separated)")
+        if not sep or key not in (
+            "jit",
+            "attention",
+            "donate",
+            "xla",
+            "unroll",
+            "loss_chunk",
+            "labelled_only",
+            "remat",
+        ):
+            fail(
+                f"--compare {text!r}: use jit=, attention=, donate=, xla=, unroll=, loss_chunk=, labelled_only= or "
+                "remat= (comma-separated)"
+            )
         flag = key in ("donate", "labelled_only")
         if key == "unroll":  # unroll=true is full unrolling, unroll=N N layers per iteration
             value = "0" if value.strip().lower() in ("true", "yes") else value
-        changes[key] = (value.strip() not in ("0", "false", "no") if flag
-                        else int(value) if key == "loss_chunk" else value.strip())
+        changes[key] = (
+            value.strip() not in ("0", "false", "no") if flag else int(value) if key == "loss_chunk" else value.strip()
+        )
     variant = dataclasses.replace(base, **changes)
-    if variant.jit not in ("jax", "flat", "nnx") or variant.attention not in ATTENTIONS or \
-            variant.remat not in ("auto", *REMAT_POLICIES):
-        fail(f"--compare {text!r}: jit is jax|flat|nnx, attention {'|'.join(ATTENTIONS)}, "
-             f"remat {'|'.join(('auto', *REMAT_POLICIES))}")
+    if (
+        variant.jit not in ("jax", "flat", "nnx")
+        or variant.attention not in ATTENTIONS
+        or variant.remat not in ("auto", *REMAT_POLICIES)
+    ):
+        fail(
+            f"--compare {text!r}: jit is jax|flat|nnx, attention {'|'.join(ATTENTIONS)}, "
+            f"remat {'|'.join(('auto', *REMAT_POLICIES))}"
+        )
     if variant.jit == "nnx" and variant.xla:
         fail("xla compiler options need jit=jax or jit=flat")
     return variant
@@ -207,8 +260,18 @@ def parse_variant(text: str, base: Variant) -> Variant:
 class Arm:
     """One variant: its own state (same init), its compiled step, its timings."""
 
-    def __init__(self, variant: Variant, build, forward, mesh, batch_spec, batch, schedule, seed: int,
-                 label_capacity: int | None = None):
+    def __init__(
+        self,
+        variant: Variant,
+        build,
+        forward,
+        mesh,
+        batch_spec,
+        batch,
+        schedule,
+        seed: int,
+        label_capacity: int | None = None,
+    ):
         import jax
 
         from spmdlm.train.state import count_parameters
@@ -218,9 +281,16 @@ class Arm:
         self.losses: list[float] = []
         graphdef, state = build(variant)
         self.n_params = count_parameters(graphdef, state)
-        self.stepper = Stepper(graphdef, state, mesh, forward, dropout_seed=seed, schedule=schedule,
-                               loss_chunk=variant.loss_chunk,
-                               label_capacity=label_capacity if variant.labelled_only else None)
+        self.stepper = Stepper(
+            graphdef,
+            state,
+            mesh,
+            forward,
+            dropout_seed=seed,
+            schedule=schedule,
+            loss_chunk=variant.loss_chunk,
+            label_capacity=label_capacity if variant.labelled_only else None,
+        )
         self.stats: dict[str, Any] = {}
         start = time.perf_counter()
         if variant.jit == "nnx":
@@ -240,8 +310,8 @@ class Arm:
         import jax
         import jax.numpy as jnp
 
-        from spmdlm.devices import compiled_stats
         from spmdlm.checkpoint import abstract_of
+        from spmdlm.devices import compiled_stats
 
         st = self.stepper
         options = self.variant.compiler_options() or None
@@ -253,16 +323,20 @@ class Arm:
             def fn(leaves, batch, step):
                 new_state, metrics = st.train_fn(jax.tree.unflatten(treedef, leaves), batch, step)
                 return jax.tree.leaves(new_state), metrics
-            jitted = jax.jit(fn, in_shardings=(shardings, st.batch_shardings(batch_spec), st.replicated),
-                             out_shardings=(shardings, st.replicated), donate_argnums=0 if self.variant.donate else (),
-                             compiler_options=options)
+
+            jitted = jax.jit(
+                fn,
+                in_shardings=(shardings, st.batch_shardings(batch_spec), st.replicated),
+                out_shardings=(shardings, st.replicated),
+                donate_argnums=0 if self.variant.donate else (),
+                compiler_options=options,
+            )
             state_arg = leaves
             with jax.set_mesh(self.mesh):
                 compiled = jitted.lower(abstract_of(leaves), batch_spec, jax.ShapeDtypeStruct((), jnp.int32)).compile()
         else:
             state_arg = state
-            compiled = st.lower_train(state, batch_spec, donate=self.variant.donate,
-                                      compiler_options=options).compile()
+            compiled = st.lower_train(state, batch_spec, donate=self.variant.donate, compiler_options=options).compile()
         self.stats = {"compile_seconds": time.perf_counter() - start, **compiled_stats(compiled)}
         self.compiled = compiled
         self.state = state_arg
@@ -270,6 +344,7 @@ class Arm:
         def call(batch, step):
             with jax.set_mesh(self.mesh):
                 return compiled(self.state, batch, jnp.int32(step))
+
         self._call = call
 
     def _setup_nnx(self, graphdef, state, batch):
@@ -301,6 +376,7 @@ class Arm:
             # The objects are updated in place; block on the metrics, which the one executable produces with them.
             with jax.set_mesh(self.mesh):
                 return None, step_fn(model, optimizer, batch, jnp.int32(step))
+
         self._call = call
         # nnx.jit traces and compiles on its first call: a first step here, counted as compilation.
         start = time.perf_counter()
@@ -378,27 +454,50 @@ def run_benchmark(args) -> dict[str, Any]:
     host_batch = synthetic_batch(objective, global_batch, config.vocab_size, args.seed)
     batch = to_global(host_batch, mesh)
     total_steps = args.warmup + args.steps
-    optim = OptimConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                        max_grad_norm=args.max_grad_norm)
+    optim = OptimConfig(
+        learning_rate=args.learning_rate, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm
+    )
     schedule = learning_rate_schedule(optim, total_steps)
     family = _families()[config.model_type]
 
     abstract_model = nnx.eval_shape(lambda: family.make_model(config, rngs=nnx.Rngs(0)))
 
     def plan(variant: Variant) -> LayerPlan:  # auto as the launcher resolves it (spmdlm/train/plan.py)
-        return plan_layers(variant.remat, variant.unroll, abstract_model, platform=device.platform,
-                           itemsize=jnp.dtype(DTYPES[args.dtype]).itemsize,
-                           tokens_per_device=args.batch_size * tokens_per_example(objective),
-                           memory_bytes=devices.memory_per_device(device))
+        return plan_layers(
+            variant.remat,
+            variant.unroll,
+            abstract_model,
+            platform=device.platform,
+            itemsize=jnp.dtype(DTYPES[args.dtype]).itemsize,
+            tokens_per_device=args.batch_size * tokens_per_example(objective),
+            memory_bytes=devices.memory_per_device(device),
+        )
 
     def build(variant: Variant):
         layers = plan(variant)
-        return build_train_state(family, config, mesh, optim=optim, total_steps=total_steps, seed=args.seed,
-                                 dtype=args.dtype, remat=layers.remat, scan_unroll=layers.scan_unroll,
-                                 attention=variant.attention)
+        return build_train_state(
+            family,
+            config,
+            mesh,
+            optim=optim,
+            total_steps=total_steps,
+            seed=args.seed,
+            dtype=args.dtype,
+            remat=layers.remat,
+            scan_unroll=layers.scan_unroll,
+            attention=variant.attention,
+        )
 
-    base = Variant(jit=args.jit, attention=args.attention, donate=args.donate, xla=args.xla, unroll=args.scan_unroll,
-                   loss_chunk=args.loss_chunk_size, labelled_only=args.labelled_only, remat=args.remat)
+    base = Variant(
+        jit=args.jit,
+        attention=args.attention,
+        donate=args.donate,
+        xla=args.xla,
+        unroll=args.scan_unroll,
+        loss_chunk=args.loss_chunk_size,
+        labelled_only=args.labelled_only,
+        remat=args.remat,
+    )
     variants = [base] + [parse_variant(text, base) for text in args.compare]
     if base.jit == "nnx" and base.xla:
         fail("--xla needs --jit jax or flat")
@@ -419,18 +518,24 @@ def run_benchmark(args) -> dict[str, Any]:
     def arm_record(arm: Arm) -> dict[str, Any]:
         step_time = summary(arm.times)
         xla_per_device = arm.stats.get("xla_flops_per_device")
-        memory = {k: arm.stats[k] for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes")
-                  if k in arm.stats}
+        memory = {
+            k: arm.stats[k] for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes") if k in arm.stats
+        }
         return {
-            "variant": arm.variant.label(), "layer_plan": plan(arm.variant).record(),
-            "tokens_per_s": {"median": tokens_per_step / step_time["median"],
-                             "min": tokens_per_step / step_time["max"], "max": tokens_per_step / step_time["min"]},
+            "variant": arm.variant.label(),
+            "layer_plan": plan(arm.variant).record(),
+            "tokens_per_s": {
+                "median": tokens_per_step / step_time["median"],
+                "min": tokens_per_step / step_time["max"],
+                "max": tokens_per_step / step_time["min"],
+            },
             "step_time_s": step_time,
             "compile_s": arm.stats.get("compile_seconds"),
             "memory_per_device_bytes": memory or None,
             "flops_per_step_xla": xla_per_device * mesh.size if xla_per_device else None,
             "mfu": flops.mfu(analytic, step_time["median"], mesh.size, peak) if analytic else None,
-            "loss_first": arm.losses[0], "loss_last": arm.losses[-1],
+            "loss_first": arm.losses[0],
+            "loss_last": arm.losses[-1],
         }
 
     records = [arm_record(arm) for arm in arms]
@@ -452,11 +557,19 @@ def run_benchmark(args) -> dict[str, Any]:
         "platform": device.platform,
         "devices": jax.device_count(),
         "mesh": dict(mesh.shape),
-        "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-                 "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
-                 "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")},  # spmdlm/host.py: huge-page malloc
-        "versions": {"jax": jax.__version__, "flax": flax.__version__, "spmdlm": spmdlm.__version__,
-                     "numpy": np.__version__},
+        "host": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+        },  # spmdlm/host.py: huge-page malloc
+        "versions": {
+            "jax": jax.__version__,
+            "flax": flax.__version__,
+            "spmdlm": spmdlm.__version__,
+            "numpy": np.__version__,
+        },
         "settings": {k: v for k, v in vars(args).items()},
     }
     if len(records) > 1:
@@ -491,6 +604,7 @@ def cpu_model() -> str:
 def main(argv=None):
     if argv is None:  # the allocator the launcher runs with (spmdlm/host.py)
         from spmdlm import host
+
         host.restart_with_huge_page_malloc()
     args = parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.batch_size < 1:

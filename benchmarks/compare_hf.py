@@ -25,9 +25,13 @@ import bench_train  # noqa: E402
 def extra_flags(p):
     p.add_argument("--torch_compile", action="store_true", help="torch.compile the transformers model")
     p.add_argument("--torch_threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--omp_wait_policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE", "unset"),
-                   help="OpenMP idle threads sleep (PASSIVE, default) or spin (ACTIVE, libgomp's default). On a "
-                        "host shared with other work, spinning torch threads collapse (50x slower seen here)")
+    p.add_argument(
+        "--omp_wait_policy",
+        default="PASSIVE",
+        choices=("PASSIVE", "ACTIVE", "unset"),
+        help="OpenMP idle threads sleep (PASSIVE, default) or spin (ACTIVE, libgomp's default). On a "
+        "host shared with other work, spinning torch threads collapse (50x slower seen here)",
+    )
 
 
 def hf_model(config):
@@ -59,14 +63,19 @@ def run_hf(args, config, objective, global_batch: int) -> dict:
     model = hf_model(config).to(dtype)
     model.train()  # dropout as configured, like ours (GPT-2 presets: 0; T5 v1.1: dropout_rate)
     n_params = sum(p.numel() for p in model.parameters())
-    batch = {k: torch.from_numpy(v.astype(np.int64))
-             for k, v in bench_train.synthetic_batch(objective, global_batch, config.vocab_size, args.seed).items()}
+    batch = {
+        k: torch.from_numpy(v.astype(np.int64))
+        for k, v in bench_train.synthetic_batch(objective, global_batch, config.vocab_size, args.seed).items()
+    }
     decay = [p for p in model.parameters() if p.ndim >= 2]  # kernels and embeddings; no biases or norm scales
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     total_steps = args.warmup + args.steps
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.learning_rate,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total_steps))
     forward = torch.compile(model) if args.torch_compile else model
     labels = batch["labels"]
@@ -76,8 +85,9 @@ def run_hf(args, config, objective, global_batch: int) -> dict:
             logits = forward(input_ids=batch["input_ids"], decoder_input_ids=batch["decoder_input_ids"]).logits
         else:
             logits = forward(input_ids=batch["input_ids"]).logits
-        loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                   ignore_index=-100, reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        )
         tokens = (labels != -100).sum()
         (loss_sum / tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -97,8 +107,11 @@ def run_hf(args, config, objective, global_batch: int) -> dict:
     tokens_per_step = global_batch * bench_train.tokens_per_example(objective)
     step_time = bench_train.summary(times)
     return {
-        "tokens_per_s": {"median": tokens_per_step / step_time["median"], "min": tokens_per_step / step_time["max"],
-                         "max": tokens_per_step / step_time["min"]},
+        "tokens_per_s": {
+            "median": tokens_per_step / step_time["median"],
+            "min": tokens_per_step / step_time["max"],
+            "max": tokens_per_step / step_time["min"],
+        },
         "step_time_s": step_time,
         "warmup_s": warmup_s,
         "parameters": n_params,
@@ -106,7 +119,8 @@ def run_hf(args, config, objective, global_batch: int) -> dict:
         "torch_compile": args.torch_compile,
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "loss_first": losses[0], "loss_last": losses[-1],
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
 
@@ -128,18 +142,32 @@ def main(argv=None):
     theirs = run_hf(args, config, objective, ours["global_batch"])
     ratio = ours["tokens_per_s"]["median"] / theirs["tokens_per_s"]["median"]
     keep = ("variant", "tokens_per_s", "step_time_s", "compile_s", "mfu", "parameters", "loss_first", "loss_last")
-    record = {"model": args.model, "config": ours["config"], "overrides": args.set,
-              "global_batch": ours["global_batch"], "lengths": ours["lengths"],
-              "tokens_per_step": ours["tokens_per_step"], "dtype": args.dtype, "mesh": ours["mesh"],
-              "device_kind": ours["device_kind"], "host": ours["host"],
-              "ours": {k: ours[k] for k in keep}, "hf": theirs, "ratio_ours_over_hf": ratio,
-              "versions": {**ours["versions"], **theirs["versions"]}, "settings": vars(args)}
+    record = {
+        "model": args.model,
+        "config": ours["config"],
+        "overrides": args.set,
+        "global_batch": ours["global_batch"],
+        "lengths": ours["lengths"],
+        "tokens_per_step": ours["tokens_per_step"],
+        "dtype": args.dtype,
+        "mesh": ours["mesh"],
+        "device_kind": ours["device_kind"],
+        "host": ours["host"],
+        "ours": {k: ours[k] for k in keep},
+        "hf": theirs,
+        "ratio_ours_over_hf": ratio,
+        "versions": {**ours["versions"], **theirs["versions"]},
+        "settings": vars(args),
+    }
     print(json.dumps(record))
     how = "torch.compile" if args.torch_compile else "eager"
     per_example = ours["tokens_per_step"] // ours["global_batch"]
-    print(f"{args.model} {ours['config']} batch {ours['global_batch']}x{per_example} {args.dtype}: "
-          f"spmdlm {ours['tokens_per_s']['median']:,.0f} tok/s vs transformers ({how}) "
-          f"{theirs['tokens_per_s']['median']:,.0f} tok/s -> {ratio:.2f}x")
+    print(
+        f"{args.model} {ours['config']} batch {ours['global_batch']}x{per_example} {args.dtype}: "
+        f"spmdlm {ours['tokens_per_s']['median']:,.0f} tok/s vs transformers ({how}) "
+        f"{theirs['tokens_per_s']['median']:,.0f} tok/s -> {ratio:.2f}x"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -31,15 +31,51 @@ from pathlib import Path
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CORPUS_A = ("email", "http", "json", "logging", "urllib", "xml", "importlib", "concurrent")
 CORPUS_B = ("asyncio",)
-COMMON = ["--mesh", "data=1", "--global_batch_size", "16", "--export_hf", "true", "--sample_prompts=",
-          "--logging_steps", "50", "--max_eval_samples", "256", "--per_device_eval_batch_size", "32"]
+COMMON = [
+    "--mesh",
+    "data=1",
+    "--global_batch_size",
+    "16",
+    "--export_hf",
+    "true",
+    "--sample_prompts=",
+    "--logging_steps",
+    "50",
+    "--max_eval_samples",
+    "256",
+    "--per_device_eval_batch_size",
+    "32",
+]
 FAMILIES = {  # the model (transformers config), its length flags, its optimizer and learning rate
-    "roberta": dict(config=dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                intermediate_size=512, max_position_embeddings=66),
-                    lengths=["--max_seq_length", "64"], optimizer=[], learning_rate=1e-3),
-    "t5": dict(config=dict(vocab_size=2048, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
-                           feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0),
-               lengths=["--max_seq_length", "64"], optimizer=["--adafactor"], learning_rate=1e-2),
+    "roberta": dict(
+        config=dict(
+            vocab_size=2048,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=512,
+            max_position_embeddings=66,
+        ),
+        lengths=["--max_seq_length", "64"],
+        optimizer=[],
+        learning_rate=1e-3,
+    ),
+    "t5": dict(
+        config=dict(
+            vocab_size=2048,
+            d_model=128,
+            d_kv=32,
+            d_ff=256,
+            num_layers=2,
+            num_heads=4,
+            feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False,
+            dropout_rate=0.0,
+        ),
+        lengths=["--max_seq_length", "64"],
+        optimizer=["--adafactor"],
+        learning_rate=1e-2,
+    ),
 }
 
 
@@ -49,8 +85,12 @@ def parse_args(argv=None):
     p.add_argument("--steps_a", type=int, default=600, help="pretraining steps on corpus A")
     p.add_argument("--steps_b", type=int, default=100, help="steps on corpus B, continued and from scratch")
     p.add_argument("--eval_steps", type=int, default=25)
-    p.add_argument("--continued_lr_scale", type=float, default=1.0,
-                   help="the continued run's learning rate as a multiple of the pretraining (and scratch) rate")
+    p.add_argument(
+        "--continued_lr_scale",
+        type=float,
+        default=1.0,
+        help="the continued run's learning rate as a multiple of the pretraining (and scratch) rate",
+    )
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p.parse_args(argv)
 
@@ -74,10 +114,18 @@ def base_checkpoint(family: str, folder: Path, corpus_a: Path) -> None:
     if family == "t5":
         import sentencepiece
 
-        sentencepiece.SentencePieceTrainer.train(input=str(corpus_a), model_prefix=str(folder / "spiece"),
-                                                 vocab_size=config["vocab_size"] - 100, model_type="unigram",
-                                                 pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2,
-                                                 max_sentence_length=100_000)
+        sentencepiece.SentencePieceTrainer.train(
+            input=str(corpus_a),
+            model_prefix=str(folder / "spiece"),
+            vocab_size=config["vocab_size"] - 100,
+            model_type="unigram",
+            pad_id=0,
+            eos_id=1,
+            unk_id=2,
+            bos_id=-1,
+            minloglevel=2,
+            max_sentence_length=100_000,
+        )
         (folder / "spiece.vocab").unlink()
         model = transformers.T5ForConditionalGeneration(transformers.T5Config(**config))
     else:
@@ -104,8 +152,11 @@ def release(export: Path, base: Path, folder: Path) -> None:
 
 def launch(out: Path, *flags: str) -> dict:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "spmdlm.launch", "--output_dir", str(out), *COMMON, *flags],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "spmdlm.launch", "--output_dir", str(out), *COMMON, *flags],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         raise SystemExit(f"{out.name} failed:\n{done.stderr[-3000:]}")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -125,15 +176,28 @@ def compare(family: str, work: Path, args) -> list[dict]:
     rate = spec["learning_rate"]
     pretrain = ["--learning_rate", str(rate), "--warmup_steps", "30"]
     continued = ["--learning_rate", str(rate * args.continued_lr_scale), "--warmup_steps", "30"]
-    runs = [launch(work / f"{family}-pretrain-a", "--model_name_or_path", str(base), "--train_file", str(corpus_a),
-                   "--max_steps", str(args.steps_a), *pretrain, *every)]
+    runs = [
+        launch(
+            work / f"{family}-pretrain-a",
+            "--model_name_or_path",
+            str(base),
+            "--train_file",
+            str(corpus_a),
+            "--max_steps",
+            str(args.steps_a),
+            *pretrain,
+            *every,
+        )
+    ]
     release(work / f"{family}-pretrain-a" / "hf", base, released)
     on_b = ["--train_file", str(corpus_b), "--max_steps", str(args.steps_b), *every]
     scratch = ["--config_name", str(released), "--tokenizer_name", str(released)]
-    runs += [launch(work / f"{family}-continued-step0", "--model_name_or_path", str(released), "--do_eval", *on_b),
-             launch(work / f"{family}-scratch-step0", *scratch, "--do_eval", *on_b),
-             launch(work / f"{family}-continued", "--model_name_or_path", str(released), *continued, *on_b),
-             launch(work / f"{family}-scratch", *scratch, *pretrain, *on_b)]
+    runs += [
+        launch(work / f"{family}-continued-step0", "--model_name_or_path", str(released), "--do_eval", *on_b),
+        launch(work / f"{family}-scratch-step0", *scratch, "--do_eval", *on_b),
+        launch(work / f"{family}-continued", "--model_name_or_path", str(released), *continued, *on_b),
+        launch(work / f"{family}-scratch", *scratch, *pretrain, *on_b),
+    ]
     for run in runs:
         print(json.dumps({"family": family, **run}), flush=True)
     return runs

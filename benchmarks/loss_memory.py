@@ -27,13 +27,17 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 256])
-    p.add_argument("--remat", default="dots", choices=tuple(REMAT_POLICIES),
-                   help="what each layer keeps for its backward pass, as the launcher's flag")
+    p.add_argument(
+        "--remat",
+        default="dots",
+        choices=tuple(REMAT_POLICIES),
+        help="what each layer keeps for its backward pass, as the launcher's flag",
+    )
     args = p.parse_args()
 
     import jax
-
     from bench_train import build_objective
+
     from spmdlm.data.pipeline import batch_spec
     from spmdlm.families import families, load_config
     from spmdlm.mesh import make_mesh
@@ -44,16 +48,27 @@ def main() -> None:
     family = families()[config.model_type]
     objective = build_objective(config.model_type, config, args.seq_len)
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
-    graphdef, state = build_train_state(family, config, mesh, total_steps=10, dtype=args.dtype, remat=args.remat,
-                                        abstract=True)
+    graphdef, state = build_train_state(
+        family, config, mesh, total_steps=10, dtype=args.dtype, remat=args.remat, abstract=True
+    )
     spec = batch_spec(objective, args.batch_size)
     for chunk in args.chunks:
         stats = Stepper(graphdef, state, mesh, family.forward, loss_chunk=chunk).compile_train(state, spec)
-        print(json.dumps({"config": args.config, "batch": args.batch_size,
-                          "lengths": {k: v.shape[1] for k, v in spec.items()}, "vocab": config.vocab_size,
-                          "dtype": args.dtype, "remat": args.remat, "loss_chunk_size": chunk,
-                          **{k: stats.get(k) for k in ("temp_bytes", "argument_bytes", "output_bytes",
-                                                       "compile_seconds")}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "config": args.config,
+                    "batch": args.batch_size,
+                    "lengths": {k: v.shape[1] for k, v in spec.items()},
+                    "vocab": config.vocab_size,
+                    "dtype": args.dtype,
+                    "remat": args.remat,
+                    "loss_chunk_size": chunk,
+                    **{k: stats.get(k) for k in ("temp_bytes", "argument_bytes", "output_bytes", "compile_seconds")},
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

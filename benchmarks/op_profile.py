@@ -17,11 +17,14 @@ import json
 import os
 import re
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Events on the executor's threads that are bookkeeping, not work.
-_NOT_OPS = re.compile(r"^(ThreadpoolListener|SlinkyThreadPool|ThunkExecutor|end: |MutexLock|Execute|"
-                      r"PjRt|TfrtCpu|CommonPjRt|ParseArguments|PythonRefManager|\$)")
+_NOT_OPS = re.compile(
+    r"^(ThreadpoolListener|SlinkyThreadPool|ThunkExecutor|end: |MutexLock|Execute|"
+    r"PjRt|TfrtCpu|CommonPjRt|ParseArguments|PythonRefManager|\$)"
+)
 
 
 def trace_steps(step: Callable[[], Any], steps: int, trace_dir: str) -> None:
@@ -139,8 +142,21 @@ def classify(hlo_text: str) -> dict[str, tuple[str, str, str]]:
     op is inside ("fusion:dot", "fusion:reduce", "fusion:scatter", "fusion:gather", "fusion:elementwise", ...); the
     phase is forward, backward or update."""
     computations = _computations(hlo_text)
-    heavy = ("dot", "convolution", "scatter", "gather", "reduce-window", "reduce", "sort", "dynamic-update-slice",
-             "dynamic-slice", "transpose", "concatenate", "pad", "select-and-scatter")
+    heavy = (
+        "dot",
+        "convolution",
+        "scatter",
+        "gather",
+        "reduce-window",
+        "reduce",
+        "sort",
+        "dynamic-update-slice",
+        "dynamic-slice",
+        "transpose",
+        "concatenate",
+        "pad",
+        "select-and-scatter",
+    )
 
     def inside(computation: str, seen: set) -> set[str]:
         ops = set()
@@ -176,10 +192,18 @@ def classify(hlo_text: str) -> dict[str, tuple[str, str, str]]:
 def _kernel_category(name: str) -> str:
     """What a GPU kernel that no HLO instruction claims is, from its name."""
     lower = name.lower()
-    for word, category in (("gemm", "kernel:gemm"), ("xmma", "kernel:gemm"), ("cutlass", "kernel:gemm"),
-                           ("fmha", "kernel:attention"), ("flash", "kernel:attention"), ("cudnn", "kernel:cudnn"),
-                           ("memcpy", "memcpy"), ("memset", "memset"), ("reduce", "kernel:reduce"),
-                           ("fusion", "kernel:fusion")):
+    for word, category in (
+        ("gemm", "kernel:gemm"),
+        ("xmma", "kernel:gemm"),
+        ("cutlass", "kernel:gemm"),
+        ("fmha", "kernel:attention"),
+        ("flash", "kernel:attention"),
+        ("cudnn", "kernel:cudnn"),
+        ("memcpy", "memcpy"),
+        ("memset", "memset"),
+        ("reduce", "kernel:reduce"),
+        ("fusion", "kernel:fusion"),
+    ):
         if word in lower:
             return category
     return "?"
@@ -193,8 +217,16 @@ def report(trace_dir: str, hlo_text: str, steps: int, label: str) -> dict[str, A
     ops = []
     for name, (seconds, count) in times.items():
         category, shape, phase = categories.get(name, (_kernel_category(name), "", "?"))
-        ops.append({"name": name, "category": category, "shape": shape, "phase": phase,
-                    "seconds_per_step": seconds / steps, "runs_per_step": count / steps})
+        ops.append(
+            {
+                "name": name,
+                "category": category,
+                "shape": shape,
+                "phase": phase,
+                "seconds_per_step": seconds / steps,
+                "runs_per_step": count / steps,
+            }
+        )
     ops.sort(key=lambda op: -op["seconds_per_step"])
     by_category: dict[str, float] = collections.defaultdict(float)
     by_phase: dict[str, float] = collections.defaultdict(float)
@@ -204,33 +236,50 @@ def report(trace_dir: str, hlo_text: str, steps: int, label: str) -> dict[str, A
             by_phase[op["phase"]] += op["seconds_per_step"]
     total = sum(by_category.values())
     ordered = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1]))
-    return {"label": label, "steps": steps, "op_seconds_per_step": total, "by_category": ordered(by_category),
-            "by_phase": ordered(by_phase), "timeline": timeline(events, steps), "top_ops": ops[:40]}
+    return {
+        "label": label,
+        "steps": steps,
+        "op_seconds_per_step": total,
+        "by_category": ordered(by_category),
+        "by_phase": ordered(by_phase),
+        "timeline": timeline(events, steps),
+        "top_ops": ops[:40],
+    }
 
 
 def print_reports(reports: list[dict[str, Any]], top: int = 15, out=sys.stdout) -> None:
     """Categories side by side (ms per step), then each report's top ops."""
-    categories = sorted({c for r in reports for c in r["by_category"]},
-                        key=lambda c: -max(r["by_category"].get(c, 0.0) for r in reports))
+    categories = sorted(
+        {c for r in reports for c in r["by_category"]},
+        key=lambda c: -max(r["by_category"].get(c, 0.0) for r in reports),
+    )
     width = max(len(c) for c in categories) if categories else 8
     print(f"{'ms per step':<{width}} " + " ".join(f"{r['label']:>14}" for r in reports), file=out)
     for c in categories:
         print(f"{c:<{width}} " + " ".join(f"{1e3 * r['by_category'].get(c, 0.0):14.1f}" for r in reports), file=out)
-    print(f"{'total (ops)':<{width}} " + " ".join(f"{1e3 * r['op_seconds_per_step']:14.1f}" for r in reports),
-          file=out)
-    for key, title in (("span", "wall, first op to last"), ("any_op", "  some op running"),
-                       ("two_ops", "  two ops at once")):
+    print(f"{'total (ops)':<{width}} " + " ".join(f"{1e3 * r['op_seconds_per_step']:14.1f}" for r in reports), file=out)
+    for key, title in (
+        ("span", "wall, first op to last"),
+        ("any_op", "  some op running"),
+        ("two_ops", "  two ops at once"),
+    ):
         if all("timeline" in r for r in reports):
             print(f"{title:<{width}} " + " ".join(f"{1e3 * r['timeline'][key]:14.1f}" for r in reports), file=out)
     for phase in ("forward", "backward", "update", "?"):
         if any(r.get("by_phase", {}).get(phase) for r in reports):
-            print(f"{'  ' + phase:<{width}} " + " ".join(f"{1e3 * r.get('by_phase', {}).get(phase, 0.0):14.1f}"
-                                                       for r in reports), file=out)
+            print(
+                f"{'  ' + phase:<{width}} "
+                + " ".join(f"{1e3 * r.get('by_phase', {}).get(phase, 0.0):14.1f}" for r in reports),
+                file=out,
+            )
     for r in reports:
         print(f"\n{r['label']}: top ops (ms per step, runs per step, category)", file=out)
         for op in r["top_ops"][:top]:
-            print(f"  {1e3 * op['seconds_per_step']:8.2f} {op['runs_per_step']:5.1f}  {op['category']:<22} "
-                  f"{op['name']:<36} {op['shape'][:60]}", file=out)
+            print(
+                f"  {1e3 * op['seconds_per_step']:8.2f} {op['runs_per_step']:5.1f}  {op['category']:<22} "
+                f"{op['name']:<36} {op['shape'][:60]}",
+                file=out,
+            )
 
 
 if __name__ == "__main__":

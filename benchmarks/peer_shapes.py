@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     from spmdlm import host
+
     host.restart_with_huge_page_malloc()  # the allocator the launcher runs with
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--peers", required=True, help="the peers harness directory (peer_common.py)")
@@ -29,24 +30,51 @@ def main() -> None:
     p.add_argument("--tag", default="", help="a name for this variant in the harness's table")
     args, bench_flags = p.parse_known_args()
     sys.path.insert(0, args.peers)
-    from peer_common import MODELS  # noqa: E402
-
     import bench_train
+    from peer_common import MODELS  # noqa: E402
 
     spec = MODELS[args.model]
     config = os.path.join(tempfile.mkdtemp(), "config.json")
     with open(config, "w") as f:
         json.dump(dict(spec["hf"], model_type=args.model), f)
-    result = bench_train.run_benchmark(bench_train.parse_args([
-        "--model", args.model, "--config", config, "--mesh", "data=1", "--batch_size", str(spec["batch"]),
-        "--seq_len", str(spec.get("seq") or spec["src"]), "--steps", str(args.steps), "--warmup", str(args.warmup),
-        *bench_flags]))
-    print(json.dumps({"peer": "spmdlm" + (f"-{args.tag}" if args.tag else ""), "model": args.model,
-                      "tok_s_median": result["tokens_per_s"]["median"], "tokens_per_step": result["tokens_per_step"],
-                      "lengths": result["lengths"], "mfu": result["mfu"], "compile_s": result["compile_s"],
-                      "step_s_median": result["step_time_s"]["median"], "flags": bench_flags,
-                      "load_average_1m": result["host"]["load_average_1m"],
-                      "glibc_tunables": result["host"]["glibc_tunables"]}))
+    result = bench_train.run_benchmark(
+        bench_train.parse_args(
+            [
+                "--model",
+                args.model,
+                "--config",
+                config,
+                "--mesh",
+                "data=1",
+                "--batch_size",
+                str(spec["batch"]),
+                "--seq_len",
+                str(spec.get("seq") or spec["src"]),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                *bench_flags,
+            ]
+        )
+    )
+    print(
+        json.dumps(
+            {
+                "peer": "spmdlm" + (f"-{args.tag}" if args.tag else ""),
+                "model": args.model,
+                "tok_s_median": result["tokens_per_s"]["median"],
+                "tokens_per_step": result["tokens_per_step"],
+                "lengths": result["lengths"],
+                "mfu": result["mfu"],
+                "compile_s": result["compile_s"],
+                "step_s_median": result["step_time_s"]["median"],
+                "flags": bench_flags,
+                "load_average_1m": result["host"]["load_average_1m"],
+                "glibc_tunables": result["host"]["glibc_tunables"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

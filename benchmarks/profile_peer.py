@@ -32,23 +32,24 @@ def main() -> None:
     sys.path.insert(0, args.peers)
     import hf_flax_bench as peer  # noqa: E402  (the peer's own build, loss, decay mask and schedule)
     import jax
-    import optax
-
     import op_profile
+    import optax
 
     model = peer.build(args.model)
     lr_fn = peer.make_lr_fn()
     tx = optax.adamw(learning_rate=lr_fn, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, mask=peer.decay_mask_fn)
-    state = peer.TrainState.create(apply_fn=model.__call__, params=model.params, tx=tx,
-                                   dropout_rng=jax.random.PRNGKey(1))
+    state = peer.TrainState.create(
+        apply_fn=model.__call__, params=model.params, tx=tx, dropout_rng=jax.random.PRNGKey(1)
+    )
     loss_fn, inputs = peer.loss_fn_for(args.model), peer.MODEL_INPUTS[args.model]
 
     def train_step(state, batch):  # hf_flax_bench.main's step, verbatim in effect
         dropout_rng, new_dropout_rng = jax.random.split(state.dropout_rng)
 
         def compute_loss(params):
-            logits = state.apply_fn(**{k: batch[k] for k in inputs}, params=params, dropout_rng=dropout_rng,
-                                    train=True)[0]
+            logits = state.apply_fn(
+                **{k: batch[k] for k in inputs}, params=params, dropout_rng=dropout_rng, train=True
+            )[0]
             return loss_fn(logits, batch["labels"])
 
         loss, grad = jax.value_and_grad(compute_loss)(state.params)

@@ -18,15 +18,43 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 GPT2 = ["--model", "gpt2", "--config", "gpt2-tiny", "--set", "n_embd=256", "--set", "n_head=4", "--seq_len", "128"]
-T5 = ["--model", "t5", "--config", "t5-v1_1-tiny", "--set", "d_model=256", "--set", "d_kv=64", "--set", "d_ff=512",
-      "--set", "dropout_rate=0.0", "--seq_len", "128"]
+T5 = [
+    "--model",
+    "t5",
+    "--config",
+    "t5-v1_1-tiny",
+    "--set",
+    "d_model=256",
+    "--set",
+    "d_kv=64",
+    "--set",
+    "d_ff=512",
+    "--set",
+    "dropout_rate=0.0",
+    "--seq_len",
+    "128",
+]
 CASES = [("gpt2", f"{n} layers", GPT2 + ["--set", f"n_layer={n}"]) for n in (4, 12, 24, 48)] + [
-    ("t5", f"{n}+{n} layers", T5 + ["--set", f"num_layers={n}", "--set", f"num_decoder_layers={n}"]) for n in (4, 12)]
+    ("t5", f"{n}+{n} layers", T5 + ["--set", f"num_layers={n}", "--set", f"num_decoder_layers={n}"]) for n in (4, 12)
+]
 
 
 def run(case_args: list[str], steps: int) -> dict:
-    cmd = [sys.executable, str(HERE / "bench_train.py"), *case_args, "--mesh", "data=1", "--batch_size", "8",
-           "--steps", str(steps), "--warmup", "1", "--compare", "unroll=true"]
+    cmd = [
+        sys.executable,
+        str(HERE / "bench_train.py"),
+        *case_args,
+        "--mesh",
+        "data=1",
+        "--batch_size",
+        "8",
+        "--steps",
+        str(steps),
+        "--warmup",
+        "1",
+        "--compare",
+        "unroll=true",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -37,8 +65,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     cases = [c for c in CASES if not args.quick or c[1].split()[0] in ("4", "4+4", "12", "12+12")]
-    print("| model | depth | compile s scanned | compile s unrolled | step s scanned | step s unrolled | "
-          "step unrolled/scanned |")
+    print(
+        "| model | depth | compile s scanned | compile s unrolled | step s scanned | step s unrolled | "
+        "step unrolled/scanned |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     records = []
     for model, depth, case_args in cases:
@@ -46,8 +76,11 @@ def main() -> None:
         records.append(result)
         unrolled = result["variants"][0]
         scanned_step, unrolled_step = result["step_time_s"]["median"], unrolled["step_time_s"]["median"]
-        print(f"| {model} | {depth} | {result['compile_s']:.1f} | {unrolled['compile_s']:.1f} | {scanned_step:.3f} | "
-              f"{unrolled_step:.3f} | {unrolled_step / scanned_step:.3f} |", flush=True)
+        print(
+            f"| {model} | {depth} | {result['compile_s']:.1f} | {unrolled['compile_s']:.1f} | {scanned_step:.3f} | "
+            f"{unrolled_step:.3f} | {unrolled_step / scanned_step:.3f} |",
+            flush=True,
+        )
     for record in records:
         print(json.dumps(record))
 

@@ -53,36 +53,53 @@ class _QuietOrbax(logging.Filter):
     is replaced (ours, below): not news to anyone."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith((
-            "CheckpointManagerOptions.read_only=True", "Given directory is read only", "Type handler registry type"))
+        return not record.getMessage().startswith(
+            ("CheckpointManagerOptions.read_only=True", "Given directory is read only", "Type handler registry type")
+        )
 
 
 logging.getLogger("absl").addFilter(_QuietOrbax())
 ocp.type_handlers.register_type_handler(
-    jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
-    override=True)
+    jax.Array,
+    ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
+    override=True,
+)
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
     return storage.absolute(storage.path(output_dir, "--output_dir")) / "checkpoints"
 
 
-def make_manager(output_dir: str | Path, *, save_interval_steps: int = 1, max_to_keep: int | None = None,
-                 keep_every_n_steps: int | None = None, async_save: bool = True,
-                 read_only: bool = False) -> ocp.CheckpointManager:
+def make_manager(
+    output_dir: str | Path,
+    *,
+    save_interval_steps: int = 1,
+    max_to_keep: int | None = None,
+    keep_every_n_steps: int | None = None,
+    async_save: bool = True,
+    read_only: bool = False,
+) -> ocp.CheckpointManager:
     """`max_to_keep`: the latest checkpoints kept (None: all); `keep_every_n_steps`: those of steps that are
     multiples of N are kept besides, forever (orbax's preservation policies)."""
     retention = {"max_to_keep": max_to_keep}
     if keep_every_n_steps:
         policies = ocp.checkpoint_managers
-        retention = {"preservation_policy": policies.AnyPreservationPolicy(
-            [policies.LatestN(n=max_to_keep), policies.EveryNSteps(interval_steps=keep_every_n_steps)])}
+        retention = {
+            "preservation_policy": policies.AnyPreservationPolicy(
+                [policies.LatestN(n=max_to_keep), policies.EveryNSteps(interval_steps=keep_every_n_steps)]
+            )
+        }
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_interval_steps, enable_async_checkpointing=async_save, read_only=read_only,
-        create=not read_only, **retention,
+        save_interval_steps=save_interval_steps,
+        enable_async_checkpointing=async_save,
+        read_only=read_only,
+        create=not read_only,
+        **retention,
     )
     return ocp.CheckpointManager(
-        checkpoint_dir(output_dir), options=options, item_names=ITEMS,
+        checkpoint_dir(output_dir),
+        options=options,
+        item_names=ITEMS,
         item_handlers={"data": grain.checkpoint.CheckpointHandler()} if not read_only else None,
     )
 
@@ -122,8 +139,7 @@ def fingerprint(tree) -> tuple[dict[str, int], list[str]]:
     """-> ({array path: checksum}, [paths of arrays holding NaN or infinity]) of a pure-dict tree."""
     prints = jax.device_get(_fingerprints(tree))
     checksums, bad = {}, []
-    for path, (checksum, finite) in jax.tree_util.tree_leaves_with_path(
-            prints, is_leaf=lambda x: isinstance(x, tuple)):
+    for path, (checksum, finite) in jax.tree_util.tree_leaves_with_path(prints, is_leaf=lambda x: isinstance(x, tuple)):
         key = jax.tree_util.keystr(path)
         checksums[key] = int(checksum)
         if not finite:
@@ -137,8 +153,9 @@ def _items_of(state) -> dict[str, Any]:
 
 
 # -- save ------------------------------------------------------------------------------------------------------------
-def save(manager: ocp.CheckpointManager, step: int, state, data_iterator, run_config: dict[str, Any],
-         force: bool = False) -> bool:
+def save(
+    manager: ocp.CheckpointManager, step: int, state, data_iterator, run_config: dict[str, Any], force: bool = False
+) -> bool:
     """Start an asynchronous save; refuses a non-finite state (nothing is written then)."""
     items = _items_of(state)
     checksums, bad = fingerprint(items)
@@ -175,8 +192,11 @@ def close(manager: ocp.CheckpointManager) -> None:
 def save_error(manager, step: int | None, error: BaseException) -> CheckpointError:
     cause = root_cause(error)
     full_disk = (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or "os_error_code='28'" in str(cause)
-    hint = "free some space or point --output_dir at a bigger disk" if full_disk else \
-        "check that the directory is writable"
+    hint = (
+        "free some space or point --output_dir at a bigger disk"
+        if full_disk
+        else "check that the directory is writable"
+    )
     at = f"at step {step} " if step is not None else ""
     # tensorstore's full-disk errors carry only an error code, deep in a long line: say it in words
     what = describe(cause)
@@ -210,7 +230,8 @@ def check_format(run_config: dict, run_dir) -> None:
         raise CheckpointError(
             f"{run_dir} holds checkpoints of format {found} (spmdlm 0.1: one parameter per layer); this version "
             f"stacks layers (format {FORMAT}) and cannot resume or export them: export them with spmdlm 0.1 and "
-            "continue with --model_name_or_path, or start afresh with --overwrite_output_dir")
+            "continue with --model_name_or_path, or start afresh with --overwrite_output_dir"
+        )
 
 
 # -- restore ---------------------------------------------------------------------------------------------------------
@@ -253,12 +274,15 @@ def verify(arrays: dict[str, Any], saved: dict[str, int] | None, step: int) -> N
         raise CheckpointError(f"the checkpoint at step {step} holds NaN or infinity (in {bad[0]})")
     wrong = [k for k, v in checksums.items() if saved.get(k) != v]
     if wrong:
-        raise CheckpointError(f"the checkpoint at step {step} does not match its fingerprints ({len(wrong)} "
-                              f"arrays differ, first {wrong[0]})")
+        raise CheckpointError(
+            f"the checkpoint at step {step} does not match its fingerprints ({len(wrong)} "
+            f"arrays differ, first {wrong[0]})"
+        )
 
 
-def restore_newest_good(manager: ocp.CheckpointManager, state, data_iterator=None, *, move_aside: bool = True,
-                        **kwargs):
+def restore_newest_good(
+    manager: ocp.CheckpointManager, state, data_iterator=None, *, move_aside: bool = True, **kwargs
+):
     """Restore the newest checkpoint that reads and verifies; each newer one that does not is reported in one line
     and (with `move_aside`) moved to OUTPUT_DIR/damaged_checkpoints. Returns (state, step)."""
     failures = []
@@ -268,16 +292,21 @@ def restore_newest_good(manager: ocp.CheckpointManager, state, data_iterator=Non
         except CheckpointError as e:
             failures.append(e)
             where = set_aside(manager, step) if move_aside else None
-            log.warning("%s; %s", e, f"moved it to {where}, trying the previous one" if where
-                        else "trying the previous one")
+            log.warning(
+                "%s; %s", e, f"moved it to {where}, trying the previous one" if where else "trying the previous one"
+            )
     if move_aside:  # training: the damaged ones were moved aside, and the run may start afresh
-        raise CheckpointError(f"no checkpoint in {manager.directory} can be restored (damaged ones are in "
-                              f"{storage.path(str(manager.directory)).parent / DAMAGED_DIR}); start afresh with "
-                              "--overwrite_output_dir")
+        raise CheckpointError(
+            f"no checkpoint in {manager.directory} can be restored (damaged ones are in "
+            f"{storage.path(str(manager.directory)).parent / DAMAGED_DIR}); start afresh with "
+            "--overwrite_output_dir"
+        )
     # export and generate read only: nothing moved, and the cause is often a model other than run_config.json's
     newest = f" ({failures[0]})" if failures else ""
-    raise CheckpointError(f"no checkpoint in {manager.directory} can be restored into the model its run_config.json "
-                          f"describes{newest}; check that the checkpoints are this run's")
+    raise CheckpointError(
+        f"no checkpoint in {manager.directory} can be restored into the model its run_config.json "
+        f"describes{newest}; check that the checkpoints are this run's"
+    )
 
 
 def all_complete_steps(manager: ocp.CheckpointManager, *, move_aside: bool) -> list[int]:
@@ -287,8 +316,11 @@ def all_complete_steps(manager: ocp.CheckpointManager, *, move_aside: bool) -> l
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
         if folder.name.isdigit() and int(folder.name) not in steps:
             where = set_aside(manager, int(folder.name)) if move_aside else None
-            log.warning("the checkpoint at step %s is incomplete or damaged%s", folder.name,
-                        f"; moved it to {where}" if where else "; skipping it")
+            log.warning(
+                "the checkpoint at step %s is incomplete or damaged%s",
+                folder.name,
+                f"; moved it to {where}" if where else "; skipping it",
+            )
     if not steps:
         raise CheckpointError(f"no checkpoints in {manager.directory}; train first or point at another output dir")
     return steps
@@ -316,6 +348,7 @@ def resolve_step(manager: ocp.CheckpointManager, step: int | None) -> int:
     if step is None:
         return max(steps)
     if step not in steps:
-        raise CheckpointError(f"no checkpoint at step {step} in {manager.directory}; available: "
-                              f"{', '.join(map(str, sorted(steps)))}")
+        raise CheckpointError(
+            f"no checkpoint at step {step} in {manager.directory}; available: {', '.join(map(str, sorted(steps)))}"
+        )
     return step

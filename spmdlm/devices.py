@@ -24,8 +24,11 @@ CUDA_INSTALL_HINT = "pip install -e '.[cuda]' (JAX with its CUDA plugin)"
 def unused_nvidia_gpu() -> bool:
     """An NVIDIA GPU on the PCI bus while JAX computes on the CPU: a CPU-only JAX, which says nothing about it. A
     JAX_PLATFORMS the user set is a choice, not a mistake."""
-    return (jax.default_backend() == "cpu" and not os.environ.get("JAX_PLATFORMS", "").strip()
-            and hardware_utils.has_visible_nvidia_gpu())
+    return (
+        jax.default_backend() == "cpu"
+        and not os.environ.get("JAX_PLATFORMS", "").strip()
+        and hardware_utils.has_visible_nvidia_gpu()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +79,7 @@ def _dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measure_cpu_matmul_flops(dtype: str = "float32", budget_s: float = _CPU_MEASURE_BUDGET_S) -> float:
     """Best FLOP/s of jitted n×n matmuls on the first CPU device (which uses all host cores), ~budget_s in all.
 
@@ -152,11 +155,16 @@ def compiled_stats(compiled) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         mem = compiled.memory_analysis()
-        out.update(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
-                   temp_bytes=mem.temp_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
-                   code_bytes=mem.generated_code_size_in_bytes)
-        out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
-                              + out["code_bytes"])
+        out.update(
+            argument_bytes=mem.argument_size_in_bytes,
+            output_bytes=mem.output_size_in_bytes,
+            temp_bytes=mem.temp_size_in_bytes,
+            alias_bytes=mem.alias_size_in_bytes,
+            code_bytes=mem.generated_code_size_in_bytes,
+        )
+        out["total_bytes"] = (
+            out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"] + out["code_bytes"]
+        )
     except Exception:  # some backends have no memory analysis
         pass
     try:
@@ -165,7 +173,10 @@ def compiled_stats(compiled) -> dict[str, Any]:
     except Exception:
         cost = {}
     optimal = cost.get("optimal_seconds")
-    out.update(xla_flops_per_device=cost.get("flops"), xla_bytes_accessed_per_device=cost.get("bytes accessed"),
-               # libtpu answers -9 (no estimate) when compiling for a topology; only a positive value is one
-               xla_optimal_seconds=optimal if optimal is not None and optimal > 0 else None)
+    out.update(
+        xla_flops_per_device=cost.get("flops"),
+        xla_bytes_accessed_per_device=cost.get("bytes accessed"),
+        # libtpu answers -9 (no estimate) when compiling for a topology; only a positive value is one
+        xla_optimal_seconds=optimal if optimal is not None and optimal > 0 else None,
+    )
     return out

@@ -88,10 +88,11 @@ class Preempted(Exception):
 
     def __init__(self, signum: int, step: int, where):
         self.signum, self.step = signum, step
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}: the checkpoint is saved in "
-                         f"{where}; run the same command to resume")
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step}: the checkpoint is saved in "
+            f"{where}; run the same command to resume"
+        )
 
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
-

@@ -13,7 +13,6 @@ Every directory may be a gs:// path (spmdlm/storage.py): an export to a bucket i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import importlib.metadata
 import json
@@ -23,8 +22,8 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from spmdlm import checkpoint as ckpt
@@ -42,13 +41,12 @@ from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_layo
 from spmdlm.errors import ExportError, UserError
 from spmdlm.families import checked_config, get_family, load_pretrained_config
 from spmdlm.families.base import Family, Generation
+from spmdlm.hf_weights import CheckpointTensors
 from spmdlm.mesh import make_mesh
 from spmdlm.models.config import HFConfig
 from spmdlm.train.optim import evaluation_needs_optimizer, optim_config_of_run
 from spmdlm.train.state import build_train_state
 from spmdlm.train.step import model_for_evaluation
-
-
 
 # -- config --------------------------------------------------------------------------------------------------------
 
@@ -112,9 +110,21 @@ def hf_tensors(model: nnx.Module, release: bool = False) -> Iterator[tuple[str, 
 
 
 MARKER = "spmdlm_export.json"  # written last: an export directory without it is incomplete
-EXPORT_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                          "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                          "spiece.model", "README.md", MARKER})  # README.md: the model card (train/publish.py)
+EXPORT_FILES = frozenset(
+    {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+        "spiece.model",
+        "README.md",
+        MARKER,
+    }
+)  # README.md: the model card (train/publish.py)
 
 
 def export_complete(out) -> bool:
@@ -134,8 +144,9 @@ def _write_files(folder: Path, tensors: dict, config: HFConfig, tokenizer) -> No
     # safetensors writes through a 0600 temporary file: give it the mode a new file gets, as config.json has
     # (copied rather than computed from os.umask, which can only be read by setting it, racing other threads).
     shutil.copymode(folder / "config.json", folder / "model.safetensors")
-    (folder / "generation_config.json").write_text(json.dumps(generation_config_dict(config), indent=2,
-                                                              allow_nan=False))
+    (folder / "generation_config.json").write_text(
+        json.dumps(generation_config_dict(config), indent=2, allow_nan=False)
+    )
     if tokenizer is not None:
         save_tokenizer(tokenizer, folder, get_family(config.model_type), model_max_length=config.max_length)
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
@@ -144,8 +155,9 @@ def _write_files(folder: Path, tensors: dict, config: HFConfig, tokenizer) -> No
 
 def _only_an_export(out: Path) -> bool:
     """`out` is absent, empty or holds only files an export writes (complete or not): it may be replaced whole."""
-    return not out.exists() or (out.is_dir() and not os.path.ismount(out)
-                                and {p.name for p in out.iterdir()} <= EXPORT_FILES)
+    return not out.exists() or (
+        out.is_dir() and not os.path.ismount(out) and {p.name for p in out.iterdir()} <= EXPORT_FILES
+    )
 
 
 def _publish(tmp: Path, out: Path, whole: bool) -> None:
@@ -172,8 +184,7 @@ def _publish(tmp: Path, out: Path, whole: bool) -> None:
     tmp.rmdir()
 
 
-def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=None, *,
-            release: bool = False) -> Path:
+def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=None, *, release: bool = False) -> Path:
     """Write config.json, model.safetensors, generation_config.json, tokenizer files and, last, the marker
     spmdlm_export.json (process 0 writes). The files are written into a temporary sibling directory that is then
     renamed into place, so an interrupted export leaves no directory that looks complete; a bucket's are uploaded,
@@ -200,8 +211,9 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
             if whole:
                 remove_stale_temps(parent, f"{glob.escape(prefix)}.old", host)
         except OSError as e:
-            raise ExportError(f"cannot write the export in {parent}: {e.strerror or e}; choose a writable --out") \
-                from None
+            raise ExportError(
+                f"cannot write the export in {parent}: {e.strerror or e}; choose a writable --out"
+            ) from None
         tmp = parent / f"{prefix}.tmp-{host}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -217,8 +229,9 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
     except (OSError, SafetensorError, RuntimeError) as e:
         if not no_space(e):
             raise
-        raise ExportError(f"cannot write the export {out}: no space left on device; free some space or choose "
-                          "another --out") from None
+        raise ExportError(
+            f"cannot write the export {out}: no space left on device; free some space or choose another --out"
+        ) from None
     finally:
         shutil.rmtree(tmp.parent if remote else tmp, ignore_errors=True)
     return out
@@ -228,98 +241,6 @@ def export_state(graphdef, state, config: HFConfig, out_dir: str | Path, tokeniz
     """The end-of-training export; frees the parameters as it goes (the run is over)."""
     model, _ = nnx.merge(graphdef, state)
     return save_hf(model, config, out_dir, tokenizer=tokenizer, release=True)
-
-
-WEIGHT_LAYOUTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                  "pytorch_model.bin.index.json")  # transformers' order of preference
-
-
-class CheckpointTensors:
-    """The tensors of a transformers checkpoint directory in any layout transformers writes (WEIGHT_LAYOUTS: one
-    file, or shards listed by an index's weight_map), read one tensor at a time. PyTorch `.bin` files are read with
-    `torch.load(weights_only=True)`, which runs no pickled code, memory-mapped. A bucket's files are copied to local
-    disk first, each when first needed."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        layout = next((name for name in WEIGHT_LAYOUTS if (path / name).is_file()), None)
-        if layout is None:
-            other = sorted(p.name for pattern in ("*.h5", "*.msgpack", "*.ckpt*") for p in path.glob(pattern))
-            hint = (f" (found {', '.join(other)}: load it in transformers and save_pretrained it, which writes "
-                    "model.safetensors)") if other else ""
-            raise ExportError(f"{path}: no weights: expected {', '.join(WEIGHT_LAYOUTS)}{hint}")
-        self._open: dict[str, Any] = {}
-        self.file_of = self._weight_map(layout)
-
-    def _weight_map(self, layout: str) -> dict[str, str]:
-        if not layout.endswith(".index.json"):
-            return {name: layout for name in self._file(layout).keys()}
-        index = self.path / layout
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ExportError(f"{index} is not a checkpoint index (no weight_map: {e}); re-save the checkpoint with "
-                              "save_pretrained") from None
-        absent = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
-        if absent:
-            raise ExportError(f"{index} lists shards that are not there: {', '.join(absent[:3])}; download them too")
-        return dict(weight_map)
-
-    def _file(self, name: str):
-        if name not in self._open:
-            local = str(storage.local_copy(self.path / name))
-            with self._readable(name):
-                self._open[name] = _torch_load(local) if name.endswith(".bin") else \
-                    safe_open(local, framework="numpy").__enter__()
-        return self._open[name]
-
-    @contextlib.contextmanager
-    def _readable(self, name: str):
-        """A truncated or damaged safetensors file is one line, when it is opened or when a tensor is read."""
-        try:
-            yield
-        except SafetensorError as e:
-            raise ExportError(f"{self.path / name} is truncated or damaged ({str(e).splitlines()[0]}); export or "
-                              "download it again") from None
-
-    def names(self) -> set[str]:
-        return set(self.file_of)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        file = self._file(self.file_of[name])
-        return tuple(file[name].shape) if isinstance(file, dict) else tuple(file.get_slice(name).get_shape())
-
-    def get(self, name: str) -> np.ndarray:
-        """A tensor as float32 (the tensors of a .bin file are torch's, of any float dtype)."""
-        file = self._file(self.file_of[name])
-        if isinstance(file, dict):
-            return file[name].float().numpy()
-        with self._readable(self.file_of[name]):
-            return file.get_tensor(name).astype(np.float32)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._open.values():
-            if not isinstance(handle, dict):
-                handle.__exit__(None, None, None)
-        self._open.clear()
-
-
-def _torch_load(file: str) -> dict:
-    """A PyTorch state dict without running pickled code; one line where torch is missing or the file is not one."""
-    try:
-        import torch
-    except ImportError:
-        raise ExportError(f"{file} is a PyTorch checkpoint, which needs torch to read (pip install 'spmdlm[torch]'), "
-                          "or convert it once to model.safetensors: transformers' from_pretrained, then "
-                          "save_pretrained") from None
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - pickle's UnpicklingError, zipfile's and torch's RuntimeError
-        first = str(e).strip().partition("\n")[0]
-        raise ExportError(f"cannot read {file} as plain tensors (torch.load weights_only=True): {first}") from None
 
 
 def _param_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
@@ -349,16 +270,19 @@ def matched_rules(tensors: CheckpointTensors, config: HFConfig):
     used = {alias[rule.hf] for rule in rules if rule.hf not in absent}
     unexpected = [n for n in sorted(names - used) if not any(re.search(p, n) for p in table.ignore)]
     if unexpected:
-        raise ExportError(f"{path}: tensors this {config.model_type} model has no place for: "
-                          f"{', '.join(unexpected[:4])}")
+        raise ExportError(
+            f"{path}: tensors this {config.model_type} model has no place for: {', '.join(unexpected[:4])}"
+        )
     shapes = _param_shapes(config)
     for rule in rules:
         if rule.hf not in absent:
             found, needed = tensors.shape(alias[rule.hf]), _rule_shape(shapes, rule)
             if np.prod(found) != np.prod(needed):  # the layouts only transpose and reshape
-                raise ExportError(f"{path}: tensor {alias[rule.hf]} has shape {list(found)}, but the model of its "
-                                  f"config.json needs {int(np.prod(needed))} values ({list(needed)} here); the "
-                                  "weights and config.json are of different models")
+                raise ExportError(
+                    f"{path}: tensor {alias[rule.hf]} has shape {list(found)}, but the model of its "
+                    f"config.json needs {int(np.prod(needed))} values ({list(needed)} here); the "
+                    "weights and config.json are of different models"
+                )
     return rules, alias, absent, shapes
 
 
@@ -415,8 +339,7 @@ def _sharding_of(var: nnx.Variable, mesh):
     return current if isinstance(current, jax.sharding.Sharding) else None
 
 
-def load_hf(path: str | Path, *, mesh=None, dtype=None, config: HFConfig | None = None) -> tuple[nnx.Module,
-                                                                                            HFConfig]:
+def load_hf(path: str | Path, *, mesh=None, dtype=None, config: HFConfig | None = None) -> tuple[nnx.Module, HFConfig]:
     """An NNX model with the weights of a transformers checkpoint, sharded on `mesh` (or the current mesh).
     `config`: the model's, where its vocabulary extends the checkpoint's (the rows appended, `grown`)."""
     path = storage.path(path, "--model_name_or_path")
@@ -465,20 +388,25 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
     ckpt.check_format(run_config, run_dir)
     config = checked_config(run_config.get("model_config") or {}, None, str(run_config_path))
     family = get_family(config.model_type)
-    model, step = _evaluation_model(ckpt.make_manager(run_dir, read_only=True), step, family, config, mesh,
-                                    optim_config_of_run(run_config))
+    model, step = _evaluation_model(
+        ckpt.make_manager(run_dir, read_only=True), step, family, config, mesh, optim_config_of_run(run_config)
+    )
     # Where training found its tokenizer: --tokenizer_name, the --model_name_or_path it started from, or the run's.
     given = [run_config.get("tokenizer_name"), run_config.get("model_name_or_path"), run_dir]
-    tokenizer_dir = next((p for p in given if p and (storage.path(p).is_file()
-                                                    or tokenizer_layout(storage.path(p)))), None)
+    tokenizer_dir = next(
+        (p for p in given if p and (storage.path(p).is_file() or tokenizer_layout(storage.path(p)))), None
+    )
     return model, config, tokenizer_dir, step
 
 
 def _evaluation_model(manager, step: int | None, family, config, mesh, optim) -> tuple[nnx.Module, int]:
     """(the checkpoint's model holding the parameters the run evaluated and exported (step.model_for_evaluation),
     its step): restored with its optimizer state where those are read from it (schedule-free AdamW's average)."""
-    restore = (lambda target, **kw: ckpt.restore_newest_good(manager, target, move_aside=False, **kw)) \
-        if step is None else (lambda target, **kw: ckpt.restore(manager, step, target, **kw))
+    restore = (
+        (lambda target, **kw: ckpt.restore_newest_good(manager, target, move_aside=False, **kw))
+        if step is None
+        else (lambda target, **kw: ckpt.restore(manager, step, target, **kw))
+    )
     with jax.set_mesh(mesh):
         if evaluation_needs_optimizer(optim):
             graphdef, abstract = build_train_state(family, config, mesh, optim=optim, abstract=True)
@@ -489,8 +417,13 @@ def _evaluation_model(manager, step: int | None, family, config, mesh, optim) ->
         return nnx.merge(graphdef, state), step
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None = None, mesh_spec: str = "data=-1",
-                      overwrite: bool = False) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    mesh_spec: str = "data=-1",
+    overwrite: bool = False,
+) -> Path:
     out = storage.path(out, "--out")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory")
@@ -510,8 +443,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, step: int | None 
 # -- what an export needs to be used -----------------------------------------------------------------------------------
 TORCH_CPU_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 # The Hub task of what each kind of model is asked for (pipeline_tag, the model-index task, a tag).
-TASKS = {Generation.FILL_MASK: "fill-mask", Generation.DECODER_ONLY: "text-generation",
-         Generation.ENCODER_DECODER: "text2text-generation", Generation.NONE: "feature-extraction"}
+TASKS = {
+    Generation.FILL_MASK: "fill-mask",
+    Generation.DECODER_ONLY: "text-generation",
+    Generation.ENCODER_DECODER: "text2text-generation",
+    Generation.NONE: "feature-extraction",
+}
 EXAMPLE_TEXT = "Hello, my name is"
 
 
@@ -522,22 +459,30 @@ def _mask_of(family: Family) -> str:
 def usage_snippet(family: Family, model_id: str) -> str:
     """Python that loads the export (a local path or a Hub id) and uses it as the family's models are used."""
     auto, mask = family.hf_auto_class, _mask_of(family)
-    load = (f'model_id = "{model_id}"\ntokenizer = AutoTokenizer.from_pretrained(model_id)\n'
-            f"model = {auto}.from_pretrained(model_id)\n")
+    load = (
+        f'model_id = "{model_id}"\ntokenizer = AutoTokenizer.from_pretrained(model_id)\n'
+        f"model = {auto}.from_pretrained(model_id)\n"
+    )
     if family.generation is Generation.FILL_MASK:
-        return (f'from transformers import pipeline\n\nmodel_id = "{model_id}"\n'
-                f'fill_mask = pipeline("fill-mask", model=model_id)\nprint(fill_mask("{EXAMPLE_TEXT} {mask}."))')
+        return (
+            f'from transformers import pipeline\n\nmodel_id = "{model_id}"\n'
+            f'fill_mask = pipeline("fill-mask", model=model_id)\nprint(fill_mask("{EXAMPLE_TEXT} {mask}."))'
+        )
     if family.generation is Generation.DECODER_ONLY:
         prompt = EXAMPLE_TEXT
     elif family.generation is Generation.ENCODER_DECODER:
         prompt = f"{EXAMPLE_TEXT} {mask}." if mask else EXAMPLE_TEXT
     else:  # a model that does not generate: its outputs for a text
-        return (f"from transformers import {auto}, AutoTokenizer\n\n{load}"
-                f'outputs = model(**tokenizer("{EXAMPLE_TEXT}", return_tensors="pt"))')
-    return (f"from transformers import {auto}, AutoTokenizer\n\n{load}"
-            f'inputs = tokenizer("{prompt}", return_tensors="pt")\n'
-            "outputs = model.generate(**inputs, max_new_tokens=20, do_sample=False)\n"
-            "print(tokenizer.decode(outputs[0], skip_special_tokens=True))")
+        return (
+            f"from transformers import {auto}, AutoTokenizer\n\n{load}"
+            f'outputs = model(**tokenizer("{EXAMPLE_TEXT}", return_tensors="pt"))'
+        )
+    return (
+        f"from transformers import {auto}, AutoTokenizer\n\n{load}"
+        f'inputs = tokenizer("{prompt}", return_tensors="pt")\n'
+        "outputs = model.generate(**inputs, max_new_tokens=20, do_sample=False)\n"
+        "print(tokenizer.decode(outputs[0], skip_special_tokens=True))"
+    )
 
 
 def without_torch(family: Family, folder) -> str | None:
@@ -553,16 +498,26 @@ def without_torch(family: Family, folder) -> str | None:
 def what_it_needs(family: Family, folder) -> str:
     """One line for the log of every export: transformers' side needs PyTorch, spmdlm.generate does not."""
     spmdlm_way = without_torch(family, folder)
-    return (f"transformers' pipelines and {family.hf_auto_class} on {folder} need PyTorch (CPU-only: "
-            f"{TORCH_CPU_INSTALL})" + (f"; without it: {spmdlm_way}" if spmdlm_way else ""))
+    return (
+        f"transformers' pipelines and {family.hf_auto_class} on {folder} need PyTorch (CPU-only: "
+        f"{TORCH_CPU_INSTALL})" + (f"; without it: {spmdlm_way}" if spmdlm_way else "")
+    )
 
 
 def card_usage_lines(family: Family, model_id: str, folder) -> list[str]:
     """The card's "How to use": the snippet, what it needs, and the way without PyTorch."""
-    lines = ["```python", usage_snippet(family, model_id), "```", "",
-             "transformers runs this on PyTorch, which spmdlm does not install; the CPU-only wheel is enough (a "
-             "plain `pip install torch` brings several GB of CUDA libraries):", "", "```bash", TORCH_CPU_INSTALL,
-             "```"]
+    lines = [
+        "```python",
+        usage_snippet(family, model_id),
+        "```",
+        "",
+        "transformers runs this on PyTorch, which spmdlm does not install; the CPU-only wheel is enough (a "
+        "plain `pip install torch` brings several GB of CUDA libraries):",
+        "",
+        "```bash",
+        TORCH_CPU_INSTALL,
+        "```",
+    ]
     spmdlm_way = without_torch(family, folder)
     if spmdlm_way:
         lines += ["", "Without PyTorch, spmdlm runs the export itself (JAX):", "", "```bash", spmdlm_way, "```"]
@@ -579,17 +534,27 @@ def write_export_card(out, config: HFConfig, checkpoint: str, step: int | None) 
     data = ModelCardData(library_name="transformers", pipeline_tag=task, tags=[family.name, "spmdlm", task])
     which = f"step {step}" if step is not None else "the newest verified step"
     where = str(out) if storage.is_remote(out) else str(Path(out).absolute())
-    body = "\n".join([f"# {Path(where).name}", "",
-                      f"A {family.name} model (`{family.hf_auto_class}`) exported by `python -m spmdlm.export` from "
-                      f"the checkpoint at {which} of the spmdlm run `{checkpoint}` (the run's own card, with its data "
-                      "and results, is its `hf/README.md`).", "",
-                      "## How to use", "", *card_usage_lines(family, where, where), ""])
+    body = "\n".join(
+        [
+            f"# {Path(where).name}",
+            "",
+            f"A {family.name} model (`{family.hf_auto_class}`) exported by `python -m spmdlm.export` from "
+            f"the checkpoint at {which} of the spmdlm run `{checkpoint}` (the run's own card, with its data "
+            "and results, is its `hf/README.md`).",
+            "",
+            "## How to use",
+            "",
+            *card_usage_lines(family, where, where),
+            "",
+        ]
+    )
     storage.write_atomic(out / "README.md", str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spmdlm.export",
-                                     description="Export an spmdlm checkpoint to transformers format.")
+    parser = argparse.ArgumentParser(
+        prog="python -m spmdlm.export", description="Export an spmdlm checkpoint to transformers format."
+    )
     parser.add_argument("--checkpoint", required=True, help="the training run's --output_dir")
     parser.add_argument("--out", required=True, help="directory to write config.json, model.safetensors, tokenizer")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")

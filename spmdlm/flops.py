@@ -21,6 +21,7 @@ from typing import Any
 
 from jax.extend import core
 
+
 # -- analytic FLOPs ----------------------------------------------------------------------------------------------------
 def dense(n_in: int, n_out: int) -> float:
     return 2.0 * n_in * n_out

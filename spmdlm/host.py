@@ -29,26 +29,34 @@ def _thp_mode() -> str:
             text = f.read()
     except OSError:
         return ""
-    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else ""
 
 
-def huge_page_environment(environ: dict[str, str], *, system: str, libc: tuple[str, str], thp_mode: str
-                          ) -> dict[str, str] | None:
+def huge_page_environment(
+    environ: dict[str, str], *, system: str, libc: tuple[str, str], thp_mode: str
+) -> dict[str, str] | None:
     """The environment to restart with for huge-page malloc, or None where that would change nothing."""
     name, version = libc
     numbers = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if (system != "Linux" or name != "glibc" or numbers < (2, 35) or thp_mode != "madvise"
-            or environ.get(OPT_OUT_ENV) == "0" or "malloc" in environ.get("LD_PRELOAD", "")
-            or "glibc.malloc.hugetlb" in tunables):
+    if (
+        system != "Linux"
+        or name != "glibc"
+        or numbers < (2, 35)
+        or thp_mode != "madvise"
+        or environ.get(OPT_OUT_ENV) == "0"
+        or "malloc" in environ.get("LD_PRELOAD", "")
+        or "glibc.malloc.hugetlb" in tunables
+    ):
         return None
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}" if tunables else TUNABLE}
 
 
 def restart_with_huge_page_malloc() -> None:
     """Re-execute this Python command (sys.orig_argv) with huge-page malloc where it helps; else return."""
-    environ = huge_page_environment(dict(os.environ), system=platform.system(), libc=platform.libc_ver(),
-                                    thp_mode=_thp_mode())
+    environ = huge_page_environment(
+        dict(os.environ), system=platform.system(), libc=platform.libc_ver(), thp_mode=_thp_mode()
+    )
     if environ is None:
         return
     sys.stdout.flush()

@@ -51,13 +51,17 @@ def setup_devices(args: RunArgs) -> None:
     # machine has; whether the devices are simulated is known once JAX has chosen its backend.
     simulated = bool(wanted and wanted > 1 and not (multi_host or cluster) and simulate_cpu_devices(wanted))
     if multi_host:
-        join_job(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                 process_id=args.process_id)
+        join_job(
+            coordinator_address=args.coordinator_address, num_processes=args.num_processes, process_id=args.process_id
+        )
     elif cluster:
         join_job()  # TPU pod / SLURM: JAX reads the topology from the environment
     if devices.unused_nvidia_gpu():
-        log.warning("this machine has an NVIDIA GPU but JAX has only its CPU backend, so this run computes on the "
-                    "CPU; for the GPU: %s", devices.CUDA_INSTALL_HINT)
+        log.warning(
+            "this machine has an NVIDIA GPU but JAX has only its CPU backend, so this run computes on the "
+            "CPU; for the GPU: %s",
+            devices.CUDA_INSTALL_HINT,
+        )
     elif simulated and jax.default_backend() == "cpu":
         print(f"spmdlm: CPU-only machine: simulating {wanted} CPU devices for --mesh {args.mesh}", flush=True)
 
@@ -103,7 +107,7 @@ class PeerWatch:
         self._finished: int | None = None
         self._thread = threading.Thread(target=self._run, name="spmdlm-peer-watch", daemon=True)
 
-    def start(self) -> "PeerWatch":
+    def start(self) -> PeerWatch:
         self._thread.start()
         return self
 
@@ -140,18 +144,24 @@ class PeerWatch:
                     seen[peer] = (current, now)
                 elif current != "exit 0" and now - since >= self.timeout:
                     if current and current.startswith("exit"):
-                        self._leave(f"process {peer} stopped with exit status {current.split()[1]} "
-                                    f"{now - since:.0f} s ago")
-                    self._leave(f"lost process {peer} (no sign of life for {now - since:.0f} s: killed, crashed or "
-                                "cut off)")
+                        self._leave(
+                            f"process {peer} stopped with exit status {current.split()[1]} {now - since:.0f} s ago"
+                        )
+                    self._leave(
+                        f"lost process {peer} (no sign of life for {now - since:.0f} s: killed, crashed or cut off)"
+                    )
 
     def _leave(self, what: str) -> None:
         """Report and leave at once: the main thread may be blocked in a collective that will never complete (or,
         after an error here, in JAX's shutdown, waiting for the lost process)."""
         try:
             sys.stdout.flush()
-            print(f"error: process {self.me} of {self.count}: {what}; stopping this process too (exit "
-                  f"{LOST_PROCESS_EXIT_CODE}); nothing is saved after the last checkpoint", file=sys.stderr, flush=True)
+            print(
+                f"error: process {self.me} of {self.count}: {what}; stopping this process too (exit "
+                f"{LOST_PROCESS_EXIT_CODE}); nothing is saved after the last checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
             os._exit(LOST_PROCESS_EXIT_CODE)
 
@@ -161,10 +171,21 @@ _peer_watch: PeerWatch | None = None
 
 def setup_logging() -> None:
     level = logging.INFO if jax.process_index() == 0 else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stdout, force=True)
-    for noisy in ("absl", "jax._src", "orbax", "grain", "asyncio", "datasets", "huggingface_hub", "filelock",
-                  "gcsfs", "fsspec"):
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, force=True
+    )
+    for noisy in (
+        "absl",
+        "jax._src",
+        "orbax",
+        "grain",
+        "asyncio",
+        "datasets",
+        "huggingface_hub",
+        "filelock",
+        "gcsfs",
+        "fsspec",
+    ):
         logging.getLogger(noisy).setLevel(logging.WARNING)
         logging.getLogger(noisy).addFilter(_reported_by_us)
 
@@ -211,8 +232,10 @@ def _main(argv: list[str] | None) -> int:
             run_compile_for(args)
             return 0
         if args.num_slices != 1:
-            raise ArgumentError("--num_slices describes the slices --compile_for compiles for; a real multi-slice "
-                                "run takes its slices from the devices (give --dcn_mesh)")
+            raise ArgumentError(
+                "--num_slices describes the slices --compile_for compiles for; a real multi-slice "
+                "run takes its slices from the devices (give --dcn_mesh)"
+            )
         setup_devices(args)
         plan_mesh(args.mesh, args.dcn_mesh, jax.devices())  # fail on a bad mesh before reading any data
         setup_logging()
@@ -238,8 +261,11 @@ def _main(argv: list[str] | None) -> int:
             raise
         # In a multi-host job a failed collective usually means a lost process: the watch names it (exit 4)
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        print(f"error: {first}; waiting up to {_peer_watch.timeout} s to learn whether another process was lost",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: {first}; waiting up to {_peer_watch.timeout} s to learn whether another process was lost",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0
 

@@ -40,8 +40,9 @@ class LoadedModel:
     step: int | None = None  # a checkpoint's step
 
 
-def load_model(path: str | Path, mesh: Mesh, *, step: int | None = None, tokenizer: str | Path | None = None
-               ) -> LoadedModel:
+def load_model(
+    path: str | Path, mesh: Mesh, *, step: int | None = None, tokenizer: str | Path | None = None
+) -> LoadedModel:
     """`path`: a run's --output_dir (newest good checkpoint, or `step`), one checkpoint of it (RUN/checkpoints/N),
     an export or a transformers directory (config.json and weights). `tokenizer`: a tokenizer.json or directory
     instead of the model's own."""
@@ -49,13 +50,22 @@ def load_model(path: str | Path, mesh: Mesh, *, step: int | None = None, tokeniz
     run_dir, step = _run_and_step(where, step)
     if run_dir is not None:
         model, config, tokenizer_dir, step = load_run(run_dir, step, mesh)  # the parameters the run evaluated
-        return LoadedModel(get_family(config.model_type), model, config,
-                           load_tokenizer(tokenizer or tokenizer_dir or run_dir), mesh, "checkpoint", step)
+        return LoadedModel(
+            get_family(config.model_type),
+            model,
+            config,
+            load_tokenizer(tokenizer or tokenizer_dir or run_dir),
+            mesh,
+            "checkpoint",
+            step,
+        )
     if step is not None:
         raise ArgumentError(f"--step applies to a training run's checkpoints; {where} is a transformers directory")
     if not (where / "config.json").is_file():
-        raise ConfigError(f"{where}: no spmdlm run ({RUN_CONFIG}), checkpoint (RUN/checkpoints/N) or transformers "
-                          "directory (config.json) there; give one of those")
+        raise ConfigError(
+            f"{where}: no spmdlm run ({RUN_CONFIG}), checkpoint (RUN/checkpoints/N) or transformers "
+            "directory (config.json) there; give one of those"
+        )
     model, config = load_hf(where, mesh=mesh)
     kind = "export" if (where / MARKER).is_file() else "transformers"
     return LoadedModel(get_family(config.model_type), model, config, load_tokenizer(tokenizer or where), mesh, kind)

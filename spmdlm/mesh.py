@@ -13,6 +13,7 @@ import re
 import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
 from spmdlm.errors import MeshError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -41,8 +42,6 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_vocab", "tensor"),
 )
 _RULES = dict(LOGICAL_RULES)
-
-
 
 
 def _given_sizes(spec: str, flag: str = "--mesh") -> dict[str, int]:
@@ -97,9 +96,12 @@ def make_mesh(spec: str = "data=-1", devices: list | None = None, dcn_spec: str 
         # Topology-aware device order on TPU/GPU (neighbours on the fast axes); a plain reshape elsewhere.
         grid = mesh_utils.create_device_mesh([sizes[a] for a in MESH_AXES], devices, allow_split_physical_axes=True)
     else:
-        grid = mesh_utils.create_hybrid_device_mesh([sizes[a] // dcn[a] for a in MESH_AXES],
-                                                    [dcn[a] for a in MESH_AXES], devices,
-                                                    allow_split_physical_axes=True)
+        grid = mesh_utils.create_hybrid_device_mesh(
+            [sizes[a] // dcn[a] for a in MESH_AXES],
+            [dcn[a] for a in MESH_AXES],
+            devices,
+            allow_split_physical_axes=True,
+        )
     # Auto axes: Explicit (jax.make_mesh's default here) breaks the embedding gather (docs/architecture.md §3).
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
@@ -117,24 +119,32 @@ def plan_mesh(spec: str, dcn_spec: str | None, devices) -> tuple[dict[str, int],
     slices = slice_count(devices)
     if slices == 1:
         if dcn_spec and any(size > 1 for size in _given_sizes(dcn_spec, "--dcn_mesh").values()):
-            raise MeshError(f"--dcn_mesh {dcn_spec!r} spans several slices but the {len(devices)} devices are one "
-                            "slice; leave it out (with --compile_for, give --num_slices)")
+            raise MeshError(
+                f"--dcn_mesh {dcn_spec!r} spans several slices but the {len(devices)} devices are one "
+                "slice; leave it out (with --compile_for, give --num_slices)"
+            )
         return sizes, None
     if dcn_spec is None:
         axis = next((a for a in BATCH_AXES if sizes[a] % slices == 0), None)
         if axis is None:
-            raise MeshError(f"--mesh {spec!r} over {slices} slices: neither data ({sizes['data']}) nor fsdp "
-                            f"({sizes['fsdp']}) is a multiple of {slices}; make one of them so, or give --dcn_mesh")
+            raise MeshError(
+                f"--mesh {spec!r} over {slices} slices: neither data ({sizes['data']}) nor fsdp "
+                f"({sizes['fsdp']}) is a multiple of {slices}; make one of them so, or give --dcn_mesh"
+            )
         dcn_spec = f"{axis}={slices}"
     dcn = parse_mesh(dcn_spec, slices, flag="--dcn_mesh", unit="slices")
     if dcn["tensor"] > 1:
-        raise MeshError(f"--dcn_mesh {dcn_spec!r}: tensor parallelism across slices would put every layer's "
-                        "collectives on the data-centre network; span slices with data (or fsdp)")
+        raise MeshError(
+            f"--dcn_mesh {dcn_spec!r}: tensor parallelism across slices would put every layer's "
+            "collectives on the data-centre network; span slices with data (or fsdp)"
+        )
     for axis in BATCH_AXES:
         if sizes[axis] % dcn[axis]:
-            raise MeshError(f"--dcn_mesh {dcn_spec!r}: {axis}={dcn[axis]} slices does not divide --mesh "
-                            f"{axis}={sizes[axis]}; --mesh gives the whole mesh, --dcn_mesh the part of it across "
-                            "slices")
+            raise MeshError(
+                f"--dcn_mesh {dcn_spec!r}: {axis}={dcn[axis]} slices does not divide --mesh "
+                f"{axis}={sizes[axis]}; --mesh gives the whole mesh, --dcn_mesh the part of it across "
+                "slices"
+            )
     return sizes, dcn
 
 
@@ -154,13 +164,19 @@ def skip_absent_tpu() -> bool:
     JAX_FORCE_TPU_INIT), when set, wins. Must run before JAX initialises its backends. True if it chose CPU."""
     import importlib.util
 
-    if (os.environ.get("JAX_PLATFORMS", "").strip() or "JAX_FORCE_TPU_INIT" in os.environ
-            or importlib.util.find_spec("libtpu") is None):
+    if (
+        os.environ.get("JAX_PLATFORMS", "").strip()
+        or "JAX_FORCE_TPU_INIT" in os.environ
+        or importlib.util.find_spec("libtpu") is None
+    ):
         return False
     from jax._src import hardware_utils
 
-    if (hardware_utils.num_available_tpu_chips_and_device_id()[0] or hardware_utils.has_visible_nvidia_gpu()
-            or hardware_utils.num_available_amd_gpus(stop_at=1)):
+    if (
+        hardware_utils.num_available_tpu_chips_and_device_id()[0]
+        or hardware_utils.has_visible_nvidia_gpu()
+        or hardware_utils.num_available_amd_gpus(stop_at=1)
+    ):
         return False
     os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes; this one read the variable when jax was imported
     jax.config.update("jax_platforms", "cpu")

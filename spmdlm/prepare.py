@@ -54,8 +54,9 @@ def resolve_objective(for_model: str, tokenizer, flags: dict, config_name: str |
     own = [flag.name for flag in family.flags]
     foreign = [k for k in given if k not in own]
     if foreign:
-        raise ArgumentError(f"--{foreign[0]} does not apply to {family.name}; its flags: "
-                            f"{', '.join('--' + f for f in own)}")
+        raise ArgumentError(
+            f"--{foreign[0]} does not apply to {family.name}; its flags: {', '.join('--' + f for f in own)}"
+        )
     check_objective_flags(given, family.flags)
     config = load_config(config_name or family.default_preset, family.name)
     args = RunArgs(model_type=family.name, objective=given)
@@ -73,40 +74,71 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         prog="python -m spmdlm.prepare",
         description="Tokenize a corpus once into sharded fixed-length records (a dataset directory) for "
-                    "python -m spmdlm.launch --dataset_dir. See docs/data.md.")
+        "python -m spmdlm.launch --dataset_dir. See docs/data.md.",
+    )
     add_corpus_arguments(parser)
-    parser.add_argument("--tokenizer", "--tokenizer_name", dest="tokenizer", required=True,
-                        help="tokenizer.json, an HF tokenizer dir, or a SentencePiece spiece.model")
-    parser.add_argument("--for_model", required=True, choices=sorted(families()),
-                        help="the model family whose objective the records serve")
+    parser.add_argument(
+        "--tokenizer",
+        "--tokenizer_name",
+        dest="tokenizer",
+        required=True,
+        help="tokenizer.json, an HF tokenizer dir, or a SentencePiece spiece.model",
+    )
+    parser.add_argument(
+        "--for_model",
+        required=True,
+        choices=sorted(families()),
+        help="the model family whose objective the records serve",
+    )
     parser.add_argument("--out", required=True, help="the dataset directory to write")
-    parser.add_argument("--config_name", default=None,
-                        help="model config for default lengths and checks (default: the family's base preset)")
+    parser.add_argument(
+        "--config_name",
+        default=None,
+        help="model config for default lengths and checks (default: the family's base preset)",
+    )
     group = parser.add_argument_group("objective (the family's flags, as python -m spmdlm.launch takes them)")
     for flag in objective_flags():
         if flag.type is bool:
             group.add_argument(f"--{flag.name}", action="store_true", default=False, help=flag.help)
         else:
             group.add_argument(f"--{flag.name}", type=flag.type, default=None, help=flag.help)
-    parser.add_argument("--validation_percentage", "--validation_split_percentage", dest="validation_percentage",
-                        type=float, default=5.0,
-                        help="percent of documents held out by hash (default 5; 0: none); a dataset's own "
-                             "validation split is used instead when it has one")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="tokenizer processes (default: the CPUs available; 1: in this process)")
-    parser.add_argument("--shard_size", type=parse_size, default=DEFAULT_SHARD_BYTES,
-                        help="bytes of records per shard file, e.g. 256M (default), 1G")
+    parser.add_argument(
+        "--validation_percentage",
+        "--validation_split_percentage",
+        dest="validation_percentage",
+        type=float,
+        default=5.0,
+        help="percent of documents held out by hash (default 5; 0: none); a dataset's own "
+        "validation split is used instead when it has one",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizer processes (default: the CPUs available; 1: in this process)",
+    )
+    parser.add_argument(
+        "--shard_size",
+        type=parse_size,
+        default=DEFAULT_SHARD_BYTES,
+        help="bytes of records per shard file, e.g. 256M (default), 1G",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a dataset of other inputs or settings")
-    parser.add_argument("--model_max_length", type=int, default=None,
-                        help="model_max_length of the tokenizer copy (default: the config's)")
+    parser.add_argument(
+        "--model_max_length",
+        type=int,
+        default=None,
+        help="model_max_length of the tokenizer copy (default: the config's)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr
+    )
     try:
         if args.workers is not None and args.workers < 1:
             raise ArgumentError(f"--workers {args.workers}: give 1 or more")
@@ -118,11 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         family, objective, applicable, config = resolve_objective(args.for_model, tokenizer, flags, args.config_name)
         ids = special_token_ids(tokenizer, family)
         card = prepare_dataset(
-            corpus, tokenizer, args.out, family=family, objective=applicable,
-            record_length=objective.record_length, mode=objective.preparation,
-            separator_id=ids["eos"], pad_id=ids.get("pad"), bos_id=ids.get("bos"),
-            validation_percentage=args.validation_percentage, workers=args.workers, shard_bytes=args.shard_size,
-            overwrite=args.overwrite, model_max_length=args.model_max_length or config.max_length)
+            corpus,
+            tokenizer,
+            args.out,
+            family=family,
+            objective=applicable,
+            record_length=objective.record_length,
+            mode=objective.preparation,
+            separator_id=ids["eos"],
+            pad_id=ids.get("pad"),
+            bos_id=ids.get("bos"),
+            validation_percentage=args.validation_percentage,
+            workers=args.workers,
+            shard_bytes=args.shard_size,
+            overwrite=args.overwrite,
+            model_max_length=args.model_max_length or config.max_length,
+        )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -133,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         print("spmdlm.prepare: interrupted; nothing was written", file=sys.stderr)
         return 130
     train, validation = card["splits"]["train"], card["splits"].get("validation")
-    print(f"{args.out}: {train['examples']} train examples of {card['record_length']} tokens in "
-          f"{len(train['shards'])} shard(s)" + (f", {validation['examples']} validation examples" if validation
-                                                else ", no validation split"))
+    print(
+        f"{args.out}: {train['examples']} train examples of {card['record_length']} tokens in "
+        f"{len(train['shards'])} shard(s)"
+        + (f", {validation['examples']} validation examples" if validation else ", no validation split")
+    )
     return 0
 
 

@@ -24,15 +24,14 @@ import importlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+
 from spmdlm.errors import StorageError
 
 GCS_HINT = "pip install 'spmdlm[gcs]'"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 SCHEME = "gs://"
-
-
 
 
 def is_url(p) -> bool:
@@ -51,7 +50,7 @@ def path(p, what: str = "path"):
         return Path(text)
     if not text.startswith(SCHEME):
         raise StorageError(f"{what} {text}: only gs:// URLs are read and written; give a gs:// or a local path")
-    bucket = text[len(SCHEME):].split("/", 1)[0]
+    bucket = text[len(SCHEME) :].split("/", 1)[0]
     if not bucket:
         raise StorageError(f"{what} {text}: no bucket name; give gs://BUCKET/PATH")
     check_bucket(bucket, what)
@@ -96,10 +95,11 @@ def _default_credentials() -> str:
         google.auth.default()
     except DefaultCredentialsError as e:
         first = str(e).strip().partition("\n")[0]
-        raise StorageError(f"gs:// paths need Google Cloud credentials and none were found ({first}); run "
-                           "`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a "
-                           "service-account key file, or run on a VM whose service account may use the bucket") \
-            from None
+        raise StorageError(
+            f"gs:// paths need Google Cloud credentials and none were found ({first}); run "
+            "`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a "
+            "service-account key file, or run on a VM whose service account may use the bucket"
+        ) from None
     return "google_default"
 
 
@@ -110,11 +110,14 @@ def check_bucket(bucket: str, what: str = "path") -> None:
         found = fs.exists(bucket)
     except OSError as e:  # 403: the credentials may not see it
         first = str(e).strip().partition("\n")[0]
-        raise StorageError(f"{what} gs://{bucket}: cannot reach the bucket ({first}); check that these "
-                           "credentials may use it") from None
+        raise StorageError(
+            f"{what} gs://{bucket}: cannot reach the bucket ({first}); check that these credentials may use it"
+        ) from None
     if not found:
-        raise StorageError(f"{what} gs://{bucket}...: no such bucket (or these credentials cannot see it); create "
-                           f"it (gcloud storage buckets create gs://{bucket}) or fix the path")
+        raise StorageError(
+            f"{what} gs://{bucket}...: no such bucket (or these credentials cannot see it); create "
+            f"it (gcloud storage buckets create gs://{bucket}) or fix the path"
+        )
 
 
 def _fs_path(p) -> str:
@@ -226,9 +229,18 @@ def download(source, target: Path, *, progress: bool | None = None, desc: str | 
     digest = hashlib.sha256()
     total = size(source)
     try:
-        with tqdm(total=total, desc=desc or f"copying {Path(str(source)).name}", unit="B", unit_scale=True,
-                  leave=False, disable=None if progress is None else not progress) as bar, \
-                path(source).open("rb") as src, open(tmp, "wb") as dst:
+        with (
+            tqdm(
+                total=total,
+                desc=desc or f"copying {Path(str(source)).name}",
+                unit="B",
+                unit_scale=True,
+                leave=False,
+                disable=None if progress is None else not progress,
+            ) as bar,
+            path(source).open("rb") as src,
+            open(tmp, "wb") as dst,
+        ):
             while chunk := src.read(8 << 20):
                 dst.write(chunk)
                 digest.update(chunk)
@@ -270,7 +282,7 @@ def local_copy(p) -> Path:
     local = _temp_dir("spmdlm-gcs-") / remote.name
     if remote.is_dir():
         for file in files_under(remote):
-            download(file, local / str(file)[len(str(remote)) + 1:], progress=False)
+            download(file, local / str(file)[len(str(remote)) + 1 :], progress=False)
     elif remote.exists():
         download(remote, local, progress=False)
     return local
@@ -299,7 +311,7 @@ def local_cache_root() -> Path:
 
 def local_mirror(p) -> Path:
     """The local folder that mirrors the gs:// folder `p` on this host (gs://b/x -> LOCAL_CACHE/b/x)."""
-    return local_cache_root() / str(p)[len(SCHEME):]
+    return local_cache_root() / str(p)[len(SCHEME) :]
 
 
 def pid_alive(pid: int) -> bool:
@@ -311,4 +323,3 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # alive, another user's
         pass
     return True
-

@@ -41,7 +41,9 @@ def model_of_kind(kind: str) -> str:
     """The family whose special tokens a tokenizer of `kind` gets when no --for_model is given: the default family
     if it uses that kind, else the first that does."""
     kinds = kind_of()
-    return DEFAULT_MODEL_TYPE if kinds.get(DEFAULT_MODEL_TYPE) == kind else min(n for n, k in kinds.items() if k == kind)
+    return (
+        DEFAULT_MODEL_TYPE if kinds.get(DEFAULT_MODEL_TYPE) == kind else min(n for n, k in kinds.items() if k == kind)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,21 +53,39 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         prog="python -m spmdlm.tokenizer",
         description="Train a tokenizer (HF tokenizers) on a corpus for a model family; the output directory loads "
-                    "with transformers.AutoTokenizer and with --tokenizer_name. See docs/data.md.")
+        "with transformers.AutoTokenizer and with --tokenizer_name. See docs/data.md.",
+    )
     add_corpus_arguments(parser)
-    parser.add_argument("--kind", choices=KINDS, default=None,
-                        help=f"bpe: byte-level BPE ({by_kind['bpe']}); unigram: SentencePiece-style "
-                             f"({by_kind['unigram']}). Default: the model's")
-    parser.add_argument("--for_model", choices=sorted(kinds), default=None,
-                        help="the family whose special tokens to add (default: "
-                             + ", ".join(f"{model_of_kind(k)} for {k}" for k in KINDS) + ")")
-    parser.add_argument("--vocab_size", type=int, required=True,
-                        help="the whole vocabulary, specials included (T5: with the 100 sentinels, e.g. 32100)")
+    parser.add_argument(
+        "--kind",
+        choices=KINDS,
+        default=None,
+        help=f"bpe: byte-level BPE ({by_kind['bpe']}); unigram: SentencePiece-style "
+        f"({by_kind['unigram']}). Default: the model's",
+    )
+    parser.add_argument(
+        "--for_model",
+        choices=sorted(kinds),
+        default=None,
+        help="the family whose special tokens to add (default: "
+        + ", ".join(f"{model_of_kind(k)} for {k}" for k in KINDS)
+        + ")",
+    )
+    parser.add_argument(
+        "--vocab_size",
+        type=int,
+        required=True,
+        help="the whole vocabulary, specials included (T5: with the 100 sentinels, e.g. 32100)",
+    )
     parser.add_argument("--min_frequency", type=int, default=2, help="BPE: least count of a merged pair (default 2)")
     parser.add_argument("--lowercase", action="store_true", help="lowercase the text before tokenizing")
     parser.add_argument("--out", required=True, help="directory to write the tokenizer files to")
-    parser.add_argument("--model_max_length", type=int, default=None,
-                        help="tokenizer_config.json's model_max_length (default: the family's base preset's)")
+    parser.add_argument(
+        "--model_max_length",
+        type=int,
+        default=None,
+        help="tokenizer_config.json's model_max_length (default: the family's base preset's)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --out")
     return parser
 
@@ -77,8 +97,9 @@ def resolve_family(kind: str | None, for_model: str | None) -> str:
     if for_model is None:
         return model_of_kind(kind)
     if kind is not None and kinds[for_model] != kind:
-        raise ArgumentError(f"--kind {kind} does not fit --for_model {for_model}, which uses {kinds[for_model]}; "
-                            "leave out --kind")
+        raise ArgumentError(
+            f"--kind {kind} does not fit --for_model {for_model}, which uses {kinds[for_model]}; leave out --kind"
+        )
     return for_model
 
 
@@ -119,8 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             bar.update((stats.bytes_read - bar.n) if total else stats.documents % 256)
 
         with bar:
-            tok = train_tokenizer(family, texts(), args.vocab_size, min_frequency=args.min_frequency,
-                                  lowercase=args.lowercase, show_progress=sys.stderr.isatty())
+            tok = train_tokenizer(
+                family,
+                texts(),
+                args.vocab_size,
+                min_frequency=args.min_frequency,
+                lowercase=args.lowercase,
+                show_progress=sys.stderr.isatty(),
+            )
         _write(tok, out, family, max_length, args.overwrite)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -131,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("spmdlm.tokenizer: interrupted; nothing was written", file=sys.stderr)
         return 130
-    print(f"{out}: {tok.get_vocab_size()}-token {family.tokenizer.kind} tokenizer for {family.name}, trained on "
-          f"{stats.documents} documents ({stats.invalid_bytes} invalid UTF-8 bytes replaced, {stats.empty_lines} "
-          "empty lines skipped)")
+    print(
+        f"{out}: {tok.get_vocab_size()}-token {family.tokenizer.kind} tokenizer for {family.name}, trained on "
+        f"{stats.documents} documents ({stats.invalid_bytes} invalid UTF-8 bytes replaced, {stats.empty_lines} "
+        "empty lines skipped)"
+    )
     return 0
 
 

@@ -25,8 +25,8 @@ os.environ["XLA_FLAGS"] = simulated_devices_flags(f"{os.environ.get('XLA_FLAGS',
 
 import json  # noqa: E402
 import socket  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -55,8 +55,21 @@ def silent_server(monkeypatch) -> Iterator[str]:
 def tiny_gpt2_config(tmp_path_factory) -> Path:
     """A GPT-2 small enough that a train step takes milliseconds."""
     path = tmp_path_factory.mktemp("configs") / "gpt2-micro.json"
-    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512, "n_positions": 64, "n_embd": 64,
-                                "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "vocab_size": 512,
+                "n_positions": 64,
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0,
+            }
+        )
+    )
     return path
 
 
@@ -117,8 +130,8 @@ def run_killed_after_first_checkpoint(monkeypatch, launch_fn) -> None:
 
 @pytest.fixture(scope="session")
 def gcs_bucket():
-    """A GCS emulator (gcp-storage-emulator, in memory; see tests/gcs_emulator.py) on a free loopback port for the whole session, with one
-    bucket; STORAGE_EMULATOR_HOST points this process and its subprocesses at it. Yields "gs://BUCKET"."""
+    """A GCS emulator (gcp-storage-emulator, in memory; see tests/gcs_emulator.py) on a free loopback port for the
+    whole session, with one bucket; STORAGE_EMULATOR_HOST points this process and its subprocesses at it. Yields "gs://BUCKET"."""
     import importlib.util
 
     for module in ("gcp_storage_emulator", "gcsfs"):  # (not imported here: spmdlm.storage configures gcsfs)
@@ -133,9 +146,23 @@ def gcs_bucket():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     bucket = "spmdlm-test"
-    server = subprocess.Popen([sys.executable, str(REPO / "tests" / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
-                               "--port", str(port), "--in-memory", "--default-bucket", bucket, "--quiet"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "tests" / "gcs_emulator.py"),
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--in-memory",
+            "--default-bucket",
+            bucket,
+            "--quiet",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -146,8 +173,15 @@ def gcs_bucket():
                 server.kill()
                 pytest.fail("the GCS emulator did not start")
             time.sleep(0.05)
-    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-                                            "GOOGLE_AUTH_TOKEN_FOR_TESTING", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "STORAGE_EMULATOR_HOST",
+            "TENSORSTORE_GCS_HTTP_URL",
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+        )
+    }
     os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
     try:
         yield f"gs://{bucket}"

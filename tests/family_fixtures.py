@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ class FamilyFixture:
 def _padded(ids: np.ndarray, pad_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """A mask with right padding in row 1 and left padding in row 2; pad ids written where the model needs them."""
     mask = np.ones(ids.shape, dtype=np.int64)
-    mask[1, ids.shape[1] * 2 // 3:] = 0
+    mask[1, ids.shape[1] * 2 // 3 :] = 0
     mask[2, : ids.shape[1] // 4] = 0
     if pad_id is not None:
         ids = np.where(mask == 1, ids, pad_id)
@@ -50,8 +51,8 @@ def _roberta_batch(config: dict, rng: np.random.Generator, length: int = 20) -> 
     # tokenizers produce); token types exercised when the config has several.
     ids = rng.integers(3, config["vocab_size"], (4, length))
     mask = np.ones(ids.shape, dtype=np.int64)
-    mask[1, length * 2 // 3:] = 0
-    mask[3, length // 4:] = 0
+    mask[1, length * 2 // 3 :] = 0
+    mask[3, length // 4 :] = 0
     ids = np.where(mask == 1, ids, 1)
     types = rng.integers(0, config.get("type_vocab_size", 2), ids.shape)
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
@@ -84,48 +85,122 @@ FIXTURES: dict[str, FamilyFixture] = {
         configs={
             "odd-heads": dict(vocab_size=101, n_positions=40, n_embd=48, n_layer=2, n_head=3, layer_norm_epsilon=1e-6),
             "vocab-not-8": dict(vocab_size=257, n_positions=64, n_embd=40, n_layer=3, n_head=5, n_inner=72),
-            "exact-gelu": dict(vocab_size=128, n_positions=128, n_embd=32, n_layer=1, n_head=2,
-                               layer_norm_epsilon=1e-4, activation_function="gelu"),
+            "exact-gelu": dict(
+                vocab_size=128,
+                n_positions=128,
+                n_embd=32,
+                n_layer=1,
+                n_head=2,
+                layer_norm_epsilon=1e-4,
+                activation_function="gelu",
+            ),
         },
         make_batch=_gpt2_batch,
         output_mask="attention_mask",
-        tiny_config=dict(model_type="gpt2", vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        tiny_config=dict(
+            model_type="gpt2",
+            vocab_size=512,
+            n_positions=64,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
         run_flags=("--block_size", "32", "--learning_rate", "3e-3"),
     ),
     "roberta": FamilyFixture(
         hf_model_class=transformers.RobertaForMaskedLM,
         hf_config_class=transformers.RobertaConfig,
         configs={
-            "odd-heads": dict(vocab_size=103, hidden_size=36, num_hidden_layers=3, num_attention_heads=3,
-                              intermediate_size=50, max_position_embeddings=40, type_vocab_size=2),
-            "vocab-not-8": dict(vocab_size=259, hidden_size=40, num_hidden_layers=2, num_attention_heads=5,
-                                intermediate_size=64, max_position_embeddings=30, layer_norm_eps=1e-12),
-            "long-positions": dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                   intermediate_size=48, max_position_embeddings=130, layer_norm_eps=1e-5),
+            "odd-heads": dict(
+                vocab_size=103,
+                hidden_size=36,
+                num_hidden_layers=3,
+                num_attention_heads=3,
+                intermediate_size=50,
+                max_position_embeddings=40,
+                type_vocab_size=2,
+            ),
+            "vocab-not-8": dict(
+                vocab_size=259,
+                hidden_size=40,
+                num_hidden_layers=2,
+                num_attention_heads=5,
+                intermediate_size=64,
+                max_position_embeddings=30,
+                layer_norm_eps=1e-12,
+            ),
+            "long-positions": dict(
+                vocab_size=64,
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                intermediate_size=48,
+                max_position_embeddings=130,
+                layer_norm_eps=1e-5,
+            ),
         },
         make_batch=_roberta_batch,
         output_mask="attention_mask",
-        tiny_config=dict(model_type="roberta", vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, intermediate_size=128, max_position_embeddings=66, type_vocab_size=1,
-                         layer_norm_eps=1e-5),
+        tiny_config=dict(
+            model_type="roberta",
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=66,
+            type_vocab_size=1,
+            layer_norm_eps=1e-5,
+        ),
         run_flags=("--max_seq_length", "32", "--learning_rate", "3e-3"),
     ),
     "t5": FamilyFixture(
         hf_model_class=transformers.T5ForConditionalGeneration,
-        hf_config_class=lambda **kw: transformers.T5Config(feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                                                           **kw),
+        hf_config_class=lambda **kw: transformers.T5Config(
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False, **kw
+        ),
         configs={
-            "odd-heads": dict(vocab_size=103, d_model=36, d_kv=12, d_ff=40, num_layers=2, num_decoder_layers=3,
-                              num_heads=3, relative_attention_num_buckets=8, relative_attention_max_distance=20),
-            "base-buckets": dict(vocab_size=212, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=1,
-                                 num_heads=4, relative_attention_num_buckets=32, relative_attention_max_distance=128),
+            "odd-heads": dict(
+                vocab_size=103,
+                d_model=36,
+                d_kv=12,
+                d_ff=40,
+                num_layers=2,
+                num_decoder_layers=3,
+                num_heads=3,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=20,
+            ),
+            "base-buckets": dict(
+                vocab_size=212,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=3,
+                num_decoder_layers=1,
+                num_heads=4,
+                relative_attention_num_buckets=32,
+                relative_attention_max_distance=128,
+            ),
         },
         make_batch=_seq2seq_batch,
         output_mask="decoder_attention_mask",
-        tiny_config=dict(model_type="t5", vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                         num_decoder_layers=2, num_heads=4, dropout_rate=0.0, feed_forward_proj="gated-gelu",
-                         tie_word_embeddings=False),
+        tiny_config=dict(
+            model_type="t5",
+            vocab_size=512,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False,
+        ),
         run_flags=("--max_seq_length", "32", "--adafactor", "--learning_rate", "1e-2", "--weight_decay", "0.001"),
         prepare_hf=_untie_t5_head,
     ),
@@ -133,21 +208,57 @@ FIXTURES: dict[str, FamilyFixture] = {
         hf_model_class=transformers.BartForConditionalGeneration,
         hf_config_class=transformers.BartConfig,
         configs={
-            "odd-heads": dict(vocab_size=103, d_model=60, encoder_layers=3, decoder_layers=2, encoder_attention_heads=5,
-                              decoder_attention_heads=3, encoder_ffn_dim=72, decoder_ffn_dim=88,
-                              max_position_embeddings=40),
-            "scaled-embedding": dict(vocab_size=259, d_model=48, encoder_layers=1, decoder_layers=3,
-                                     encoder_attention_heads=6, decoder_attention_heads=4, encoder_ffn_dim=100,
-                                     decoder_ffn_dim=52, max_position_embeddings=33, scale_embedding=True),
-            "relu": dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-                         decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=40, max_position_embeddings=24,
-                         activation_function="relu", scale_embedding=True),
+            "odd-heads": dict(
+                vocab_size=103,
+                d_model=60,
+                encoder_layers=3,
+                decoder_layers=2,
+                encoder_attention_heads=5,
+                decoder_attention_heads=3,
+                encoder_ffn_dim=72,
+                decoder_ffn_dim=88,
+                max_position_embeddings=40,
+            ),
+            "scaled-embedding": dict(
+                vocab_size=259,
+                d_model=48,
+                encoder_layers=1,
+                decoder_layers=3,
+                encoder_attention_heads=6,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=100,
+                decoder_ffn_dim=52,
+                max_position_embeddings=33,
+                scale_embedding=True,
+            ),
+            "relu": dict(
+                vocab_size=64,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=2,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=48,
+                decoder_ffn_dim=40,
+                max_position_embeddings=24,
+                activation_function="relu",
+                scale_embedding=True,
+            ),
         },
         make_batch=_seq2seq_batch,
         output_mask="decoder_attention_mask",
-        tiny_config=dict(model_type="bart", vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
-                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-                         decoder_ffn_dim=128, max_position_embeddings=64),
+        tiny_config=dict(
+            model_type="bart",
+            vocab_size=512,
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            max_position_embeddings=64,
+        ),
         run_flags=("--max_seq_length", "32", "--learning_rate", "3e-3"),
         prepare_hf=_perturb_bart_logits_bias,
     ),

@@ -75,7 +75,7 @@ class HubEmulator:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="hub-emulator", daemon=True)
 
-    def __enter__(self) -> "HubEmulator":
+    def __enter__(self) -> HubEmulator:
         self._thread.start()
         return self
 
@@ -91,8 +91,13 @@ class HubEmulator:
     # -- requests --------------------------------------------------------------------------------------------------
     def _handle(self, handler: BaseHTTPRequestHandler) -> None:
         url = urlsplit(handler.path)
-        request = Request(handler.command, unquote(url.path), parse_qs(url.query),
-                          {k.lower(): v for k, v in handler.headers.items()}, _read_body(handler))
+        request = Request(
+            handler.command,
+            unquote(url.path),
+            parse_qs(url.query),
+            {k.lower(): v for k, v in handler.headers.items()},
+            _read_body(handler),
+        )
         with self._lock:
             self.requests.append(request)
             name, match = _route(request.method, request.path)
@@ -125,8 +130,11 @@ class HubEmulator:
     def _preupload(self, request: Request, repo: str, rev: str):
         if self._repo(repo) is None:
             return 404, {"error": "Repository not found"}
-        return 200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                               for f in request.json()["files"]]}
+        return 200, {
+            "files": [
+                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in request.json()["files"]
+            ]
+        }
 
     def _commit(self, request: Request, repo: str, rev: str):
         target = self._repo(repo)
@@ -154,8 +162,11 @@ class HubEmulator:
         if target is None:
             return 404, {"error": "Repository not found"}
         prefix = (sub or "").strip("/")
-        return 200, [{"type": "file", "path": path, "size": len(data), "oid": _git_oid(data)}
-                     for path, data in sorted(target.files.items()) if path.startswith(prefix)]
+        return 200, [
+            {"type": "file", "path": path, "size": len(data), "oid": _git_oid(data)}
+            for path, data in sorted(target.files.items())
+            if path.startswith(prefix)
+        ]
 
     def _validate_yaml(self, request: Request):
         return 200, {"errors": [], "warnings": []}

@@ -3,10 +3,11 @@
 Imports neither jax nor spmdlm: it runs in a second and works while the code is mid-change.
 `python tests/test_architecture.py` prints the current offenders of every check at once.
 """
+
 import ast
 import re
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -50,7 +51,7 @@ def is_module(root: Path, dotted: str) -> bool:
     return p.with_name(p.name + ".py").is_file() or (p / "__init__.py").is_file()
 
 
-@lru_cache(maxsize=None)
+@cache
 def sources(root: Path) -> dict:
     """{relative posix path: (module name, text, tree)} for every root/spmdlm/**/*.py."""
     out = {}
@@ -62,7 +63,7 @@ def sources(root: Path) -> dict:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def scan(root: Path) -> list:
     """Every import of an spmdlm module, anywhere in any file (module level, defs, classes, if-blocks)."""
     found = []
@@ -94,8 +95,11 @@ def scan(root: Path) -> list:
 def unassigned(root, floors):
     """Modules on no floor (add each to the table in docs/architecture.md §0)"""
     names = {name for name, _, _ in sources(root).values()} | {i.target for i in scan(root)}
-    return [f"{n}: on no floor; add it to the table in docs/architecture.md §0"
-            for n in sorted(names) if floor_of(n, floors) is None]
+    return [
+        f"{n}: on no floor; add it to the table in docs/architecture.md §0"
+        for n in sorted(names)
+        if floor_of(n, floors) is None
+    ]
 
 
 def upward_imports(root, floors):
@@ -151,8 +155,14 @@ def family_literals(root, floors=None):
         if rel.split("/")[1] in ("families", "models"):
             continue
         in_fstring = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
-        hits += [f"{rel}:{n.lineno}: {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
-                 and isinstance(n.value, str) and n.value in FAMILY_NAMES and id(n) not in in_fstring]
+        hits += [
+            f"{rel}:{n.lineno}: {n.value!r}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)
+            and n.value in FAMILY_NAMES
+            and id(n) not in in_fstring
+        ]
     return sorted(hits, key=lambda h: (h.split(":")[0], int(h.split(":")[1]))) if len(hits) > 1 else []
 
 
@@ -194,9 +204,19 @@ def test_no_file_over_600_lines():
     assert_clean(long_files)
 
 
-@pytest.mark.parametrize("module, floor", [("spmdlm", 0), ("spmdlm.errors", 0), ("spmdlm.data.sources", 1),
-                                           ("spmdlm.generate.decoding", 3), ("spmdlm.generate.cli", 4),
-                                           ("spmdlm.tokenizer", 4), ("spmdlm.data.tokenizer", 1), ("spmdlm.new", None)])
+@pytest.mark.parametrize(
+    "module, floor",
+    [
+        ("spmdlm", 0),
+        ("spmdlm.errors", 0),
+        ("spmdlm.data.sources", 1),
+        ("spmdlm.generate.decoding", 3),
+        ("spmdlm.generate.cli", 4),
+        ("spmdlm.tokenizer", 4),
+        ("spmdlm.data.tokenizer", 1),
+        ("spmdlm.new", None),
+    ],
+)
 def test_floor_of_the_table(module, floor):
     assert floor_of(module, read_floors()) == floor
 
@@ -204,24 +224,55 @@ def test_floor_of_the_table(module, floor):
 # ---- the checks can fail: planted trees ------------------------------------------------------------------------------
 PLANTED_FLOORS = {"spmdlm": 0, "spmdlm.low": 0, "spmdlm.high": 1, "spmdlm.pkg": 1, "spmdlm.models": 1}
 PLANTED = {
-    "cycle": (cycles, {"pkg/__init__.py": "from . import a\n", "pkg/a.py": "from .b import f\n",
-                       "pkg/b.py": "from spmdlm.pkg import a\n"}, ["spmdlm.pkg.a -> spmdlm.pkg.b -> spmdlm.pkg.a"]),
-    "package cycle": (cycles, {"pkg/__init__.py": "from .a import f\nX = 1\n", "pkg/a.py": "from . import X\n"},
-                      ["spmdlm.pkg -> spmdlm.pkg.a -> spmdlm.pkg"]),
+    "cycle": (
+        cycles,
+        {
+            "pkg/__init__.py": "from . import a\n",
+            "pkg/a.py": "from .b import f\n",
+            "pkg/b.py": "from spmdlm.pkg import a\n",
+        },
+        ["spmdlm.pkg.a -> spmdlm.pkg.b -> spmdlm.pkg.a"],
+    ),
+    "package cycle": (
+        cycles,
+        {"pkg/__init__.py": "from .a import f\nX = 1\n", "pkg/a.py": "from . import X\n"},
+        ["spmdlm.pkg -> spmdlm.pkg.a -> spmdlm.pkg"],
+    ),
     "no cycle": (cycles, {"low.py": "import os\n", "high.py": "from spmdlm import low\nfrom . import low\n"}, []),
-    "upward": (upward_imports, {"low.py": "import spmdlm.high\n", "high.py": ""},
-               ["spmdlm.low (floor 0) -> spmdlm.high (floor 1)   [spmdlm/low.py:1]"]),
-    "unassigned": (unassigned, {"stray.py": "", "low.py": ""},
-                   ["spmdlm.stray: on no floor; add it to the table in docs/architecture.md §0"]),
-    "local": (local_imports, {"high.py": "", "low.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                              "    import spmdlm.high\nclass C:\n    def f(self):\n        from . import high\n"},
-              ["spmdlm/low.py:6: spmdlm.high"]),
-    "families": (family_literals, {"high.py": 'DEFAULT = "gpt2"\nX = f"t5{DEFAULT}"\n"""a bart docstring"""\n',
-                                   "low.py": 'NAMES = ("roberta",)\n', "models/m.py": 'X = "t5"\n'},
-                 ["spmdlm/high.py:1: 'gpt2'", "spmdlm/low.py:1: 'roberta'"]),
+    "upward": (
+        upward_imports,
+        {"low.py": "import spmdlm.high\n", "high.py": ""},
+        ["spmdlm.low (floor 0) -> spmdlm.high (floor 1)   [spmdlm/low.py:1]"],
+    ),
+    "unassigned": (
+        unassigned,
+        {"stray.py": "", "low.py": ""},
+        ["spmdlm.stray: on no floor; add it to the table in docs/architecture.md §0"],
+    ),
+    "local": (
+        local_imports,
+        {
+            "high.py": "",
+            "low.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    import spmdlm.high\nclass C:\n    def f(self):\n        from . import high\n",
+        },
+        ["spmdlm/low.py:6: spmdlm.high"],
+    ),
+    "families": (
+        family_literals,
+        {
+            "high.py": 'DEFAULT = "gpt2"\nX = f"t5{DEFAULT}"\n"""a bart docstring"""\n',
+            "low.py": 'NAMES = ("roberta",)\n',
+            "models/m.py": 'X = "t5"\n',
+        },
+        ["spmdlm/high.py:1: 'gpt2'", "spmdlm/low.py:1: 'roberta'"],
+    ),
     "one default family": (family_literals, {"high.py": 'DEFAULT = "gpt2"\n', "models/m.py": 'X = "t5"\n'}, []),
-    "long": (long_files, {"low.py": "x = 1\n" * (MAX_LINES + 1), "high.py": "x = 1\n" * MAX_LINES},
-             [f"spmdlm/low.py: {MAX_LINES + 1} lines"]),
+    "long": (
+        long_files,
+        {"low.py": "x = 1\n" * (MAX_LINES + 1), "high.py": "x = 1\n" * MAX_LINES},
+        [f"spmdlm/low.py: {MAX_LINES + 1} lines"],
+    ),
 }
 
 

@@ -16,8 +16,10 @@ def test_only_replicated_arrays_with_big_slices_are_split_among_replicas(tmp_pat
     mesh = make_mesh("data=8", jax.devices())
     replicated = NamedSharding(mesh, PartitionSpec())
     words = checkpoint.MIN_REPLICA_SLICE_BYTES // 4  # float32 words in one replica's slice of "big"
-    tree = {"small": jax.device_put(jnp.arange(words, dtype=jnp.float32), replicated),  # 1/8 MiB per replica
-            "big": jax.device_put(jnp.arange(8 * words, dtype=jnp.float32), replicated)}  # 1 MiB per replica
+    tree = {
+        "small": jax.device_put(jnp.arange(words, dtype=jnp.float32), replicated),  # 1/8 MiB per replica
+        "big": jax.device_put(jnp.arange(8 * words, dtype=jnp.float32), replicated),
+    }  # 1 MiB per replica
     sliced = []
     slice_in_dim = jax.lax.slice_in_dim
 

@@ -11,8 +11,11 @@ from spmdlm.launch import main
 from spmdlm.mesh import MeshError, make_mesh
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]'; it is "
-                                                         "not in the test extra: 213 MB download, 684 MB installed)")
+needs_libtpu = pytest.mark.skipif(
+    not HAS_LIBTPU,
+    reason="libtpu is not installed (pip install -e '.[tpu]'; it is "
+    "not in the test extra: 213 MB download, 684 MB installed)",
+)
 
 
 def compile_for(capsys, tmp_path, config, *flags) -> tuple[int, dict | None, str]:
@@ -24,8 +27,19 @@ def compile_for(capsys, tmp_path, config, *flags) -> tuple[int, dict | None, str
 
 @needs_libtpu
 def test_gpt2_tiny_for_a_v5e_2x2_reports_memory_and_flops(capsys, tmp_path, tiny_gpt2_config):
-    code, r, text = compile_for(capsys, tmp_path, tiny_gpt2_config, "--compile_for", "v5e:2x2", "--mesh",
-                                "data=2,fsdp=2", "--per_device_train_batch_size", "4", "--dtype", "bfloat16")
+    code, r, text = compile_for(
+        capsys,
+        tmp_path,
+        tiny_gpt2_config,
+        "--compile_for",
+        "v5e:2x2",
+        "--mesh",
+        "data=2,fsdp=2",
+        "--per_device_train_batch_size",
+        "4",
+        "--dtype",
+        "bfloat16",
+    )
     assert code == 0, text
     assert r["devices"] == 4 and r["hosts"] == 1 and r["chip"] == "v5e" and r["fits"] is True
     assert r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and r["global_batch"] == 16 and r["per_host_batch"] == 16
@@ -41,31 +55,67 @@ def test_gpt2_tiny_for_a_v5e_2x2_reports_memory_and_flops(capsys, tmp_path, tiny
 def test_gpt2_124m_bf16_compiles_for_a_v3_8_with_the_einsums(capsys, tmp_path):
     """TPU v3's compiler cannot build the splash kernel's bfloat16 matmuls: auto keeps the einsums, splash is refused
     in one line (the recipes' reference hardware)."""
-    code, r, text = compile_for(capsys, tmp_path, "gpt2", "--compile_for", "v3:2x2", "--dtype", "bfloat16",
-                                "--per_device_train_batch_size", "4", "--do_eval", "false")
+    code, r, text = compile_for(
+        capsys,
+        tmp_path,
+        "gpt2",
+        "--compile_for",
+        "v3:2x2",
+        "--dtype",
+        "bfloat16",
+        "--per_device_train_batch_size",
+        "4",
+        "--do_eval",
+        "false",
+    )
     assert code == 0, text
     assert r["chip"].startswith("v3") and r["parameters"] > 124e6 and r["attention"] == "xla" and r["fits"] is True
     assert "auto = xla, not splash: the TPU compiler (Mosaic) cannot build" in text and "Traceback" not in text
-    code, r, text = compile_for(capsys, tmp_path, "gpt2", "--compile_for", "v3:2x2", "--dtype", "bfloat16",
-                                "--attention", "splash")
+    code, r, text = compile_for(
+        capsys, tmp_path, "gpt2", "--compile_for", "v3:2x2", "--dtype", "bfloat16", "--attention", "splash"
+    )
     assert code == 2 and r is None and "Traceback" not in text
-    assert text.strip().splitlines()[-1] == ("error: --attention splash: the TPU compiler (Mosaic) cannot build the "
-                                             "splash kernel's bfloat16 matmuls for TPU v3: use --attention auto or "
-                                             "xla, or --dtype float32")
+    assert text.strip().splitlines()[-1] == (
+        "error: --attention splash: the TPU compiler (Mosaic) cannot build the "
+        "splash kernel's bfloat16 matmuls for TPU v3: use --attention auto or "
+        "xla, or --dtype float32"
+    )
 
 
 @needs_libtpu
 def test_the_splash_kernel_compiles_in_bf16_for_a_v5e(capsys, tmp_path):
-    code, r, text = compile_for(capsys, tmp_path, "gpt2-tiny", "--compile_for", "v5e:2x2", "--block_size", "128",
-                                "--dtype", "bfloat16", "--do_eval", "false")
+    code, r, text = compile_for(
+        capsys,
+        tmp_path,
+        "gpt2-tiny",
+        "--compile_for",
+        "v5e:2x2",
+        "--block_size",
+        "128",
+        "--dtype",
+        "bfloat16",
+        "--do_eval",
+        "false",
+    )
     assert code == 0, text
     assert r["attention"] == "splash" and r["train"]["total_bytes"] > 0
 
 
 @needs_libtpu
 def test_a_step_that_cannot_fit_is_refused_with_the_numbers(capsys, tmp_path, tiny_gpt2_config):
-    code, r, text = compile_for(capsys, tmp_path, tiny_gpt2_config, "--compile_for", "v5e:2x2", "--mesh", "data=4",
-                                "--per_device_train_batch_size", "131072", "--do_eval", "false")
+    code, r, text = compile_for(
+        capsys,
+        tmp_path,
+        tiny_gpt2_config,
+        "--compile_for",
+        "v5e:2x2",
+        "--mesh",
+        "data=4",
+        "--per_device_train_batch_size",
+        "131072",
+        "--do_eval",
+        "false",
+    )
     assert code == 2 and r["fits"] is False
     error = text.strip().splitlines()[-1]
     assert error.startswith("error: estimate: the train step does not fit in HBM on v5e:2x2")

@@ -59,7 +59,9 @@ def test_t5_recipe_is_accepted_unchanged():
 def test_defaults_never_crash():
     args, _ = parse_args(["--train_file", "x.txt"])
     assert args.eval_steps == args.logging_steps == 500  # HF's eval_steps=None crashed on `step % None`
-    assert args.objective["block_size"] is None and args.objective["max_seq_length"] is None  # resolved from the model later
+    assert (
+        args.objective["block_size"] is None and args.objective["max_seq_length"] is None
+    )  # resolved from the model later
 
 
 def test_embedded_corpus_uses_the_quickstart_unless_overridden():
@@ -76,11 +78,24 @@ def test_embedded_corpus_uses_the_quickstart_unless_overridden():
 def test_the_default_output_dir_is_named_after_the_model_and_the_data():
     output_dir = lambda *argv: parse_args(list(argv))[0].output_dir
     assert output_dir() == "runs/gpt2-tiny-stdlib"  # the README's first command: as before
-    assert output_dir("--model_type", "roberta", "--config_name", "roberta-tiny", "--train_file",
-                      "/usr/share/games/fortunes/de/") == "runs/roberta-tiny-de"
+    assert (
+        output_dir(
+            "--model_type", "roberta", "--config_name", "roberta-tiny", "--train_file", "/usr/share/games/fortunes/de/"
+        )
+        == "runs/roberta-tiny-de"
+    )
     assert output_dir("--model_type", "roberta", "--train_file", "corpus/*.txt") == "runs/roberta-base-corpus"
-    assert output_dir("--model_type", "t5", "--config_name", "conf/t5-small.json", "--train_file",
-                      "licenses/Apache-2.0,docs/notes.txt.gz") == "runs/t5-small-Apache-2+notes"
+    assert (
+        output_dir(
+            "--model_type",
+            "t5",
+            "--config_name",
+            "conf/t5-small.json",
+            "--train_file",
+            "licenses/Apache-2.0,docs/notes.txt.gz",
+        )
+        == "runs/t5-small-Apache-2+notes"
+    )
     assert output_dir("--train_file", "news/*.jsonl:0.6,wiki/:0.4") == "runs/gpt2-news+wiki"
     assert output_dir("--dataset_dir", "data/gpt2-1024/", "--model_type", "gpt2") == "runs/gpt2-gpt2-1024"
     assert output_dir("--train_file", "x.txt", "--output_dir", "mine") == "mine"
@@ -88,29 +103,43 @@ def test_the_default_output_dir_is_named_after_the_model_and_the_data():
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_argument_file(tmp_path, suffix):
-    values = {"train_file": "a.txt", "learning_rate": 0.1, "do_train": True, "mesh": "data=2,fsdp=-1", "block_size": "16"}
+    values = {
+        "train_file": "a.txt",
+        "learning_rate": 0.1,
+        "do_train": True,
+        "mesh": "data=2,fsdp=-1",
+        "block_size": "16",
+    }
     path = tmp_path / f"args{suffix}"
     path.write_text(json.dumps(values))  # JSON is valid YAML
     args, _ = parse_args([str(path)])
-    assert args.learning_rate == 0.1 and args.do_train and args.mesh == "data=2,fsdp=-1" and args.objective["block_size"] == 16
+    assert (
+        args.learning_rate == 0.1
+        and args.do_train
+        and args.mesh == "data=2,fsdp=-1"
+        and args.objective["block_size"] == 16
+    )
     path.write_text(json.dumps({**values, "learning_rte": 1}))
     with pytest.raises(ArgumentError, match="unknown keys learning_rte"):
         parse_args([str(path)])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--dtype", "float16"], "--dtype"),
-    (["--per_device_train_batch_size", "0"], "at least 1"),
-    (["--mlm_probability", "1.5"], r"--mlm_probability must be in \(0, 1\), got 1.5"),
-    (["--dataset_name", "oscar"], "--train_file"),
-    (["--lr_scheduler_type", "foo"], "lr_scheduler_type"),
-    (["--block_size", "0"], "--block_size must be at least 1"),
-    (["--save_total_limit", "0"], "--save_total_limit must be at least 1"),
-    (["--max_train_samples", "-3"], "--max_train_samples must be at least 1"),
-    (["--remat", "some"], "--remat must be one of auto, none, dots, dots_with_attention, qkv, full"),
-    (["--scan_unroll", "-1"], "--scan_unroll must be auto, 0"),
-    (["--scan_unroll", "some"], "--scan_unroll must be auto, 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dtype", "float16"], "--dtype"),
+        (["--per_device_train_batch_size", "0"], "at least 1"),
+        (["--mlm_probability", "1.5"], r"--mlm_probability must be in \(0, 1\), got 1.5"),
+        (["--dataset_name", "oscar"], "--train_file"),
+        (["--lr_scheduler_type", "foo"], "lr_scheduler_type"),
+        (["--block_size", "0"], "--block_size must be at least 1"),
+        (["--save_total_limit", "0"], "--save_total_limit must be at least 1"),
+        (["--max_train_samples", "-3"], "--max_train_samples must be at least 1"),
+        (["--remat", "some"], "--remat must be one of auto, none, dots, dots_with_attention, qkv, full"),
+        (["--scan_unroll", "-1"], "--scan_unroll must be auto, 0"),
+        (["--scan_unroll", "some"], "--scan_unroll must be auto, 0"),
+    ],
+)
 def test_bad_values(argv, message):
     with pytest.raises(ArgumentError, match=message):
         parse_args(["--train_file", "x.txt", *argv])

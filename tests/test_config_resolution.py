@@ -6,15 +6,25 @@ import dataclasses
 import json
 
 import pytest
-
 from conftest import FIXTURES
+
 from spmdlm import export, launch
 from spmdlm.errors import ConfigError
 from spmdlm.families import checked_config, families, load_config, load_pretrained_config
 
-LAYERDROP = {"model_type": "bart", "vocab_size": 512, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
-             "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 64,
-             "decoder_ffn_dim": 64, "max_position_embeddings": 64, "encoder_layerdrop": 0.2}
+LAYERDROP = {
+    "model_type": "bart",
+    "vocab_size": 512,
+    "d_model": 32,
+    "encoder_layers": 1,
+    "decoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "max_position_embeddings": 64,
+    "encoder_layerdrop": 0.2,
+}
 
 
 @pytest.fixture
@@ -33,8 +43,20 @@ def one_line_error(capsys, code: int) -> str:
 
 @pytest.mark.parametrize("flag", ["--config_name", "--model_name_or_path"])
 def test_the_launcher_refuses_layerdrop_by_either_flag(flag, layerdrop_dir, tmp_path, capsys):
-    code = launch.main([flag, str(layerdrop_dir), "--train_file", str(FIXTURES / "overfit.txt"),
-                        "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--mesh", "data=8"])
+    code = launch.main(
+        [
+            flag,
+            str(layerdrop_dir),
+            "--train_file",
+            str(FIXTURES / "overfit.txt"),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "1",
+            "--mesh",
+            "data=8",
+        ]
+    )
     assert "encoder_layerdrop 0.2 is not supported" in one_line_error(capsys, code)
     assert not (tmp_path / "out").exists()
 

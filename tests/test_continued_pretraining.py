@@ -17,9 +17,9 @@ import pytest
 import sentencepiece
 import torch
 import transformers
+from family_fixtures import FIXTURES
 from safetensors.numpy import load_file
 
-from family_fixtures import FIXTURES
 from spmdlm import export
 from spmdlm.data import pipeline
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -61,8 +61,9 @@ def write_tokenizer(folder: Path, family: str, layout: str, corpus: Path) -> Non
         # T5's ids (<pad>=0, </s>=1, <unk>=2; transformers appends 100 sentinels) or XLM-R's (SentencePiece's own)
         ids = dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1) if layout == "spiece.model" else {}
         kind, size = ("unigram", T5_PIECES) if layout == "spiece.model" else ("bpe", 300)
-        sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(folder / "spm"), vocab_size=size,
-                                                 model_type=kind, minloglevel=2, **ids)
+        sentencepiece.SentencePieceTrainer.train(
+            input=str(corpus), model_prefix=str(folder / "spm"), vocab_size=size, model_type=kind, minloglevel=2, **ids
+        )
         (folder / "spm.model").rename(folder / layout)
         (folder / "spm.vocab").unlink()
         return
@@ -72,8 +73,15 @@ def write_tokenizer(folder: Path, family: str, layout: str, corpus: Path) -> Non
     else:  # vocab.json + merges.txt; BART's with its special tokens named, the others' the family's defaults
         tok.model.save(str(folder))
         if family == "bart":
-            specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
-                        "mask_token": "<mask>", "cls_token": "<s>", "sep_token": "</s>"}
+            specials = {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "pad_token": "<pad>",
+                "mask_token": "<mask>",
+                "cls_token": "<s>",
+                "sep_token": "</s>",
+            }
             (folder / "special_tokens_map.json").write_text(json.dumps(specials))
 
 
@@ -87,8 +95,10 @@ def write_weights(folder: Path, model, layout: str) -> None:
         torch.save(state, folder / "pytorch_model.bin")
         return
     names = list(state)
-    shards = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
-              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    shards = {
+        "pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+        "pytorch_model-00002-of-00002.bin": names[len(names) // 2 :],
+    }
     for file, part in shards.items():
         torch.save({name: state[name] for name in part}, folder / file)
     weight_map = {name: file for file, part in shards.items() for name in part}
@@ -112,10 +122,14 @@ def reference_tokenizer(folder: Path, layout: str):
 
 # -- every layout, read without training ---------------------------------------------------------------------------
 LAYOUTS = [  # (family, tokenizer layout, weight layout): every tokenizer layout of each family, every weight layout
-    ("gpt2", "tokenizer.json", "sharded.safetensors"), ("gpt2", "vocab.json", "pytorch_model.bin"),
-    ("roberta", "vocab.json", "model.safetensors"), ("roberta", "sentencepiece.bpe.model", "sharded.bin"),
-    ("bart", "tokenizer.json", "pytorch_model.bin"), ("bart", "vocab.json", "sharded.safetensors"),
-    ("t5", "spiece.model", "sharded.bin"), ("t5", "tokenizer.json", "model.safetensors"),
+    ("gpt2", "tokenizer.json", "sharded.safetensors"),
+    ("gpt2", "vocab.json", "pytorch_model.bin"),
+    ("roberta", "vocab.json", "model.safetensors"),
+    ("roberta", "sentencepiece.bpe.model", "sharded.bin"),
+    ("bart", "tokenizer.json", "pytorch_model.bin"),
+    ("bart", "vocab.json", "sharded.safetensors"),
+    ("t5", "spiece.model", "sharded.bin"),
+    ("t5", "tokenizer.json", "model.safetensors"),
 ]
 
 
@@ -182,9 +196,11 @@ def test_a_checkpoint_without_a_tokenizer_and_a_damaged_one_are_refused_first(tm
         tensors = load_file(file)
         del tensors["roberta.encoder.layer.1.output.dense.weight"]
         from safetensors.numpy import save_file
+
         save_file(tensors, file, metadata={"format": "pt"})
     assert "missing tensors roberta.encoder.layer.1.output.dense.weight" in refused(
-        capsys, "--model_name_or_path", str(folder))
+        capsys, "--model_name_or_path", str(folder)
+    )
 
 
 def test_a_tokenizer_that_moves_the_checkpoints_ids_is_refused(tmp_path, corpus, capsys):
@@ -197,18 +213,45 @@ def test_a_tokenizer_that_moves_the_checkpoints_ids_is_refused(tmp_path, corpus,
 
 
 # -- a run from each family's checkpoint: its tokenizer, its weights, its loss --------------------------------------
-RUNS = {"gpt2": ("vocab.json", "pytorch_model.bin"), "roberta": ("vocab.json", "sharded.safetensors"),
-        "bart": ("vocab.json", "sharded.bin"), "t5": ("spiece.model", "pytorch_model.bin")}
+RUNS = {
+    "gpt2": ("vocab.json", "pytorch_model.bin"),
+    "roberta": ("vocab.json", "sharded.safetensors"),
+    "bart": ("vocab.json", "sharded.bin"),
+    "t5": ("spiece.model", "pytorch_model.bin"),
+}
 
 
 def continue_run(family: str, folder: Path, out: Path, corpus: Path, *extra) -> list[dict]:
     """A 1-step run at learning rate 0 from `folder`; -> the batches its evaluation read."""
     flags = list(FIXTURES[family].run_flags)
     flags[flags.index("--learning_rate") + 1] = "0"
-    assert main(["--model_name_or_path", str(folder), "--train_file", str(corpus), "--output_dir", str(out),
-                 "--cache_dir", str(out.parent / "cache"), *flags, "--global_batch_size", "8", "--max_steps", "1",
-                 "--warmup_steps", "0", "--max_eval_samples", "16", "--per_device_eval_batch_size", "1",
-                 *extra]) == 0
+    assert (
+        main(
+            [
+                "--model_name_or_path",
+                str(folder),
+                "--train_file",
+                str(corpus),
+                "--output_dir",
+                str(out),
+                "--cache_dir",
+                str(out.parent / "cache"),
+                *flags,
+                "--global_batch_size",
+                "8",
+                "--max_steps",
+                "1",
+                "--warmup_steps",
+                "0",
+                "--max_eval_samples",
+                "16",
+                "--per_device_eval_batch_size",
+                "1",
+                *extra,
+            ]
+        )
+        == 0
+    )
     return json.loads((out / "eval_results.json").read_text())
 
 
@@ -218,11 +261,13 @@ def hf_loss(model, batches: list[dict]) -> float:
     inputs = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
     for batch in batches:
         with torch.no_grad():
-            logits = model(**{k: torch.tensor(np.asarray(v), dtype=torch.long) for k, v in batch.items()
-                              if k in inputs}).logits
+            logits = model(
+                **{k: torch.tensor(np.asarray(v), dtype=torch.long) for k, v in batch.items() if k in inputs}
+            ).logits
         labels = torch.tensor(np.asarray(batch["labels"]), dtype=torch.long)
-        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1),
-                                                   ignore_index=-100, reduction="sum").item()
+        total += torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        ).item()
         count += int((labels != -100).sum())
     return total / count
 
@@ -260,8 +305,20 @@ def test_a_tokenizer_extending_the_checkpoints_grows_the_embeddings(tmp_path, co
     assert len(extended) == size
     extended.add_tokens(["keeperhouse", "lampwick", "<north>"])
     extended.save_pretrained(tmp_path / "extended")
-    args, _ = parse_args(["--model_name_or_path", str(folder), "--tokenizer_name", str(tmp_path / "extended"),
-                          "--train_file", str(corpus), "--output_dir", str(tmp_path / "out"), "--max_seq_length", "32"])
+    args, _ = parse_args(
+        [
+            "--model_name_or_path",
+            str(folder),
+            "--tokenizer_name",
+            str(tmp_path / "extended"),
+            "--train_file",
+            str(corpus),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_seq_length",
+            "32",
+        ]
+    )
     ctx = resolve(args, 0.0)
     assert ctx.config.vocab_size == size + 3 and ctx.checkpoint_config.vocab_size == size
     ours, _ = export.load_hf(folder, config=ctx.config)

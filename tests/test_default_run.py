@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import COMPILE_FLAGS, REPO
 
 
@@ -17,8 +16,23 @@ from conftest import COMPILE_FLAGS, REPO
 def test_default_run_end_to_end(tmp_path):
     env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS}  # the launcher must simulate the devices
     out = tmp_path / "default"
-    cmd = [sys.executable, "-m", "spmdlm.launch", "--mesh", "data=8", "--output_dir", str(out), "--max_steps", "40",
-           "--eval_steps", "20", "--save_steps", "20", "--cache_dir", str(tmp_path / "cache")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmdlm.launch",
+        "--mesh",
+        "data=8",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "40",
+        "--eval_steps",
+        "20",
+        "--save_steps",
+        "20",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+    ]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "simulating 8 CPU devices" in first.stdout
@@ -31,8 +45,14 @@ def test_default_run_end_to_end(tmp_path):
     assert all(" | lr " in line and " | grad_norm " in line and " | ETA " in line for line in progress)
     results = json.loads((out / "eval_results.json").read_text())
     assert results["eval_loss"] < 7.0  # from ln(4096) = 8.3 at initialisation
-    for name in ("loss_curve.png", "metrics.jsonl", "tensorboard", "checkpoints", "hf/model.safetensors",
-                 "hf/tokenizer.json"):
+    for name in (
+        "loss_curve.png",
+        "metrics.jsonl",
+        "tensorboard",
+        "checkpoints",
+        "hf/model.safetensors",
+        "hf/tokenizer.json",
+    ):
         assert (out / name).exists(), name
 
     # The same command again: the run is complete, the data cache is reused, nothing is re-tokenized or rewritten.

@@ -108,8 +108,10 @@ def test_mask_budget_spans_and_histogram():
     pmf = np.array([poisson_pmf(k, 3.0) for k in range(11)])
     expected = trimmed_span_histogram(38, 3.0, 10)
     vs_pmf, vs_expected = np.abs(histogram - pmf), np.abs(histogram - expected)
-    print(f"{len(lengths)} spans, mean length {lengths.mean():.3f}; largest bin difference vs Poisson(3) "
-          f"{vs_pmf.max():.4f} at length {vs_pmf.argmax()}, vs the trimmed sampler {vs_expected.max():.4f}")
+    print(
+        f"{len(lengths)} spans, mean length {lengths.mean():.3f}; largest bin difference vs Poisson(3) "
+        f"{vs_pmf.max():.4f} at length {vs_pmf.argmax()}, vs the trimmed sampler {vs_expected.max():.4f}"
+    )
     # Not exactly Poisson(3): in each example the span that reaches the budget is trimmed (1 of ~13 spans), which
     # moves mass to short lengths: +0.020 at length 1, +0.009 at 2, -0.008 at 4 and 5 (exact, from
     # trimmed_span_histogram). Sampling noise over ~26k spans is ~0.003 per bin. Hence 0.03 against the pmf, which
@@ -304,17 +306,24 @@ def test_mark_sentence_ends():
     assert mark_sentence_ends([], [5]).shape == (0,)
 
 
-@pytest.mark.parametrize("max_seq_length, mask_ratio, poisson_lambda, permute_sentence_ratio", [
-    (128, 0.3, 3.0, 1.0),  # the defaults
-    (40, 0.3, 0.05, 0.5),  # mostly empty spans: more spans than gaps, insertions overflow
-    (40, 1.0, 3.0, 1.0),  # everything masked
-    (40, 1e-3, 12.0, 0.0),  # one token, nothing permuted
-    (3, 0.3, 3.0, 1.0),  # a one-token record
-])
+@pytest.mark.parametrize(
+    "max_seq_length, mask_ratio, poisson_lambda, permute_sentence_ratio",
+    [
+        (128, 0.3, 3.0, 1.0),  # the defaults
+        (40, 0.3, 0.05, 0.5),  # mostly empty spans: more spans than gaps, insertions overflow
+        (40, 1.0, 3.0, 1.0),  # everything masked
+        (40, 1e-3, 12.0, 0.0),  # one token, nothing permuted
+        (3, 0.3, 3.0, 1.0),  # a one-token record
+    ],
+)
 def test_a_batch_is_its_examples_one_by_one(max_seq_length, mask_ratio, poisson_lambda, permute_sentence_ratio):
     # All rows are computed at once; each must still be its own example, whatever its neighbours.
-    objective = make(max_seq_length, mask_ratio=mask_ratio, poisson_lambda=poisson_lambda,
-                     permute_sentence_ratio=permute_sentence_ratio)
+    objective = make(
+        max_seq_length,
+        mask_ratio=mask_ratio,
+        poisson_lambda=poisson_lambda,
+        permute_sentence_ratio=permute_sentence_ratio,
+    )
     records = np.stack([distinct_record(objective, index, mean_sentence=4) for index in range(8)])
     records[1, ::3] = EOS  # documents
     records[2] = UNK  # nothing maskable

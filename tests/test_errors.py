@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import FIXTURES, REPO
+
 from spmdlm.launch import main
 
 
@@ -45,25 +45,43 @@ def test_mesh_not_matching_the_devices(capsys, out):
 
 
 def test_unknown_mesh_axis(capsys, out):
-    assert "unknown axis" in run_failing(capsys, out, "--train_file", str(FIXTURES / "overfit.txt"),
-                                         "--mesh", "pipeline=8")
+    assert "unknown axis" in run_failing(
+        capsys, out, "--train_file", str(FIXTURES / "overfit.txt"), "--mesh", "pipeline=8"
+    )
 
 
 def test_batch_not_divisible_by_the_batch_axes(capsys, out):
-    message = run_failing(capsys, out, "--train_file", str(FIXTURES / "overfit.txt"), "--mesh", "data=4,fsdp=2",
-                          "--global_batch_size", "12")
+    message = run_failing(
+        capsys,
+        out,
+        "--train_file",
+        str(FIXTURES / "overfit.txt"),
+        "--mesh",
+        "data=4,fsdp=2",
+        "--global_batch_size",
+        "12",
+    )
     assert "not divisible by the 8 batch devices" in message
 
 
 def test_block_longer_than_positions(capsys, out, tiny_gpt2_config):
-    message = run_failing(capsys, out, "--train_file", str(FIXTURES / "overfit.txt"), "--config_name",
-                          str(tiny_gpt2_config), "--block_size", "128")
+    message = run_failing(
+        capsys,
+        out,
+        "--train_file",
+        str(FIXTURES / "overfit.txt"),
+        "--config_name",
+        str(tiny_gpt2_config),
+        "--block_size",
+        "128",
+    )
     assert "longer than the model's n_positions 64" in message
 
 
 def test_unknown_config(capsys, out):
-    assert "no such preset" in run_failing(capsys, out, "--train_file", str(FIXTURES / "overfit.txt"),
-                                           "--config_name", "gpt7-huge")
+    assert "no such preset" in run_failing(
+        capsys, out, "--train_file", str(FIXTURES / "overfit.txt"), "--config_name", "gpt7-huge"
+    )
 
 
 def test_an_unreachable_hub_dataset_is_one_line(capsys, out, monkeypatch):
@@ -73,16 +91,41 @@ def test_an_unreachable_hub_dataset_is_one_line(capsys, out, monkeypatch):
 
 
 def test_non_empty_output_dir_is_not_clobbered(capsys, out, tiny_gpt2_config):
-    message = run_failing(capsys, out, "--train_file", str(FIXTURES / "overfit.txt"), "--config_name",
-                          str(tiny_gpt2_config), "--block_size", "16")
+    message = run_failing(
+        capsys,
+        out,
+        "--train_file",
+        str(FIXTURES / "overfit.txt"),
+        "--config_name",
+        str(tiny_gpt2_config),
+        "--block_size",
+        "16",
+    )
     assert "--overwrite_output_dir" in message
 
 
 def test_resuming_with_other_settings_is_refused(capsys, tmp_path, tiny_gpt2_config, cache_dir):
     out = tmp_path / "run"
-    common = ["--train_file", str(FIXTURES / "overfit.txt"), "--config_name", str(tiny_gpt2_config),
-              "--output_dir", str(out), "--block_size", "16", "--per_device_train_batch_size", "1", "--max_steps",
-              "2", "--cache_dir", str(cache_dir), "--export_hf", "false", "--validation_split_percentage", "0"]
+    common = [
+        "--train_file",
+        str(FIXTURES / "overfit.txt"),
+        "--config_name",
+        str(tiny_gpt2_config),
+        "--output_dir",
+        str(out),
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "1",
+        "--max_steps",
+        "2",
+        "--cache_dir",
+        str(cache_dir),
+        "--export_hf",
+        "false",
+        "--validation_split_percentage",
+        "0",
+    ]
     assert main(common) == 0
     before = sorted(p.name for p in out.rglob("*"))
     capsys.readouterr()
@@ -118,9 +161,22 @@ def test_launcher_simulates_cpu_devices_and_says_so(tmp_path):
     simulated, and nothing tries (and fails) to start a TPU."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     result = subprocess.run(
-        [sys.executable, "-m", "spmdlm.launch", "--mesh", "data=2,fsdp=2", "--train_file",
-         str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "out")],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "spmdlm.launch",
+            "--mesh",
+            "data=2,fsdp=2",
+            "--train_file",
+            str(tmp_path / "missing.txt"),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
     )
     assert "simulating 4 CPU devices for --mesh data=2,fsdp=2" in result.stdout
     assert result.returncode == 2 and "no such file" in result.stderr

@@ -8,18 +8,47 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.numpy import load_file
-
 from conftest import FIXTURES
 from family_fixtures import STDLIB_JSON
+from safetensors.numpy import load_file
+
 from spmdlm import export
 from spmdlm.launch import main
 
+
 def train(out: Path, mesh: str, config: Path, cache_dir: Path, *extra) -> None:
-    assert main(["--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", str(out),
-                 "--cache_dir", str(cache_dir), "--block_size", "32", "--global_batch_size", "16", "--mesh", mesh,
-                 "--max_steps", "6", "--logging_steps", "3", "--learning_rate", "3e-3", "--max_eval_samples", "32",
-                 "--per_device_eval_batch_size", "2", *extra]) == 0
+    assert (
+        main(
+            [
+                "--train_file",
+                STDLIB_JSON,
+                "--config_name",
+                str(config),
+                "--output_dir",
+                str(out),
+                "--cache_dir",
+                str(cache_dir),
+                "--block_size",
+                "32",
+                "--global_batch_size",
+                "16",
+                "--mesh",
+                mesh,
+                "--max_steps",
+                "6",
+                "--logging_steps",
+                "3",
+                "--learning_rate",
+                "3e-3",
+                "--max_eval_samples",
+                "32",
+                "--per_device_eval_batch_size",
+                "2",
+                *extra,
+            ]
+        )
+        == 0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +67,12 @@ def test_trained_export_gives_the_same_eval_loss_in_transformers(trained):
     from spmdlm.data import pipeline, records
     from spmdlm.data.objectives.clm import CausalLM
 
-    cache = next(p for p in Path(json.loads((trained / "run_config.json").read_text())["cache_dir"] or
-                                 Path.home()).rglob("validation.json"))
+    cache = next(
+        p
+        for p in Path(json.loads((trained / "run_config.json").read_text())["cache_dir"] or Path.home()).rglob(
+            "validation.json"
+        )
+    )
     meta = json.loads(cache.read_text())
     split = records.PreparedSplit(cache.with_suffix(".tokens"), meta["num_records"], meta["num_tokens"], 32 + 1)
     batches = list(pipeline.eval_batches(split, CausalLM(32), seed=42, global_batch=16, max_examples=32))
@@ -48,15 +81,17 @@ def test_trained_export_gives_the_same_eval_loss_in_transformers(trained):
         with torch.no_grad():
             logits = model(torch.tensor(batch["input_ids"], dtype=torch.long)).logits
         labels = torch.tensor(batch["labels"], dtype=torch.long)
-        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                   ignore_index=-100, reduction="sum").item()
+        total += torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        ).item()
         count += int((labels != -100).sum())
     assert total / count == pytest.approx(ours, abs=1e-4)
     text = "def load(fp):"
     ids = tokenizer(text, return_tensors="pt")
     assert ids["input_ids"][0].tolist() == export_ids(trained, text)
-    generated = model.generate(**ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                               pad_token_id=tokenizer.eos_token_id)
+    generated = model.generate(
+        **ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id
+    )
     assert generated.shape[1] == ids["input_ids"].shape[1] + 8
 
 
@@ -71,8 +106,10 @@ def test_export_cli_and_sharded_checkpoint_match(trained, tmp_path, tiny_gpt2_co
     train(sharded, "data=2,fsdp=2,tensor=2", tiny_gpt2_config, cache_dir, "--export_hf", "false")
     assert export.main(["--checkpoint", str(sharded), "--out", str(tmp_path / "a")]) == 0
     capsys.readouterr()
-    assert export.main(["--checkpoint", str(trained), "--out", str(tmp_path / "b"), "--step", "6",
-                        "--mesh", "fsdp=8"]) == 0
+    assert (
+        export.main(["--checkpoint", str(trained), "--out", str(tmp_path / "b"), "--step", "6", "--mesh", "fsdp=8"])
+        == 0
+    )
     # the card, the usage snippet on the local path, and what the transformers side needs (also in the output)
     card = (tmp_path / "b" / "README.md").read_text()
     assert "checkpoint at step 6" in card and f'model_id = "{tmp_path / "b"}"' in card
@@ -98,10 +135,34 @@ def test_export_cli_and_sharded_checkpoint_match(trained, tmp_path, tiny_gpt2_co
 
 def test_continued_pretraining_from_a_transformers_checkpoint(trained, tmp_path, cache_dir):
     out = tmp_path / "continued"
-    code = main(["--model_name_or_path", str(trained / "hf"), "--train_file", STDLIB_JSON, "--output_dir", str(out),
-                 "--cache_dir", str(cache_dir), "--block_size", "32", "--global_batch_size", "16", "--max_steps", "1",
-                 "--learning_rate", "0", "--warmup_steps", "0", "--max_eval_samples", "32",
-                 "--per_device_eval_batch_size", "2", "--export_hf", "false"])
+    code = main(
+        [
+            "--model_name_or_path",
+            str(trained / "hf"),
+            "--train_file",
+            STDLIB_JSON,
+            "--output_dir",
+            str(out),
+            "--cache_dir",
+            str(cache_dir),
+            "--block_size",
+            "32",
+            "--global_batch_size",
+            "16",
+            "--max_steps",
+            "1",
+            "--learning_rate",
+            "0",
+            "--warmup_steps",
+            "0",
+            "--max_eval_samples",
+            "32",
+            "--per_device_eval_batch_size",
+            "2",
+            "--export_hf",
+            "false",
+        ]
+    )
     assert code == 0
     start = json.loads((trained / "eval_results.json").read_text())["eval_loss"]
     after = json.loads((out / "eval_results.json").read_text())["eval_loss"]
@@ -118,23 +179,48 @@ def test_export_errors_write_nothing(tmp_path, trained, capsys):
     assert "no checkpoint at step 5" in err and "available: 6" in err
     assert not (tmp_path / "x").exists()
     bert = tmp_path / "bert"
-    transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                                         num_attention_heads=2, intermediate_size=32)).save_pretrained(bert)
+    transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    ).save_pretrained(bert)
     with pytest.raises(Exception, match=r"holds a 'bert' model \(BertForMaskedLM\)"):
         export.load_hf(bert)
-    assert main(["--model_name_or_path", str(bert), "--train_file", str(FIXTURES / "overfit.txt"),
-                 "--output_dir", str(tmp_path / "y")]) == 2
+    assert (
+        main(
+            [
+                "--model_name_or_path",
+                str(bert),
+                "--train_file",
+                str(FIXTURES / "overfit.txt"),
+                "--output_dir",
+                str(tmp_path / "y"),
+            ]
+        )
+        == 2
+    )
     assert "holds a 'bert' model" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
 
 
-def test_export_of_a_schedule_free_run_is_the_model_it_evaluated_and_exported(tmp_path, tiny_gpt2_config, cache_dir,
-                                                                             monkeypatch):
+def test_export_of_a_schedule_free_run_is_the_model_it_evaluated_and_exported(
+    tmp_path, tiny_gpt2_config, cache_dir, monkeypatch
+):
     """Schedule-free AdamW evaluates its averaged parameters, not the interpolated ones it trains: `export
     --checkpoint` (and `generate --checkpoint`, which loads through it) gives the run's own hf/ export."""
     run = tmp_path / "run"
-    train(run, "data=8", tiny_gpt2_config, cache_dir, "--optim", "schedule_free_adamw", "--max_steps", "2",
-          "--do_eval", "false")
+    train(
+        run,
+        "data=8",
+        tiny_gpt2_config,
+        cache_dir,
+        "--optim",
+        "schedule_free_adamw",
+        "--max_steps",
+        "2",
+        "--do_eval",
+        "false",
+    )
     assert export.main(["--checkpoint", str(run), "--out", str(tmp_path / "export")]) == 0
     own, exported = (load_file(path / "model.safetensors") for path in (run / "hf", tmp_path / "export"))
     assert own.keys() == exported.keys()

@@ -12,13 +12,12 @@ import warnings
 import jax
 import pytest
 import transformers
+from conftest import FIXTURES, REPO
 from flax import nnx
 
-from conftest import FIXTURES, REPO
-from spmdlm.families import get_family
 from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
 from spmdlm.export import hf_config_dict, save_hf
-from spmdlm.families import load_config
+from spmdlm.families import get_family, load_config
 from spmdlm.models.t5 import T5ForConditionalGeneration
 
 
@@ -80,15 +79,21 @@ def test_t5_export_tokenizer_ids_match_ours(t5_export, t5_tokenizer):
     assert type(hf) is transformers.PreTrainedTokenizerFast
     ids = special_token_ids(t5_tokenizer, get_family("t5"))
     assert (hf.pad_token_id, hf.eos_token_id, hf.unk_token_id) == (ids["pad"], ids["eos"], ids["unk"])
-    texts = ["The lighthouse keeper lit the lamp.", "a <extra_id_0> b <extra_id_1> c <extra_id_99>",
-             "year 2024, not 1999! ﬁ  ⁂", ""]
+    texts = [
+        "The lighthouse keeper lit the lamp.",
+        "a <extra_id_0> b <extra_id_1> c <extra_id_99>",
+        "year 2024, not 1999! ﬁ  ⁂",
+        "",
+    ]
     for text in texts:
         ours = t5_tokenizer.encode(text).ids
         assert hf(text)["input_ids"] == ours and ours[-1] == ids["eos"], text
         assert hf.decode(ours) == t5_tokenizer.decode(ours, skip_special_tokens=False), text
     assert ids["unk"] in t5_tokenizer.encode(texts[2]).ids  # ⁂ is not in the corpus
-    assert hf.decode(hf("The lighthouse keeper lit the lamp.")["input_ids"], skip_special_tokens=True) == \
-        "The lighthouse keeper lit the lamp."
+    assert (
+        hf.decode(hf("The lighthouse keeper lit the lamp.")["input_ids"], skip_special_tokens=True)
+        == "The lighthouse keeper lit the lamp."
+    )
     batch = hf([texts[0], ""], padding=True)["input_ids"]
     assert batch[0] == t5_tokenizer.encode(texts[0]).ids
     assert batch[1] == [ids["eos"]] + [ids["pad"]] * (len(batch[0]) - 1)

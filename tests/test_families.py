@@ -11,14 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
+from family_fixtures import FIXTURES, STDLIB_JSON
 from flax import nnx
 from safetensors.numpy import load_file
 
-from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
-from family_fixtures import FIXTURES, STDLIB_JSON
-from spmdlm.families import get_family
 from spmdlm import checkpoint, export
-from spmdlm.families import families, load_config
+from spmdlm.families import families, get_family, load_config
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 from spmdlm.models.config import preset_names
@@ -103,8 +102,12 @@ def test_logits_match_on_a_sharded_mesh(family, tmp_path):
 
 
 # Positions for the 128 tokens the splash kernel's blocks need (its Pallas interpret mode runs it on the CPU).
-LONG_POSITIONS = {"gpt2": {"n_positions": 128}, "roberta": {"max_position_embeddings": 130},
-                  "bart": {"max_position_embeddings": 128}, "t5": {}}
+LONG_POSITIONS = {
+    "gpt2": {"n_positions": 128},
+    "roberta": {"max_position_embeddings": 130},
+    "bart": {"max_position_embeddings": 128},
+    "t5": {},
+}
 
 
 @pytest.mark.parametrize("implementation", ["dot_product", "splash"])
@@ -145,10 +148,14 @@ def test_unrolled_layers_compute_the_same(family):
     name = next(iter(FIXTURES[family].configs))
     hf_config = FIXTURES[family].hf_config_class(**FIXTURES[family].configs[name])
     config = families()[family].config_class.from_dict(hf_config.to_dict())
-    batch = {k: jnp.asarray(v) for k, v in
-             FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(2)).items()}
-    logits = [np.asarray(families()[family].make_model(config, rngs=nnx.Rngs(0), scan_unroll=unroll)(**batch))
-              for unroll in (1, True)]
+    batch = {
+        k: jnp.asarray(v)
+        for k, v in FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(2)).items()
+    }
+    logits = [
+        np.asarray(families()[family].make_model(config, rngs=nnx.Rngs(0), scan_unroll=unroll)(**batch))
+        for unroll in (1, True)
+    ]
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-5, rtol=0)
 
 
@@ -184,20 +191,49 @@ def test_every_preset_builds_abstractly(family, preset):
     model = nnx.eval_shape(lambda: families()[family].make_model(config, rngs=nnx.Rngs(0)))
     params = nnx.state(model, nnx.Param)
     count = sum(x.size for x in jax.tree.leaves(params))
-    stacked = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)
-               and v.get_metadata()["logical_axes"][0] == "layers"]
+    stacked = [
+        v
+        for _, v in nnx.iter_graph(model)
+        if isinstance(v, nnx.Param) and v.get_metadata()["logical_axes"][0] == "layers"
+    ]
     assert count > 0 and stacked, preset
     assert "base" not in preset or count > 50e6  # the base presets are the real sizes
 
 
 # -- short runs through the launcher -------------------------------------------------------------------------------
 def launch(family: str, out: Path, config: Path, cache_dir: Path, *extra: str) -> int:
-    return main([
-        "--model_type", family, "--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", str(out),
-        "--cache_dir", str(cache_dir), "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
-        "--warmup_steps", "2", "--logging_steps", "1", "--save_steps", "100", "--max_eval_samples", "16",
-        "--export_hf", "false", "--seed", "7", *FIXTURES[family].run_flags, *extra,
-    ])
+    return main(
+        [
+            "--model_type",
+            family,
+            "--train_file",
+            STDLIB_JSON,
+            "--config_name",
+            str(config),
+            "--output_dir",
+            str(out),
+            "--cache_dir",
+            str(cache_dir),
+            "--per_device_train_batch_size",
+            "2",
+            "--per_device_eval_batch_size",
+            "2",
+            "--warmup_steps",
+            "2",
+            "--logging_steps",
+            "1",
+            "--save_steps",
+            "100",
+            "--max_eval_samples",
+            "16",
+            "--export_hf",
+            "false",
+            "--seed",
+            "7",
+            *FIXTURES[family].run_flags,
+            *extra,
+        ]
+    )
 
 
 def train_losses(out: Path) -> list[float]:
@@ -208,9 +244,10 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4
     """Losses of `steps` train steps of the real Stepper on a fixed global batch of 16 examples of the family's
     objective (tokenizer trained on a small text), on the given mesh."""
     from conftest import FIXTURES as DATA
-    from spmdlm.launch import parse_args
+
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.launch import parse_args
     from spmdlm.train.optim import OptimConfig
     from spmdlm.train.state import build_train_state
     from spmdlm.train.step import Stepper
@@ -250,24 +287,40 @@ def test_same_losses_on_a_sharded_mesh(family, tiny_configs):
 # Every family through the launcher: each objective's random choices (MLM masking, CLM chunking, T5 spans, BART
 # permutation and infilling) must come back from the checkpointed iterator position exactly.
 # Packed rows (docs/packing.md): RoBERTa packs its lines, the stream families isolate their documents.
-PACKED = {"gpt2": {"document_attention": "isolated"}, "roberta": {"line_by_line": True, "packing": True},
-          "t5": {"document_attention": "isolated"}, "bart": {"document_attention": "isolated"}}
+PACKED = {
+    "gpt2": {"document_attention": "isolated"},
+    "roberta": {"line_by_line": True, "packing": True},
+    "t5": {"document_attention": "isolated"},
+    "bart": {"document_attention": "isolated"},
+}
 
 
 def flags_of(values: dict) -> tuple[str, ...]:
-    return tuple(arg for name, value in values.items()
-                 for arg in ((f"--{name}",) if value is True else (f"--{name}", str(value))))
+    return tuple(
+        arg
+        for name, value in values.items()
+        for arg in ((f"--{name}",) if value is True else (f"--{name}", str(value)))
+    )
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["joined", "packed"])
 @pytest.mark.parametrize("family", FIXTURES)
 def test_resume_continues_exactly(family, packed, tmp_path, tiny_configs, cache_dir, monkeypatch):
-    args = ("--mesh", "data=2,fsdp=4", "--max_steps", "6", "--save_steps", "3", "--do_train",
-            *(flags_of(PACKED[family]) if packed else ()))
+    args = (
+        "--mesh",
+        "data=2,fsdp=4",
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "3",
+        "--do_train",
+        *(flags_of(PACKED[family]) if packed else ()),
+    )
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
     assert launch(family, whole, tiny_configs[family], cache_dir, *args) == 0
     run_killed_after_first_checkpoint(
-        monkeypatch, lambda: launch(family, interrupted, tiny_configs[family], cache_dir, *args))
+        monkeypatch, lambda: launch(family, interrupted, tiny_configs[family], cache_dir, *args)
+    )
     assert checkpoint.make_manager(interrupted, read_only=True).all_steps() == [3]
     assert launch(family, interrupted, tiny_configs[family], cache_dir, *args) == 0  # the same command resumes
     assert train_losses(interrupted) == train_losses(whole)  # bitwise on CPU
@@ -283,9 +336,27 @@ def test_resume_continues_exactly(family, packed, tmp_path, tiny_configs, cache_
 def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
     out = tmp_path / "bf16"
     prompts = families()[family].quickstart["sample_prompts"]  # what the quick start shows while training
-    assert launch(family, out, tiny_configs[family], cache_dir, "--mesh", SHARDED, "--max_steps", "2", "--do_train",
-                  "--dtype", "bfloat16", "--gradient_checkpointing", "--sample_prompts", prompts,
-                  "--sample_every", "1") == 0
+    assert (
+        launch(
+            family,
+            out,
+            tiny_configs[family],
+            cache_dir,
+            "--mesh",
+            SHARDED,
+            "--max_steps",
+            "2",
+            "--do_train",
+            "--dtype",
+            "bfloat16",
+            "--gradient_checkpointing",
+            "--sample_prompts",
+            prompts,
+            "--sample_every",
+            "1",
+        )
+        == 0
+    )
     losses = train_losses(out)
     assert len(losses) == 2 and np.isfinite(losses).all()
     logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -323,17 +394,21 @@ def test_bfloat16_runs_the_matmuls_in_bf16_and_keeps_the_rest_float32(family):
     config = families()[family].config_class.from_dict(FIXTURES[family].tiny_config)
     graphdef, state = build_train_state(families()[family], config, make_mesh("data=8"), dtype="bfloat16")
     assert {leaf.dtype for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)} == {
-        jnp.dtype(jnp.float32)}
+        jnp.dtype(jnp.float32)
+    }
     model = nnx.merge(graphdef, state)[0]
-    batch = {k: jnp.asarray(v) for k, v in
-             FIXTURES[family].make_batch(FIXTURES[family].tiny_config, np.random.default_rng(0)).items()}
+    batch = {
+        k: jnp.asarray(v)
+        for k, v in FIXTURES[family].make_batch(FIXTURES[family].tiny_config, np.random.default_rng(0)).items()
+    }
     batch = {k: v % 500 if k.endswith("input_ids") else v for k, v in batch.items()}
     closed = jax.make_jaxpr(lambda m: m(**batch))(model)
     assert closed.out_avals[0].dtype == jnp.float32  # logits
     kinds = {}
     for eqn in all_equations(closed.jaxpr):
-        kinds.setdefault(eqn.primitive.name, set()).update(str(v.aval.dtype) for v in eqn.invars
-                                                           if hasattr(v.aval, "dtype"))
+        kinds.setdefault(eqn.primitive.name, set()).update(
+            str(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype")
+        )
     assert kinds["dot_general"] == {"bfloat16"}
     assert kinds["rsqrt"] == {"float32"} and kinds["exp"] == {"float32"}  # norms; softmax (and the loss after it)
 
@@ -344,4 +419,5 @@ if __name__ == "__main__":  # regenerate the golden files: python tests/test_fam
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     for name in FIXTURES:
         (GOLDEN / f"{name}_partition_specs.json").write_text(
-            json.dumps(partition_specs(name, SHARDED)[0], indent=1, sort_keys=True) + "\n")
+            json.dumps(partition_specs(name, SHARDED)[0], indent=1, sort_keys=True) + "\n"
+        )

@@ -22,13 +22,12 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 
 from spmdlm import devices, flops
 from spmdlm.data.objectives.clm import CausalLM
 from spmdlm.data.pipeline import batch_spec
-from spmdlm.mesh import make_mesh
 from spmdlm.families import families, get_family, load_config, objective_for_shapes
+from spmdlm.mesh import make_mesh
 from spmdlm.train.state import build_train_state
 from spmdlm.train.step import Stepper
 
@@ -38,10 +37,22 @@ XLA_OVERHEAD = 0.3  # XLA may count up to 30% more than the model FLOPs on these
 def family_case(family: str):
     """The family's tiny preset cut to one or two layers (dropout off: XLA would count the RNG), length 64."""
     config = load_config(families()[family].quickstart["config_name"])
-    layers = {"n_layer": 2, "num_layers": 1, "num_decoder_layers": 1, "num_hidden_layers": 2, "encoder_layers": 1,
-              "decoder_layers": 1}
-    off = {"dropout_rate": 0.0, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "dropout": 0.0,
-           "attention_dropout": 0.0, "activation_dropout": 0.0}
+    layers = {
+        "n_layer": 2,
+        "num_layers": 1,
+        "num_decoder_layers": 1,
+        "num_hidden_layers": 2,
+        "encoder_layers": 1,
+        "decoder_layers": 1,
+    }
+    off = {
+        "dropout_rate": 0.0,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+        "activation_dropout": 0.0,
+    }
     fields = set(config.__dataclass_fields__)
     config = config.replace(**{k: v for k, v in {**layers, **off}.items() if k in fields})
     return config, objective_for_shapes(families()[family], config, 64)
@@ -65,19 +76,32 @@ def test_gpt2_formula_by_hand():
     per_layer = 2 * d * 3 * d + 2 * d * d + 2 * 2 * d * 4 * d  # qkv, out, fc, proj
     attention = 2 * 2 * seq * d / 2  # scores + values, causal half
     per_token = 2 * (per_layer + attention) + 2 * d * 100  # two layers + LM head
-    assert get_family("gpt2").train_flops_per_step(config, CausalLM(seq), batch) == pytest.approx(3 * batch * seq * per_token)
+    assert get_family("gpt2").train_flops_per_step(config, CausalLM(seq), batch) == pytest.approx(
+        3 * batch * seq * per_token
+    )
 
 
 def test_t5_formula_by_hand():
-    config = SimpleNamespace(model_type="t5", d_model=8, d_kv=2, num_heads=2, d_ff=16, num_layers=1,
-                             num_decoder_layers=2, vocab_size=50, feed_forward_proj="gated-gelu")
+    config = SimpleNamespace(
+        model_type="t5",
+        d_model=8,
+        d_kv=2,
+        num_heads=2,
+        d_ff=16,
+        num_layers=1,
+        num_decoder_layers=2,
+        vocab_size=50,
+        feed_forward_proj="gated-gelu",
+    )
     objective = SimpleNamespace(sequence_lengths=lambda: {"input": 6, "decoder": 3})
     d, inner, ff, enc, dec = 8, 4, 16, 6, 3
     encoder = enc * (4 * 2 * d * inner + 4 * enc * inner + 3 * 2 * d * ff)
     decoder = dec * 2 * (4 * 2 * d * inner + 4 * dec * inner / 2 + 3 * 2 * d * ff)
     cross = 2 * (dec * (2 * 2 * d * inner + 4 * enc * inner) + enc * 2 * 2 * d * inner)
     head = dec * 2 * d * 50
-    assert get_family("t5").train_flops_per_step(config, objective, 2) == pytest.approx(3 * 2 * (encoder + decoder + cross + head))
+    assert get_family("t5").train_flops_per_step(config, objective, 2) == pytest.approx(
+        3 * 2 * (encoder + decoder + cross + head)
+    )
 
 
 @pytest.mark.parametrize("family", families())
@@ -88,8 +112,7 @@ def test_analytic_flops_match_the_compiled_step(family):
     global_batch = 2 * mesh.size
     stepper, state, spec, stats = compile_step(config, objective, global_batch, mesh)
     analytic = get_family(family).train_flops_per_step(config, objective, global_batch)
-    dense_attention = get_family(family).train_flops_per_step(config, objective, global_batch,
-                                                              full_causal_square=True)
+    dense_attention = get_family(family).train_flops_per_step(config, objective, global_batch, full_causal_square=True)
 
     # 1. exact: what the traced step multiplies (the step function is Stepper's own, traced without compiling)
     with jax.set_mesh(mesh):

@@ -6,9 +6,9 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
-
 from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
 from family_fixtures import FIXTURES
+
 from spmdlm import storage
 from spmdlm.launch import main
 
@@ -21,15 +21,44 @@ def bucket_metrics(out: str) -> list[dict]:
 
 def gpt2_flags(out: str, config: Path, cache_dir, *extra: str) -> list[str]:
     # test_train.py's resume flags: the same compiled programs
-    return ["--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", out, "--cache_dir",
-            str(cache_dir), "--block_size", "32", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size",
-            "2", "--learning_rate", "3e-3", "--warmup_steps", "2", "--logging_steps", "1", "--max_eval_samples", "32",
-            "--seed", "7", "--mesh", "data=8", "--max_steps", "6", "--save_steps", "3", "--global_batch_size", "16",
-            *extra]
+    return [
+        "--train_file",
+        STDLIB_JSON,
+        "--config_name",
+        str(config),
+        "--output_dir",
+        out,
+        "--cache_dir",
+        str(cache_dir),
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "2",
+        "--per_device_eval_batch_size",
+        "2",
+        "--learning_rate",
+        "3e-3",
+        "--warmup_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--max_eval_samples",
+        "32",
+        "--seed",
+        "7",
+        "--mesh",
+        "data=8",
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "3",
+        "--global_batch_size",
+        "16",
+        *extra,
+    ]
 
 
-def test_a_run_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path, tiny_gpt2_config, cache_dir,
-                                                        monkeypatch):
+def test_a_run_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path, tiny_gpt2_config, cache_dir, monkeypatch):
     whole, moved = str(tmp_path / "whole"), f"{gcs_bucket}/run"
     assert main(gpt2_flags(whole, tiny_gpt2_config, cache_dir, "--export_hf", "false")) == 0
     run_killed_after_first_checkpoint(monkeypatch, lambda: main(gpt2_flags(moved, tiny_gpt2_config, cache_dir)))
@@ -44,8 +73,16 @@ def test_a_run_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path, tin
     for key in resumed:
         np.testing.assert_array_equal(resumed[key], uninterrupted[key])  # bitwise
     names = {p.name for p in run.iterdir()}
-    assert {"checkpoints", "metrics.jsonl", "eval_results.json", "loss_curve.png", "tensorboard", "tokenizer.json",
-            "run_config.json", "hf"} <= names
+    assert {
+        "checkpoints",
+        "metrics.jsonl",
+        "eval_results.json",
+        "loss_curve.png",
+        "tensorboard",
+        "tokenizer.json",
+        "run_config.json",
+        "hf",
+    } <= names
     assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").iterdir())
 
     # python -m spmdlm.export from the bucket to the bucket; both exports load in transformers once downloaded
@@ -68,9 +105,28 @@ def test_t5_reads_its_corpus_and_keeps_its_token_cache_in_a_bucket(gcs_bucket, t
     corpus.write_text("".join(Path(p).read_text() for p in sorted(Path(STDLIB_JSON).parent.glob("*.py"))))
     config = tmp_path / "t5-micro.json"  # the family suite's tiny T5 (fast to compile)
     config.write_text(json.dumps(FIXTURES["t5"].tiny_config))
-    flags = ["--model_type", "t5", "--config_name", str(config), *FIXTURES["t5"].run_flags, "--mesh", "data=8",
-             "--train_file", str(corpus), "--cache_dir", f"{gcs_bucket}/cache", "--per_device_train_batch_size", "2",
-             "--max_steps", "2", "--logging_steps", "1", "--do_train", "--export_hf", "false"]
+    flags = [
+        "--model_type",
+        "t5",
+        "--config_name",
+        str(config),
+        *FIXTURES["t5"].run_flags,
+        "--mesh",
+        "data=8",
+        "--train_file",
+        str(corpus),
+        "--cache_dir",
+        f"{gcs_bucket}/cache",
+        "--per_device_train_batch_size",
+        "2",
+        "--max_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--do_train",
+        "--export_hf",
+        "false",
+    ]
     monkeypatch.setenv("SPMDLM_LOCAL_CACHE", str(tmp_path / "local"))  # this host's copy of the bucket's cache
     assert main([*flags, "--output_dir", str(tmp_path / "t5")]) == 0
     cached = storage.files_under(f"{gcs_bucket}/cache")
@@ -115,13 +171,49 @@ def test_a_tokenizer_and_a_prepared_dataset_in_a_bucket(gcs_bucket, tmp_path, mo
         storage.upload(file, f"{inputs}{file.name}")
     tok, data = f"{gcs_bucket}/tok", f"{gcs_bucket}/gpt2-32"
     assert tokenizer_main(["--for_model", "gpt2", "--vocab_size", "400", "--out", tok, inputs]) == 0
-    assert prepare_main(["--tokenizer", tok, "--for_model", "gpt2", "--block_size", "32", "--out", data,
-                         "--workers", "1", "--shard_size", "8K", inputs]) == 0
+    assert (
+        prepare_main(
+            [
+                "--tokenizer",
+                tok,
+                "--for_model",
+                "gpt2",
+                "--block_size",
+                "32",
+                "--out",
+                data,
+                "--workers",
+                "1",
+                "--shard_size",
+                "8K",
+                inputs,
+            ]
+        )
+        == 0
+    )
     card = json.loads(storage.path(f"{data}/dataset.json").read_text())
     assert len(card["splits"]["train"]["shards"]) > 1 and card["inputs"]["files"][0]["path"].startswith(inputs)
     tokenizer = load_tokenizer(f"{data}/tokenizer")
     train, validation, _ = datasets.open_dataset(data, tokenizer=tokenizer, record_length=33, mode="stream")
     assert all(str(p).startswith(str(tmp_path / "local")) for p in train.paths)  # this host's verified copy
     assert len(records.record_source(train)) == card["splits"]["train"]["examples"]
-    assert prepare_main(["--tokenizer", tok, "--for_model", "gpt2", "--block_size", "32", "--out", data,
-                         "--workers", "1", "--shard_size", "8K", inputs]) == 0  # up to date: nothing to do
+    assert (
+        prepare_main(
+            [
+                "--tokenizer",
+                tok,
+                "--for_model",
+                "gpt2",
+                "--block_size",
+                "32",
+                "--out",
+                data,
+                "--workers",
+                "1",
+                "--shard_size",
+                "8K",
+                inputs,
+            ]
+        )
+        == 0
+    )  # up to date: nothing to do

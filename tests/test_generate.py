@@ -16,15 +16,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import FIXTURES as DATA
 from flax import nnx
 
-from conftest import FIXTURES as DATA
 from spmdlm import export
 from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
-from spmdlm.generate import GenerateError, fill_mask, generate, generate_ids
-from spmdlm.generate import decoding
+from spmdlm.generate import GenerateError, decoding, fill_mask, generate, generate_ids
 from spmdlm.generate.cli import main
 from spmdlm.generate.sampling import Sampling, choose, filter_logits
 from spmdlm.mesh import make_mesh
@@ -32,17 +31,53 @@ from spmdlm.models.layers import Scale
 
 WORDS = "cat dog bird fish tree rock river cloud stone green red blue small big old new runs sees the a of and".split()
 CONFIGS = {
-    "gpt2": dict(vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                 attn_pdrop=0.0),
-    "t5": dict(vocab_size=420, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-               tie_word_embeddings=False),
-    "bart": dict(vocab_size=320, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                 decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64),
-    "roberta": dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                    max_position_embeddings=66, type_vocab_size=1, layer_norm_eps=1e-5),
+    "gpt2": dict(
+        vocab_size=320, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    ),
+    "t5": dict(
+        vocab_size=420,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "bart": dict(
+        vocab_size=320,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+    ),
+    "roberta": dict(
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=66,
+        type_vocab_size=1,
+        layer_norm_eps=1e-5,
+    ),
 }
-PROMPTS = ["the cat", "a big old dog sees the river", "fish", "green", "the small bird of the blue cloud runs",
-           "stone and rock", "a tree", "the red fish sees a new stone and the old", "cloud", "dog runs"]
+PROMPTS = [
+    "the cat",
+    "a big old dog sees the river",
+    "fish",
+    "green",
+    "the small bird of the blue cloud runs",
+    "stone and rock",
+    "a tree",
+    "the red fish sees a new stone and the old",
+    "cloud",
+    "dog runs",
+]
 NEW_TOKENS = 8
 
 
@@ -66,28 +101,41 @@ def random_model(family, config):
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     """family -> (model, config, tokenizer, export dir), built on first use."""
+
     @functools.cache
     def get(family_name):
         family = get_family(family_name)
         tokenizer = train_tokenizer(family, corpus(), 300)
         config = family.config_class.from_dict(CONFIGS[family_name])
-        config = config.replace(**{f"{role}_token_id": i for role, i in special_token_ids(tokenizer, family).items()
-                                   if i is not None and hasattr(config, f"{role}_token_id")})  # as training does
+        config = config.replace(
+            **{
+                f"{role}_token_id": i
+                for role, i in special_token_ids(tokenizer, family).items()
+                if i is not None and hasattr(config, f"{role}_token_id")
+            }
+        )  # as training does
         model = random_model(family, config)
-        return model, config, tokenizer, export.save_hf(model, config, tmp_path_factory.mktemp(family_name),
-                                                        tokenizer=tokenizer)
+        return (
+            model,
+            config,
+            tokenizer,
+            export.save_hf(model, config, tmp_path_factory.mktemp(family_name), tokenizer=tokenizer),
+        )
 
     return get
 
 
 def through_eos(row: list[int], eos: int) -> list[int]:
-    return row[:row.index(eos) + 1] if eos in row else row
+    return row[: row.index(eos) + 1] if eos in row else row
 
 
 @functools.cache
 def hf_model(path, config):
-    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(path) if config.is_encoder_decoder else \
-        transformers.AutoModelForCausalLM.from_pretrained(path)
+    model = (
+        transformers.AutoModelForSeq2SeqLM.from_pretrained(path)
+        if config.is_encoder_decoder
+        else transformers.AutoModelForCausalLM.from_pretrained(path)
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     if not config.is_encoder_decoder:
         tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, "left"
@@ -100,10 +148,15 @@ def hf_greedy(path, config, prompts: list[str]) -> list[list[int]]:
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
         # ids the tokenizer never assigned (the model's vocabulary is larger) are never chosen, as in ours
-        out = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1,
-                             pad_token_id=tokenizer.pad_token_id,
-                             suppress_tokens=list(range(len(tokenizer), config.vocab_size)) or None)
-    new = out[:, 1 if config.is_encoder_decoder else batch["input_ids"].shape[1]:].tolist()
+        out = model.generate(
+            **batch,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=tokenizer.pad_token_id,
+            suppress_tokens=list(range(len(tokenizer), config.vocab_size)) or None,
+        )
+    new = out[:, 1 if config.is_encoder_decoder else batch["input_ids"].shape[1] :].tolist()
     return [through_eos(row, config.eos_token_id) for row in new]
 
 
@@ -118,11 +171,14 @@ def test_greedy_equals_transformers_batched_and_alone(family, exports):
     assert len({tuple(row) for row in ours}) > 3 and any(len(set(row)) > 2 for row in ours)  # not degenerate
     assert [hf_greedy(path, config, [p])[0] for p in PROMPTS[:5]] == ours[:5]
     if family == "gpt2":
-        assert [generate_ids(model, config, tokenizer, [p], max_new_tokens=NEW_TOKENS)[0] for p in PROMPTS[:5]] == \
-            ours[:5]
+        assert [generate_ids(model, config, tokenizer, [p], max_new_tokens=NEW_TOKENS)[0] for p in PROMPTS[:5]] == ours[
+            :5
+        ]
     # top-k = 1 keeps only the most likely token, whatever the temperature: greedy
-    assert generate_ids(model, config, tokenizer, PROMPTS, max_new_tokens=NEW_TOKENS, temperature=1.5, top_k=1,
-                        seed=7) == ours
+    assert (
+        generate_ids(model, config, tokenizer, PROMPTS, max_new_tokens=NEW_TOKENS, temperature=1.5, top_k=1, seed=7)
+        == ours
+    )
     if family == "bart":  # forced_eos_token_id: the last new token is EOS (as transformers' generate)
         assert all(row[-1] == config.eos_token_id for row in ours)
 
@@ -149,8 +205,9 @@ def test_gpt2_text_and_samples(exports):
     ids = generate_ids(model, config, tokenizer, PROMPTS, max_new_tokens=NEW_TOKENS)
     texts = generate(model, config, tokenizer, PROMPTS, max_new_tokens=NEW_TOKENS)
     assert texts == [tokenizer.decode([i for i in row if i != config.eos_token_id]) for row in ids]
-    sample = lambda seed, prompts=PROMPTS, **kw: generate_ids(model, config, tokenizer, prompts, max_new_tokens=12,
-                                                              temperature=1.0, seed=seed, **kw)
+    sample = lambda seed, prompts=PROMPTS, **kw: generate_ids(
+        model, config, tokenizer, prompts, max_new_tokens=12, temperature=1.0, seed=seed, **kw
+    )
     assert sample(1) == sample(1)
     assert sample(1) != sample(2)
     twice = sample(1, PROMPTS[:5], num_samples=2)
@@ -176,7 +233,7 @@ def test_cache_equals_full_recompute(family, exports):
             cache = model.init_cache(model.encode(source, source_mask), source_mask, 8)
             logits, cache = model.extend(target[:, :1], cache)  # the decoder start
             for t in range(1, steps):
-                step, cache = model.extend(target[:, t:t + 1], cache)
+                step, cache = model.extend(target[:, t : t + 1], cache)
                 logits = jnp.concatenate([logits, step], axis=1)
             return logits, model(source, target, source_mask)
 
@@ -191,7 +248,7 @@ def test_cache_equals_full_recompute(family, exports):
         def both(model):
             logits, cache = model.extend(ids[:, :5], model.init_cache(2, 8), mask)
             for t in range(5, 5 + steps):
-                step, cache = model.extend(ids[:, t:t + 1], cache)
+                step, cache = model.extend(ids[:, t : t + 1], cache)
                 logits = jnp.concatenate([logits, step], axis=1)
             return logits, model(ids[:1]), model(ids[1:, 3:])
 
@@ -206,8 +263,17 @@ def test_decode_compiles_once_per_shape(exports):
     prompts = ["the cat", "dog", "a fish"]  # a batch size no other test uses: fresh entries in the jit caches
     sizes = decoding.prefill._cache_size(), decoding.decode._cache_size()
     generate_ids(model, config, tokenizer, prompts, max_new_tokens=20)
-    generate_ids(model, config, tokenizer, ["the old red", "stone", "x"], max_new_tokens=30, temperature=0.7,
-                 top_k=5, top_p=0.9, seed=3)
+    generate_ids(
+        model,
+        config,
+        tokenizer,
+        ["the old red", "stone", "x"],
+        max_new_tokens=30,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        seed=3,
+    )
     assert (decoding.prefill._cache_size(), decoding.decode._cache_size()) == (sizes[0] + 1, sizes[1] + 1)
 
 
@@ -217,6 +283,7 @@ MESH = "data=2,fsdp=2,tensor=2"  # the command-line tests use it too, and reuse 
 @pytest.fixture(scope="module")
 def sharded(exports):
     """family -> the export loaded on MESH, as the command line loads it."""
+
     @functools.cache
     def get(family):
         with jax.set_mesh(make_mesh(MESH)):
@@ -231,28 +298,46 @@ def test_sharded_generation_equals_unsharded(exports, sharded):
     _, config, tokenizer, path = exports("gpt2")
     model = sharded("gpt2")
     assert "tensor" in str(model.h.layers.attn.qkv.kernel[...].sharding.spec)
-    assert generate_ids(model, config, tokenizer, PROMPTS[:4], max_new_tokens=NEW_TOKENS) == \
-        hf_greedy(path, config, PROMPTS[:4])
+    assert generate_ids(model, config, tokenizer, PROMPTS[:4], max_new_tokens=NEW_TOKENS) == hf_greedy(
+        path, config, PROMPTS[:4]
+    )
     ids = np.ones((4, decoding.PROMPT_BUCKET), np.int32)  # the prefill just compiled: its cache is sharded too
     with jax.set_mesh(make_mesh(MESH)):
-        state = decoding.prefill(*nnx.split(model), ids, ids, slots=decoding.SLOT_BUCKET,
-                                 specials=decoding.Specials.of(config, Generation.DECODER_ONLY))
+        state = decoding.prefill(
+            *nnx.split(model),
+            ids,
+            ids,
+            slots=decoding.SLOT_BUCKET,
+            specials=decoding.Specials.of(config, Generation.DECODER_ONLY),
+        )
     assert state.cache.key.sharding.spec[1:3] == (("data", "fsdp"), "tensor")  # [layers, batch, heads, ...]
 
 
 # -- sampling ------------------------------------------------------------------------------------------------------
 PROBS = np.array([0.1, 0.5, 0.05, 0.2, 0.15])  # ranked: 1 (0.5), 3 (0.2), 4 (0.15), 0 (0.1), 2 (0.05)
 kept_by_filter = jax.jit(lambda logits, k, p: jnp.isfinite(filter_logits(logits, k, p)))  # k, p traced: one compile
-draws = jax.jit(lambda logits, k, p: jax.vmap(lambda key: choose(logits, key, Sampling(1.0, k, p)))(
-    jax.random.split(jax.random.key(0), 200)))
+draws = jax.jit(
+    lambda logits, k, p: jax.vmap(lambda key: choose(logits, key, Sampling(1.0, k, p)))(
+        jax.random.split(jax.random.key(0), 200)
+    )
+)
 
 
-@pytest.mark.parametrize("top_k,top_p,support", [
-    (0, 1.0, {0, 1, 2, 3, 4}), (2, 1.0, {1, 3}), (1, 1.0, {1}), (9, 1.0, {0, 1, 2, 3, 4}),
-    (0, 0.45, {1}), (0, 0.55, {1, 3}), (0, 0.75, {1, 3, 4}), (0, 0.99, {0, 1, 2, 3, 4}),
-    (3, 0.6, {1, 3}),  # top-p on what top-k kept, renormalised: 0.5/0.85 = 0.59 < 0.6 < (0.5+0.2)/0.85
-    (3, 0.55, {1}),
-])
+@pytest.mark.parametrize(
+    "top_k,top_p,support",
+    [
+        (0, 1.0, {0, 1, 2, 3, 4}),
+        (2, 1.0, {1, 3}),
+        (1, 1.0, {1}),
+        (9, 1.0, {0, 1, 2, 3, 4}),
+        (0, 0.45, {1}),
+        (0, 0.55, {1, 3}),
+        (0, 0.75, {1, 3, 4}),
+        (0, 0.99, {0, 1, 2, 3, 4}),
+        (3, 0.6, {1, 3}),  # top-p on what top-k kept, renormalised: 0.5/0.85 = 0.59 < 0.6 < (0.5+0.2)/0.85
+        (3, 0.55, {1}),
+    ],
+)
 def test_filter_support(top_k, top_p, support):
     logits = jnp.log(jnp.asarray(PROBS, jnp.float32))[None]
     assert set(np.flatnonzero(kept_by_filter(logits, top_k, top_p)[0])) == support
@@ -318,34 +403,58 @@ def test_cli_on_an_export(capsys, exports, sharded, tmp_path):
     assert out == "\n---\n".join(p + t for p, t in zip(PROMPTS, texts)) + "\n"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the cat\n\ndog runs\n")
-    code, out, _ = cli(capsys, "--model_name_or_path", str(path), "--prompt_file", str(prompts), "--json",
-                       "--max_new_tokens", "6", "--temperature", "0.9", "--num_samples", "2", "--seed", "4")
+    code, out, _ = cli(
+        capsys,
+        "--model_name_or_path",
+        str(path),
+        "--prompt_file",
+        str(prompts),
+        "--json",
+        "--max_new_tokens",
+        "6",
+        "--temperature",
+        "0.9",
+        "--num_samples",
+        "2",
+        "--seed",
+        "4",
+    )
     records = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and [(r["prompt"], r["sample"]) for r in records] == [
-        ("the cat", 0), ("the cat", 1), ("dog runs", 0), ("dog runs", 1)]
+        ("the cat", 0),
+        ("the cat", 1),
+        ("dog runs", 0),
+        ("dog runs", 1),
+    ]
     assert [r["continuation"] for r in records] == generate(
-        model, config, tokenizer, ["the cat", "dog runs"], max_new_tokens=6, temperature=0.9, num_samples=2, seed=4)
+        model, config, tokenizer, ["the cat", "dog runs"], max_new_tokens=6, temperature=0.9, num_samples=2, seed=4
+    )
 
 
 def test_cli_fill_mask(capsys, exports, sharded):
     _, config, tokenizer, path = exports("roberta")
     text = "the big<mask> sees a<mask> river"  # as above: compiled
-    code, out, _ = cli(capsys, "--model_name_or_path", str(path), "--prompt", text, "--fill_mask", "--top_k", "3",
-                       "--json")
+    code, out, _ = cli(
+        capsys, "--model_name_or_path", str(path), "--prompt", text, "--fill_mask", "--top_k", "3", "--json"
+    )
     records = [json.loads(line) for line in out.splitlines()]
     assert code == 0
     assert [[c["id"] for c in r["candidates"]] for r in records] == [
-        [i for _, i, _ in found] for found in fill_mask(sharded("roberta"), config, tokenizer, text, top_k=3)]
+        [i for _, i, _ in found] for found in fill_mask(sharded("roberta"), config, tokenizer, text, top_k=3)
+    ]
 
 
-@pytest.mark.parametrize("case,argv,message", [
-    ("empty prompt", ["--prompt", ""], "empty"),
-    ("prompt too long", ["--prompt", "the cat " * 40], "positions"),
-    ("top_p 0", ["--prompt", "the cat", "--top_p", "0"], "--top_p"),
-    ("fill_mask on gpt2", ["--prompt", "the<mask>", "--fill_mask"], "masked language model"),
-    ("greedy samples", ["--prompt", "the cat", "--num_samples", "2"], "--temperature"),
-    ("step of an export", ["--prompt", "the cat", "--step", "3"], "--step"),
-])
+@pytest.mark.parametrize(
+    "case,argv,message",
+    [
+        ("empty prompt", ["--prompt", ""], "empty"),
+        ("prompt too long", ["--prompt", "the cat " * 40], "positions"),
+        ("top_p 0", ["--prompt", "the cat", "--top_p", "0"], "--top_p"),
+        ("fill_mask on gpt2", ["--prompt", "the<mask>", "--fill_mask"], "masked language model"),
+        ("greedy samples", ["--prompt", "the cat", "--num_samples", "2"], "--temperature"),
+        ("step of an export", ["--prompt", "the cat", "--step", "3"], "--step"),
+    ],
+)
 def test_cli_errors_on_an_export(capsys, exports, case, argv, message):
     code, out, err = cli(capsys, "--model_name_or_path", str(exports("gpt2")[3]), *argv)
     assert code == 2 and out == ""
@@ -368,10 +477,34 @@ def test_cli_on_a_training_run(capsys, tmp_path, cache_dir):
 
     config, out = tmp_path / "gpt2.json", tmp_path / "run"
     config.write_text(json.dumps({"model_type": "gpt2", **CONFIGS["gpt2"]}))
-    assert launch(["--train_file", str(DATA / "overfit.txt"), "--config_name", str(config), "--block_size", "16",
-                   "--per_device_train_batch_size", "1", "--mesh", MESH, "--max_steps", "2", "--save_steps", "1",
-                   "--learning_rate", "1e-3", "--do_train", "--output_dir", str(out), "--cache_dir",
-                   str(cache_dir)]) == 0
+    assert (
+        launch(
+            [
+                "--train_file",
+                str(DATA / "overfit.txt"),
+                "--config_name",
+                str(config),
+                "--block_size",
+                "16",
+                "--per_device_train_batch_size",
+                "1",
+                "--mesh",
+                MESH,
+                "--max_steps",
+                "2",
+                "--save_steps",
+                "1",
+                "--learning_rate",
+                "1e-3",
+                "--do_train",
+                "--output_dir",
+                str(out),
+                "--cache_dir",
+                str(cache_dir),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     args = [arg for p in PROMPTS[:4] for arg in ("--prompt", p)] + ["--max_new_tokens", "5"]
     code, newest, _ = cli(capsys, "--checkpoint", str(out), *args)

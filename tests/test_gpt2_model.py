@@ -65,8 +65,9 @@ def test_loss_is_token_weighted_and_ignores_ignored_labels():
 
 
 def test_remat_with_dropout_gives_the_same_gradients():
-    config = GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=3, resid_pdrop=0.1,
-                        embd_pdrop=0.1, attn_pdrop=0.1)
+    config = GPT2Config(
+        vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=3, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1
+    )
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 16)))
 
     def loss_and_grads(remat: str, rngs):

@@ -13,8 +13,12 @@ from spmdlm.data import readers
 from spmdlm.errors import DataError
 
 LINES = ["Der Mensch ist frei geboren", "und überall liegt er in Ketten", "Apache License, Version 2.0"]
-COMPRESSORS = {".gz": gzip.compress, ".xz": lzma.compress, ".bz2": bz2.compress,
-               ".zst": lambda data: zstandard.ZstdCompressor().compress(data)}
+COMPRESSORS = {
+    ".gz": gzip.compress,
+    ".xz": lzma.compress,
+    ".bz2": bz2.compress,
+    ".zst": lambda data: zstandard.ZstdCompressor().compress(data),
+}
 
 
 def documents(*inputs, **kwargs) -> list[str]:
@@ -35,8 +39,9 @@ def test_text_files_of_any_name_in_a_directory_and_a_glob_are_read(tmp_path):
 def test_each_compressed_form_of_text_and_json_lines(tmp_path, suffix):
     compress = COMPRESSORS[suffix]
     (tmp_path / f"notes{suffix}").write_bytes(compress("\n".join(LINES).encode()))
-    (tmp_path / f"records.jsonl{suffix}").write_bytes(compress("\n".join(json.dumps({"text": t})
-                                                                         for t in LINES).encode()))
+    (tmp_path / f"records.jsonl{suffix}").write_bytes(
+        compress("\n".join(json.dumps({"text": t}) for t in LINES).encode())
+    )
     assert documents(tmp_path / f"notes{suffix}") == LINES
     assert documents(tmp_path / f"records.jsonl{suffix}") == LINES
     if suffix == ".zst":

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spmdlm.families import get_family
 from spmdlm.data.readers import expand_files, read_documents
 from spmdlm.data.records import file_sha256, record_source
 from spmdlm.data.token_cache import prepare_split
 from spmdlm.data.tokenizer import train_tokenizer
 from spmdlm.errors import DataError
+from spmdlm.families import get_family
 
 LINES = ["café crème brûlée", "naïve Ærøskøbing straße", "Привет 東京 🙂"]
 _WORDS = np.random.default_rng(0).integers(0, 200, (60, 30))
@@ -50,8 +50,13 @@ def test_nul_bytes_or_mostly_undecodable_bytes_mean_binary(tmp_path):
         read(tmp_path / "noise.txt")
 
 
-BOMS = {"utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE, "utf-32-le": codecs.BOM_UTF32_LE,
-        "utf-32-be": codecs.BOM_UTF32_BE, "utf-8": codecs.BOM_UTF8}
+BOMS = {
+    "utf-16-le": codecs.BOM_UTF16_LE,
+    "utf-16-be": codecs.BOM_UTF16_BE,
+    "utf-32-le": codecs.BOM_UTF32_LE,
+    "utf-32-be": codecs.BOM_UTF32_BE,
+    "utf-8": codecs.BOM_UTF8,
+}
 
 
 @pytest.mark.parametrize("encoding", BOMS)
@@ -73,8 +78,10 @@ def test_latin1_bytes_are_replaced_with_one_warning_per_file(tmp_path, caplog):
     path = tmp_path / "latin1.txt"
     path.write_bytes("café\nnaïve crème\n".encode("latin-1"))
     assert read(path) == ["caf\ufffd", "na\ufffdve cr\ufffdme"]
-    assert warnings_of(caplog) == [f"{path}: 3 bytes are not valid UTF-8 and were replaced by U+FFFD "
-                                   "(convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8)"]
+    assert warnings_of(caplog) == [
+        f"{path}: 3 bytes are not valid UTF-8 and were replaced by U+FFFD "
+        "(convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8)"
+    ]
 
 
 # -- the text field of JSON and CSV records --------------------------------------------------------------------------
@@ -83,15 +90,21 @@ def test_latin1_bytes_are_replaced_with_one_warning_per_file(tmp_path, caplog):
 def test_json_lines_without_the_text_field_name_the_line_and_the_flag(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text('{"text": "one"}\n\n{"id": 7, "body": "two"}\n')
-    with pytest.raises(DataError, match=re.escape(f"{path}:3 has no 'text' field; pass --text_column NAME, "
-                                                          "NAME one of its fields: id, body")):
+    with pytest.raises(
+        DataError,
+        match=re.escape(f"{path}:3 has no 'text' field; pass --text_column NAME, NAME one of its fields: id, body"),
+    ):
         read(path)
 
 
 def test_text_column_picks_the_field_and_skips_empty_values(tmp_path):
     path = tmp_path / "a.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"id": 1, "body": "one"}, {"id": 2, "body": 3}, {"id": 3, "body": None}, {"id": 4, "body": "  "}]))
+    path.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [{"id": 1, "body": "one"}, {"id": 2, "body": 3}, {"id": 3, "body": None}, {"id": 4, "body": "  "}]
+        )
+    )
     assert read(path, text_column="body") == ["one", "3"]
     array = tmp_path / "a.json"
     array.write_text(json.dumps([{"body": "x"}, {"id": 2}]))
@@ -123,8 +136,7 @@ def tokenizer():
 
 
 def prepare(tokenizer, cache_dir, **kwargs):
-    return prepare_split(DOCS, tokenizer, record_length=16, separator_id=0, cache_dir=cache_dir,
-                                 name="train", **kwargs)
+    return prepare_split(DOCS, tokenizer, record_length=16, separator_id=0, cache_dir=cache_dir, name="train", **kwargs)
 
 
 def records(split) -> list[np.ndarray]:
@@ -139,7 +151,7 @@ def truncate(split):
 
 def zero_the_middle(split):
     data = bytearray(split.path.read_bytes())
-    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
     split.path.write_bytes(bytes(data))
 
 
@@ -180,15 +192,18 @@ def test_the_metadata_records_the_size_and_hash_of_the_data(tokenizer, tmp_path)
     assert meta["num_records"] == split.num_records == len(records(split))
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (truncate, "bytes, .* expected"),
-    (remove_the_data, "train.tokens is missing"),
-    (zero_the_middle, "does not match its sha256"),
-    (garble_the_metadata, "train.json is unreadable"),
-    (drop_the_hash, "train.json lacks bytes, sha256"),
-    (truncate_and_forge_the_metadata, "train.tokens holds .* records, .* expected"),
-    (miscount_the_records, "records, .* expected"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (truncate, "bytes, .* expected"),
+        (remove_the_data, "train.tokens is missing"),
+        (zero_the_middle, "does not match its sha256"),
+        (garble_the_metadata, "train.json is unreadable"),
+        (drop_the_hash, "train.json lacks bytes, sha256"),
+        (truncate_and_forge_the_metadata, "train.tokens holds .* records, .* expected"),
+        (miscount_the_records, "records, .* expected"),
+    ],
+)
 def test_a_damaged_cache_is_rebuilt(tokenizer, tmp_path, caplog, damage, reason):
     split = prepare(tokenizer, tmp_path)
     original = records(split)
@@ -222,6 +237,7 @@ def test_temp_files_of_dead_preparations_on_this_host_are_removed(tokenizer, tmp
 def test_an_unwritable_cache_dir_names_the_folder(tokenizer, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with pytest.raises(DataError, match=re.escape(f"cannot write the token cache in {blocker}/sub/") +
-                       ".*pass a writable --cache_dir"):
+    with pytest.raises(
+        DataError, match=re.escape(f"cannot write the token cache in {blocker}/sub/") + ".*pass a writable --cache_dir"
+    ):
         prepare(tokenizer, blocker / "sub")

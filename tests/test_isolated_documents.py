@@ -26,8 +26,17 @@ def t5(inputs_length=64, **kwargs):
 
 
 def bart(max_seq_length=64, **kwargs):
-    return Denoising(max_seq_length, BOS, EOS, PAD, MASK, decoder_start_id=EOS, special_ids=BART_SPECIALS,
-                     document_attention="isolated", **kwargs)
+    return Denoising(
+        max_seq_length,
+        BOS,
+        EOS,
+        PAD,
+        MASK,
+        decoder_start_id=EOS,
+        special_ids=BART_SPECIALS,
+        document_attention="isolated",
+        **kwargs,
+    )
 
 
 def record_of(doc_lengths, length, eos, start=0, first_id=10):
@@ -156,8 +165,9 @@ def check_t5_example(objective, record, example, draws):
         rebuilt, noise = uncorrupt(inputs, targets)
         np.testing.assert_array_equal(rebuilt, content)
         m = len(content)
-        expected = random_spans_noise_masks(m, objective.noise_density, objective.mean_noise_span_length,
-                                            draws[None, start : start + m - 2])[0]
+        expected = random_spans_noise_masks(
+            m, objective.noise_density, objective.mean_noise_span_length, draws[None, start : start + m - 2]
+        )[0]
         np.testing.assert_array_equal(noise, expected)
         # Decoder inputs restart per segment: the start id, then the segment's own targets shifted.
         np.testing.assert_array_equal(example["decoder_input_ids"][dseg == k], np.append(T5_START, targets[:-1]))
@@ -185,13 +195,16 @@ def test_t5_static_shapes_and_exact_segments_for_many_segmentations(inputs_lengt
     rng = np.random.default_rng(inputs_length)
     for i in range(60):
         kind = ("one-token", "huge", "tiny", "mixed")[i % 4]
-        record = record_of(random_doc_lengths(rng, kind), objective.record_length, T5_EOS,
-                           start=int(rng.integers(0, 50)))
+        record = record_of(
+            random_doc_lengths(rng, kind), objective.record_length, T5_EOS, start=int(rng.integers(0, 50))
+        )
         example = objective(record, example_rng(1, i))
         check_t5_example(objective, record, example, objective.draw(example_rng(1, i)))
     # A record that starts and one that ends with a separator.
-    for record in (record_of([0, 5, 9], objective.record_length, T5_EOS),
-                   record_of([objective.record_length - 1], objective.record_length, T5_EOS)):
+    for record in (
+        record_of([0, 5, 9], objective.record_length, T5_EOS),
+        record_of([objective.record_length - 1], objective.record_length, T5_EOS),
+    ):
         check_t5_example(objective, record, objective(record, example_rng(2, 0)), objective.draw(example_rng(2, 0)))
 
 
@@ -204,24 +217,27 @@ def test_t5_targets_capacity_left_out_segments_are_counted():
     rng = np.random.default_rng(0)
     for i in range(20):  # documents of 400+ tokens: at most three segments, whose targets always fit
         record = record_of(rng.integers(400, 2000, 5), 511, T5_EOS, start=int(rng.integers(0, 2000)))
-        left_out, _ = check_t5_example(objective, record, objective(record, example_rng(0, i)),
-                                       objective.draw(example_rng(0, i)))
+        left_out, _ = check_t5_example(
+            objective, record, objective(record, example_rng(0, i)), objective.draw(example_rng(0, i))
+        )
         assert left_out == []
     # 46 documents of 10 tokens (targets 4 each) and the head of one (5 tokens, targets 3): 28 x 4 or 27 x 4 + 3.
     assert (targets_of(10), targets_of(5)) == (4, 3)
     seen = set()
     for i in range(30):
         record = record_of([10] * 60, 511, T5_EOS)
-        left_out, used = check_t5_example(objective, record, objective(record, example_rng(0, i)),
-                                          objective.draw(example_rng(0, i)))
+        left_out, used = check_t5_example(
+            objective, record, objective(record, example_rng(0, i)), objective.draw(example_rng(0, i))
+        )
         assert (sorted(left_out), used) in (([5] + [10] * 18, 112), ([10] * 19, 111))
         seen.add(used)
     assert seen == {111, 112}  # the order segments are taken in is random, not always the record's last first
     # Every left-out segment's targets exceed what the corrupted ones left of the capacity.
     for i in range(30):
         record = record_of(rng.integers(1, 40, 100), 511, T5_EOS, start=int(rng.integers(0, 200)))
-        left_out, used = check_t5_example(objective, record, objective(record, example_rng(5, i)),
-                                          objective.draw(example_rng(5, i)))
+        left_out, used = check_t5_example(
+            objective, record, objective(record, example_rng(5, i)), objective.draw(example_rng(5, i))
+        )
         assert all(targets_of(m) > objective.targets_length - used for m in left_out)
 
 
@@ -331,11 +347,11 @@ def test_bart_joined_is_todays_batch():
     rng = np.random.default_rng(1)
     records = np.stack([bart_record(bart(32), random_doc_lengths(rng, "mixed"), rng) for _ in range(4)])
     default = Denoising(32, BOS, EOS, PAD, MASK, decoder_start_id=EOS, special_ids=BART_SPECIALS)
-    joined = Denoising(32, BOS, EOS, PAD, MASK, decoder_start_id=EOS, special_ids=BART_SPECIALS,
-                       document_attention="joined")
+    joined = Denoising(
+        32, BOS, EOS, PAD, MASK, decoder_start_id=EOS, special_ids=BART_SPECIALS, document_attention="joined"
+    )
     a, b = default.batch(records, 3, range(4)), joined.batch(records, 3, range(4))
-    assert set(a) == set(b) == {"input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask",
-                                "labels"}
+    assert set(a) == set(b) == {"input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "labels"}
     for name in a:
         np.testing.assert_array_equal(a[name], b[name])
 
@@ -353,8 +369,12 @@ def test_a_batch_is_its_rows_one_by_one(name):
     objective, eos = ISOLATED[name]
     rng = np.random.default_rng(9)
     kinds = ("one-token", "huge", "tiny", "mixed") * 2
-    rows = np.stack([record_of(random_doc_lengths(rng, kind), objective.record_length, eos,
-                               start=int(rng.integers(0, 20))) for kind in kinds])
+    rows = np.stack(
+        [
+            record_of(random_doc_lengths(rng, kind), objective.record_length, eos, start=int(rng.integers(0, 20)))
+            for kind in kinds
+        ]
+    )
     if name == "bart":
         rows |= np.where(rng.random(rows.shape) < 0.1, SENTENCE_END, 0).astype(np.int32)
     indices = [3, 1000, 7, 0, 12, 5, 99, 42]
@@ -379,9 +399,11 @@ def test_families_build_the_isolated_objective(family_name, preset):
 
     family = get_family(family_name)
     assert "document_attention" in family.resume_keys  # recorded, and a resume must keep it
-    args, _ = parse_args(["--model_type", family_name, "--document_attention", "isolated", "--max_seq_length",
-                          "32"] if family_name != "gpt2" else ["--model_type", "gpt2", "--document_attention",
-                                                                 "isolated", "--block_size", "32"])
+    args, _ = parse_args(
+        ["--model_type", family_name, "--document_attention", "isolated", "--max_seq_length", "32"]
+        if family_name != "gpt2"
+        else ["--model_type", "gpt2", "--document_attention", "isolated", "--block_size", "32"]
+    )
     texts = [f"sentence {i} about apples, pears and {i * 7} plums." for i in range(100)]
     tokenizer = train_tokenizer(family, texts, vocab_size=300 if family_name == "t5" else 400)
     objective = family.build_objective(args, load_config(preset, family_name), tokenizer)

@@ -27,38 +27,65 @@ def test_dots_bytes_count_every_weight_matmul_output_of_every_layer():
 @pytest.mark.parametrize("family, unroll", [("gpt2", 1), ("roberta", 1), ("t5", 0), ("bart", 0)])
 def test_auto_unrolls_shallow_encoder_decoders_on_cpu_only(family, unroll):
     model = abstract_model(family)
-    plan = plan_layers("auto", "auto", model, platform="cpu", itemsize=4, tokens_per_device=256,
-                       memory_bytes=2**34)
+    plan = plan_layers("auto", "auto", model, platform="cpu", itemsize=4, tokens_per_device=256, memory_bytes=2**34)
     assert (plan.remat, plan.scan_unroll) == ("dots", unroll)
     assert set(plan.reasons) == {"remat", "scan_unroll"}
-    on_tpu = plan_layers("auto", "auto", model, platform="tpu", itemsize=2, tokens_per_device=256,
-                         memory_bytes=2**34)
+    on_tpu = plan_layers("auto", "auto", model, platform="tpu", itemsize=2, tokens_per_device=256, memory_bytes=2**34)
     assert on_tpu.scan_unroll == 1 and "GPU or TPU" in on_tpu.reasons["scan_unroll"]
 
 
 def test_auto_keeps_deep_encoder_decoders_scanned():
-    plan = plan_layers("dots", "auto", abstract_model("t5", num_layers=13, num_decoder_layers=13), platform="cpu",
-                       itemsize=4, tokens_per_device=256, memory_bytes=None)
+    plan = plan_layers(
+        "dots",
+        "auto",
+        abstract_model("t5", num_layers=13, num_decoder_layers=13),
+        platform="cpu",
+        itemsize=4,
+        tokens_per_device=256,
+        memory_bytes=None,
+    )
     assert plan.scan_unroll == 1 and "more than 12 layers" in plan.reasons["scan_unroll"]
-    wide = plan_layers("dots", "auto", abstract_model("t5", d_model=512), platform="cpu", itemsize=4,
-                       tokens_per_device=256, memory_bytes=None)
+    wide = plan_layers(
+        "dots",
+        "auto",
+        abstract_model("t5", d_model=512),
+        platform="cpu",
+        itemsize=4,
+        tokens_per_device=256,
+        memory_bytes=None,
+    )
     assert wide.scan_unroll == 1 and "wider than 256" in wide.reasons["scan_unroll"]
 
 
 def test_auto_takes_full_remat_when_dots_would_not_fit():
     model = abstract_model("gpt2")
     need = dots_bytes_per_token(model, 4) * 1024
-    fits = plan_layers("auto", "1", model, platform="gpu", itemsize=4, tokens_per_device=1024,
-                       memory_bytes=int(need / REMAT_MEMORY_SHARE) + 1)
-    tight = plan_layers("auto", "1", model, platform="gpu", itemsize=4, tokens_per_device=1024,
-                        memory_bytes=int(need / REMAT_MEMORY_SHARE) - 1)
+    fits = plan_layers(
+        "auto",
+        "1",
+        model,
+        platform="gpu",
+        itemsize=4,
+        tokens_per_device=1024,
+        memory_bytes=int(need / REMAT_MEMORY_SHARE) + 1,
+    )
+    tight = plan_layers(
+        "auto",
+        "1",
+        model,
+        platform="gpu",
+        itemsize=4,
+        tokens_per_device=1024,
+        memory_bytes=int(need / REMAT_MEMORY_SHARE) - 1,
+    )
     assert (fits.remat, tight.remat) == ("dots", "full")
     assert "exceed 50% of its memory" in tight.reasons["remat"]
 
 
 def test_explicit_flags_win_and_are_not_explained():
-    plan = plan_layers("none", "3", abstract_model("t5"), platform="cpu", itemsize=4, tokens_per_device=10**9,
-                       memory_bytes=1)
+    plan = plan_layers(
+        "none", "3", abstract_model("t5"), platform="cpu", itemsize=4, tokens_per_device=10**9, memory_bytes=1
+    )
     assert (plan.remat, plan.scan_unroll, plan.reasons) == ("none", 3, {})
     assert plan.record() == {"remat": "none", "scan_unroll": 3, "auto": {}}
 
@@ -67,8 +94,10 @@ def test_explicit_flags_win_and_are_not_explained():
 def test_every_named_policy_gives_the_gradients_of_no_remat(policy):
     """What a policy saves changes memory and recomputation, never the gradients (T5: gated MLP, bias, cross)."""
     config = load_config(families()["t5"].quickstart["config_name"], "t5")
-    batch = {"input_ids": jnp.asarray(np.arange(24).reshape(2, 12) % 50 + 3),
-             "decoder_input_ids": jnp.asarray(np.arange(10).reshape(2, 5) % 50 + 3)}
+    batch = {
+        "input_ids": jnp.asarray(np.arange(24).reshape(2, 12) % 50 + 3),
+        "decoder_input_ids": jnp.asarray(np.arange(10).reshape(2, 5) % 50 + 3),
+    }
 
     def grads(remat):
         model = families()["t5"].make_model(config, rngs=nnx.Rngs(0), remat=remat)

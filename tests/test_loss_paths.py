@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from family_fixtures import FIXTURES
 from flax import nnx
 
-from family_fixtures import FIXTURES
 from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.families import families
 from spmdlm.train.step import loss_sums
@@ -38,9 +38,16 @@ def test_chunked_loss_and_gradients_equal_the_whole_sequence_ones(family):
 
     def grads_and_sums(chunk):
         def loss(p):
-            sums = loss_sums(nnx.merge(graph, p, rest), batch, families()[family].forward, z_loss=1e-3,
-                             loss_chunk=chunk, byte_lengths=jnp.asarray(byte_lengths))
+            sums = loss_sums(
+                nnx.merge(graph, p, rest),
+                batch,
+                families()[family].forward,
+                z_loss=1e-3,
+                loss_chunk=chunk,
+                byte_lengths=jnp.asarray(byte_lengths),
+            )
             return sums["loss_sum"] + sums["z_loss_sum"], sums
+
         return jax.grad(loss, has_aux=True)(params)
 
     # One program for both (one compilation); 12 does not divide 40: the last chunk is padded with ignored positions.
@@ -62,8 +69,10 @@ def test_mlm_head_on_labelled_positions_only_equals_every_position():
     objective = MaskedLM(128, bos_id=0, eos_id=2, pad_id=1, mask_id=4, special_ids=(0, 1, 2, 3, 4), vocab_size=512)
     capacity = objective.label_capacity
     assert capacity == 48  # 126 content tokens at p=0.15: mean 18.9, sd 4.0
-    counts = [int((objective(np.arange(5, 131), np.random.default_rng(i))["labels"] != IGNORE_INDEX).sum())
-              for i in range(2000)]
+    counts = [
+        int((objective(np.arange(5, 131), np.random.default_rng(i))["labels"] != IGNORE_INDEX).sum())
+        for i in range(2000)
+    ]
     assert 10 < np.mean(counts) < 30 and max(counts) <= capacity
 
     config, model = tiny_model("roberta")
@@ -78,14 +87,21 @@ def test_mlm_head_on_labelled_positions_only_equals_every_position():
     def grads_and_sums(labels, capacity):
         def loss(p):
             batch = {"input_ids": ids, "labels": jnp.asarray(labels, jnp.int32)}
-            sums = loss_sums(nnx.merge(graph, p, rest), batch, families()["roberta"].forward,
-                             label_capacity=capacity, byte_lengths=jnp.arange(config.vocab_size) % 7)
+            sums = loss_sums(
+                nnx.merge(graph, p, rest),
+                batch,
+                families()["roberta"].forward,
+                label_capacity=capacity,
+                byte_lengths=jnp.arange(config.vocab_size) % 7,
+            )
             return sums["loss_sum"], sums
+
         return jax.grad(loss, has_aux=True)(params)
 
     for labels in (sparse, dense_row):
         (whole_grads, whole), (grads, sums) = jax.jit(
-            lambda: (grads_and_sums(labels, None), grads_and_sums(labels, 12)))()
+            lambda: (grads_and_sums(labels, None), grads_and_sums(labels, 12))
+        )()
         assert int(sums["bytes"]) == (labels[labels != IGNORE_INDEX] % 7).sum()
         for key in whole:
             np.testing.assert_allclose(sums[key], whole[key], rtol=1e-5, err_msg=key)
@@ -105,8 +121,10 @@ def test_chunking_shrinks_the_compiled_steps_temporaries():
 
     graphdef, state = build_train_state(family, config, mesh, total_steps=10, abstract=True)
     spec = {k: jax.ShapeDtypeStruct((8, 256), jnp.int32) for k in ("input_ids", "labels")}
-    temp = {chunk: Stepper(graphdef, state, mesh, family.forward, loss_chunk=chunk).compile_train(state, spec)["temp_bytes"]
-            for chunk in (0, 32)}
+    temp = {
+        chunk: Stepper(graphdef, state, mesh, family.forward, loss_chunk=chunk).compile_train(state, spec)["temp_bytes"]
+        for chunk in (0, 32)
+    }
     logits_per_device = 4 * 256 * 8192 * 4 / 2  # batch 8 over data=2, vocab over tensor=2, float32
     assert temp[0] - temp[32] > logits_per_device, temp
 
@@ -135,7 +153,9 @@ def test_reported_bart_metrics_leave_out_the_special_labels():
     assert int(sums["bytes"]) == int(sums["scored_bytes"]) == 1 + 2 + 4
     # the chunked path reports the same
     features = jnp.asarray(logits)
-    chunked = head_sums(lambda x: x, features, labels, loss_chunk=3, unscored=(bos, pad, eos), byte_lengths=byte_lengths)
+    chunked = head_sums(
+        lambda x: x, features, labels, loss_chunk=3, unscored=(bos, pad, eos), byte_lengths=byte_lengths
+    )
     for key in ("scored_loss_sum", "scored_tokens", "scored_correct", "loss_sum", "tokens", "bytes", "scored_bytes"):
         np.testing.assert_allclose(float(chunked[key]), float(sums[key]), rtol=1e-6, err_msg=key)
 

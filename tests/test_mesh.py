@@ -12,26 +12,32 @@ from jax.sharding import PartitionSpec as P
 from spmdlm.mesh import MeshError, make_mesh, parse_mesh, resolve_spec, simulated_devices_flags
 
 
-@pytest.mark.parametrize("spec, expected", [
-    ("data=8", {"data": 8, "fsdp": 1, "tensor": 1}),
-    ("fsdp=8", {"data": 1, "fsdp": 8, "tensor": 1}),
-    ("data=2,fsdp=-1", {"data": 2, "fsdp": 4, "tensor": 1}),
-    ("tensor=2,data=-1", {"data": 4, "fsdp": 1, "tensor": 2}),
-    ("data=2, fsdp=2, tensor=2", {"data": 2, "fsdp": 2, "tensor": 2}),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("data=8", {"data": 8, "fsdp": 1, "tensor": 1}),
+        ("fsdp=8", {"data": 1, "fsdp": 8, "tensor": 1}),
+        ("data=2,fsdp=-1", {"data": 2, "fsdp": 4, "tensor": 1}),
+        ("tensor=2,data=-1", {"data": 4, "fsdp": 1, "tensor": 2}),
+        ("data=2, fsdp=2, tensor=2", {"data": 2, "fsdp": 2, "tensor": 2}),
+    ],
+)
 def test_parse_mesh(spec, expected):
     assert parse_mesh(spec, 8) == expected
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("model=8", "unknown axis 'model'"),
-    ("data=-1,fsdp=-1", "only one axis may be -1"),
-    ("data=3", "needs 3 devices but 8 are available"),
-    ("data=3,fsdp=-1", "not divisible"),
-    ("data=8,data=1", "given twice"),
-    ("data", "cannot read"),
-    ("data=0", "not a size"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("model=8", "unknown axis 'model'"),
+        ("data=-1,fsdp=-1", "only one axis may be -1"),
+        ("data=3", "needs 3 devices but 8 are available"),
+        ("data=3,fsdp=-1", "not divisible"),
+        ("data=8,data=1", "given twice"),
+        ("data", "cannot read"),
+        ("data=0", "not a size"),
+    ],
+)
 def test_parse_mesh_errors(spec, message):
     with pytest.raises(MeshError, match=message):
         parse_mesh(spec, 8)
@@ -53,8 +59,9 @@ def test_resolve_spec_drops_indivisible_axes_and_fills_fsdp():
     # an untied LM head: fsdp already shards the hidden dim, so vocab takes tensor alone
     assert resolve_spec((768, 50304), ("embed", "vocab"), shape, fill_fsdp=True) == P("fsdp", "tensor")
     assert resolve_spec((768,), ("norm",), shape, fill_fsdp=True) == P(None)
-    assert resolve_spec((8, 16, 3, 4), ("batch", "length", "act_heads", None), shape) == P(("data", "fsdp"), None,
-                                                                                            None, None)
+    assert resolve_spec((8, 16, 3, 4), ("batch", "length", "act_heads", None), shape) == P(
+        ("data", "fsdp"), None, None, None
+    )
 
 
 # Device 1 reaches the all-reduce 3 s after device 0, as a simulated device does on a busy host.
@@ -81,10 +88,20 @@ def test_a_late_simulated_device_does_not_abort_the_run():
     another; the simulated devices' flags raise it. 1 s (after the 'stuck' warning's timeout, also 1 s here) shows the
     flag is the one that governs the abort."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    run = lambda flags: subprocess.run([sys.executable, "-c", LATE_DEVICE], env={**env, "XLA_FLAGS": flags},
-                                       capture_output=True, text=True, timeout=120)
-    aborted = run(simulated_devices_flags("--xla_cpu_collective_call_terminate_timeout_seconds=1 "
-                                          "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1", 2))
+    run = lambda flags: subprocess.run(
+        [sys.executable, "-c", LATE_DEVICE],
+        env={**env, "XLA_FLAGS": flags},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    aborted = run(
+        simulated_devices_flags(
+            "--xla_cpu_collective_call_terminate_timeout_seconds=1 "
+            "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1",
+            2,
+        )
+    )
     assert aborted.returncode == -signal.SIGABRT and "Termination timeout for `all reduce" in aborted.stderr
     assert "seconds=3600" in simulated_devices_flags("", 2)
     finished = run(simulated_devices_flags("", 2))

@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
+from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
 
-from conftest import FIXTURES, final_params, read_metrics, run_killed_after_first_checkpoint
 from spmdlm.data import mixture, pipeline
 from spmdlm.data.mixture import MixedSplit, MixtureOrder, Source
 from spmdlm.data.objectives.clm import CausalLM
@@ -34,8 +34,14 @@ def three_sources(tmp_path_factory) -> MixedSplit:
 
 
 def mixture_batches(mixed, *, steps, global_batch=40, process_index=0, process_count=1):
-    source = pipeline.MixtureBatches(mixed, seed=7, global_batch=global_batch, num_epochs=30,
-                                     process_index=process_index, process_count=process_count)
+    source = pipeline.MixtureBatches(
+        mixed,
+        seed=7,
+        global_batch=global_batch,
+        num_epochs=30,
+        process_index=process_index,
+        process_count=process_count,
+    )
     return np.concatenate([source[s].records for s in range(steps)])
 
 
@@ -49,7 +55,7 @@ def test_three_sources_get_their_shares_of_20000_examples(three_sources):
         taken = rows[rows[:, 0] == k, 1]
         n = split.num_records
         for epoch in range(len(taken) // n):
-            assert sorted(taken[epoch * n:(epoch + 1) * n]) == list(range(n))
+            assert sorted(taken[epoch * n : (epoch + 1) * n]) == list(range(n))
     epochs = three_sources.epochs_reached(7, len(rows))
     assert epochs == pytest.approx({"s0": 12000 / 700, "s1": 6000 / 300, "s2": 2000 / 50})
 
@@ -95,12 +101,15 @@ def test_weighted_train_file_parts_are_sources():
     assert mixture.parse_train_file("gs://bucket/a.txt,b.txt") == ()  # no weights: one corpus, as before
 
 
-@pytest.mark.parametrize("text, message", [
-    ("a.txt:0.6,b.txt:0", "source b has weight 0; weights must be positive"),
-    ("a.txt:0.6,b.txt:-1", "source b has weight -1; weights must be positive"),
-    ("a.txt:0.6,b.txt", "b.txt has no :WEIGHT"),
-    ("a.txt:1,b.txt:1e-6", "source b's weight gives it no example in 10,000"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("a.txt:0.6,b.txt:0", "source b has weight 0; weights must be positive"),
+        ("a.txt:0.6,b.txt:-1", "source b has weight -1; weights must be positive"),
+        ("a.txt:0.6,b.txt", "b.txt has no :WEIGHT"),
+        ("a.txt:1,b.txt:1e-6", "source b's weight gives it no example in 10,000"),
+    ],
+)
 def test_bad_weights_are_refused_in_one_line(text, message):
     with pytest.raises(ArgumentError, match=message) as e:
         mixture.parse_train_file(text)
@@ -108,22 +117,27 @@ def test_bad_weights_are_refused_in_one_line(text, message):
 
 
 def test_a_mixture_file_names_its_sources_and_paths_beside_it(tmp_path):
-    (tmp_path / "mix.yaml").write_text("sources:\n"
-                                       "  - {name: news, train_file: news/*.jsonl, weight: 3,"
-                                       " validation_file: held/news.jsonl}\n"
-                                       "  - {name: wiki, dataset_dir: /data/wiki-gpt2, weight: 1}\n")
+    (tmp_path / "mix.yaml").write_text(
+        "sources:\n"
+        "  - {name: news, train_file: news/*.jsonl, weight: 3,"
+        " validation_file: held/news.jsonl}\n"
+        "  - {name: wiki, dataset_dir: /data/wiki-gpt2, weight: 1}\n"
+    )
     news, wiki = mixture.sources_of(None, str(tmp_path / "mix.yaml"))
     assert (news.name, news.weight, news.train_file) == ("news", 0.75, str(tmp_path / "news/*.jsonl"))
     assert news.validation_file == str(tmp_path / "held/news.jsonl")
     assert (wiki.name, wiki.weight, wiki.dataset_dir, wiki.train_file) == ("wiki", 0.25, "/data/wiki-gpt2", None)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("sources:\n  - {name: a, train_file: a.txt, weight: -0.5}\n", "source a has weight -0.5"),
-    ("sources:\n  - {name: a, weight: 1}\n", "source a needs one of train_file and dataset_dir"),
-    ("sources:\n  - {name: a, train_file: a.txt, weight: 1, wieght: 2}\n", "unknown keys wieght"),
-    ("sources: [\n", "is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("sources:\n  - {name: a, train_file: a.txt, weight: -0.5}\n", "source a has weight -0.5"),
+        ("sources:\n  - {name: a, weight: 1}\n", "source a needs one of train_file and dataset_dir"),
+        ("sources:\n  - {name: a, train_file: a.txt, weight: 1, wieght: 2}\n", "unknown keys wieght"),
+        ("sources: [\n", "is not valid YAML"),
+    ],
+)
 def test_a_bad_mixture_file_is_refused_in_one_line(tmp_path, text, message):
     (tmp_path / "mix.yaml").write_text(text)
     with pytest.raises(ArgumentError, match=message) as e:
@@ -132,8 +146,10 @@ def test_a_bad_mixture_file_is_refused_in_one_line(tmp_path, text, message):
 
 
 # -- runs: per-source evaluation, exact resume, a changed mixture ---------------------------------------------------
-WORDS = ("harbour tide gull rope anchor lamp keeper storm sail reef island wave compass chart mast deck fog bell "
-         "north south lantern oar keel").split()
+WORDS = (
+    "harbour tide gull rope anchor lamp keeper storm sail reef island wave compass chart mast deck fog bell "
+    "north south lantern oar keel"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +158,7 @@ def corpus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sources")
     for k, name in enumerate(("news", "wiki", "code")):
         rng = np.random.default_rng(k)
-        words = WORDS[k * 7:(k + 1) * 7 + 2]
+        words = WORDS[k * 7 : (k + 1) * 7 + 2]
         lines = [" ".join(rng.choice(words, rng.integers(8, 20))) for _ in range(60)]
         (folder / f"{name}.txt").write_text("\n".join(lines) + "\n")
     return folder
@@ -150,10 +166,35 @@ def corpus(tmp_path_factory):
 
 def mixture_flags(corpus, out, cache_dir, config, weights=(0.5, 0.3, 0.2), *extra) -> list[str]:
     train_file = ",".join(f"{corpus / name}.txt:{w}" for name, w in zip(("news", "wiki", "code"), weights))
-    return ["--train_file", train_file, "--config_name", str(config), "--block_size", "16",
-            "--per_device_train_batch_size", "1", "--mesh", "data=4,fsdp=2", "--max_steps", "4", "--save_steps", "2",
-            "--logging_steps", "2", "--learning_rate", "1e-3", "--validation_split_percentage", "20",
-            "--export_hf", "false", "--output_dir", str(out), "--cache_dir", str(cache_dir), *extra]
+    return [
+        "--train_file",
+        train_file,
+        "--config_name",
+        str(config),
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "1",
+        "--mesh",
+        "data=4,fsdp=2",
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--logging_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--validation_split_percentage",
+        "20",
+        "--export_hf",
+        "false",
+        "--output_dir",
+        str(out),
+        "--cache_dir",
+        str(cache_dir),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +212,9 @@ def test_a_mixture_run_reports_each_source_s_evaluation(whole_run):
     # the overall numbers are token-weighted over the sources
     tokens = {name: results[f"eval/{name}/tokens"] for name in ("news", "wiki", "code")}
     assert results["eval_tokens"] == sum(tokens.values())
-    assert results["eval_loss"] == pytest.approx(sum(results[f"eval/{n}/loss"] * t for n, t in tokens.items())
-                                                 / results["eval_tokens"], rel=1e-6)
+    assert results["eval_loss"] == pytest.approx(
+        sum(results[f"eval/{n}/loss"] * t for n, t in tokens.items()) / results["eval_tokens"], rel=1e-6
+    )
     assert set(results["train_source_epochs"]) == {"news", "wiki", "code"}
     evals = [m for m in read_metrics(whole_run) if "eval_loss" in m]
     assert [m["step"] for m in evals] == [2, 4] and all("eval/wiki/loss" in m for m in evals)
@@ -185,8 +227,9 @@ def killed_run(tmp_path_factory, corpus, cache_dir, tiny_gpt2_config):
     out = tmp_path_factory.mktemp("mixture-killed") / "run"
     monkeypatch = pytest.MonkeyPatch()
     try:
-        run_killed_after_first_checkpoint(monkeypatch,
-                                          lambda: main(mixture_flags(corpus, out, cache_dir, tiny_gpt2_config)))
+        run_killed_after_first_checkpoint(
+            monkeypatch, lambda: main(mixture_flags(corpus, out, cache_dir, tiny_gpt2_config))
+        )
     finally:
         monkeypatch.undo()
     return out
@@ -199,8 +242,9 @@ def copied(run, tmp_path):
     return tmp_path / "run"
 
 
-def test_a_killed_mixture_run_resumes_to_the_same_weights(whole_run, killed_run, tmp_path, corpus, cache_dir,
-                                                          tiny_gpt2_config, capsys):
+def test_a_killed_mixture_run_resumes_to_the_same_weights(
+    whole_run, killed_run, tmp_path, corpus, cache_dir, tiny_gpt2_config, capsys
+):
     out = copied(killed_run, tmp_path)
     assert main(mixture_flags(corpus, out, cache_dir, tiny_gpt2_config)) == 0
     assert "resumed from the checkpoint at step 2" in capsys.readouterr().out
@@ -208,8 +252,9 @@ def test_a_killed_mixture_run_resumes_to_the_same_weights(whole_run, killed_run,
     assert resumed.keys() == whole.keys() and all(np.array_equal(resumed[k], whole[k]) for k in whole)
 
 
-def test_a_changed_weight_is_refused_on_resume_unless_allowed(killed_run, tmp_path, corpus, cache_dir,
-                                                              tiny_gpt2_config, capsys):
+def test_a_changed_weight_is_refused_on_resume_unless_allowed(
+    killed_run, tmp_path, corpus, cache_dir, tiny_gpt2_config, capsys
+):
     out = copied(killed_run, tmp_path)
     changed = (0.2, 0.3, 0.5)
     assert main(mixture_flags(corpus, out, cache_dir, tiny_gpt2_config, changed)) == 2
@@ -223,10 +268,13 @@ def test_a_changed_weight_is_refused_on_resume_unless_allowed(killed_run, tmp_pa
     assert [s["weight"] for s in recorded] == [0.2, 0.3, 0.5]
 
 
-def test_a_mixture_file_with_a_missing_file_is_refused_in_one_line(tmp_path, corpus, cache_dir, tiny_gpt2_config,
-                                                                  capsys):
-    (tmp_path / "mix.yaml").write_text(f"sources:\n  - {{name: news, train_file: {corpus}/news.txt, weight: 1}}\n"
-                                       "  - {name: gone, train_file: missing/*.txt, weight: 1}\n")
+def test_a_mixture_file_with_a_missing_file_is_refused_in_one_line(
+    tmp_path, corpus, cache_dir, tiny_gpt2_config, capsys
+):
+    (tmp_path / "mix.yaml").write_text(
+        f"sources:\n  - {{name: news, train_file: {corpus}/news.txt, weight: 1}}\n"
+        "  - {name: gone, train_file: missing/*.txt, weight: 1}\n"
+    )
     out = tmp_path / "run"
     argv = mixture_flags(corpus, out, cache_dir, tiny_gpt2_config)
     argv[:2] = ["--data_mixture", str(tmp_path / "mix.yaml")]

@@ -9,8 +9,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from conftest import COMPILE_FLAGS, REPO, read_metrics
+
 from spmdlm import storage
 from spmdlm.launch import main
 
@@ -25,20 +25,53 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path, tiny_gpt2_config, gcs_bucket):
-    flags = ["--mesh", "data=2,fsdp=4", "--train_file", STDLIB_JSON, "--config_name", str(tiny_gpt2_config),
-             "--block_size", "32", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
-             "--eval_steps", "2", "--max_eval_samples", "32"]
+    flags = [
+        "--mesh",
+        "data=2,fsdp=4",
+        "--train_file",
+        STDLIB_JSON,
+        "--config_name",
+        str(tiny_gpt2_config),
+        "--block_size",
+        "32",
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "2",
+        "--max_eval_samples",
+        "32",
+    ]
     env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS}  # each process simulates its own devices
     multi_out = f"{gcs_bucket}/multi"
-    multi = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", "--", *flags, "--output_dir", multi_out,
-                            "--cache_dir", f"{gcs_bucket}/multi-cache"], cwd=REPO, capture_output=True, text=True,
-                           timeout=600, env={**env, "SPMDLM_COORDINATOR_PORT": str(free_port()),
-                                             "SPMDLM_LOCAL_CACHE": str(tmp_path / "local")})
+    multi = subprocess.run(
+        [
+            "bash",
+            "launch/local_multiprocess.sh",
+            "2",
+            "4",
+            "--",
+            *flags,
+            "--output_dir",
+            multi_out,
+            "--cache_dir",
+            f"{gcs_bucket}/multi-cache",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "SPMDLM_COORDINATOR_PORT": str(free_port()), "SPMDLM_LOCAL_CACHE": str(tmp_path / "local")},
+    )
     assert multi.returncode == 0, multi.stderr[-3000:]
     # The one-process reference runs in this process (its 8 simulated devices): no second interpreter to start.
     assert main([*flags, "--output_dir", str(tmp_path / "single"), "--cache_dir", str(tmp_path / "cache")]) == 0
-    pick = lambda metrics: [(m["step"], m.get("loss", m.get("eval_loss"))) for m in metrics
-                            if "loss" in m or "eval_loss" in m]
+    pick = lambda metrics: [
+        (m["step"], m.get("loss", m.get("eval_loss"))) for m in metrics if "loss" in m or "eval_loss" in m
+    ]
     multi_lines = storage.path(f"{multi_out}/metrics.jsonl").read_text().splitlines()
     multi_metrics = pick(json.loads(line) for line in multi_lines)
     single_metrics = pick(read_metrics(tmp_path / "single"))

@@ -42,8 +42,11 @@ def test_adam_epsilon_is_honoured():
     moves = []
     for eps in (1e-8, 1.0):
         m = Tiny(nnx.Rngs(0))
-        opt = nnx.Optimizer(m, make_optimizer(OptimConfig(learning_rate=0.1, adam_epsilon=eps,
-                                                          lr_scheduler_type="constant"), m, 10), wrt=nnx.Param)
+        opt = nnx.Optimizer(
+            m,
+            make_optimizer(OptimConfig(learning_rate=0.1, adam_epsilon=eps, lr_scheduler_type="constant"), m, 10),
+            wrt=nnx.Param,
+        )
         # small gradients (~1e-3): eps 1 swamps them, eps 1e-8 does not
         grads = nnx.grad(lambda m: 1e-3 * (m(jnp.ones((2, 4))) * jnp.arange(6.0)).sum())(m)
         opt.update(m, grads)

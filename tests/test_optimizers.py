@@ -21,8 +21,15 @@ from spmdlm.families import get_family, load_config
 from spmdlm.launch import parse_args
 from spmdlm.mesh import make_mesh
 from spmdlm.models.layers import Bias, Dense, Embed, LayerNorm, Scale
-from spmdlm.train.optim import (MUON_CONSISTENT_RMS, OptimConfig, evaluation_params, learning_rate_schedule,
-                                make_optimizer, muon_dimension_numbers, optim_config_from_args)
+from spmdlm.train.optim import (
+    MUON_CONSISTENT_RMS,
+    OptimConfig,
+    evaluation_params,
+    learning_rate_schedule,
+    make_optimizer,
+    muon_dimension_numbers,
+    optim_config_from_args,
+)
 from spmdlm.train.state import build_train_state
 from spmdlm.train.step import Stepper
 
@@ -68,8 +75,9 @@ def run(name: str, tmp_dir: str):
     """One uninterrupted run of STEPS steps, and one saved at SPLIT and restored (orbax, into an abstract target as
     a resume does) before the rest: (losses, final state) of each. One device: compiling is most of the time
     (sharded optimizer states: test_muon_states_are_sharded_like_their_parameters)."""
-    cfg = OptimConfig(learning_rate=RATES[name], optim=name, warmup_steps=2, weight_decay=0.01,
-                      lr_scheduler_type="constant")
+    cfg = OptimConfig(
+        learning_rate=RATES[name], optim=name, warmup_steps=2, weight_decay=0.01, lr_scheduler_type="constant"
+    )
     mesh = make_mesh("data=1", jax.devices()[:1])
     graphdef, state = build_train_state(GPT2, TINY_GPT2, mesh, optim=cfg, total_steps=STEPS, remat="none")
     stepper = Stepper(graphdef, state, mesh, GPT2.forward, schedule=learning_rate_schedule(cfg, STEPS))
@@ -134,15 +142,20 @@ def test_schedule_free_evaluates_the_average_as_optax_does(runs):
     model, optimizer = nnx.merge(graphdef, state)
     params = nnx.state(model, nnx.Param)
     x = evaluation_params(cfg, optimizer.opt_state, params)
-    (sf_state,) = [s for s in jax.tree.leaves(nnx.as_pure(optimizer.opt_state),
-                                              is_leaf=lambda s: isinstance(s, optax.contrib.ScheduleFreeState))
-                   if isinstance(s, optax.contrib.ScheduleFreeState)]
+    (sf_state,) = [
+        s
+        for s in jax.tree.leaves(
+            nnx.as_pure(optimizer.opt_state), is_leaf=lambda s: isinstance(s, optax.contrib.ScheduleFreeState)
+        )
+        if isinstance(s, optax.contrib.ScheduleFreeState)
+    ]
     expected = flat(optax.contrib.schedule_free_eval_params(sf_state, nnx.as_pure(params)))
     got, iterate = flat(x), flat(nnx.as_pure(params))
     assert got.keys() == expected.keys() == iterate.keys()
     for key in got:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
     assert any(not np.allclose(got[k], iterate[k]) for k in got)  # y, where gradients are taken, is not x
+
     # inside the jitted eval step as outside; it loads into the model (what evaluation, export and samples do)
     def jitted(state):
         model, optimizer = nnx.merge(graphdef, state)
@@ -160,13 +173,16 @@ def test_schedule_free_evaluates_the_average_as_optax_does(runs):
 def test_our_schedule_free_adamw_is_optax_s_with_a_decay_mask():
     """Decayed parameters follow optax.contrib.schedule_free_adamw(weight_decay=wd), masked ones its wd=0."""
     model = Toy(nnx.Rngs(0))
-    cfg = OptimConfig(learning_rate=0.1, weight_decay=0.3, optim="schedule_free_adamw", warmup_steps=2,
-                      max_grad_norm=0)
+    cfg = OptimConfig(learning_rate=0.1, weight_decay=0.3, optim="schedule_free_adamw", warmup_steps=2, max_grad_norm=0)
     schedule = learning_rate_schedule(cfg, 10)
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     ours = make_optimizer(cfg, model, 10)
-    theirs = {wd: optax.contrib.schedule_free_adamw(schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2,
-                                                    eps=cfg.adam_epsilon, weight_decay=wd) for wd in (0.0, 0.3)}
+    theirs = {
+        wd: optax.contrib.schedule_free_adamw(
+            schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon, weight_decay=wd
+        )
+        for wd in (0.0, 0.3)
+    }
     states = {"ours": ours.init(params), **{wd: tx.init(params) for wd, tx in theirs.items()}}
     p = {"ours": params, 0.0: params, 0.3: params}
     updates_of = {key: jax.jit(tx.update) for key, tx in (("ours", ours), *theirs.items())}
@@ -184,16 +200,22 @@ def test_our_schedule_free_adamw_is_optax_s_with_a_decay_mask():
 
 # -- Muon: which parameters, seen as which matrices ---------------------------------------------------------------
 def muon_split(model) -> dict:
-    return {k: (None if v is None else (v.reduction_axis, v.output_axis))
-            for k, v in by_name(muon_dimension_numbers(model)).items()}
+    return {
+        k: (None if v is None else (v.reduction_axis, v.output_axis))
+        for k, v in by_name(muon_dimension_numbers(model)).items()
+    }
 
 
 def test_muon_takes_gpt2_s_hidden_matrices_per_layer_and_q_k_v_apart():
     split = muon_split(nnx.eval_shape(tiny_gpt2))
     muon = {k: v for k, v in split.items() if v is not None}
     # axes: 0 is the scanned layers axis; qkv (layers, embed, 3, heads): the 3 is a batch axis too
-    assert muon == {"h/layers/attn/qkv/kernel": (1, (3,)), "h/layers/attn/out/kernel": (1, (2,)),
-                    "h/layers/mlp/wi/kernel": (1, (2,)), "h/layers/mlp/wo/kernel": (1, (2,))}
+    assert muon == {
+        "h/layers/attn/qkv/kernel": (1, (3,)),
+        "h/layers/attn/out/kernel": (1, (2,)),
+        "h/layers/mlp/wi/kernel": (1, (2,)),
+        "h/layers/mlp/wo/kernel": (1, (2,)),
+    }
     adamw = {k for k, v in split.items() if v is None}
     assert {"wte/embedding", "wpe/embedding", "ln_f/scale", "h/layers/attn/qkv/bias", "h/layers/ln_1/scale"} <= adamw
 
@@ -202,15 +224,24 @@ def test_muon_takes_t5_s_attention_and_mlp_matrices_not_embeddings_or_the_head()
     t5 = get_family("t5")
     model = nnx.eval_shape(lambda: t5.make_model(load_config("t5-v1_1-tiny", "t5"), rngs=nnx.Rngs(0)))
     split = muon_split(model)
-    layers = [f"{stack}/block/layers/{part}/{m}/kernel"
-              for stack, parts in (("encoder", ("self_attention",)), ("decoder", ("self_attention", "cross_attention")))
-              for part in parts for m in ("query", "key", "value", "out")]
-    layers += [f"{stack}/block/layers/mlp/{m}/kernel" for stack in ("encoder", "decoder")
-               for m in ("wi_0", "wi_1", "wo")]
+    layers = [
+        f"{stack}/block/layers/{part}/{m}/kernel"
+        for stack, parts in (("encoder", ("self_attention",)), ("decoder", ("self_attention", "cross_attention")))
+        for part in parts
+        for m in ("query", "key", "value", "out")
+    ]
+    layers += [
+        f"{stack}/block/layers/mlp/{m}/kernel" for stack in ("encoder", "decoder") for m in ("wi_0", "wi_1", "wo")
+    ]
     assert {k for k, v in split.items() if v is not None} == set(layers)
     assert all(split[k] == (1, (2,)) for k in layers)
-    for k in ("shared/embedding", "lm_head/kernel", "encoder/relative_attention_bias/embedding",
-              "decoder/relative_attention_bias/embedding", "encoder/final_layer_norm/scale"):
+    for k in (
+        "shared/embedding",
+        "lm_head/kernel",
+        "encoder/relative_attention_bias/embedding",
+        "decoder/relative_attention_bias/embedding",
+        "encoder/final_layer_norm/scale",
+    ):
         assert split[k] is None, k
 
 
@@ -262,8 +293,11 @@ def values(schedule) -> np.ndarray:
 
 
 def ours(kind, warmup=WARMUP, **kw):
-    return values(learning_rate_schedule(OptimConfig(learning_rate=PEAK, warmup_steps=warmup, lr_scheduler_type=kind,
-                                                     **kw), TOTAL))
+    return values(
+        learning_rate_schedule(
+            OptimConfig(learning_rate=PEAK, warmup_steps=warmup, lr_scheduler_type=kind, **kw), TOTAL
+        )
+    )
 
 
 def warmed(after, warmup=WARMUP):
@@ -274,8 +308,11 @@ def warmed(after, warmup=WARMUP):
 def test_the_earlier_schedules_are_bitwise_unchanged(warmup):
     """linear, cosine and constant as earlier versions built them: resumed runs depend on it."""
     decay = TOTAL - warmup
-    earlier = {"linear": optax.linear_schedule(PEAK, 0.0, decay), "cosine": optax.cosine_decay_schedule(PEAK, decay),
-               "constant": optax.constant_schedule(PEAK)}
+    earlier = {
+        "linear": optax.linear_schedule(PEAK, 0.0, decay),
+        "cosine": optax.cosine_decay_schedule(PEAK, decay),
+        "constant": optax.constant_schedule(PEAK),
+    }
     for kind, after in earlier.items():
         np.testing.assert_array_equal(ours(kind, warmup), values(warmed(after, warmup)), err_msg=kind)
         np.testing.assert_array_equal(ours(kind, warmup, min_lr_ratio=0.0), values(warmed(after, warmup)))
@@ -283,15 +320,25 @@ def test_the_earlier_schedules_are_bitwise_unchanged(warmup):
 
 def test_schedules_match_optax_s_own():
     floor = 0.1
-    np.testing.assert_allclose(ours("cosine", min_lr_ratio=floor), values(optax.warmup_cosine_decay_schedule(
-        0.0, PEAK, WARMUP, TOTAL, end_value=PEAK * floor)), rtol=1e-6)
-    np.testing.assert_array_equal(ours("linear", min_lr_ratio=floor), values(
-        warmed(optax.linear_schedule(PEAK, PEAK * floor, TOTAL - WARMUP))))
+    np.testing.assert_allclose(
+        ours("cosine", min_lr_ratio=floor),
+        values(optax.warmup_cosine_decay_schedule(0.0, PEAK, WARMUP, TOTAL, end_value=PEAK * floor)),
+        rtol=1e-6,
+    )
+    np.testing.assert_array_equal(
+        ours("linear", min_lr_ratio=floor), values(warmed(optax.linear_schedule(PEAK, PEAK * floor, TOTAL - WARMUP)))
+    )
     for kind in ("constant", "constant_with_warmup"):
         np.testing.assert_array_equal(ours(kind), values(optax.warmup_constant_schedule(0.0, PEAK, WARMUP)))
     for kw, decay in (({}, 11), ({"decay_ratio": 0.3}, 33), ({"decay_steps": 40}, 40)):  # default: 10% of 110
-        wsd = optax.join_schedules([optax.linear_schedule(0.0, PEAK, WARMUP), optax.constant_schedule(PEAK),
-                                    optax.linear_schedule(PEAK, PEAK * floor, decay)], [WARMUP, TOTAL - decay])
+        wsd = optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, PEAK, WARMUP),
+                optax.constant_schedule(PEAK),
+                optax.linear_schedule(PEAK, PEAK * floor, decay),
+            ],
+            [WARMUP, TOTAL - decay],
+        )
         np.testing.assert_allclose(ours("wsd", min_lr_ratio=floor, **kw), values(wsd), rtol=1e-6, err_msg=str(kw))
     assert ours("linear")[TOTAL] == ours("cosine")[TOTAL] == ours("wsd")[TOTAL] == 0.0  # default floor: 0
 
@@ -300,21 +347,45 @@ def test_schedules_match_optax_s_own():
 def test_inverse_sqrt_is_transformers_schedule(warmup):
     """transformers' get_inverse_sqrt_schedule (timescale = the warmup, or 10000 without), here with a floor."""
     timescale = warmup or 10_000
-    hf = [s / max(1, warmup) if s < warmup else 1 / math.sqrt((s + timescale - warmup) / timescale)
-          for s in STEPS_TO_CHECK]
+    hf = [
+        s / max(1, warmup) if s < warmup else 1 / math.sqrt((s + timescale - warmup) / timescale)
+        for s in STEPS_TO_CHECK
+    ]
     np.testing.assert_allclose(ours("inverse_sqrt", warmup), PEAK * np.array(hf), rtol=1e-6)
-    np.testing.assert_allclose(ours("inverse_sqrt", warmup, min_lr_ratio=0.5),
-                               PEAK * np.array([h if s < warmup else max(h, 0.5) for s, h in zip(STEPS_TO_CHECK, hf)]),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        ours("inverse_sqrt", warmup, min_lr_ratio=0.5),
+        PEAK * np.array([h if s < warmup else max(h, 0.5) for s, h in zip(STEPS_TO_CHECK, hf)]),
+        rtol=1e-6,
+    )
 
 
 # -- flags ----------------------------------------------------------------------------------------------------------
 def test_optimizer_flags_reach_the_optimizer_config():
-    args, _ = parse_args(["--train_file", "x.txt", "--optim", "muon", "--lr_scheduler_type", "wsd",
-                          "--min_lr_ratio", "0.1", "--decay_steps", "50", "--adam_beta2", "0.95"])
+    args, _ = parse_args(
+        [
+            "--train_file",
+            "x.txt",
+            "--optim",
+            "muon",
+            "--lr_scheduler_type",
+            "wsd",
+            "--min_lr_ratio",
+            "0.1",
+            "--decay_steps",
+            "50",
+            "--adam_beta2",
+            "0.95",
+        ]
+    )
     cfg = optim_config_from_args(args)
-    assert (cfg.optimizer, cfg.lr_scheduler_type, cfg.min_lr_ratio, cfg.decay_steps, cfg.decay_ratio,
-            cfg.adam_beta2) == ("muon", "wsd", 0.1, 50, None, 0.95)
+    assert (
+        cfg.optimizer,
+        cfg.lr_scheduler_type,
+        cfg.min_lr_ratio,
+        cfg.decay_steps,
+        cfg.decay_ratio,
+        cfg.adam_beta2,
+    ) == ("muon", "wsd", 0.1, 50, None, 0.95)
     assert args.to_json()["optim"] == "muon"  # run_config.json records the choice
     shared = {f.name for f in dataclasses.fields(OptimConfig)}
     assert all(getattr(cfg, name) == getattr(args, name) for name in shared)
@@ -332,21 +403,26 @@ def test_adafactor_is_the_old_spelling_of_optim_adafactor():
     assert parse_args(["--model_type", "t5"])[0].optim == "adafactor"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--optim", "sgd"], "--optim 'sgd' is not supported; use one of adamw, adafactor, lion, muon"),
-    (["--optim", "lion", "--adafactor"], "--adafactor means --optim adafactor, not --optim lion; give one of them"),
-    (["--lr_scheduler_type", "polynomial"], "--lr_scheduler_type 'polynomial' is not supported; use one of"),
-    (["--min_lr_ratio", "1.5"], r"--min_lr_ratio must be in \[0, 1\], got 1.5 \(a fraction of --learning_rate\)"),
-    (["--lr_scheduler_type", "constant", "--min_lr_ratio", "0.1"], "--min_lr_ratio applies to the decaying"),
-    (["--decay_ratio", "0.2"], "--decay_ratio applies to --lr_scheduler_type wsd only"),
-    (["--lr_scheduler_type", "wsd", "--decay_steps", "5", "--decay_ratio", "0.2"], "give one of --decay_steps"),
-    (["--lr_scheduler_type", "wsd", "--decay_steps", "0"], "--decay_steps must be at least 1"),
-    (["--lr_scheduler_type", "wsd", "--decay_ratio", "0"], r"--decay_ratio must be in \(0, 1\], got 0.0"),
-    (["--lr_scheduler_type", "wsd", "--decay_steps", "95", "--warmup_steps", "10", "--max_steps", "100"],
-     "exceed --max_steps 100"),
-    (["--adam_beta2", "1.0"], r"--adam_beta2 must be in \[0, 1\)"),
-    (["--optim", "schedule_free_adamw", "--adam_beta1", "0"], "needs --adam_beta1 above 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optim", "sgd"], "--optim 'sgd' is not supported; use one of adamw, adafactor, lion, muon"),
+        (["--optim", "lion", "--adafactor"], "--adafactor means --optim adafactor, not --optim lion; give one of them"),
+        (["--lr_scheduler_type", "polynomial"], "--lr_scheduler_type 'polynomial' is not supported; use one of"),
+        (["--min_lr_ratio", "1.5"], r"--min_lr_ratio must be in \[0, 1\], got 1.5 \(a fraction of --learning_rate\)"),
+        (["--lr_scheduler_type", "constant", "--min_lr_ratio", "0.1"], "--min_lr_ratio applies to the decaying"),
+        (["--decay_ratio", "0.2"], "--decay_ratio applies to --lr_scheduler_type wsd only"),
+        (["--lr_scheduler_type", "wsd", "--decay_steps", "5", "--decay_ratio", "0.2"], "give one of --decay_steps"),
+        (["--lr_scheduler_type", "wsd", "--decay_steps", "0"], "--decay_steps must be at least 1"),
+        (["--lr_scheduler_type", "wsd", "--decay_ratio", "0"], r"--decay_ratio must be in \(0, 1\], got 0.0"),
+        (
+            ["--lr_scheduler_type", "wsd", "--decay_steps", "95", "--warmup_steps", "10", "--max_steps", "100"],
+            "exceed --max_steps 100",
+        ),
+        (["--adam_beta2", "1.0"], r"--adam_beta2 must be in \[0, 1\)"),
+        (["--optim", "schedule_free_adamw", "--adam_beta1", "0"], "needs --adam_beta1 above 0"),
+    ],
+)
 def test_bad_optimizer_flags(argv, message):
     with pytest.raises(ArgumentError, match=message):
         parse_args(["--train_file", "x.txt", *argv])

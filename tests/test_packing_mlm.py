@@ -29,8 +29,9 @@ LINES[::97] = [" ".join(_RNG.choice(_WORDS, 90)) for _ in LINES[::97]]
 
 
 def make(max_seq_length=32, **kwargs):
-    return MaskedLM(max_seq_length, bos_id=BOS, eos_id=EOS, pad_id=PAD, mask_id=MASK, special_ids=SPECIALS,
-                    vocab_size=500, **kwargs)
+    return MaskedLM(
+        max_seq_length, bos_id=BOS, eos_id=EOS, pad_id=PAD, mask_id=MASK, special_ids=SPECIALS, vocab_size=500, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +99,24 @@ def test_packing_cuts_padding_on_short_lines(tokenizer):
 
 
 def prepare(out, folder, *flags, workers=1):
-    return main(["--tokenizer", str(folder), "--for_model", "roberta", "--max_seq_length", str(LENGTH),
-                 "--out", str(out), "--workers", str(workers), "--shard_size", "4K", *flags, str(out.parent / "c.txt")])
+    return main(
+        [
+            "--tokenizer",
+            str(folder),
+            "--for_model",
+            "roberta",
+            "--max_seq_length",
+            str(LENGTH),
+            "--out",
+            str(out),
+            "--workers",
+            str(workers),
+            "--shard_size",
+            "4K",
+            *flags,
+            str(out.parent / "c.txt"),
+        ]
+    )
 
 
 def test_packed_dataset_is_the_same_bytes_for_one_or_two_workers_and_refused_unpacked(tokenizer, tmp_path):
@@ -126,11 +143,23 @@ def test_the_cache_key_tells_packed_from_unpacked_and_keeps_the_old_keys(tokeniz
     assert keys["lines"] != keys["packed_lines"]
     content = hashlib.sha256(b"".join(hashlib.sha256(d.encode()).digest() for d in docs)).digest()
     for mode in ("stream", "lines"):  # what earlier versions computed: their caches are still found
-        old = hashlib.sha256(b"|".join([content, tok.to_str().encode(), str(LENGTH).encode(), str(EOS).encode(),
-                                        f"{mode}:{PAD}".encode()])).hexdigest()[:24]
+        old = hashlib.sha256(
+            b"|".join(
+                [content, tok.to_str().encode(), str(LENGTH).encode(), str(EOS).encode(), f"{mode}:{PAD}".encode()]
+            )
+        ).hexdigest()[:24]
         assert token_cache._cache_key(docs, tok, cut(tok, mode)) == old
-    split = token_cache.prepare_split(docs, tok, record_length=LENGTH, separator_id=EOS, cache_dir=tmp_path,
-                                      name="train", mode="packed_lines", pad_id=PAD, bos_id=BOS)
+    split = token_cache.prepare_split(
+        docs,
+        tok,
+        record_length=LENGTH,
+        separator_id=EOS,
+        cache_dir=tmp_path,
+        name="train",
+        mode="packed_lines",
+        pad_id=PAD,
+        bos_id=BOS,
+    )
     assert split.path.parent.name == keys["packed_lines"]
     meta = json.loads(split.path.with_suffix(".json").read_text())
     assert meta["pad_tokens"] == int((records.record_source(split).read(np.arange(split.num_records)) == PAD).sum())
@@ -192,11 +221,17 @@ def test_isolated_grouped_segments_end_at_their_separators():
     assert isolated.preparation == "stream" and isolated.record_length == 10
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(packing=True), r"^--packing packs --line_by_line lines into full examples: add --line_by_line"),
-    (dict(line_by_line=True, document_attention="isolated"), r"--line_by_line example holds one line: use --packing"),
-    (dict(document_attention="apart"), r"--document_attention 'apart' must be one of joined, isolated"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(packing=True), r"^--packing packs --line_by_line lines into full examples: add --line_by_line"),
+        (
+            dict(line_by_line=True, document_attention="isolated"),
+            r"--line_by_line example holds one line: use --packing",
+        ),
+        (dict(document_attention="apart"), r"--document_attention 'apart' must be one of joined, isolated"),
+    ],
+)
 def test_bad_layouts_are_refused_in_one_line(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make(**kwargs)

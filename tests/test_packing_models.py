@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from family_fixtures import FIXTURES
 from flax import nnx
 
-from family_fixtures import FIXTURES
 from spmdlm.data.objectives import segments
 from spmdlm.families import families
 from spmdlm.models.attention import segment_positions
@@ -24,8 +24,12 @@ IMPLEMENTATIONS = ("xla", "dot_product", "splash")
 # Documents per packed row: lengths (encoder, decoder for encoder-decoders) with a 1-token one and padding after.
 SINGLE_STACK_DOCS = [40, 1, 57]
 ENCODER_DECODER_DOCS = [(50, 20), (3, 1), (45, 38)]
-LONGER_POSITIONS = {"gpt2": dict(n_positions=LENGTH), "roberta": dict(max_position_embeddings=LENGTH + 2),
-                    "bart": dict(max_position_embeddings=LENGTH), "t5": {}}
+LONGER_POSITIONS = {
+    "gpt2": dict(n_positions=LENGTH),
+    "roberta": dict(max_position_embeddings=LENGTH + 2),
+    "bart": dict(max_position_embeddings=LENGTH),
+    "t5": {},
+}
 
 
 def make_model(name: str, implementation: str):
@@ -41,7 +45,7 @@ def pack(docs: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     segments = np.zeros(LENGTH, np.int32)
     at = 0
     for k, doc in enumerate(docs, 1):
-        ids[at:at + len(doc)], segments[at:at + len(doc)] = doc, k
+        ids[at : at + len(doc)], segments[at : at + len(doc)] = doc, k
         at += len(doc)
     return ids[None], segments[None]
 
@@ -51,7 +55,7 @@ def alone(docs: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     ids = np.full((len(docs), LENGTH), pad_id, np.int32)
     mask = np.zeros((len(docs), LENGTH), np.int32)
     for row, doc in enumerate(docs):
-        ids[row, :len(doc)], mask[row, :len(doc)] = doc, 1
+        ids[row, : len(doc)], mask[row, : len(doc)] = doc, 1
     return ids, mask
 
 
@@ -68,17 +72,33 @@ def batches(family, config, rng):
         docs = [rng.integers(3, vocab, n, dtype=np.int32) for n in SINGLE_STACK_DOCS]
         ids, segments = pack(docs, pad_id)
         single, mask = alone(docs, pad_id)
-        return ({"input_ids": ids, "attention_mask": (segments > 0).astype(np.int32), "segment_ids": segments},
-                {"input_ids": single, "attention_mask": mask}, SINGLE_STACK_DOCS)
+        return (
+            {"input_ids": ids, "attention_mask": (segments > 0).astype(np.int32), "segment_ids": segments},
+            {"input_ids": single, "attention_mask": mask},
+            SINGLE_STACK_DOCS,
+        )
     encoder = [rng.integers(3, vocab, n, dtype=np.int32) for n, _ in ENCODER_DECODER_DOCS]
     decoder = [rng.integers(3, vocab, n, dtype=np.int32) for _, n in ENCODER_DECODER_DOCS]
     (ids, segments), (dec, dec_segments) = pack(encoder, pad_id), pack(decoder, pad_id)
     (single, mask), (single_dec, dec_mask) = alone(encoder, pad_id), alone(decoder, pad_id)
-    packed = {"input_ids": ids, "attention_mask": (segments > 0).astype(np.int32), "segment_ids": segments,
-              "decoder_input_ids": dec, "decoder_attention_mask": (dec_segments > 0).astype(np.int32),
-              "decoder_segment_ids": dec_segments}
-    return (packed, {"input_ids": single, "attention_mask": mask, "decoder_input_ids": single_dec,
-                     "decoder_attention_mask": dec_mask}, [n for _, n in ENCODER_DECODER_DOCS])
+    packed = {
+        "input_ids": ids,
+        "attention_mask": (segments > 0).astype(np.int32),
+        "segment_ids": segments,
+        "decoder_input_ids": dec,
+        "decoder_attention_mask": (dec_segments > 0).astype(np.int32),
+        "decoder_segment_ids": dec_segments,
+    }
+    return (
+        packed,
+        {
+            "input_ids": single,
+            "attention_mask": mask,
+            "decoder_input_ids": single_dec,
+            "decoder_attention_mask": dec_mask,
+        },
+        [n for _, n in ENCODER_DECODER_DOCS],
+    )
 
 
 def compiled_forward(family, model):
@@ -104,24 +124,28 @@ def test_a_packed_row_gives_each_document_its_own_logits_and_nothing_leaks(name,
     assert np.isfinite(packed_logits).all()
 
     for row, (where, n) in enumerate(zip(spans(lengths), lengths)):
-        np.testing.assert_allclose(packed_logits[0, where], single_logits[row, :n], rtol=1e-4, atol=1e-4,
-                                   err_msg=f"document {row + 1}")
+        np.testing.assert_allclose(
+            packed_logits[0, where], single_logits[row, :n], rtol=1e-4, atol=1e-4, err_msg=f"document {row + 1}"
+        )
         labels = rng.integers(0, model.config.vocab_size, n)
-        assert abs(document_losses(packed_logits[0, where], labels)
-                   - document_losses(single_logits[row, :n], labels)) < 1e-5, f"document {row + 1}"
+        assert (
+            abs(document_losses(packed_logits[0, where], labels) - document_losses(single_logits[row, :n], labels))
+            < 1e-5
+        ), f"document {row + 1}"
 
     # Another second document (encoder and decoder tokens alike): the other documents' logits do not move at all.
     changed = {k: v.copy() for k, v in packed.items()}
-    for field, segments in (("input_ids", "segment_ids"), ("decoder_input_ids", "decoder_segment_ids")):
+    for field, segment_field in (("input_ids", "segment_ids"), ("decoder_input_ids", "decoder_segment_ids")):
         if field in changed:
-            second = changed[segments][0] == 2
+            second = changed[segment_field][0] == 2
             changed[field][0, second] = (changed[field][0, second] + 7) % model.config.vocab_size
     changed_logits = np.asarray(forward(changed))
     where = spans(lengths)
     assert not np.array_equal(changed_logits[0, where[1]], packed_logits[0, where[1]])  # the change reached it
     for k in (0, 2):
-        np.testing.assert_array_equal(changed_logits[0, where[k]], packed_logits[0, where[k]],
-                                      err_msg=f"document {k + 1} saw document 2")
+        np.testing.assert_array_equal(
+            changed_logits[0, where[k]], packed_logits[0, where[k]], err_msg=f"document {k + 1} saw document 2"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))

@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import COMPILE_FLAGS, FIXTURES, REPO
 
 HEARTBEAT_TIMEOUT_S = 10  # SPMDLM_HEARTBEAT_TIMEOUT: 60 s by default; short here to keep the test short
@@ -23,16 +22,59 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_killing_one_process_stops_the_other_naming_it(tmp_path, tiny_gpt2_config):
     port = free_port()
-    flags = ["--mesh", "data=2", "--train_file", str(FIXTURES / "overfit.txt"), "--config_name",
-             str(tiny_gpt2_config), "--block_size", "32", "--per_device_train_batch_size", "2", "--max_steps",
-             "100000", "--save_steps", "100000", "--logging_steps", "1", "--do_eval", "false", "--no_export_hf",
-             "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out")]
-    env = {**os.environ, "XLA_FLAGS": COMPILE_FLAGS, "JAX_PLATFORMS": "cpu",
-           "SPMDLM_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S)}
+    flags = [
+        "--mesh",
+        "data=2",
+        "--train_file",
+        str(FIXTURES / "overfit.txt"),
+        "--config_name",
+        str(tiny_gpt2_config),
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "2",
+        "--max_steps",
+        "100000",
+        "--save_steps",
+        "100000",
+        "--logging_steps",
+        "1",
+        "--do_eval",
+        "false",
+        "--no_export_hf",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
+    env = {
+        **os.environ,
+        "XLA_FLAGS": COMPILE_FLAGS,
+        "JAX_PLATFORMS": "cpu",
+        "SPMDLM_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+    }
     logs = [(open(tmp_path / f"p{i}.out", "w+"), open(tmp_path / f"p{i}.err", "w+")) for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "spmdlm.launch", "--coordinator_address", f"127.0.0.1:{port}",
-                               "--num_processes", "2", "--process_id", str(i), *flags], cwd=REPO, env=env,
-                              stdout=logs[i][0], stderr=logs[i][1]) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spmdlm.launch",
+                "--coordinator_address",
+                f"127.0.0.1:{port}",
+                "--num_processes",
+                "2",
+                "--process_id",
+                str(i),
+                *flags,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=logs[i][0],
+            stderr=logs[i][1],
+        )
+        for i in range(2)
+    ]
     try:
         deadline = time.monotonic() + 300
         metrics = tmp_path / "out" / "metrics.jsonl"

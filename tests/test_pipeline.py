@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from spmdlm.families import get_family
 from spmdlm.data import pipeline, readers, records, token_cache
 from spmdlm.data.objectives.clm import CausalLM
 from spmdlm.data.tokenizer import train_tokenizer
 from spmdlm.errors import DataError
+from spmdlm.families import get_family
 
 _WORDS = np.random.default_rng(0).integers(0, 500, (300, 60))
 DOCS = [f"document {i}: " + " ".join(f"w{w}" for w in row[: 40 + i % 13]) for i, row in enumerate(_WORDS)]
@@ -22,13 +22,21 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def split(tokenizer, tmp_path_factory):
-    return token_cache.prepare_split(DOCS, tokenizer, record_length=17, separator_id=0,
-                                 cache_dir=tmp_path_factory.mktemp("cache"), name="train")
+    return token_cache.prepare_split(
+        DOCS, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path_factory.mktemp("cache"), name="train"
+    )
 
 
 def batches(split, *, seed=0, process_index=0, process_count=1, n=5, global_batch=8):
-    it = pipeline.train_batches(split, CausalLM(16), seed=seed, global_batch=global_batch, num_epochs=3,
-                                process_index=process_index, process_count=process_count)
+    it = pipeline.train_batches(
+        split,
+        CausalLM(16),
+        seed=seed,
+        global_batch=global_batch,
+        num_epochs=3,
+        process_index=process_index,
+        process_count=process_count,
+    )
     return [next(it) for _ in range(n)]
 
 
@@ -38,7 +46,7 @@ def test_records_are_the_token_stream_cut_in_blocks(split, tokenizer):
     assert split.num_records == len(stream) // 17
     source = records.record_source(split)
     for i in (0, 1, split.num_records - 1):
-        np.testing.assert_array_equal(source[i], stream[i * 17:(i + 1) * 17])
+        np.testing.assert_array_equal(source[i], stream[i * 17 : (i + 1) * 17])
     np.testing.assert_array_equal(split.path.read_bytes(), stream[: split.num_records * 17].astype("<i4").tobytes())
 
 
@@ -50,12 +58,19 @@ def test_second_preparation_reuses_the_cache(split, tokenizer):
         def encode_batch(self, *args, **kwargs):
             raise AssertionError("the cache should have been reused")
 
-    again = token_cache.prepare_split(DOCS, NoTokenizing(), record_length=17, separator_id=0,
-                                  cache_dir=split.path.parent.parent, name="train")
+    again = token_cache.prepare_split(
+        DOCS, NoTokenizing(), record_length=17, separator_id=0, cache_dir=split.path.parent.parent, name="train"
+    )
     assert again == split
     with pytest.raises(AssertionError, match="reused"):  # other content -> a new key -> tokenizes
-        token_cache.prepare_split(DOCS[:-1], NoTokenizing(), record_length=17, separator_id=0,
-                              cache_dir=split.path.parent.parent, name="train")
+        token_cache.prepare_split(
+            DOCS[:-1],
+            NoTokenizing(),
+            record_length=17,
+            separator_id=0,
+            cache_dir=split.path.parent.parent,
+            name="train",
+        )
 
 
 def test_same_seed_same_batches_and_different_seed_differs(split):
@@ -78,10 +93,10 @@ def test_epochs_are_reshuffled_and_cover_every_record(split):
     n = split.num_records
     order = pipeline.EpochOrder(n, seed=3)(np.arange(3 * n))
     for epoch in range(3):  # one epoch = every record once
-        assert sorted(order[epoch * n:(epoch + 1) * n]) == list(range(n))
-    assert list(order[:n]) != list(order[n:2 * n]) and list(order[:n]) != list(range(n))
+        assert sorted(order[epoch * n : (epoch + 1) * n]) == list(range(n))
+    assert list(order[:n]) != list(order[n : 2 * n]) and list(order[:n]) != list(range(n))
     straddling = np.arange(n - 3, n + 5)  # a batch across two epochs reads each epoch's own permutation
-    np.testing.assert_array_equal(pipeline.EpochOrder(n, seed=3)(straddling), order[n - 3:n + 5])
+    np.testing.assert_array_equal(pipeline.EpochOrder(n, seed=3)(straddling), order[n - 3 : n + 5])
     source = records.record_source(split)
     batch = pipeline.HostBatches(split, seed=3, global_batch=8, num_epochs=2)[1]
     np.testing.assert_array_equal(batch.records, source.read(order[8:16]))
@@ -118,12 +133,15 @@ def test_eval_batches_pad_with_loss_free_rows(split):
     assert (labels[5:] == -100).all() and (labels[:5] != -100).all()
 
 
-@pytest.mark.parametrize("name, text, expected", [
-    ("a.txt", "first line\n\n  \nsecond line\n", ["first line", "second line"]),
-    ("a.jsonl", '{"text": "one"}\n{"text": "two"}\n', ["one", "two"]),
-    ("a.json", json.dumps([{"text": "x"}, {"text": "y"}]), ["x", "y"]),
-    ("a.csv", "id,text\n1,hello\n2,world\n", ["hello", "world"]),
-])
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("a.txt", "first line\n\n  \nsecond line\n", ["first line", "second line"]),
+        ("a.jsonl", '{"text": "one"}\n{"text": "two"}\n', ["one", "two"]),
+        ("a.json", json.dumps([{"text": "x"}, {"text": "y"}]), ["x", "y"]),
+        ("a.csv", "id,text\n1,hello\n2,world\n", ["hello", "world"]),
+    ],
+)
 def test_readers(tmp_path, name, text, expected):
     path = tmp_path / name
     path.write_text(text)

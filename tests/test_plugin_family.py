@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import FIXTURES, REPO, final_params, read_metrics
 
 PLUGINS = REPO / "tests" / "plugins"
@@ -33,11 +32,43 @@ def plugin_site(tmp_path_factory) -> Path:
 def launch(out: Path, site: Path, cache_dir: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
-        [sys.executable, "-m", "spmdlm.launch", "--model_type", "opt", "--config_name", "opt-tiny",
-         "--train_file", str(FIXTURES / "overfit.txt"), "--vocab_size", "512", "--block_size", "32",
-         "--per_device_train_batch_size", "2", "--mesh", "data=2,fsdp=4", "--max_steps", "3", "--save_steps", "2",
-         "--logging_steps", "1", "--max_eval_samples", "8", "--cache_dir", str(cache_dir), "--output_dir", str(out),
-         *flags], env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "spmdlm.launch",
+            "--model_type",
+            "opt",
+            "--config_name",
+            "opt-tiny",
+            "--train_file",
+            str(FIXTURES / "overfit.txt"),
+            "--vocab_size",
+            "512",
+            "--block_size",
+            "32",
+            "--per_device_train_batch_size",
+            "2",
+            "--mesh",
+            "data=2,fsdp=4",
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "2",
+            "--logging_steps",
+            "1",
+            "--max_eval_samples",
+            "8",
+            "--cache_dir",
+            str(cache_dir),
+            "--output_dir",
+            str(out),
+            *flags,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_out_of_tree_family_trains_resumes_exports(tmp_path, plugin_site, cache_dir, monkeypatch):

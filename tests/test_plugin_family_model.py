@@ -21,9 +21,10 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent / "plugins"))  # the plugin package; tests/plugins is no package
 
+from spmdlm_opt import TABLE, TINY, OPTConfig, OPTForCausalLM, forward_flops  # noqa: E402
+
 from spmdlm.mesh import make_mesh  # noqa: E402
 from spmdlm.models.config import ConfigError  # noqa: E402
-from spmdlm_opt import TABLE, TINY, OPTConfig, OPTForCausalLM, forward_flops  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -42,8 +43,11 @@ def batches(config: OPTConfig) -> dict[str, tuple[dict[str, np.ndarray], dict[st
     left = right[:, ::-1].copy()
     pad = lambda mask: {"input_ids": np.where(mask == 1, ids, config.pad_token_id), "attention_mask": mask}
     ours_positions = {"position_ids": np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()}
-    return {"unpadded": ({"input_ids": ids}, {}), "right_padded": (pad(right), {}),
-            "left_padded": (pad(left), ours_positions)}
+    return {
+        "unpadded": ({"input_ids": ids}, {}),
+        "right_padded": (pad(right), {}),
+        "left_padded": (pad(left), ours_positions),
+    }
 
 
 def build_ours(config: OPTConfig, seed: int = 0) -> OPTForCausalLM:
@@ -138,8 +142,13 @@ def test_our_weights_load_into_transformers(tmp_path):
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
         assert hf.lm_head.weight.data_ptr() == hf.model.decoder.embed_tokens.weight.data_ptr()  # re-tied
         for name, value in hf.state_dict().items():
-            torch.testing.assert_close(value, tensors["model.decoder.embed_tokens.weight" if name == "lm_head.weight"
-                                                      else name], rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(
+                value,
+                tensors["model.decoder.embed_tokens.weight" if name == "lm_head.weight" else name],
+                rtol=0,
+                atol=0,
+                msg=name,
+            )
         for name, (batch, hf_extra) in batches(CONFIG).items():
             assert_close_where_compared(our_logits(ours, batch), hf_logits(hf, {**batch, **hf_extra}), batch, name)
 
@@ -147,13 +156,15 @@ def test_our_weights_load_into_transformers(tmp_path):
 def test_config_refuses_what_is_not_modelled():
     assert CONFIG.word_embed_proj_dim == CONFIG.hidden_size and CONFIG.max_length == 130
     assert transformers.OPTConfig(**CONFIG.to_hf_dict()).word_embed_proj_dim == CONFIG.hidden_size
-    for change, words in [({"do_layer_norm_before": False}, "do_layer_norm_before"),
-                          ({"word_embed_proj_dim": 32}, "word_embed_proj_dim"),
-                          ({"activation_function": "gelu"}, "activation_function"),
-                          ({"enable_bias": False}, "enable_bias"),
-                          ({"layer_norm_elementwise_affine": False}, "elementwise_affine"),
-                          ({"tie_word_embeddings": False}, "untied"),
-                          ({"num_attention_heads": 5}, "divisible")]:
+    for change, words in [
+        ({"do_layer_norm_before": False}, "do_layer_norm_before"),
+        ({"word_embed_proj_dim": 32}, "word_embed_proj_dim"),
+        ({"activation_function": "gelu"}, "activation_function"),
+        ({"enable_bias": False}, "enable_bias"),
+        ({"layer_norm_elementwise_affine": False}, "elementwise_affine"),
+        ({"tie_word_embeddings": False}, "untied"),
+        ({"num_attention_heads": 5}, "divisible"),
+    ]:
         with pytest.raises(ConfigError, match=words):
             OPTConfig.from_dict({**TINY, **change})
 

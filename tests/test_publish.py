@@ -9,11 +9,11 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
+from family_fixtures import FIXTURES, STDLIB_JSON
 from flax import nnx
+from hub_emulator import USER, HubEmulator
 from huggingface_hub import ModelCard
 
-from family_fixtures import FIXTURES, STDLIB_JSON
-from hub_emulator import USER, HubEmulator
 from spmdlm import export, storage
 from spmdlm.errors import ArgumentError
 from spmdlm.export import export_complete, save_hf
@@ -24,8 +24,15 @@ from spmdlm.train import publish, setup
 
 TOKEN = "hf_emulated_token"
 CARD_FLAGS = ("--card_license", "apache-2.0", "--card_tags", "tiny,code", "--card_datasets", "someone/stdlib-json")
-RESULTS = {"eval_loss": 2.5, "eval_perplexity": math.exp(2.5), "eval_accuracy": 0.25, "eval_tokens": 512.0,
-           "eval_bits_per_byte": 1.25, "eval_bytes": 1024, "train_loss": 2.75}
+RESULTS = {
+    "eval_loss": 2.5,
+    "eval_perplexity": math.exp(2.5),
+    "eval_accuracy": 0.25,
+    "eval_tokens": 512.0,
+    "eval_bits_per_byte": 1.25,
+    "eval_bytes": 1024,
+    "train_loss": 2.75,
+}
 
 
 @pytest.fixture
@@ -39,10 +46,30 @@ def hub(monkeypatch):
 
 
 def flags(family: str, out: Path, config: Path, cache_dir: Path, *extra: str) -> list[str]:
-    return ["--model_type", family, "--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir",
-            str(out), "--cache_dir", str(cache_dir), "--per_device_train_batch_size", "2",
-            "--per_device_eval_batch_size", "2", "--max_eval_samples", "16", "--logging_steps", "2", "--max_steps", "4",
-            *FIXTURES[family].run_flags, *extra]
+    return [
+        "--model_type",
+        family,
+        "--train_file",
+        STDLIB_JSON,
+        "--config_name",
+        str(config),
+        "--output_dir",
+        str(out),
+        "--cache_dir",
+        str(cache_dir),
+        "--per_device_train_batch_size",
+        "2",
+        "--per_device_eval_batch_size",
+        "2",
+        "--max_eval_samples",
+        "16",
+        "--logging_steps",
+        "2",
+        "--max_steps",
+        "4",
+        *FIXTURES[family].run_flags,
+        *extra,
+    ]
 
 
 def run_context(argv: list[str]) -> setup.RunContext:
@@ -64,8 +91,9 @@ def run_snippet(card: ModelCard, model_id: str, folder: Path) -> None:
 
 # -- the model card ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FIXTURES)
-def test_every_family_gets_a_card_with_its_results_metadata_and_usage(family, tmp_path, tiny_configs, cache_dir,
-                                                                      capsys):
+def test_every_family_gets_a_card_with_its_results_metadata_and_usage(
+    family, tmp_path, tiny_configs, cache_dir, capsys
+):
     ctx = run_context(flags(family, tmp_path / "run", tiny_configs[family], cache_dir, *CARD_FLAGS))
     folder = tmp_path / "run" / "hf"
     save_hf(ctx.family.make_model(ctx.config, rngs=nnx.Rngs(0)), ctx.config, folder, tokenizer=ctx.tokenizer)
@@ -78,10 +106,15 @@ def test_every_family_gets_a_card_with_its_results_metadata_and_usage(family, tm
     assert data.tags == [family, "spmdlm", task, "tiny", "code"] and data.datasets == ["someone/stdlib-json"]
     assert data.model_name == "run"
     found = {r.metric_type: r.metric_value for r in data.eval_results}
-    assert found == {"loss": RESULTS["eval_loss"], "perplexity": RESULTS["eval_perplexity"],
-                     "accuracy": RESULTS["eval_accuracy"], "bits_per_byte": RESULTS["eval_bits_per_byte"]}
-    assert {(r.task_type, r.dataset_type, r.dataset_name) for r in data.eval_results} == \
-        {(task, "someone/stdlib-json", "someone/stdlib-json")}
+    assert found == {
+        "loss": RESULTS["eval_loss"],
+        "perplexity": RESULTS["eval_perplexity"],
+        "accuracy": RESULTS["eval_accuracy"],
+        "bits_per_byte": RESULTS["eval_bits_per_byte"],
+    }
+    assert {(r.task_type, r.dataset_type, r.dataset_name) for r in data.eval_results} == {
+        (task, "someone/stdlib-json", "someone/stdlib-json")
+    }
     text = card.text
     assert f"{publish.parameter_count(folder):,} parameters" in text
     assert "global batch 16 examples (2 per device x 8 batch devices x 1 accumulation)" in text
@@ -109,8 +142,7 @@ def test_a_card_without_metadata_flags_or_results(tmp_path, tiny_configs, cache_
 
 
 def test_a_family_from_elsewhere_gets_the_usage_of_what_it_declares():
-    family = dataclasses.replace(get_family("gpt2"), name="mine", hf_auto_class="AutoModel",
-                                 generation=Generation.NONE)
+    family = dataclasses.replace(get_family("gpt2"), name="mine", hf_auto_class="AutoModel", generation=Generation.NONE)
     code = export.usage_snippet(family, "user/mine")
     compile(code, "snippet", "exec")
     assert "from transformers import AutoModel," in code and "generate" not in code
@@ -127,8 +159,11 @@ def test_uploads_create_the_repository_once_and_send_every_file(hub, tmp_path, m
     # with hf_xet installed upload_folder streams through its pipeline; without it, one create_commit
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", not xet)
     folder, other = tmp_path / "hf", tmp_path / "checkpoint"
-    for path, text in (("config.json", "{}"), ("README.md", "---\nlicense: mit\n---\n# x\n"),
-                       ("sub/model.bin", "weights")):
+    for path, text in (
+        ("config.json", "{}"),
+        ("README.md", "---\nlicense: mit\n---\n# x\n"),
+        ("sub/model.bin", "weights"),
+    ):
         (folder / path).parent.mkdir(parents=True, exist_ok=True)
         (folder / path).write_text(text)
     target = publish.Hub("tiny", endpoint=hub.url, token=TOKEN, private=True, export_dir=folder)
@@ -143,8 +178,11 @@ def test_uploads_create_the_repository_once_and_send_every_file(hub, tmp_path, m
 
     assert target.repo_id == f"{USER}/tiny"
     (create,) = hub.calls("create")
-    assert {k: create.json().get(k) for k in ("name", "organization", "visibility")} == \
-        {"name": "tiny", "organization": None, "visibility": "private"}
+    assert {k: create.json().get(k) for k in ("name", "organization", "visibility")} == {
+        "name": "tiny",
+        "organization": None,
+        "visibility": "private",
+    }
     repo = hub.repos[f"{USER}/tiny"]
     assert repo.private
     assert repo.commits == ["spmdlm: first", "spmdlm: again", "spmdlm: checkpoint 1", "spmdlm: checkpoint 2"]
@@ -179,8 +217,11 @@ def nobody_listening() -> str:
 @pytest.mark.parametrize("server", ["commit refused", "nothing listening", "never answering"])
 def test_a_failed_upload_is_one_warning_line(server, hub, tmp_path, caplog, request):
     hub.fail["commit"] = 403
-    url = {"commit refused": lambda: hub.url, "nothing listening": nobody_listening,
-           "never answering": lambda: request.getfixturevalue("silent_server")}[server]()
+    url = {
+        "commit refused": lambda: hub.url,
+        "nothing listening": nobody_listening,
+        "never answering": lambda: request.getfixturevalue("silent_server"),
+    }[server]()
     (tmp_path / "a").write_text("x")
     target = publish.Hub("tiny", endpoint=url, token=TOKEN, private=False, export_dir=tmp_path)
     with caplog.at_level("INFO"):
@@ -216,29 +257,56 @@ def test_the_token_comes_from_the_login_and_the_endpoint_from_HF_ENDPOINT(hub, t
 # -- through the launcher ------------------------------------------------------------------------------------------
 def test_a_run_pushes_its_export_card_and_checkpoints(hub, tmp_path, tiny_configs, cache_dir):
     out = tmp_path / "run"
-    assert main(flags("gpt2", out, tiny_configs["gpt2"], cache_dir, "--save_steps", "2", "--push_to_hub",
-                      "--hub_strategy", "checkpoint", "--hub_model_id", "tiny-gpt2", "--hub_private_repo",
-                      "--hub_token", TOKEN, *CARD_FLAGS)) == 0
+    assert (
+        main(
+            flags(
+                "gpt2",
+                out,
+                tiny_configs["gpt2"],
+                cache_dir,
+                "--save_steps",
+                "2",
+                "--push_to_hub",
+                "--hub_strategy",
+                "checkpoint",
+                "--hub_model_id",
+                "tiny-gpt2",
+                "--hub_private_repo",
+                "--hub_token",
+                TOKEN,
+                *CARD_FLAGS,
+            )
+        )
+        == 0
+    )
     assert len(hub.calls("create")) == 1 and hub.calls("create")[0].json()["visibility"] == "private"
     repo = hub.repos[f"{USER}/tiny-gpt2"]
-    assert repo.commits == ["spmdlm: gpt2 at step 2 of 4", "spmdlm: checkpoint at step 2",
-                            "spmdlm: checkpoint at step 4", "spmdlm: gpt2 after 4 steps"]
+    assert repo.commits == [
+        "spmdlm: gpt2 at step 2 of 4",
+        "spmdlm: checkpoint at step 2",
+        "spmdlm: checkpoint at step 4",
+        "spmdlm: gpt2 after 4 steps",
+    ]
     exported = folder_files(out / "hf")
     checkpoint = {f"last-checkpoint/{name}": data for name, data in folder_files(out / "checkpoints" / "4").items()}
     assert repo.files == {**exported, **checkpoint}
     assert {r.headers.get("authorization") for r in hub.requests} == {f"Bearer {TOKEN}"}
     card = ModelCard.load(out / "hf" / "README.md")
     results = json.loads((out / "eval_results.json").read_text())
-    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == \
-        {"loss": results["eval_loss"], "perplexity": results["eval_perplexity"], "accuracy": results["eval_accuracy"],
-         "bits_per_byte": results["eval_bits_per_byte"]}
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {
+        "loss": results["eval_loss"],
+        "perplexity": results["eval_perplexity"],
+        "accuracy": results["eval_accuracy"],
+        "bits_per_byte": results["eval_bits_per_byte"],
+    }
     assert card.data.model_name == f"{USER}/tiny-gpt2" and card.data.license == "apache-2.0"
     assert f'model_id = "{USER}/tiny-gpt2"' in card.text  # pushed: the snippet loads it from the Hub
 
 
 @pytest.mark.parametrize("server", ["commit refused", "nothing listening", "never answering"])
-def test_a_run_whose_upload_fails_ends_as_it_would_have_with_one_warning(server, hub, tmp_path, tiny_configs,
-                                                                         cache_dir, capsys, monkeypatch, request):
+def test_a_run_whose_upload_fails_ends_as_it_would_have_with_one_warning(
+    server, hub, tmp_path, tiny_configs, cache_dir, capsys, monkeypatch, request
+):
     hub.fail["commit"] = 403
     if server == "nothing listening":
         monkeypatch.setenv("HF_ENDPOINT", nobody_listening())

@@ -76,15 +76,23 @@ def test_a_batch_is_its_rows_computed_one_by_one(tmp_path, name):
         np.testing.assert_array_equal(again["input_ids"][::-1], batch["input_ids"])
 
 
-@pytest.mark.parametrize("name", ["mlm", "t5", "bart", "clm-isolated", "mlm-packed", "mlm-isolated", "t5-isolated",
-                                  "bart-isolated"])
+@pytest.mark.parametrize(
+    "name", ["mlm", "t5", "bart", "clm-isolated", "mlm-packed", "mlm-isolated", "t5-isolated", "bart-isolated"]
+)
 def test_hosts_read_their_rows_of_the_same_global_batches(tmp_path, name):
     objective = OBJECTIVES[name]
     split, _ = token_split(tmp_path, objective, n_records=40, records_per_shard=7)
 
     def first_batches(process_index, process_count, n=6):  # 6 batches of 16 cross the epoch boundary at 40
-        it = pipeline.train_batches(split, objective, seed=5, global_batch=16, num_epochs=3,
-                                    process_index=process_index, process_count=process_count)
+        it = pipeline.train_batches(
+            split,
+            objective,
+            seed=5,
+            global_batch=16,
+            num_epochs=3,
+            process_index=process_index,
+            process_count=process_count,
+        )
         return [next(it) for _ in range(n)]
 
     whole, quarters = first_batches(0, 1), [first_batches(p, 4) for p in range(4)]
@@ -96,14 +104,16 @@ def test_hosts_read_their_rows_of_the_same_global_batches(tmp_path, name):
 def test_a_restored_iterator_resumes_mid_epoch(tmp_path):
     objective = OBJECTIVES["mlm"]
     split, _ = token_split(tmp_path, objective, n_records=40)
-    it = pipeline.train_batches(split, objective, seed=2, global_batch=8, num_epochs=2, process_index=1,
-                                process_count=2)
+    it = pipeline.train_batches(
+        split, objective, seed=2, global_batch=8, num_epochs=2, process_index=1, process_count=2
+    )
     for _ in range(3):  # mid-epoch: 5 steps per epoch
         next(it)
     state = it.get_state()
     expected = [next(it) for _ in range(4)]  # on into the second epoch
-    fresh = pipeline.train_batches(split, objective, seed=2, global_batch=8, num_epochs=2, process_index=1,
-                                   process_count=2)
+    fresh = pipeline.train_batches(
+        split, objective, seed=2, global_batch=8, num_epochs=2, process_index=1, process_count=2
+    )
     fresh.set_state(json.loads(json.dumps(state)))  # as the checkpoint stores it
     for want in expected:
         got = next(fresh)
@@ -119,8 +129,9 @@ def test_an_array_record_cache_of_earlier_versions_is_rebuilt_once(tmp_path, cap
 
     docs = [f"document {i} " + " ".join(f"w{(i * j) % 97}" for j in range(30)) for i in range(60)]
     tokenizer = train_tokenizer(get_family("gpt2"), docs, 300)
-    split = token_cache.prepare_split(docs, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path,
-                                      name="train")
+    split = token_cache.prepare_split(
+        docs, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path, name="train"
+    )
     rows = records.record_source(split).read(np.arange(split.num_records))
     folder = split.path.parent
     old = folder / "train.array_record"  # what earlier versions wrote: one ArrayRecord entry per record
@@ -128,16 +139,31 @@ def test_an_array_record_cache_of_earlier_versions_is_rebuilt_once(tmp_path, cap
     for row in rows:
         writer.write(row.tobytes())
     writer.close()
-    (folder / "train.json").write_text(json.dumps({"num_records": len(rows), "num_tokens": split.num_tokens,
-                                                   "record_length": 17, "documents": 60,
-                                                   "bytes": old.stat().st_size, "sha256": records.file_sha256(old)}))
+    (folder / "train.json").write_text(
+        json.dumps(
+            {
+                "num_records": len(rows),
+                "num_tokens": split.num_tokens,
+                "record_length": 17,
+                "documents": 60,
+                "bytes": old.stat().st_size,
+                "sha256": records.file_sha256(old),
+            }
+        )
+    )
     split.path.unlink()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="spmdlm.data.token_cache"):
-        assert token_cache.prepare_split(docs, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path,
-                                         name="train") == split
-    assert caplog.messages == [f"the tokenized train cache {folder} is in the ArrayRecord format of earlier "
-                               "versions; rebuilding it once as flat tokens (fast batched reads)"]
+        assert (
+            token_cache.prepare_split(
+                docs, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path, name="train"
+            )
+            == split
+        )
+    assert caplog.messages == [
+        f"the tokenized train cache {folder} is in the ArrayRecord format of earlier "
+        "versions; rebuilding it once as flat tokens (fast batched reads)"
+    ]
     assert sorted(p.name for p in folder.iterdir()) == ["train.json", "train.tokens"]
     np.testing.assert_array_equal(records.record_source(split).read(np.arange(split.num_records)), rows)
     caplog.clear()

@@ -15,22 +15,42 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import FIXTURES, final_params, read_metrics
-from spmdlm import checkpoint
-from spmdlm.launch import main
+
 import spmdlm.launch
-from spmdlm import devices
+from spmdlm import checkpoint, devices
+from spmdlm.launch import main
 from spmdlm.train import setup
 from spmdlm.train.guard import RunLock
 from spmdlm.train.step import Stepper
 
 
 def flags(out, cache_dir, config, *extra) -> list[str]:
-    return ["--train_file", str(FIXTURES / "overfit.txt"), "--config_name", str(config), "--block_size", "16",
-            "--per_device_train_batch_size", "1", "--mesh", "data=4,fsdp=2", "--max_steps", "4", "--save_steps", "2",
-            "--logging_steps", "2", "--learning_rate", "1e-3", "--output_dir", str(out), "--cache_dir",
-            str(cache_dir), *extra]
+    return [
+        "--train_file",
+        str(FIXTURES / "overfit.txt"),
+        "--config_name",
+        str(config),
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "1",
+        "--mesh",
+        "data=4,fsdp=2",
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--logging_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--output_dir",
+        str(out),
+        "--cache_dir",
+        str(cache_dir),
+        *extra,
+    ]
 
 
 def launch(capsys, *argv) -> tuple[int, str, str]:
@@ -61,8 +81,24 @@ def copy_run(base_run, tmp_path):
 # -- divergence ------------------------------------------------------------------------------------------------------
 def test_divergence_stops_with_exit_3_and_saves_nothing_non_finite(capsys, tmp_path, cache_dir, tiny_gpt2_config):
     out = tmp_path / "run"
-    code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--learning_rate", "1e30", "--max_steps",
-                                          "30", "--logging_steps", "5", "--save_steps", "5", "--max_grad_norm", "0"))
+    code, _, err = launch(
+        capsys,
+        *flags(
+            out,
+            cache_dir,
+            tiny_gpt2_config,
+            "--learning_rate",
+            "1e30",
+            "--max_steps",
+            "30",
+            "--logging_steps",
+            "5",
+            "--save_steps",
+            "5",
+            "--max_grad_norm",
+            "0",
+        ),
+    )
     assert code == 3
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "diverged at step" in lines[0] and "--learning_rate (now 1e+30)" in lines[0], lines
@@ -106,8 +142,8 @@ def _edit_fingerprint(path):
 @pytest.fixture(scope="module")
 def restore_target(base_run, cache_dir, tiny_gpt2_config):
     """The run's abstract (model, optimizer) state and data iterator, built by the loop's own stages."""
-    from spmdlm.launch import parse_args
     from spmdlm.data import pipeline
+    from spmdlm.launch import parse_args
 
     args, _ = parse_args(flags(base_run, cache_dir, tiny_gpt2_config))
     ctx = setup.resolve(args, 0.0)
@@ -115,14 +151,16 @@ def restore_target(base_run, cache_dir, tiny_gpt2_config):
     setup.setup_tokenizer(ctx, train_docs)
     setup.setup_data(ctx, train_docs, val_docs)
     _, state, _ = setup.setup_state(ctx, abstract=True)
-    iterator = pipeline.train_batches(ctx.data.train, ctx.objective, seed=args.seed, global_batch=ctx.global_batch,
-                                      num_epochs=ctx.schedule.num_epochs)
+    iterator = pipeline.train_batches(
+        ctx.data.train, ctx.objective, seed=args.seed, global_batch=ctx.global_batch, num_epochs=ctx.schedule.num_epochs
+    )
     return state, iterator
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_restored(damage, base_run, restore_target,
-                                                                                tmp_path, caplog):
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_restored(
+    damage, base_run, restore_target, tmp_path, caplog
+):
     """At the checkpoint level for every kind of damage (cheap); the launcher does the same (next test)."""
     out = copy_run(base_run, tmp_path)
     DAMAGE[damage](out / "checkpoints" / "4")
@@ -150,8 +188,7 @@ def test_the_launcher_falls_back_and_resumes_exactly(capsys, base_run, tmp_path,
 
 
 # -- finished runs, locks ------------------------------------------------------------------------------------------
-def test_rerunning_a_finished_run_redoes_only_what_is_missing(capsys, base_run, tmp_path, cache_dir,
-                                                              tiny_gpt2_config):
+def test_rerunning_a_finished_run_redoes_only_what_is_missing(capsys, base_run, tmp_path, cache_dir, tiny_gpt2_config):
     out = copy_run(base_run, tmp_path)
     results, metrics = (out / "eval_results.json").read_bytes(), (out / "metrics.jsonl").read_bytes()
     # a lock left by a dead process on this host is taken over
@@ -178,9 +215,11 @@ def test_a_second_run_in_the_same_output_dir_is_refused(capsys, base_run, tmp_pa
     before = sorted(p.name for p in out.rglob("*"))
     code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--overwrite_output_dir"))
     assert code == 2
-    assert err.strip() == (f"error: --output_dir {out} is in use by another run (pid {os.getppid()} on host "
-                           f"{socket.gethostname()}, started 2026-11-30 10:00:00); wait for it to finish or choose "
-                           "another --output_dir")
+    assert err.strip() == (
+        f"error: --output_dir {out} is in use by another run (pid {os.getppid()} on host "
+        f"{socket.gethostname()}, started 2026-11-30 10:00:00); wait for it to finish or choose "
+        "another --output_dir"
+    )
     assert sorted(p.name for p in out.rglob("*")) == before  # --overwrite_output_dir removed nothing
 
 
@@ -202,13 +241,14 @@ def test_a_refused_run_leaves_no_directory_it_made(tmp_path):
 def test_a_full_disk_stops_the_run_at_the_failed_save(capsys, tmp_path, cache_dir, tiny_gpt2_config):
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(disk)],
-                      capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(disk)], capture_output=True).returncode:
         pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
     try:
         out = disk / "run"
-        code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--max_steps", "8", "--save_steps",
-                                              "1", "--logging_steps", "1"))
+        code, _, err = launch(
+            capsys,
+            *flags(out, cache_dir, tiny_gpt2_config, "--max_steps", "8", "--save_steps", "1", "--logging_steps", "1"),
+        )
         assert code == 2
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "No space left on device" in lines[0] and str(out) in lines[0], lines
@@ -219,8 +259,9 @@ def test_a_full_disk_stops_the_run_at_the_failed_save(capsys, tmp_path, cache_di
         subprocess.run(["umount", "--lazy", str(disk)], check=True)  # orbax's writer threads may still hold files
 
 
-def test_sigterm_saves_at_the_current_step_and_the_resume_is_exact(capsys, monkeypatch, base_run, tmp_path, cache_dir,
-                                                                   tiny_gpt2_config):
+def test_sigterm_saves_at_the_current_step_and_the_resume_is_exact(
+    capsys, monkeypatch, base_run, tmp_path, cache_dir, tiny_gpt2_config
+):
     out = tmp_path / "run"
     original = Stepper.train_step
 
@@ -266,8 +307,9 @@ def test_ctrl_c_outside_training_is_one_line(capsys, monkeypatch, tmp_path):
 
 
 # -- memory and mesh checks ----------------------------------------------------------------------------------------
-def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(capsys, monkeypatch, tmp_path, cache_dir,
-                                                                        tiny_gpt2_config):
+def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(
+    capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
+):
     monkeypatch.setattr(devices, "device_memory_bytes", lambda: (2**20, "device"))  # a 1 MiB accelerator
     out = tmp_path / "run"
     code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config))
@@ -278,16 +320,28 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(capsys, 
 
 def test_a_tensor_axis_that_shards_nothing_is_an_error(capsys, tmp_path, cache_dir):
     config = tmp_path / "odd.json"  # no dimension divisible by 8: heads x head size 36, MLP 100, vocab 510
-    config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 510, "n_positions": 64, "n_embd": 36,
-                                  "n_layer": 1, "n_head": 4, "n_inner": 100}))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "vocab_size": 510,
+                "n_positions": 64,
+                "n_embd": 36,
+                "n_layer": 1,
+                "n_head": 4,
+                "n_inner": 100,
+            }
+        )
+    )
     out = tmp_path / "run"
     code, _, err = launch(capsys, *flags(out, cache_dir, config, "--mesh", "tensor=8"))
     assert code == 2 and "the tensor axis (8) divides none of the model's sharded dimensions" in err
     assert not out.exists()
 
 
-def test_a_changed_global_batch_is_refused_with_the_one_that_resumes(capsys, base_run, tmp_path, cache_dir,
-                                                                     tiny_gpt2_config):
+def test_a_changed_global_batch_is_refused_with_the_one_that_resumes(
+    capsys, base_run, tmp_path, cache_dir, tiny_gpt2_config
+):
     out = copy_run(base_run, tmp_path)
     code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--per_device_train_batch_size", "2"))
     assert code == 2 and "resume with --global_batch_size 8" in err

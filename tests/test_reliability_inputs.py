@@ -8,15 +8,31 @@ import logging
 import os
 
 import pytest
-
 from conftest import FIXTURES, read_metrics, run_killed_after_first_checkpoint
+
 from spmdlm.launch import main
 
 
 def small_run(out, cache_dir, config, *extra) -> list[str]:
-    return ["--config_name", str(config), "--block_size", "32", "--per_device_train_batch_size", "2", "--mesh",
-            "data=8", "--max_steps", "4", "--train_file", str(FIXTURES / "overfit.txt"), "--output_dir", str(out),
-            "--cache_dir", str(cache_dir), *extra]
+    return [
+        "--config_name",
+        str(config),
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "2",
+        "--mesh",
+        "data=8",
+        "--max_steps",
+        "4",
+        "--train_file",
+        str(FIXTURES / "overfit.txt"),
+        "--output_dir",
+        str(out),
+        "--cache_dir",
+        str(cache_dir),
+        *extra,
+    ]
 
 
 def refused(capsys, *argv) -> str:
@@ -30,11 +46,24 @@ def refused(capsys, *argv) -> str:
 
 
 # -- 1: a metrics.jsonl / samples.jsonl torn by a crash ---------------------------------------------------------------
-def test_resume_drops_a_torn_last_line_of_metrics_and_samples(capsys, monkeypatch, tmp_path, cache_dir,
-                                                              tiny_gpt2_config):
+def test_resume_drops_a_torn_last_line_of_metrics_and_samples(
+    capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
+):
     out = tmp_path / "run"
-    argv = small_run(out, cache_dir, tiny_gpt2_config, "--save_steps", "2", "--logging_steps", "1",
-                     "--sample_prompts", "def", "--sample_every", "1", "--no_export_hf")
+    argv = small_run(
+        out,
+        cache_dir,
+        tiny_gpt2_config,
+        "--save_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--sample_prompts",
+        "def",
+        "--sample_every",
+        "1",
+        "--no_export_hf",
+    )
     run_killed_after_first_checkpoint(monkeypatch, lambda: main(argv))
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "lo')  # the crash hit mid-write: no newline
@@ -81,12 +110,18 @@ def test_largest_seed_is_accepted():
     assert parse_args(["--seed", str(2**32 - 1)])[0].seed == 2**32 - 1
 
 
-@pytest.mark.parametrize("name, text, expected", [
-    ("args.json", '{"max_steps": 4,, }', "is not valid JSON: Expecting property name enclosed in double quotes at "
-                                        "line 1 column 17"),
-    ("args.yaml", "max_steps: 4\n  seed: [1\n", "is not valid YAML: mapping values are not allowed here at line 2"),
-    ("args.yml", "seed: [1, 2\n", "is not valid YAML:"),
-])
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        (
+            "args.json",
+            '{"max_steps": 4,, }',
+            "is not valid JSON: Expecting property name enclosed in double quotes at line 1 column 17",
+        ),
+        ("args.yaml", "max_steps: 4\n  seed: [1\n", "is not valid YAML: mapping values are not allowed here at line 2"),
+        ("args.yml", "seed: [1, 2\n", "is not valid YAML:"),
+    ],
+)
 def test_malformed_args_file(capsys, tmp_path, name, text, expected):
     path = tmp_path / name
     path.write_text(text)
@@ -101,13 +136,16 @@ def test_args_file_not_text(capsys, tmp_path):
 
 
 # -- 3: optimiser values that cannot train --------------------------------------------------------------------------
-@pytest.mark.parametrize("flag, value, expected", [
-    ("--learning_rate", "-1", "--learning_rate must be at least 0, got -1.0 (a negative rate climbs the loss)"),
-    ("--learning_rate", "nan", "--learning_rate must be a finite number at least 0, got nan"),
-    ("--weight_decay", "-0.1", "--weight_decay must be at least 0, got -0.1 (0 = off)"),
-    ("--max_grad_norm", "-1", "--max_grad_norm must be at least 0, got -1.0 (0 = no clipping)"),
-    ("--warmup_steps", "-5", "--warmup_steps must be at least 0, got -5"),
-])
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--learning_rate", "-1", "--learning_rate must be at least 0, got -1.0 (a negative rate climbs the loss)"),
+        ("--learning_rate", "nan", "--learning_rate must be a finite number at least 0, got nan"),
+        ("--weight_decay", "-0.1", "--weight_decay must be at least 0, got -0.1 (0 = off)"),
+        ("--max_grad_norm", "-1", "--max_grad_norm must be at least 0, got -1.0 (0 = no clipping)"),
+        ("--warmup_steps", "-5", "--warmup_steps must be at least 0, got -5"),
+    ],
+)
 def test_negative_optimiser_values(capsys, tmp_path, cache_dir, tiny_gpt2_config, flag, value, expected):
     line = refused(capsys, *small_run(tmp_path / "run", cache_dir, tiny_gpt2_config, flag, value))
     assert expected in line, line
@@ -133,8 +171,15 @@ def test_validation_file_among_the_train_files_warns(caplog, tmp_path, cache_dir
     other.write_text("some other text\n")
     link = tmp_path / "same.txt"
     os.symlink(FIXTURES / "overfit.txt", link)  # the same file through another name
-    argv = small_run(tmp_path / "run", cache_dir, tiny_gpt2_config, "--train_file",
-                     f"{other},{FIXTURES / 'overfit.txt'}", "--validation_file", str(link))
+    argv = small_run(
+        tmp_path / "run",
+        cache_dir,
+        tiny_gpt2_config,
+        "--train_file",
+        f"{other},{FIXTURES / 'overfit.txt'}",
+        "--validation_file",
+        str(link),
+    )
     args, _ = parse_args(argv)
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
         setup.read_corpora(args)
@@ -151,8 +196,10 @@ def test_validation_file_among_the_train_files_warns(caplog, tmp_path, cache_dir
 
 # -- 5: evaluation only, with nothing held out ------------------------------------------------------------------------
 def test_eval_only_with_nothing_held_out(capsys, tmp_path, cache_dir, tiny_gpt2_config):
-    line = refused(capsys, *small_run(tmp_path / "run", cache_dir, tiny_gpt2_config, "--do_eval",
-                                      "--validation_split_percentage", "0"))
+    line = refused(
+        capsys,
+        *small_run(tmp_path / "run", cache_dir, tiny_gpt2_config, "--do_eval", "--validation_split_percentage", "0"),
+    )
     assert "nothing to evaluate" in line and "--validation_file" in line and "--validation_split_percentage" in line
     assert not (tmp_path / "run").exists()
 

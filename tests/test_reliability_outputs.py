@@ -14,8 +14,9 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import FIXTURES
+from test_reliability import flags, launch
+
 from spmdlm import export
 from spmdlm.data import datasets
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, special_token_ids, train_tokenizer
@@ -23,7 +24,6 @@ from spmdlm.families import get_family
 from spmdlm.launch import main
 from spmdlm.prepare import main as prepare_main
 from spmdlm.train.outputs import export_done
-from test_reliability import flags, launch
 
 _RNG = np.random.default_rng(7)
 _WORDS = [f"w{i}" for i in range(300)] + ["café", "straße"]
@@ -48,8 +48,9 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gpt2_tokenizer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tokenizer") / "gpt2"
-    save_tokenizer(train_tokenizer(get_family("gpt2"), DOCS[:300], 500), folder, get_family("gpt2"),
-                   model_max_length=1024)
+    save_tokenizer(
+        train_tokenizer(get_family("gpt2"), DOCS[:300], 500), folder, get_family("gpt2"), model_max_length=1024
+    )
     return folder
 
 
@@ -79,18 +80,25 @@ def one_line(err: str) -> str:
 
 
 # -- 1. an export killed half-way is done again ----------------------------------------------------------------------
-def test_an_export_killed_while_writing_the_tokenizer_is_redone_by_the_rerun(capsys, tmp_path, cache_dir,
-                                                                             tiny_gpt2_config):
+def test_an_export_killed_while_writing_the_tokenizer_is_redone_by_the_rerun(
+    capsys, tmp_path, cache_dir, tiny_gpt2_config
+):
     if shutil.which("strace") is None:
         pytest.skip("needs strace (apt-get install strace) to kill the export at a given file")
     out = tmp_path / "run"
     argv = flags(out, cache_dir, tiny_gpt2_config)
     # The export's temporary directory (spmdlm.export.save_hf) and, for an export written in place, the final one.
     temp = f"{out}/.hf.tmp-{socket.gethostname()}-$$/tokenizer_config.json"
-    script = (f'exec strace -D -f -qq -o /dev/null -e trace=openat -e inject=openat:signal=KILL -P "{temp}" '
-              f'-P "{out}/hf/tokenizer_config.json" "$@"')
-    killed = subprocess.run(["sh", "-c", script, "sh", sys.executable, "-m", "spmdlm.launch", *argv],
-                            capture_output=True, text=True, timeout=600)
+    script = (
+        f'exec strace -D -f -qq -o /dev/null -e trace=openat -e inject=openat:signal=KILL -P "{temp}" '
+        f'-P "{out}/hf/tokenizer_config.json" "$@"'
+    )
+    killed = subprocess.run(
+        ["sh", "-c", script, "sh", sys.executable, "-m", "spmdlm.launch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])  # killed at that openat, not before
     assert (out / "checkpoints" / "4").is_dir()
     assert not export_done(out)  # what is left does not look like a whole export
@@ -124,8 +132,9 @@ def test_an_interrupted_export_cli_out_can_be_written_again_without_overwrite(ca
 
 
 # -- 2. two preparations racing for one --out --------------------------------------------------------------------------
-def test_a_dataset_that_appears_in_out_during_preparation_is_kept_and_refused(capsys, monkeypatch, tmp_path, corpus,
-                                                                              gpt2_tokenizer):
+def test_a_dataset_that_appears_in_out_during_preparation_is_kept_and_refused(
+    capsys, monkeypatch, tmp_path, corpus, gpt2_tokenizer
+):
     out = tmp_path / "ds"
     common = ["--tokenizer", str(gpt2_tokenizer), "--for_model", "gpt2", "--workers", "1", "--out", str(out)]
     real = datasets._write_dataset
@@ -144,11 +153,15 @@ def test_a_dataset_that_appears_in_out_during_preparation_is_kept_and_refused(ca
     err = capsys.readouterr().err
     assert code == 2, err[-3000:]
     line = one_line("\n".join(ln for ln in err.splitlines() if ln.startswith("error:")))
-    assert line.startswith(f"error: --out {out} got another dataset") and "records of 33 tokens" in line \
-        and "records of 17 tokens" in line, line
+    assert (
+        line.startswith(f"error: --out {out} got another dataset")
+        and "records of 33 tokens" in line
+        and "records of 17 tokens" in line
+    ), line
     assert (out / datasets.CARD_NAME).read_text() == other["card"]  # A's dataset, whole
-    train, _, _ = datasets.open_dataset(out, tokenizer=load_tokenizer(gpt2_tokenizer), record_length=33,
-                                        mode="stream", verify=True)
+    train, _, _ = datasets.open_dataset(
+        out, tokenizer=load_tokenizer(gpt2_tokenizer), record_length=33, mode="stream", verify=True
+    )
     assert train.num_records > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # B's temp dir is gone
 
@@ -167,8 +180,7 @@ def test_two_preparations_into_an_empty_out_cannot_both_swap_in(tmp_path):
 
 
 # -- 3. full disks ---------------------------------------------------------------------------------------------------
-def test_a_full_disk_while_writing_the_token_cache_is_one_line(capsys, tmp_path, full_disk, corpus,
-                                                               tiny_gpt2_config):
+def test_a_full_disk_while_writing_the_token_cache_is_one_line(capsys, tmp_path, full_disk, corpus, tiny_gpt2_config):
     disk = full_disk(32)
     out = tmp_path / "run"
     argv = flags(out, disk / "cache", tiny_gpt2_config)
@@ -183,8 +195,21 @@ def test_a_full_disk_while_writing_the_token_cache_is_one_line(capsys, tmp_path,
 def test_a_full_disk_while_preparing_a_dataset_is_one_line(capsys, full_disk, corpus, gpt2_tokenizer):
     disk = full_disk(32)
     out = disk / "ds"
-    code = prepare_main(["--tokenizer", str(gpt2_tokenizer), "--for_model", "gpt2", "--block_size", "16",
-                         "--workers", "1", "--out", str(out), str(corpus)])
+    code = prepare_main(
+        [
+            "--tokenizer",
+            str(gpt2_tokenizer),
+            "--for_model",
+            "gpt2",
+            "--block_size",
+            "16",
+            "--workers",
+            "1",
+            "--out",
+            str(out),
+            str(corpus),
+        ]
+    )
     err = "\n".join(ln for ln in capsys.readouterr().err.splitlines() if "INFO" not in ln)
     assert code == 2
     line = one_line(err)
@@ -206,8 +231,9 @@ def test_a_full_disk_while_exporting_is_one_line_and_a_rerun_recovers(capsys, fu
 
 
 # -- TensorBoard on a full disk -----------------------------------------------------------------------------------
-def test_a_failed_tensorboard_write_stops_the_run_in_one_line(capsys, monkeypatch, tmp_path, cache_dir,
-                                                             tiny_gpt2_config):
+def test_a_failed_tensorboard_write_stops_the_run_in_one_line(
+    capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
+):
     """tensorboardX's writer thread died on a full disk and the run then blocked forever on its queue; events are
     written on the run's own thread now, so the failure is reported (and the checkpoints before it are kept)."""
     from tensorboardX.event_file_writer import EventsWriter
@@ -231,8 +257,7 @@ def test_a_failed_tensorboard_write_stops_the_run_in_one_line(capsys, monkeypatc
 
 
 # -- what a run may delete -----------------------------------------------------------------------------------------
-def test_outputs_without_a_checkpoint_are_refused_not_replaced(capsys, trained, tmp_path, cache_dir,
-                                                               tiny_gpt2_config):
+def test_outputs_without_a_checkpoint_are_refused_not_replaced(capsys, trained, tmp_path, cache_dir, tiny_gpt2_config):
     """A finished run whose checkpoints the user removed to save space: a plain run used to empty the dir and
     replace its export. Now it is refused; --overwrite_output_dir replaces it."""
     out = tmp_path / "run"
@@ -308,9 +333,26 @@ def test_the_workers_of_a_killed_preparation_leave_with_it(tmp_path, gpt2_tokeni
 
     big = tmp_path / "big.txt"
     big.write_text("\n".join(DOCS * 60) + "\n")  # a few seconds of tokenizing on two workers
-    proc = subprocess.Popen([sys.executable, "-m", "spmdlm.prepare", "--tokenizer", str(gpt2_tokenizer),
-                             "--for_model", "gpt2", "--block_size", "64", "--workers", "2", "--out",
-                             str(tmp_path / "ds"), str(big)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spmdlm.prepare",
+            "--tokenizer",
+            str(gpt2_tokenizer),
+            "--for_model",
+            "gpt2",
+            "--block_size",
+            "64",
+            "--workers",
+            "2",
+            "--out",
+            str(tmp_path / "ds"),
+            str(big),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     children = lambda pid: [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
     deadline = time.monotonic() + 120
     while len(children(proc.pid)) < 3 and time.monotonic() < deadline:  # two workers and the resource tracker
@@ -320,8 +362,9 @@ def test_the_workers_of_a_killed_preparation_leave_with_it(tmp_path, gpt2_tokeni
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 20
-    alive = lambda: [w for w in workers if os.path.exists(f"/proc/{w}") and
-                     open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+    alive = lambda: [
+        w for w in workers if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"
+    ]
     while alive() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive(), f"workers still running after their preparation was killed: {alive()}"

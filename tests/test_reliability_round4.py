@@ -6,28 +6,29 @@ import json
 import typing
 
 import pytest
+from test_reliability_inputs import FIXTURES, refused, small_run
 
 from spmdlm import config
 from spmdlm.families import objective_flags
-from spmdlm.launch import main
-
-from test_reliability_inputs import FIXTURES, refused, small_run
 
 
 # -- every numeric flag: finite, in range, refused before any output ---------------------------------------------
-@pytest.mark.parametrize("flag, value, expected", [
-    ("--num_train_epochs", "nan", "--num_train_epochs must be a finite number at least 0, got nan"),
-    ("--num_train_epochs", "inf", "--num_train_epochs must be a finite number at least 0, got inf"),
-    ("--spike_window", str(2**31), "--spike_window must be in [2, 100000], got 2147483648"),
-    ("--max_steps", "1" + "0" * 400, "--max_steps must be in [-1, 2147483647], got 1000"),
-    ("--adam_epsilon", "-1e-8", "--adam_epsilon must be above 0, got -1e-08 (e.g. 1e-8"),
-    ("--adam_epsilon", "0", "--adam_epsilon must be above 0, got 0.0"),
-    ("--adam_epsilon", "nan", "--adam_epsilon must be a finite number above 0, got nan"),
-    ("--z_loss", "-1", "--z_loss must be at least 0, got -1.0 (0 = off"),
-    ("--skip_step_on_spike", "nan", "--skip_step_on_spike must be a finite number at least 0, got nan"),
-    ("--save_every_minutes", "nan", "--save_every_minutes must be a finite number at least 0, got nan (0 = off)"),
-    ("--mean_noise_span_length", "inf", "--mean_noise_span_length must be a finite number at least 1, got inf"),
-])
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--num_train_epochs", "nan", "--num_train_epochs must be a finite number at least 0, got nan"),
+        ("--num_train_epochs", "inf", "--num_train_epochs must be a finite number at least 0, got inf"),
+        ("--spike_window", str(2**31), "--spike_window must be in [2, 100000], got 2147483648"),
+        ("--max_steps", "1" + "0" * 400, "--max_steps must be in [-1, 2147483647], got 1000"),
+        ("--adam_epsilon", "-1e-8", "--adam_epsilon must be above 0, got -1e-08 (e.g. 1e-8"),
+        ("--adam_epsilon", "0", "--adam_epsilon must be above 0, got 0.0"),
+        ("--adam_epsilon", "nan", "--adam_epsilon must be a finite number above 0, got nan"),
+        ("--z_loss", "-1", "--z_loss must be at least 0, got -1.0 (0 = off"),
+        ("--skip_step_on_spike", "nan", "--skip_step_on_spike must be a finite number at least 0, got nan"),
+        ("--save_every_minutes", "nan", "--save_every_minutes must be a finite number at least 0, got nan (0 = off)"),
+        ("--mean_noise_span_length", "inf", "--mean_noise_span_length must be a finite number at least 1, got inf"),
+    ],
+)
 def test_numeric_flags_one_rule(capsys, tmp_path, cache_dir, tiny_gpt2_config, flag, value, expected):
     line = refused(capsys, *small_run(tmp_path / "run", cache_dir, tiny_gpt2_config, f"{flag}={value}"))
     assert expected in line, line
@@ -37,8 +38,7 @@ def test_numeric_flags_one_rule(capsys, tmp_path, cache_dir, tiny_gpt2_config, f
 def test_every_numeric_flag_is_bounded():
     """A numeric flag added without bounds would be judged only as finite: each must say its range."""
     hints = typing.get_type_hints(config.RunArgs)
-    numeric = {f.name for f in dataclasses.fields(config.RunArgs)
-               if config._base_type(hints[f.name]) in (int, float)}
+    numeric = {f.name for f in dataclasses.fields(config.RunArgs) if config._base_type(hints[f.name]) in (int, float)}
     assert numeric - set(config.FLAG_BOUNDS) == set()
     assert set(config.FLAG_BOUNDS) <= numeric
     unbounded = [flag.name for flag in objective_flags() if flag.type in (int, float) and flag.bounds is None]
@@ -54,11 +54,14 @@ def test_mixture_yaml_errors_and_weights(tmp_path):
     path.write_text("sources:\n  - name: a\n   train_file: [a.txt\n")
     with pytest.raises(ArgumentError, match="is not valid YAML: .* at line 3 column 4"):
         read_mixture_file(str(path))
-    path.write_text("sources:\n  - {name: a, train_file: a.txt, weight: 1e-3}\n  - {name: b, train_file: b.txt, "
-                    "weight: 1}\n")  # YAML 1.1 reads 1e-3 as a string
+    path.write_text(
+        "sources:\n  - {name: a, train_file: a.txt, weight: 1e-3}\n  - {name: b, train_file: b.txt, weight: 1}\n"
+    )  # YAML 1.1 reads 1e-3 as a string
     assert [s.weight for s in read_mixture_file(str(path))] == pytest.approx([1e-3 / 1.001, 1 / 1.001])
-    path.write_text("sources:\n  - {name: a, train_file: a.txt, weight: 1.0e308}\n  - {name: b, train_file: b.txt, "
-                    "weight: 1.0e308}\n")
+    path.write_text(
+        "sources:\n  - {name: a, train_file: a.txt, weight: 1.0e308}\n  - {name: b, train_file: b.txt, "
+        "weight: 1.0e308}\n"
+    )
     with pytest.raises(ArgumentError, match="the weights sum to more than a float holds; scale them down"):
         read_mixture_file(str(path))
     with pytest.raises(ArgumentError, match="--train_file: the weights sum to more than a float holds"):
@@ -90,8 +93,9 @@ def fake_dataset(folder, tokenizer_sha: str):
     from spmdlm.data.datasets import CARD_FORMAT, CARD_NAME, CARD_VERSION
 
     folder.mkdir()
-    (folder / CARD_NAME).write_text(json.dumps({"format": CARD_FORMAT, "version": CARD_VERSION,
-                                                "tokenizer": {"sha256": tokenizer_sha}}))
+    (folder / CARD_NAME).write_text(
+        json.dumps({"format": CARD_FORMAT, "version": CARD_VERSION, "tokenizer": {"sha256": tokenizer_sha}})
+    )
     return folder
 
 
@@ -104,14 +108,18 @@ def test_prepared_sources_of_two_tokenizers_get_advice_that_works(tmp_path):
     for name, sha in (("a", "1" * 64), ("b", "2" * 64), ("c", "1" * 64)):
         fake_dataset(tmp_path / name, sha)
     path = tmp_path / "mix.yaml"
-    path.write_text("- {name: a, dataset_dir: a, weight: 1}\n- {name: c, dataset_dir: c, weight: 1}\n"
-                    "- {name: b, dataset_dir: b, weight: 1}\n")
+    path.write_text(
+        "- {name: a, dataset_dir: a, weight: 1}\n- {name: c, dataset_dir: c, weight: 1}\n"
+        "- {name: b, dataset_dir: b, weight: 1}\n"
+    )
     args, _ = parse_args(["--data_mixture", str(path)])
     with pytest.raises(DataError) as refusal:
         read_sources(args, read_mixture_file(str(path)))
-    assert str(refusal.value) == (f"--data_mixture {path} source b: {tmp_path / 'b'} was tokenized with another "
-                                  f"tokenizer than source a's {tmp_path / 'a'}; a mixture's sources share one "
-                                  f"tokenizer: prepare it again with --tokenizer {tmp_path / 'a' / 'tokenizer'}")
+    assert str(refusal.value) == (
+        f"--data_mixture {path} source b: {tmp_path / 'b'} was tokenized with another "
+        f"tokenizer than source a's {tmp_path / 'a'}; a mixture's sources share one "
+        f"tokenizer: prepare it again with --tokenizer {tmp_path / 'a' / 'tokenizer'}"
+    )
 
 
 def test_a_prepared_dataset_is_not_read_as_text(tmp_path):
@@ -119,8 +127,11 @@ def test_a_prepared_dataset_is_not_read_as_text(tmp_path):
     from spmdlm.errors import DataError
 
     folder = fake_dataset(tmp_path / "prepared", "1" * 64)
-    with pytest.raises(DataError, match=f"--train_file source x {folder}: is a dataset prepared by python -m "
-                                        "spmdlm.prepare, not text; give it as --dataset_dir"):
+    with pytest.raises(
+        DataError,
+        match=f"--train_file source x {folder}: is a dataset prepared by python -m "
+        "spmdlm.prepare, not text; give it as --dataset_dir",
+    ):
         expand_files(f"{folder}", "--train_file source x")
 
 
@@ -137,7 +148,7 @@ def test_a_damaged_safetensors_is_one_line(tmp_path, tiny_gpt2_config, damage):
     file = tmp_path / "model.safetensors"
     save_file({"transformer.wte.weight": np.zeros((512, 64), np.float32)}, str(file))
     data = file.read_bytes()
-    file.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x10" + b"\x00" * 7 + b"{not json" + data)
+    file.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x10" + b"\x00" * 7 + b"{not json" + data)
     with pytest.raises(ExportError, match=f"{file} is truncated or damaged .*; export or download it again"):
         load_hf(tmp_path)
 
@@ -184,8 +195,16 @@ def test_the_validation_split_s_padding_line_says_validation(caplog, tmp_path, g
     from spmdlm.data.token_cache import prepare_split
 
     with caplog.at_level(logging.INFO, logger="spmdlm"):
-        prepare_split(["one line", "two more lines here"], gpt2_tokenizer, record_length=8, separator_id=0,
-                      cache_dir=tmp_path, mode="lines", pad_id=0, name="validation")
+        prepare_split(
+            ["one line", "two more lines here"],
+            gpt2_tokenizer,
+            record_length=8,
+            separator_id=0,
+            cache_dir=tmp_path,
+            mode="lines",
+            pad_id=0,
+            name="validation",
+        )
     lines = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("lines records of 8 tokens: validation 2 with"), lines
 
@@ -209,15 +228,18 @@ def test_generate_from_a_folder_without_a_tokenizer_says_what_to_copy(capsys, tm
     (tmp_path / "config.json").write_text(tiny_gpt2_config.read_text())
     assert generate(["--model_name_or_path", str(tmp_path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == (f"error: --model_name_or_path {tmp_path} has no tokenizer (tokenizer.json or "
-                           "spiece.model): copy the tokenizer the model was trained with into it (a run's is "
-                           "OUTPUT_DIR/tokenizer.json)")
+    assert err.strip() == (
+        f"error: --model_name_or_path {tmp_path} has no tokenizer (tokenizer.json or "
+        "spiece.model): copy the tokenizer the model was trained with into it (a run's is "
+        "OUTPUT_DIR/tokenizer.json)"
+    )
     assert "--tokenizer_name" not in err
 
 
 # -- a tracker that cannot start ------------------------------------------------------------------------------------
-def test_a_tracker_that_cannot_start_leaves_the_output_dir_as_it_was(capsys, monkeypatch, tmp_path, cache_dir,
-                                                                      tiny_gpt2_config):
+def test_a_tracker_that_cannot_start_leaves_the_output_dir_as_it_was(
+    capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
+):
     pytest.importorskip("mlflow", reason="the mlflow extra (pip install -e '.[mlflow]')")
     from spmdlm.train.outputs import OUR_OUTPUTS
 
@@ -239,9 +261,26 @@ def prepared(tmp_path_factory, gpt2_tokenizer):
 
     folder = tmp_path_factory.mktemp("prepared")
     save_tokenizer(gpt2_tokenizer, folder / "tok", get_family("gpt2"), model_max_length=64)
-    assert prepare(["--tokenizer", str(folder / "tok"), "--for_model", "gpt2", "--block_size", "16", "--out",
-                    str(folder / "ds"), "--workers", "1", "--validation_percentage", "0",
-                    str(FIXTURES / "overfit.txt")]) == 0
+    assert (
+        prepare(
+            [
+                "--tokenizer",
+                str(folder / "tok"),
+                "--for_model",
+                "gpt2",
+                "--block_size",
+                "16",
+                "--out",
+                str(folder / "ds"),
+                "--workers",
+                "1",
+                "--validation_percentage",
+                "0",
+                str(FIXTURES / "overfit.txt"),
+            ]
+        )
+        == 0
+    )
     return folder / "ds"
 
 
@@ -258,8 +297,11 @@ def test_a_shard_with_an_id_beyond_the_vocabulary_is_refused_at_start(tmp_path, 
     tokens = np.memmap(train.paths[0], dtype=np.int32, mode="r+")
     tokens[40] = gpt2_tokenizer.get_vocab_size() + 7
     tokens.flush()
-    with pytest.raises(DataError, match=f"--dataset_dir {out}: shard .* holds token id 307, outside the "
-                                        "tokenizer's 300 ids \\(a damaged shard\\); prepare the dataset again"):
+    with pytest.raises(
+        DataError,
+        match=f"--dataset_dir {out}: shard .* holds token id 307, outside the "
+        "tokenizer's 300 ids \\(a damaged shard\\); prepare the dataset again",
+    ):
         open_dataset(out, tokenizer=gpt2_tokenizer, record_length=17, mode="stream")
 
 
@@ -298,8 +340,13 @@ def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2
 
     out = shutil.copytree(prepared, tmp_path / "ds")
     args, _ = parse_args(["--dataset_dir", str(out)])
-    ctx = types.SimpleNamespace(args=args, tokenizer=gpt2_tokenizer, dataset_cards={}, sources=(),
-                                objective=types.SimpleNamespace(record_length=17, preparation="stream"))
+    ctx = types.SimpleNamespace(
+        args=args,
+        tokenizer=gpt2_tokenizer,
+        dataset_cards={},
+        sources=(),
+        objective=types.SimpleNamespace(record_length=17, preparation="stream"),
+    )
     train, _ = setup.open_prepared(ctx, str(out))
     card = json.loads((out / CARD_NAME).read_text())
     card["read"]["files"], card["splits"]["train"]["documents"] = 99, 12345  # prepared anew while training
@@ -323,8 +370,10 @@ def test_read_only_restores_name_the_cause_not_damaged_checkpoints(monkeypatch, 
     with pytest.raises(checkpoint.CheckpointError) as refusal:
         checkpoint.restore_newest_good(manager, None, move_aside=False, model_only=True)
     message = str(refusal.value)
-    assert message == (f"no checkpoint in {tmp_path / 'checkpoints'} can be restored into the model its "
-                       "run_config.json describes (the checkpoint at step 4 cannot be read (shape (64, 512) != "
-                       "(32, 512))); check that the checkpoints are this run's")
+    assert message == (
+        f"no checkpoint in {tmp_path / 'checkpoints'} can be restored into the model its "
+        "run_config.json describes (the checkpoint at step 4 cannot be read (shape (64, 512) != "
+        "(32, 512))); check that the checkpoints are this run's"
+    )
     assert checkpoint.DAMAGED_DIR not in message and "--overwrite_output_dir" not in message
     assert not (tmp_path / checkpoint.DAMAGED_DIR).exists()

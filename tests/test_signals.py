@@ -6,17 +6,19 @@ import os
 import signal
 
 import pytest
+from test_reliability import flags, launch
 
 from spmdlm import checkpoint
 from spmdlm.train.guard import STOP_SIGNALS
 from spmdlm.train.step import Stepper
-from test_reliability import flags, launch
 
 
-@pytest.mark.parametrize("signum", [s for s in STOP_SIGNALS if s not in (signal.SIGINT, signal.SIGTERM)],
-                         ids=lambda s: signal.Signals(s).name)
-def test_each_stop_signal_saves_at_the_current_step(signum, capsys, monkeypatch, tmp_path, cache_dir,
-                                                    tiny_gpt2_config):
+@pytest.mark.parametrize(
+    "signum",
+    [s for s in STOP_SIGNALS if s not in (signal.SIGINT, signal.SIGTERM)],
+    ids=lambda s: signal.Signals(s).name,
+)
+def test_each_stop_signal_saves_at_the_current_step(signum, capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config):
     out = tmp_path / "run"
     original = Stepper.train_step
 
@@ -45,9 +47,22 @@ def test_a_stop_during_evaluation_abandons_it_and_saves(capsys, monkeypatch, tmp
         return original(self, state, batch)
 
     monkeypatch.setattr(Stepper, "eval_step", eval_then_sigterm)
-    code, _, err = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config, "--save_steps", "100", "--eval_steps",
-                                         "2", "--per_device_eval_batch_size", "1",
-                                         "--validation_split_percentage", "40"))
+    code, _, err = launch(
+        capsys,
+        *flags(
+            out,
+            cache_dir,
+            tiny_gpt2_config,
+            "--save_steps",
+            "100",
+            "--eval_steps",
+            "2",
+            "--per_device_eval_batch_size",
+            "1",
+            "--validation_split_percentage",
+            "40",
+        ),
+    )
     assert code == 143 and err.startswith("spmdlm: stopped by SIGTERM at step 2")
     assert len(batches) == 1  # the evaluation stopped at once; it would have run many more batches
     assert checkpoint.make_manager(out, read_only=True).all_steps() == [2]

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import read_metrics
+
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
 from spmdlm.launch import main
@@ -19,10 +19,36 @@ STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 
 
 def run(out: Path, config: Path, cache_dir: Path, *extra: str) -> int:
-    return main(["--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", str(out),
-                 "--cache_dir", str(cache_dir), "--block_size", "32", "--per_device_train_batch_size", "2",
-                 "--mesh", "data=8", "--learning_rate", "3e-3", "--warmup_steps", "2", "--logging_steps", "1",
-                 "--do_train", "--export_hf", "false", "--seed", "7", *extra])
+    return main(
+        [
+            "--train_file",
+            STDLIB_JSON,
+            "--config_name",
+            str(config),
+            "--output_dir",
+            str(out),
+            "--cache_dir",
+            str(cache_dir),
+            "--block_size",
+            "32",
+            "--per_device_train_batch_size",
+            "2",
+            "--mesh",
+            "data=8",
+            "--learning_rate",
+            "3e-3",
+            "--warmup_steps",
+            "2",
+            "--logging_steps",
+            "1",
+            "--do_train",
+            "--export_hf",
+            "false",
+            "--seed",
+            "7",
+            *extra,
+        ]
+    )
 
 
 # -- the transform ---------------------------------------------------------------------------------------------------
@@ -55,6 +81,7 @@ def test_a_spike_changes_nothing_and_a_normal_step_goes_through():
 def corrupt_train_batches(monkeypatch):
     """Make the train batches numbered `steps` (1-based) garbage: every label one token, which the model finds
     unlikely, so the loss and the gradient jump."""
+
     def corrupting(steps):
         calls = {"n": 0}
         real = pipeline.to_global
@@ -67,14 +94,28 @@ def corrupt_train_batches(monkeypatch):
             return real(batch, mesh)
 
         monkeypatch.setattr(pipeline, "to_global", to_global)
+
     return corrupting
 
 
-def test_a_corrupted_batch_is_skipped_and_the_run_goes_on(tmp_path, tiny_gpt2_config, cache_dir, capsys,
-                                                           corrupt_train_batches):
+def test_a_corrupted_batch_is_skipped_and_the_run_goes_on(
+    tmp_path, tiny_gpt2_config, cache_dir, capsys, corrupt_train_batches
+):
     corrupt_train_batches({14})  # after the window's SPIKE_HISTORY steps
-    assert run(tmp_path / "spiky", tiny_gpt2_config, cache_dir, "--max_steps", "16", "--save_steps", "8",
-               "--skip_step_on_spike", "4") == 0
+    assert (
+        run(
+            tmp_path / "spiky",
+            tiny_gpt2_config,
+            cache_dir,
+            "--max_steps",
+            "16",
+            "--save_steps",
+            "8",
+            "--skip_step_on_spike",
+            "4",
+        )
+        == 0
+    )
     said = [line.split("WARNING ")[1] for line in capsys.readouterr().out.splitlines() if "loss spikes" in line]
     assert said == ["1 step up to step 14 skipped as loss spikes (their updates not applied); 1 in all"]
     logged = read_metrics(tmp_path / "spiky")
@@ -83,11 +124,23 @@ def test_a_corrupted_batch_is_skipped_and_the_run_goes_on(tmp_path, tiny_gpt2_co
     assert checkpoint.make_manager(tmp_path / "spiky", read_only=True).all_steps()[-1] == 16
 
 
-def test_consecutive_spikes_stop_the_run_as_a_divergence(tmp_path, tiny_gpt2_config, cache_dir, capsys,
-                                                         corrupt_train_batches):
+def test_consecutive_spikes_stop_the_run_as_a_divergence(
+    tmp_path, tiny_gpt2_config, cache_dir, capsys, corrupt_train_batches
+):
     corrupt_train_batches(set(range(13, 20)))
-    code = run(tmp_path / "diverging", tiny_gpt2_config, cache_dir, "--max_steps", "20", "--save_steps", "12",
-               "--skip_step_on_spike", "4", "--max_consecutive_skips", "3")
+    code = run(
+        tmp_path / "diverging",
+        tiny_gpt2_config,
+        cache_dir,
+        "--max_steps",
+        "20",
+        "--save_steps",
+        "12",
+        "--skip_step_on_spike",
+        "4",
+        "--max_consecutive_skips",
+        "3",
+    )
     assert code == 3
     assert "3 steps in a row were skipped as loss spikes" in capsys.readouterr().err
     # the checkpoint before the spikes is kept; nothing after them was saved
@@ -96,7 +149,23 @@ def test_consecutive_spikes_stop_the_run_as_a_divergence(tmp_path, tiny_gpt2_con
 
 def test_checkpoints_every_few_seconds_and_every_nth_kept(tmp_path, tiny_gpt2_config, cache_dir):
     out = tmp_path / "cadence"
-    assert run(out, tiny_gpt2_config, cache_dir, "--max_steps", "8", "--save_steps", "1000",
-               "--save_every_minutes", "0.0001", "--save_total_limit", "2", "--keep_every_n_steps", "3") == 0
+    assert (
+        run(
+            out,
+            tiny_gpt2_config,
+            cache_dir,
+            "--max_steps",
+            "8",
+            "--save_steps",
+            "1000",
+            "--save_every_minutes",
+            "0.0001",
+            "--save_total_limit",
+            "2",
+            "--keep_every_n_steps",
+            "3",
+        )
+        == 0
+    )
     # saved at every step (the minutes pass between steps); the latest two and the multiples of 3 stay
     assert checkpoint.make_manager(out, read_only=True).all_steps() == [3, 6, 7, 8]

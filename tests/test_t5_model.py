@@ -19,13 +19,40 @@ from spmdlm.models.t5 import T5Config, T5ForConditionalGeneration, relative_posi
 # Odd head sizes and counts, vocabularies that are not multiples of 8, unequal encoder/decoder depths, bucket
 # settings whose logarithmic range and max_distance clamp are both reached by the sequence lengths below.
 HF_CONFIGS = {
-    "odd-heads": dict(vocab_size=103, d_model=36, d_kv=12, d_ff=40, num_layers=2, num_decoder_layers=3, num_heads=3,
-                      relative_attention_num_buckets=8, relative_attention_max_distance=20),
-    "base-buckets": dict(vocab_size=212, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=1,
-                         num_heads=4, relative_attention_num_buckets=32, relative_attention_max_distance=128),
-    "short-distance": dict(vocab_size=77, d_model=48, d_kv=16, d_ff=56, num_layers=1, num_decoder_layers=2,
-                           num_heads=2, relative_attention_num_buckets=16, relative_attention_max_distance=10,
-                           layer_norm_epsilon=1e-5),
+    "odd-heads": dict(
+        vocab_size=103,
+        d_model=36,
+        d_kv=12,
+        d_ff=40,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=3,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+    ),
+    "base-buckets": dict(
+        vocab_size=212,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=3,
+        num_decoder_layers=1,
+        num_heads=4,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+    ),
+    "short-distance": dict(
+        vocab_size=77,
+        d_model=48,
+        d_kv=16,
+        d_ff=56,
+        num_layers=1,
+        num_decoder_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=16,
+        relative_attention_max_distance=10,
+        layer_norm_epsilon=1e-5,
+    ),
 }
 ENC_LEN, DEC_LEN = 150, 136
 
@@ -62,17 +89,21 @@ def _batch(vocab_size: int, seed: int = 0, batch: int = 4, enc_len: int = ENC_LE
     dec = rng.integers(2, vocab_size - 10, (batch, dec_len))
     mask, dec_mask = np.ones_like(ids), np.ones_like(dec)
     if batch >= 4:
-        mask[1, enc_len - enc_len // 4:] = 0
+        mask[1, enc_len - enc_len // 4 :] = 0
         mask[2, : enc_len // 8] = 0
-        dec_mask[1, dec_len - dec_len // 4:] = 0
+        dec_mask[1, dec_len - dec_len // 4 :] = 0
         dec_mask[3, : dec_len // 8] = 0
     return ids, dec, mask, dec_mask
 
 
 def _hf_logits(model, ids, dec, mask, dec_mask) -> np.ndarray:
     with torch.no_grad():
-        return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                     decoder_input_ids=torch.tensor(dec), decoder_attention_mask=torch.tensor(dec_mask)).logits.numpy()
+        return model(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            decoder_input_ids=torch.tensor(dec),
+            decoder_attention_mask=torch.tensor(dec_mask),
+        ).logits.numpy()
 
 
 @jax.jit
@@ -96,10 +127,12 @@ def test_relative_position_buckets_match_transformers(buckets, max_distance, bid
     from transformers.models.t5.modeling_t5 import T5Attention
 
     relative = torch.arange(1500)[None, :] - torch.arange(700)[:, None]
-    expected = T5Attention._relative_position_bucket(relative, bidirectional=bidirectional, num_buckets=buckets,
-                                                     max_distance=max_distance).numpy()
-    ours = relative_position_buckets(700, 1500, bidirectional=bidirectional, num_buckets=buckets,
-                                     max_distance=max_distance)
+    expected = T5Attention._relative_position_bucket(
+        relative, bidirectional=bidirectional, num_buckets=buckets, max_distance=max_distance
+    ).numpy()
+    ours = relative_position_buckets(
+        700, 1500, bidirectional=bidirectional, num_buckets=buckets, max_distance=max_distance
+    )
     np.testing.assert_array_equal(ours, expected)
 
 
@@ -140,8 +173,13 @@ def test_generate_runs_on_exported_model(exported, hf_dirs):
     # transformers 5.24 sizes the decoder's DynamicCache by num_layers (the encoder's depth), so cached generation
     # fails with IndexError when num_decoder_layers > num_layers; this export has 2 + 3 layers.
     with torch.no_grad():
-        generated = reloaded.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                                      max_new_tokens=4, do_sample=False, use_cache=False).numpy()
+        generated = reloaded.generate(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=4,
+            do_sample=False,
+            use_cache=False,
+        ).numpy()
     assert generated.shape == (4, 5) and (generated[:, 0] == 0).all()  # decoder_start_token_id from our export
     # Greedy decoding is consistent with our model's logits.
     model, _ = load_hf(hf_dirs["odd-heads"][1])
@@ -162,8 +200,9 @@ def test_fresh_tiny_model_exports_to_transformers(tmp_path):
     assert diff < 1e-4  # a d_model**-0.5 scaling or a tied head in transformers would be far off
     assert 0.2 < np.abs(got).std() < 5.0  # the init gives O(1) logits
     with torch.no_grad():  # equal depths: transformers' cached generation works
-        generated = hf.generate(input_ids=torch.tensor(batch[0]), attention_mask=torch.tensor(batch[2]),
-                                max_new_tokens=3, do_sample=False)
+        generated = hf.generate(
+            input_ids=torch.tensor(batch[0]), attention_mask=torch.tensor(batch[2]), max_new_tokens=3, do_sample=False
+        )
     assert generated.shape == (4, 4)
 
 
@@ -217,9 +256,20 @@ def test_config_checks(tmp_path):
     with pytest.raises(ConfigError, match="original T5"):
         read({"feed_forward_proj": "gated-gelu"})  # tied and scaled by default
     # What transformers 5 itself writes for a v1.1 model: tie true, scale false.
-    config = read({"feed_forward_proj": "gated-gelu", "tie_word_embeddings": True, "scale_decoder_outputs": False,
-                   "num_layers": 3})
+    config = read(
+        {
+            "feed_forward_proj": "gated-gelu",
+            "tie_word_embeddings": True,
+            "scale_decoder_outputs": False,
+            "num_layers": 3,
+        }
+    )
     assert not config.tie_word_embeddings and config.num_decoder_layers == 3 and config.dense_act_fn == "gelu_new"
     base = load_config("t5-v1_1-base")
-    assert (base.d_model, base.d_ff, base.num_layers, base.num_decoder_layers, base.vocab_size) == (768, 2048, 12, 12,
-                                                                                                     32128)
+    assert (base.d_model, base.d_ff, base.num_layers, base.num_decoder_layers, base.vocab_size) == (
+        768,
+        2048,
+        12,
+        12,
+        32128,
+    )

@@ -4,21 +4,50 @@ import json
 import sysconfig
 from pathlib import Path
 
-
 from conftest import read_metrics
+
 from spmdlm.launch import main
 
 STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 
 
 def launch(out: Path, cache_dir: Path, *extra: str) -> int:
-    return main([
-        "--model_type", "t5", "--config_name", "t5-v1_1-tiny", "--adafactor", "--mesh", "data=4,fsdp=2",
-        "--train_file", STDLIB_JSON, "--output_dir", str(out), "--cache_dir", str(cache_dir),
-        "--max_seq_length", "64", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4",
-        "--learning_rate", "1e-2", "--warmup_steps", "5", "--weight_decay", "0.001", "--logging_steps", "5",
-        "--max_eval_samples", "64", "--seed", "3", *extra,
-    ])
+    return main(
+        [
+            "--model_type",
+            "t5",
+            "--config_name",
+            "t5-v1_1-tiny",
+            "--adafactor",
+            "--mesh",
+            "data=4,fsdp=2",
+            "--train_file",
+            STDLIB_JSON,
+            "--output_dir",
+            str(out),
+            "--cache_dir",
+            str(cache_dir),
+            "--max_seq_length",
+            "64",
+            "--per_device_train_batch_size",
+            "2",
+            "--per_device_eval_batch_size",
+            "4",
+            "--learning_rate",
+            "1e-2",
+            "--warmup_steps",
+            "5",
+            "--weight_decay",
+            "0.001",
+            "--logging_steps",
+            "5",
+            "--max_eval_samples",
+            "64",
+            "--seed",
+            "3",
+            *extra,
+        ]
+    )
 
 
 def test_t5_learns_and_exports(tmp_path, cache_dir):
@@ -26,8 +55,12 @@ def test_t5_learns_and_exports(tmp_path, cache_dir):
     assert launch(out, cache_dir, "--max_steps", "60", "--eval_steps", "5", "--save_steps", "1000") == 0
     evals = [m for m in read_metrics(out) if "eval_loss" in m]
     first, last = evals[0], evals[-1]
-    print("t5 eval loss", [round(m["eval_loss"], 3) for m in evals], "accuracy",
-          [round(m["eval_accuracy"], 3) for m in evals])
+    print(
+        "t5 eval loss",
+        [round(m["eval_loss"], 3) for m in evals],
+        "accuracy",
+        [round(m["eval_accuracy"], 3) for m in evals],
+    )
     assert last["eval_loss"] < first["eval_loss"] - 1.0
     assert last["eval_accuracy"] > first["eval_accuracy"] + 0.05
     config = json.loads((out / "hf" / "config.json").read_text())

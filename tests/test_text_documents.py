@@ -13,14 +13,18 @@ from spmdlm.data.tokenizer import load_tokenizer
 from spmdlm.train import setup
 
 # Three paragraphs, hard-wrapped, separated by one or more blank lines (one of them holding spaces).
-TEXT = ("The keeper climbed the stair at dusk\nand lit the lamp before the fog\ncame in from the sea.\n"
-        "\n"
-        "Ships passed the point at night;\nnone of them stopped.\n"
-        "\n  \n\n"
-        "In spring the gulls came back\nto the rocks below the tower.\n")
-PARAGRAPHS = ["The keeper climbed the stair at dusk\nand lit the lamp before the fog\ncame in from the sea.",
-              "Ships passed the point at night;\nnone of them stopped.",
-              "In spring the gulls came back\nto the rocks below the tower."]
+TEXT = (
+    "The keeper climbed the stair at dusk\nand lit the lamp before the fog\ncame in from the sea.\n"
+    "\n"
+    "Ships passed the point at night;\nnone of them stopped.\n"
+    "\n  \n\n"
+    "In spring the gulls came back\nto the rocks below the tower.\n"
+)
+PARAGRAPHS = [
+    "The keeper climbed the stair at dusk\nand lit the lamp before the fog\ncame in from the sea.",
+    "Ships passed the point at night;\nnone of them stopped.",
+    "In spring the gulls came back\nto the rocks below the tower.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +57,12 @@ def test_the_launcher_reads_blank_line_documents_and_caches_them_apart(corpus, t
     tok = tokenizer_for(corpus, tmp_path)
     eos = tok.token_to_id("<|endoftext|>")
     # record length 1: no partial record is dropped, so every token of the stream is in the cache
-    cached = {mode: token_cache.prepare_split(setup.read_corpora(args(mode))[0], tok, record_length=1,
-                                              separator_id=eos, cache_dir=cache_dir, name="train")
-              for mode in ("line", "blank_line")}
+    cached = {
+        mode: token_cache.prepare_split(
+            setup.read_corpora(args(mode))[0], tok, record_length=1, separator_id=eos, cache_dir=cache_dir, name="train"
+        )
+        for mode in ("line", "blank_line")
+    }
     tokens = np.fromfile(cached["blank_line"].path, dtype="<i4")
     assert (tokens == eos).sum() == len(train)
     assert cached["line"].fingerprint != cached["blank_line"].fingerprint  # the key follows the documents
@@ -63,17 +70,48 @@ def test_the_launcher_reads_blank_line_documents_and_caches_them_apart(corpus, t
 
 def tokenizer_for(corpus, tmp_path):
     out = tmp_path / "tok"
-    assert tokenizer.main(["--for_model", "gpt2", "--vocab_size", "300", "--text_documents", "blank_line",
-                           "--out", str(out), str(corpus)]) == 0
+    assert (
+        tokenizer.main(
+            [
+                "--for_model",
+                "gpt2",
+                "--vocab_size",
+                "300",
+                "--text_documents",
+                "blank_line",
+                "--out",
+                str(out),
+                str(corpus),
+            ]
+        )
+        == 0
+    )
     return load_tokenizer(out)
 
 
 def test_prepare_writes_one_eos_per_blank_line_document(corpus, tmp_path):
     tok = tokenizer_for(corpus, tmp_path)
     out = tmp_path / "dataset"
-    assert prepare.main(["--tokenizer", str(tmp_path / "tok"), "--for_model", "gpt2", "--block_size", "8",
-                         "--validation_percentage", "0", "--text_documents", "blank_line", "--out", str(out),
-                         str(corpus)]) == 0
+    assert (
+        prepare.main(
+            [
+                "--tokenizer",
+                str(tmp_path / "tok"),
+                "--for_model",
+                "gpt2",
+                "--block_size",
+                "8",
+                "--validation_percentage",
+                "0",
+                "--text_documents",
+                "blank_line",
+                "--out",
+                str(out),
+                str(corpus),
+            ]
+        )
+        == 0
+    )
     card = json.loads((out / "dataset.json").read_text())
     assert card["inputs"]["text_documents"] == "blank_line"
     expected = PARAGRAPHS * 20 + ["A second file\nof two lines."]
@@ -83,4 +121,4 @@ def test_prepare_writes_one_eos_per_blank_line_document(corpus, tmp_path):
     assert card["read"]["documents"] == train["documents"] == len(expected)
     assert train["tokens"] == len(stream) and (stream == eos).sum() == len(expected)
     shard = np.fromfile(out / train["shards"][0]["file"], dtype="<i4")
-    np.testing.assert_array_equal(shard, stream[:len(shard)])  # the records are that stream, cut
+    np.testing.assert_array_equal(shard, stream[: len(shard)])  # the records are that stream, cut

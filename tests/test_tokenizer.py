@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 import transformers
 
-from spmdlm.errors import ConfigError
-from spmdlm.families import families, get_family
 from spmdlm.data.tokenizer import (
     TokenizerError,
     load_tokenizer,
@@ -16,6 +14,8 @@ from spmdlm.data.tokenizer import (
     special_token_ids,
     train_tokenizer,
 )
+from spmdlm.errors import ConfigError
+from spmdlm.families import families, get_family
 
 MODEL_TYPES = ["gpt2", "roberta", "bart", "t5"]
 VOCAB_SIZE = 600
@@ -115,11 +115,23 @@ def test_lowercase_round_trip(model_type, texts, tmp_path):
 
 
 def test_special_token_ids_per_model_type(trained):
-    assert special_token_ids(trained["gpt2"], get_family("gpt2")) == {"bos": 0, "eos": 0, "unk": 0, "pad": None, "mask": None}
+    assert special_token_ids(trained["gpt2"], get_family("gpt2")) == {
+        "bos": 0,
+        "eos": 0,
+        "unk": 0,
+        "pad": None,
+        "mask": None,
+    }
     roberta_style = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "mask": 4}
     assert special_token_ids(trained["roberta"], get_family("roberta")) == roberta_style
     assert special_token_ids(trained["bart"], get_family("bart")) == roberta_style
-    assert special_token_ids(trained["t5"], get_family("t5")) == {"pad": 0, "eos": 1, "unk": 2, "bos": None, "mask": None}
+    assert special_token_ids(trained["t5"], get_family("t5")) == {
+        "pad": 0,
+        "eos": 1,
+        "unk": 2,
+        "bos": None,
+        "mask": None,
+    }
     assert set(families()) == set(MODEL_TYPES)
 
 

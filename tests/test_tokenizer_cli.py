@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import transformers
 
-from spmdlm.families import get_family
 from spmdlm.data.tokenizer import (
     load_tokenizer,
     save_tokenizer,
@@ -16,12 +15,15 @@ from spmdlm.data.tokenizer import (
     special_token_ids,
     train_tokenizer,
 )
+from spmdlm.families import get_family
 from spmdlm.tokenizer import main
 
 _RNG = np.random.default_rng(0)
 _WORDS = ["".join(_RNG.choice(list("abcdefghijklmnoprstuvyæøåé"), _RNG.integers(2, 8))) for _ in range(300)]
-LINES = [" ".join(_RNG.choice(_WORDS, _RNG.integers(4, 20))).capitalize() + _RNG.choice([".", "!", "?", ", 42."])
-         for _ in range(600)]
+LINES = [
+    " ".join(_RNG.choice(_WORDS, _RNG.integers(4, 20))).capitalize() + _RNG.choice([".", "!", "?", ", 42."])
+    for _ in range(600)
+]
 SAMPLES = LINES[:5] + [
     "Numbers 0 7 42 2024 3.14159 and… «quotes» — dashes",
     "Unicode: café naïve Ærøskøbing straße Привет 東京 🙂 ﬁ ½",
@@ -63,22 +65,54 @@ def test_cli_tokenizer_loads_in_transformers_with_the_same_ids(model, corpus, tm
 def test_kind_picks_the_family_and_must_agree_with_it(corpus, tmp_path, capsys):
     assert main(["--kind", "unigram", "--vocab_size", "300", "--out", str(tmp_path / "u"), str(corpus)]) == 0
     assert "unigram tokenizer for t5" in capsys.readouterr().out
-    assert main(["--kind", "unigram", "--for_model", "gpt2", "--vocab_size", "300", "--out", str(tmp_path / "x"),
-                 str(corpus)]) == 2
-    assert capsys.readouterr().err == ("error: --kind unigram does not fit --for_model gpt2, which uses bpe; "
-                                       "leave out --kind\n")
+    assert (
+        main(
+            [
+                "--kind",
+                "unigram",
+                "--for_model",
+                "gpt2",
+                "--vocab_size",
+                "300",
+                "--out",
+                str(tmp_path / "x"),
+                str(corpus),
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err == (
+        "error: --kind unigram does not fit --for_model gpt2, which uses bpe; leave out --kind\n"
+    )
     assert main(["--kind", "unigram", "--vocab_size", "300", "--out", str(tmp_path / "u"), str(corpus)]) == 2
     assert "already holds a tokenizer.json; pass --overwrite" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
 def test_missing_inputs_are_one_line_from_the_command_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "spmdlm.tokenizer", "--for_model", "gpt2", "--vocab_size", "300",
-                             "--out", str(tmp_path / "t"), str(tmp_path / "a.txt"), str(tmp_path / "b*.txt")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmdlm.tokenizer",
+            "--for_model",
+            "gpt2",
+            "--vocab_size",
+            "300",
+            "--out",
+            str(tmp_path / "t"),
+            str(tmp_path / "a.txt"),
+            str(tmp_path / "b*.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
-    assert result.stderr == (f"error: INPUTS: no such files: {tmp_path / 'a.txt'}, {tmp_path / 'b*.txt'}; check the "
-                             "paths (globs like 'data/*.txt' are allowed)\n")
+    assert result.stderr == (
+        f"error: INPUTS: no such files: {tmp_path / 'a.txt'}, {tmp_path / 'b*.txt'}; check the "
+        "paths (globs like 'data/*.txt' are allowed)\n"
+    )
 
 
 # -- SentencePiece models ---------------------------------------------------------------------------------------------
@@ -91,8 +125,16 @@ def spiece_dir(corpus, tmp_path_factory):
     folder = tmp_path_factory.mktemp("spiece")
     # T5's layout: <pad>=0, </s>=1, <unk>=2, no <s>; transformers appends the 100 <extra_id_k>.
     sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus / "a.txt"), model_prefix=str(folder / "spiece"), vocab_size=250, model_type="unigram",
-        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, minloglevel=2)
+        input=str(corpus / "a.txt"),
+        model_prefix=str(folder / "spiece"),
+        vocab_size=250,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        minloglevel=2,
+    )
     return folder
 
 

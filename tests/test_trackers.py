@@ -16,13 +16,13 @@ import types
 from pathlib import Path
 
 import pytest
-
 from conftest import COMPILE_FLAGS, FIXTURES, REPO, read_metrics, run_killed_after_first_checkpoint
+
 from spmdlm.config import RunArgs, masked
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.launch import main
-from spmdlm.train import trackers
 from spmdlm.train import report as report_module
+from spmdlm.train import trackers
 from spmdlm.train.report import Reporter
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra (pip install -e '.[wandb]')")
@@ -34,13 +34,27 @@ def offline(monkeypatch, tmp_path_factory):
     """W&B offline and quiet, its caches in a temporary folder, MLflow on its default local store without
     telemetry; after the test, no W&B service process is left behind."""
     home = tmp_path_factory.mktemp("wandb-home")
-    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_CODE": "true",
-                       "WANDB_DISABLE_GIT": "true", "WANDB_CONSOLE": "off", "WANDB_CACHE_DIR": str(home / "cache"),
-                       "WANDB_DATA_DIR": str(home / "data"), "WANDB_CONFIG_DIR": str(home / "config"),
-                       "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}.items():
+    for key, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DISABLE_CODE": "true",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_CACHE_DIR": str(home / "cache"),
+        "WANDB_DATA_DIR": str(home / "data"),
+        "WANDB_CONFIG_DIR": str(home / "config"),
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "true",
+    }.items():
         monkeypatch.setenv(key, value)
-    for key in ("WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_DIR", "MLFLOW_TRACKING_URI",
-                "MLFLOW_EXPERIMENT_NAME"):
+    for key in (
+        "WANDB_PROJECT",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+        "WANDB_DIR",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+    ):
         monkeypatch.delenv(key, raising=False)
     # unset, so the run's own opt-in to MLflow's file store is what is tested (and undone afterwards)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")
@@ -79,8 +93,8 @@ def wandb_records(path: Path):
         if left < 7:  # a block's tail too short for a chunk header is padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -100,8 +114,9 @@ def wandb_run(folder: Path) -> dict:
             run["config"] = {item.key: json.loads(item.value_json) for item in record.run.config.update}
         elif kind == "history":
             items = [(list(item.nested_key) or [item.key], json.loads(item.value_json)) for item in record.history.item]
-            run["history"][record.history.step.num] = {key[0]: value for key, value in items
-                                                       if len(key) == 1 and not key[0].startswith("_")}
+            run["history"][record.history.step.num] = {
+                key[0]: value for key, value in items if len(key) == 1 and not key[0].startswith("_")
+            }
         elif kind == "exit":
             run["exit_code"] = record.exit.exit_code
     return run
@@ -118,15 +133,40 @@ def by_step(records: list[dict]) -> dict[int, dict]:
 
 
 def launch_argv(out: Path, config: Path, cache_dir: Path, *extra: str) -> list[str]:
-    return ["--config_name", str(config), "--train_file", str(FIXTURES / "overfit.txt"), "--output_dir", str(out),
-            "--cache_dir", str(cache_dir), "--block_size", "32", "--per_device_train_batch_size", "2", "--mesh",
-            "data=8", "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1", "--eval_steps", "2",
-            "--max_eval_samples", "16", "--export_hf", "false",
-            *extra]
+    return [
+        "--config_name",
+        str(config),
+        "--train_file",
+        str(FIXTURES / "overfit.txt"),
+        "--output_dir",
+        str(out),
+        "--cache_dir",
+        str(cache_dir),
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "2",
+        "--mesh",
+        "data=8",
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "2",
+        "--max_eval_samples",
+        "16",
+        "--export_hf",
+        "false",
+        *extra,
+    ]
 
 
-def test_wandb_and_mlflow_follow_metrics_jsonl_across_a_resume(offline, monkeypatch, tmp_path, cache_dir,
-                                                                tiny_gpt2_config):
+def test_wandb_and_mlflow_follow_metrics_jsonl_across_a_resume(
+    offline, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
+):
     """Through the launcher: killed after its first checkpoint, then resumed. Both trackers hold exactly
     metrics.jsonl's records at their steps, in one run each; and without tensorboard in --report_to, no events."""
     out = tmp_path / "run"
@@ -152,8 +192,9 @@ def test_wandb_and_mlflow_follow_metrics_jsonl_across_a_resume(offline, monkeypa
     keys = {key for row in expected.values() for key in row}
     assert keys <= set(run.data.metrics)
     for key in keys:
-        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] == \
-            [(step, row[key]) for step, row in expected.items() if key in row], key
+        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] == [
+            (step, row[key]) for step, row in expected.items() if key in row
+        ], key
     assert run.data.params["max_steps"] == "6" and run.data.params["model_config.n_embd"] == "64"
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["loss_curve.png"]
 
@@ -169,15 +210,31 @@ def test_a_missing_library_stops_the_run_in_one_line(capsys, monkeypatch, tmp_pa
 # -- the Reporter on its own: what a tracker's failure does ---------------------------------------------------------
 def reporter(out: Path, report_to: str) -> Reporter:
     model = types.SimpleNamespace(model_type="gpt2", to_hf_dict=lambda: {"model_type": "gpt2", "n_embd": 8})
-    return Reporter(out, enabled=True, family=types.SimpleNamespace(train_flops_per_step=lambda *a: 0),
-                    config=model, objective=types.SimpleNamespace(sequence_lengths=lambda: {"input_ids": 8}),
-                    global_batch=2, mesh=types.SimpleNamespace(size=1, shape={"data": 1}), dtype="float32",
-                    args=RunArgs(output_dir=str(out), report_to=report_to))
+    return Reporter(
+        out,
+        enabled=True,
+        family=types.SimpleNamespace(train_flops_per_step=lambda *a: 0),
+        config=model,
+        objective=types.SimpleNamespace(sequence_lengths=lambda: {"input_ids": 8}),
+        global_batch=2,
+        mesh=types.SimpleNamespace(size=1, shape={"data": 1}),
+        dtype="float32",
+        args=RunArgs(output_dir=str(out), report_to=report_to),
+    )
 
 
 def train_metrics(step: int) -> list[dict]:
-    return [{"loss_sum": 16.0 / step, "tokens": 16, "correct": 8, "z_loss_sum": 0.0, "real_tokens": 16,
-             "learning_rate": 1e-3, "grad_norm": 0.5}]
+    return [
+        {
+            "loss_sum": 16.0 / step,
+            "tokens": 16,
+            "correct": 8,
+            "z_loss_sum": 0.0,
+            "real_tokens": 16,
+            "learning_rate": 1e-3,
+            "grad_norm": 0.5,
+        }
+    ]
 
 
 def test_the_loss_curve_and_the_samples_go_at_the_end(offline, monkeypatch, tmp_path_factory, tmp_path):
@@ -197,9 +254,15 @@ def test_the_loss_curve_and_the_samples_go_at_the_end(offline, monkeypatch, tmp_
     media = next((tmp_path / "wandb").glob("offline-run-*")) / "files" / "media"
     assert [p.name.split("_")[:3] for p in (media / "images").iterdir()] == [["loss", "curve", "2"]]  # at the last step
     table = json.loads(next((media / "table").iterdir()).read_text())
-    assert table == {"columns": ["step", "prompt", "kind", "output"],
-                     "data": [[1, "def", "greedy", " f1():"], [1, "def", "sampled", " g():"],
-                              [2, "def", "greedy", " f2():"], [2, "def", "sampled", " g():"]]}
+    assert table == {
+        "columns": ["step", "prompt", "kind", "output"],
+        "data": [
+            [1, "def", "greedy", " f1():"],
+            [1, "def", "sampled", " g():"],
+            [2, "def", "greedy", " f2():"],
+            [2, "def", "sampled", " g():"],
+        ],
+    }
     client = mlflow.tracking.MlflowClient((tmp_path / "mlruns").absolute().as_uri())
     run_id = json.loads((tmp_path / trackers.IDS_FILE).read_text())["mlflow"]
     assert [a.path for a in client.list_artifacts(run_id)] == ["loss_curve.png", "samples.jsonl"]
@@ -220,8 +283,9 @@ def test_wandb_dir_when_set_is_where_wandb_writes(offline, monkeypatch, tmp_path
 
 @pytest.mark.parametrize("columns", [0, 80])
 def test_a_terminal_of_0_columns_gets_log_lines_not_an_invisible_bar(tmp_path, monkeypatch, columns):
-    terminal = types.SimpleNamespace(isatty=lambda: True, fileno=lambda: 2, write=sys.__stderr__.write,
-                                     flush=lambda: None)
+    terminal = types.SimpleNamespace(
+        isatty=lambda: True, fileno=lambda: 2, write=sys.__stderr__.write, flush=lambda: None
+    )
     monkeypatch.setattr(sys, "stderr", terminal)
     monkeypatch.setattr(os, "get_terminal_size", lambda fd: os.terminal_size((columns, 24)))
     report = reporter(tmp_path, "tensorboard")
@@ -231,10 +295,14 @@ def test_a_terminal_of_0_columns_gets_log_lines_not_an_invisible_bar(tmp_path, m
 
 
 def test_the_loss_plot_is_titled_in_words():
-    assert report_module.plot_title("roberta-tiny-de", "roberta", {"data": 8, "fsdp": 1, "tensor": 1}) == \
-        "roberta-tiny-de (roberta, mesh data=8)"
-    assert report_module.plot_title("r", "t5", {"data": 1, "fsdp": 1, "tensor": 1}) == \
-        "r (t5, mesh data=1, fsdp=1, tensor=1)"
+    assert (
+        report_module.plot_title("roberta-tiny-de", "roberta", {"data": 8, "fsdp": 1, "tensor": 1})
+        == "roberta-tiny-de (roberta, mesh data=8)"
+    )
+    assert (
+        report_module.plot_title("r", "t5", {"data": 1, "fsdp": 1, "tensor": 1})
+        == "r (t5, mesh data=1, fsdp=1, tensor=1)"
+    )
 
 
 def test_a_tracker_failing_mid_run_is_one_warning(offline, monkeypatch, tmp_path, caplog):
@@ -257,8 +325,10 @@ def test_a_tracker_failing_mid_run_is_one_warning(offline, monkeypatch, tmp_path
             report.log_train(step, train_metrics(step))
         report.finish({"train_loss": 0.5})
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["--report_to mlflow: logging step 2 failed (API request failed); the run goes on without "
-                        "mlflow (metrics.jsonl has everything)"]
+    assert warnings == [
+        "--report_to mlflow: logging step 2 failed (API request failed); the run goes on without "
+        "mlflow (metrics.jsonl has everything)"
+    ]
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
     assert {p.name for p in out.iterdir()} == {"metrics.jsonl", "loss_curve.png", "mlruns", trackers.IDS_FILE}
 
@@ -270,8 +340,9 @@ def test_a_tracker_that_cannot_start_is_one_line(offline, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("server", ["never answering", "nothing listening"])
-def test_an_mlflow_server_that_does_not_answer_is_one_line_within_the_bound(offline, monkeypatch, tmp_path,
-                                                                          silent_server, server):
+def test_an_mlflow_server_that_does_not_answer_is_one_line_within_the_bound(
+    offline, monkeypatch, tmp_path, silent_server, server
+):
     """MLflow's own timeouts and retries would hold the start for 20+ minutes (never answering) or ~4.5 (a closed
     port)."""
     with socket.socket() as closed:
@@ -288,8 +359,13 @@ def test_a_tracker_call_that_never_returns_is_one_warning_and_the_run_goes_on(mo
     """After its last step, the run does not wait for a stuck tracker beyond the bound (2 s here)."""
     monkeypatch.setenv("SPMDLM_NETWORK_TIMEOUT", "2")
     stuck = threading.Event()  # never set: the call hangs as on a server that never answers
-    hanging = types.SimpleNamespace(name="mlflow", external=True, start=lambda step: None,
-                                    log=lambda record: stuck.wait(), finish=lambda *a: stuck.wait())
+    hanging = types.SimpleNamespace(
+        name="mlflow",
+        external=True,
+        start=lambda step: None,
+        log=lambda record: stuck.wait(),
+        finish=lambda *a: stuck.wait(),
+    )
     group = trackers.Trackers([hanging])
     group.start(0)
     start = time.monotonic()
@@ -299,7 +375,8 @@ def test_a_tracker_call_that_never_returns_is_one_warning_and_the_run_goes_on(mo
     assert time.monotonic() - start < 5
     assert [r.getMessage() for r in caplog.records] == [
         "--report_to mlflow: logging step 1 failed (no answer within 2 s (the server is unreachable or not answering; "
-        "SPMDLM_NETWORK_TIMEOUT sets the bound)); the run goes on without mlflow (metrics.jsonl has everything)"]
+        "SPMDLM_NETWORK_TIMEOUT sets the bound)); the run goes on without mlflow (metrics.jsonl has everything)"
+    ]
 
 
 def test_mlflow_file_store_in_a_bucket_is_refused(monkeypatch):
@@ -316,17 +393,43 @@ def test_no_secret_reaches_a_file_or_a_tracker(tmp_path, tiny_gpt2_config, cache
     after a run reporting to every tracker (W&B offline, which records the command line; MLflow's file store)."""
     home, out = tmp_path / "home", tmp_path / "run"
     home.mkdir()
-    markers = {"flag": "hf_FlagSecretMarker4711", "HF_TOKEN": "hf_EnvSecretMarker4712",
-               "WANDB_API_KEY": "0123456789abcdef0123456789abcdefSecret13", "HUGGING_FACE_HUB_TOKEN": "hf_Marker4714"}
+    markers = {
+        "flag": "hf_FlagSecretMarker4711",
+        "HF_TOKEN": "hf_EnvSecretMarker4712",
+        "WANDB_API_KEY": "0123456789abcdef0123456789abcdefSecret13",
+        "HUGGING_FACE_HUB_TOKEN": "hf_Marker4714",
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_", "HF_", "XDG_"))}
-    env.update({"HOME": str(home), "XLA_FLAGS": COMPILE_FLAGS, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-                "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
-                **{k: v for k, v in markers.items() if k != "flag"}})
-    argv = launch_argv(out, tiny_gpt2_config, cache_dir, "--report_to", "wandb,mlflow,tensorboard", "--max_steps",
-                       "2", "--mesh", "data=1", "--do_eval", "false", f"--hub_token={markers['flag']}", "--token",
-                       markers["flag"])
-    done = subprocess.run([sys.executable, "-m", "spmdlm.launch", *argv], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    env.update(
+        {
+            "HOME": str(home),
+            "XLA_FLAGS": COMPILE_FLAGS,
+            "WANDB_MODE": "offline",
+            "WANDB_SILENT": "true",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "DO_NOT_TRACK": "true",
+            **{k: v for k, v in markers.items() if k != "flag"},
+        }
+    )
+    argv = launch_argv(
+        out,
+        tiny_gpt2_config,
+        cache_dir,
+        "--report_to",
+        "wandb,mlflow,tensorboard",
+        "--max_steps",
+        "2",
+        "--mesh",
+        "data=1",
+        "--do_eval",
+        "false",
+        f"--hub_token={markers['flag']}",
+        "--token",
+        markers["flag"],
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "spmdlm.launch", *argv], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     files = [p for root in (out, home) for p in root.rglob("*") if p.is_file()]
     assert any((out / "wandb").rglob("*.wandb")) and any((out / "mlruns").rglob("meta.yaml"))
@@ -339,5 +442,13 @@ def test_no_secret_reaches_a_file_or_a_tracker(tmp_path, tiny_gpt2_config, cache
 
 
 def test_the_command_line_is_masked():
-    assert masked(["--hub_token", "hf_a", "--token=hf_b", "--token", "--run_name", "x", "--hub_model_id", "o/m"]) == \
-        ["--hub_token", "***", "--token=***", "--token", "--run_name", "x", "--hub_model_id", "o/m"]
+    assert masked(["--hub_token", "hf_a", "--token=hf_b", "--token", "--run_name", "x", "--hub_model_id", "o/m"]) == [
+        "--hub_token",
+        "***",
+        "--token=***",
+        "--token",
+        "--run_name",
+        "x",
+        "--hub_model_id",
+        "o/m",
+    ]

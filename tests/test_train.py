@@ -6,20 +6,47 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import FIXTURES, read_metrics, run_killed_after_first_checkpoint
+
 from spmdlm.launch import main
 
 STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 
 
 def launch(tmp_dir: Path, config: Path, cache_dir: Path, *extra: str) -> int:
-    return main([
-        "--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", str(tmp_dir),
-        "--cache_dir", str(cache_dir), "--block_size", "32", "--per_device_train_batch_size", "2",
-        "--per_device_eval_batch_size", "2", "--learning_rate", "3e-3", "--warmup_steps", "2", "--logging_steps", "1",
-        "--save_steps", "100", "--max_eval_samples", "32", "--export_hf", "false", "--seed", "7", *extra,
-    ])
+    return main(
+        [
+            "--train_file",
+            STDLIB_JSON,
+            "--config_name",
+            str(config),
+            "--output_dir",
+            str(tmp_dir),
+            "--cache_dir",
+            str(cache_dir),
+            "--block_size",
+            "32",
+            "--per_device_train_batch_size",
+            "2",
+            "--per_device_eval_batch_size",
+            "2",
+            "--learning_rate",
+            "3e-3",
+            "--warmup_steps",
+            "2",
+            "--logging_steps",
+            "1",
+            "--save_steps",
+            "100",
+            "--max_eval_samples",
+            "32",
+            "--export_hf",
+            "false",
+            "--seed",
+            "7",
+            *extra,
+        ]
+    )
 
 
 def train_losses(output_dir: Path) -> list[float]:
@@ -28,16 +55,58 @@ def train_losses(output_dir: Path) -> list[float]:
 
 def test_tiny_model_overfits_a_small_text(tmp_path, cache_dir):
     config = tmp_path / "gpt2-overfit.json"
-    config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 384, "n_positions": 64, "n_embd": 96,
-                                  "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "vocab_size": 384,
+                "n_positions": 64,
+                "n_embd": 96,
+                "n_layer": 2,
+                "n_head": 4,
+                "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0,
+            }
+        )
+    )
     out = tmp_path / "overfit"
-    code = main([
-        "--train_file", str(FIXTURES / "overfit.txt"), "--config_name", str(config), "--output_dir", str(out),
-        "--cache_dir", str(cache_dir), "--block_size", "24", "--per_device_train_batch_size", "1",
-        "--mesh", "data=8", "--validation_split_percentage", "0", "--learning_rate", "5e-3", "--warmup_steps", "10",
-        "--lr_scheduler_type", "constant", "--max_steps", "150", "--logging_steps", "10", "--save_steps", "1000",
-        "--export_hf", "false", "--weight_decay", "0",
-    ])
+    code = main(
+        [
+            "--train_file",
+            str(FIXTURES / "overfit.txt"),
+            "--config_name",
+            str(config),
+            "--output_dir",
+            str(out),
+            "--cache_dir",
+            str(cache_dir),
+            "--block_size",
+            "24",
+            "--per_device_train_batch_size",
+            "1",
+            "--mesh",
+            "data=8",
+            "--validation_split_percentage",
+            "0",
+            "--learning_rate",
+            "5e-3",
+            "--warmup_steps",
+            "10",
+            "--lr_scheduler_type",
+            "constant",
+            "--max_steps",
+            "150",
+            "--logging_steps",
+            "10",
+            "--save_steps",
+            "1000",
+            "--export_hf",
+            "false",
+            "--weight_decay",
+            "0",
+        ]
+    )
     assert code == 0
     losses = train_losses(out)
     print("overfit losses:", [round(x, 3) for x in losses])
@@ -46,16 +115,40 @@ def test_tiny_model_overfits_a_small_text(tmp_path, cache_dir):
 
 def test_run_outputs(tmp_path, tiny_gpt2_config, cache_dir):
     out = tmp_path / "outputs"
-    assert launch(out, tiny_gpt2_config, cache_dir, "--mesh", "data=4,tensor=2", "--max_steps", "6",
-                  "--logging_steps", "3", "--eval_steps", "3", "--do_train", "--do_eval") == 0
+    assert (
+        launch(
+            out,
+            tiny_gpt2_config,
+            cache_dir,
+            "--mesh",
+            "data=4,tensor=2",
+            "--max_steps",
+            "6",
+            "--logging_steps",
+            "3",
+            "--eval_steps",
+            "3",
+            "--do_train",
+            "--do_eval",
+        )
+        == 0
+    )
     names = {p.name for p in out.iterdir()}
-    assert {"checkpoints", "metrics.jsonl", "eval_results.json", "loss_curve.png", "tensorboard", "tokenizer.json",
-            "run_config.json"} <= names
+    assert {
+        "checkpoints",
+        "metrics.jsonl",
+        "eval_results.json",
+        "loss_curve.png",
+        "tensorboard",
+        "tokenizer.json",
+        "run_config.json",
+    } <= names
     results = json.loads((out / "eval_results.json").read_text())
     assert results["eval_perplexity"] == pytest.approx(np.exp(results["eval_loss"]), rel=1e-6)
     # bits per byte: the summed loss over the text's bytes (a byte-level BPE token has at least one byte)
     assert results["eval_bits_per_byte"] == pytest.approx(
-        results["eval_loss"] * results["eval_tokens"] / results["eval_bytes"] / np.log(2), rel=1e-6)
+        results["eval_loss"] * results["eval_tokens"] / results["eval_bytes"] / np.log(2), rel=1e-6
+    )
     assert results["eval_bytes"] >= results["eval_tokens"]
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
     metrics = read_metrics(out)
@@ -63,17 +156,44 @@ def test_run_outputs(tmp_path, tiny_gpt2_config, cache_dir):
     assert [m["step"] for m in metrics if "eval_bits_per_byte" in m] == [3, 6]
     assert all(m["tokens_per_second"] > 0 for m in metrics if "loss" in m)
     # GPT-2's blocks of the joined stream have no padding: every token slot is a real token
-    assert all(m["real_tokens_per_second"] == pytest.approx(m["tokens_per_second"]) and m["padding_fraction"] == 0
-               for m in metrics if "loss" in m)
+    assert all(
+        m["real_tokens_per_second"] == pytest.approx(m["tokens_per_second"]) and m["padding_fraction"] == 0
+        for m in metrics
+        if "loss" in m
+    )
 
 
 def test_gradient_accumulation_matches_a_bigger_batch(tmp_path, tiny_gpt2_config, cache_dir):
     big = tmp_path / "big"
     accumulated = tmp_path / "accumulated"
-    assert launch(big, tiny_gpt2_config, cache_dir, "--mesh", "data=8", "--max_steps", "3",
-                  "--per_device_train_batch_size", "4") == 0
-    assert launch(accumulated, tiny_gpt2_config, cache_dir, "--mesh", "data=8", "--max_steps", "3",
-                  "--gradient_accumulation_steps", "2") == 0
+    assert (
+        launch(
+            big,
+            tiny_gpt2_config,
+            cache_dir,
+            "--mesh",
+            "data=8",
+            "--max_steps",
+            "3",
+            "--per_device_train_batch_size",
+            "4",
+        )
+        == 0
+    )
+    assert (
+        launch(
+            accumulated,
+            tiny_gpt2_config,
+            cache_dir,
+            "--mesh",
+            "data=8",
+            "--max_steps",
+            "3",
+            "--gradient_accumulation_steps",
+            "2",
+        )
+        == 0
+    )
     np.testing.assert_allclose(train_losses(accumulated), train_losses(big), rtol=1e-5)
 
 
@@ -82,11 +202,16 @@ def test_resume_onto_another_mesh_and_evaluate_only(tmp_path, tiny_gpt2_config, 
     whole, moved = tmp_path / "whole", tmp_path / "moved"
     assert launch(whole, tiny_gpt2_config, cache_dir, "--mesh", "data=8", *args) == 0
     run_killed_after_first_checkpoint(
-        monkeypatch, lambda: launch(moved, tiny_gpt2_config, cache_dir, "--mesh", "data=8", *args))
+        monkeypatch, lambda: launch(moved, tiny_gpt2_config, cache_dir, "--mesh", "data=8", *args)
+    )
     # The restore target takes the new mesh's shardings: the run continues on 2x2x2, and with another attention
     # implementation (the same math).
-    assert launch(moved, tiny_gpt2_config, cache_dir, "--mesh", "data=2,fsdp=2,tensor=2", *args,
-                  "--attention", "dot_product") == 0
+    assert (
+        launch(
+            moved, tiny_gpt2_config, cache_dir, "--mesh", "data=2,fsdp=2,tensor=2", *args, "--attention", "dot_product"
+        )
+        == 0
+    )
     np.testing.assert_allclose(train_losses(moved), train_losses(whole), rtol=1e-4)
     chosen = lambda out: json.loads((out / "run_config.json").read_text())["attention_implementation"]
     assert (chosen(whole), chosen(moved)) == ("xla", "dot_product")  # --attention auto is xla on the CPU
@@ -106,5 +231,3 @@ def test_dry_run_compiles_and_stops_leaving_the_disk_unchanged(tmp_path, tiny_gp
     assert logged[0] == f"output dir {out}: --dry_run writes nothing there"
     compiled = [line for line in logged if line.startswith("train step compiled in")]
     assert len(compiled) == 1 and "temporaries" in compiled[0]
-
-

@@ -33,8 +33,19 @@ import numpy as np
 from spmdlm import storage
 from spmdlm.data.objectives import DOCUMENT_ATTENTION
 from spmdlm.data.readers import DATASET_CARD, Corpus, ReadStats
-from spmdlm.data.records import (TOKENS_SUFFIX, Cut, PreparedSplit, RecordShards, default_workers, file_sha256,
-                                 no_space, progress_bar, remove_stale_temps, token_file_problem, tokenize_into)
+from spmdlm.data.records import (
+    TOKENS_SUFFIX,
+    Cut,
+    PreparedSplit,
+    RecordShards,
+    default_workers,
+    file_sha256,
+    no_space,
+    progress_bar,
+    remove_stale_temps,
+    token_file_problem,
+    tokenize_into,
+)
 from spmdlm.data.sentences import SENTENCE_END
 from spmdlm.data.tokenizer import save_tokenizer
 from spmdlm.errors import DataError
@@ -68,14 +79,15 @@ def read_card(dataset_dir: str | os.PathLike) -> dict:
     try:
         card = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise DataError(f"--dataset_dir {folder}: {CARD_NAME} is unreadable ({e}); prepare the dataset again") \
-            from None
+        raise DataError(f"--dataset_dir {folder}: {CARD_NAME} is unreadable ({e}); prepare the dataset again") from None
     if not isinstance(card, dict) or card.get("format") != CARD_FORMAT:
         raise DataError(f"--dataset_dir {folder}: {CARD_NAME} is not an spmdlm dataset card")
     if card.get("version") != CARD_VERSION:
-        raise DataError(f"--dataset_dir {folder}: dataset format version {card.get('version')}, this spmdlm reads "
-                        f"{CARD_VERSION} (flat token shards, read in batches); prepare it again with this version: "
-                        "python -m spmdlm.prepare ... --overwrite")
+        raise DataError(
+            f"--dataset_dir {folder}: dataset format version {card.get('version')}, this spmdlm reads "
+            f"{CARD_VERSION} (flat token shards, read in batches); prepare it again with this version: "
+            "python -m spmdlm.prepare ... --overwrite"
+        )
     return card
 
 
@@ -88,20 +100,25 @@ def _open_split(folder: Path, card: dict, split: str, verify: bool) -> PreparedS
         if not path.is_file():
             raise DataError(f"--dataset_dir {folder}: shard {shard['file']} is missing; prepare the dataset again")
         if (size := storage.size(path)) != shard["bytes"]:
-            raise DataError(f"--dataset_dir {folder}: shard {shard['file']} has {size} bytes, {shard['bytes']} "
-                            "expected; prepare the dataset again")
+            raise DataError(
+                f"--dataset_dir {folder}: shard {shard['file']} has {size} bytes, {shard['bytes']} "
+                "expected; prepare the dataset again"
+            )
     if storage.is_remote(folder):  # Grain reads local files: a verified copy on this host's disk
         paths = [_local_shard(folder, path, shard) for path, shard in zip(paths, entry["shards"])]
     for path, shard in zip(paths, entry["shards"]):
         if verify and file_sha256(path) != shard["sha256"]:
-            raise DataError(f"--dataset_dir {folder}: shard {shard['file']} does not match its sha256; prepare "
-                            "the dataset again")
+            raise DataError(
+                f"--dataset_dir {folder}: shard {shard['file']} does not match its sha256; prepare the dataset again"
+            )
     for path, shard in zip(paths, entry["shards"]):
         if problem := token_file_problem(path, shard["bytes"], shard["records"], card["record_length"]):
             raise DataError(f"--dataset_dir {folder}: {problem}; prepare the dataset again")
     if (records := sum(shard["records"] for shard in entry["shards"])) != entry["examples"]:
-        raise DataError(f"--dataset_dir {folder}: the {split} shards hold {records} records, {entry['examples']} "
-                        "expected; prepare the dataset again")
+        raise DataError(
+            f"--dataset_dir {folder}: the {split} shards hold {records} records, {entry['examples']} "
+            "expected; prepare the dataset again"
+        )
     return PreparedSplit(tuple(paths), entry["examples"], entry["tokens"], card["record_length"], card.get("key", ""))
 
 
@@ -110,13 +127,18 @@ def _local_shard(folder, remote, shard: dict) -> Path:
     sha256 is there already (its sha256 is kept beside it); a copy that does not match the card is refused."""
     local = storage.local_mirror(folder) / shard["file"]
     checked = local.with_name(local.name + ".sha256")
-    if local.is_file() and local.stat().st_size == shard["bytes"] and checked.is_file() \
-            and checked.read_text() == shard["sha256"]:
+    if (
+        local.is_file()
+        and local.stat().st_size == shard["bytes"]
+        and checked.is_file()
+        and checked.read_text() == shard["sha256"]
+    ):
         return local
     if storage.download(remote, local, desc=f"copying {shard['file']}") != shard["sha256"]:
         local.unlink(missing_ok=True)
-        raise DataError(f"--dataset_dir {folder}: shard {shard['file']} does not match its sha256; prepare the "
-                        "dataset again")
+        raise DataError(
+            f"--dataset_dir {folder}: shard {shard['file']} does not match its sha256; prepare the dataset again"
+        )
     checked.write_text(shard["sha256"])
     return local
 
@@ -131,12 +153,14 @@ def _flags_of(card: dict) -> str:
     """The launcher flags a dataset was prepared with ('--line_by_line --packing --max_seq_length 128'): those given,
     not those off, nor the default --document_attention, which every card has."""
     unsaid = lambda k, v: v in (None, False) or (k == DOCUMENT_ATTENTION.name and v == DOCUMENT_ATTENTION.default)
-    return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in (card.get("objective") or {}).items()
-                    if not unsaid(k, v))
+    return " ".join(
+        f"--{k}" if v is True else f"--{k} {v}" for k, v in (card.get("objective") or {}).items() if not unsaid(k, v)
+    )
 
 
-def open_dataset(dataset_dir: str | os.PathLike, *, tokenizer, record_length: int, mode: str,
-                 verify: bool = False) -> tuple[PreparedSplit, PreparedSplit | None, dict]:
+def open_dataset(
+    dataset_dir: str | os.PathLike, *, tokenizer, record_length: int, mode: str, verify: bool = False
+) -> tuple[PreparedSplit, PreparedSplit | None, dict]:
     """(train, validation or None, card) of a dataset written by `python -m spmdlm.prepare`.
 
     Refuses (DataError, one line) a dataset prepared with another tokenizer (sha256 of tokenizer.to_str()), record
@@ -147,17 +171,23 @@ def open_dataset(dataset_dir: str | os.PathLike, *, tokenizer, record_length: in
     folder = storage.path(dataset_dir, "--dataset_dir")
     card = read_card(folder)
     if card["mode"] != mode:  # first: another mode has another length too (packed_lines), and says why
-        raise DataError(f"{_prepared_for(folder, card)} ({card['mode']!r} records) but this run's objective needs "
-                        f"{mode!r} records: pass {_flags_of(card) or 'no objective flags'} as it was prepared "
-                        f"(--model_type {card.get('for_model')}), or prepare the data again for this objective")
+        raise DataError(
+            f"{_prepared_for(folder, card)} ({card['mode']!r} records) but this run's objective needs "
+            f"{mode!r} records: pass {_flags_of(card) or 'no objective flags'} as it was prepared "
+            f"(--model_type {card.get('for_model')}), or prepare the data again for this objective"
+        )
     if card["record_length"] != record_length:
-        raise DataError(f"{_prepared_for(folder, card)} (records of {card['record_length']} tokens) but this run "
-                        f"needs records of {record_length} tokens: pass the same length flags or prepare the data "
-                        "again")
+        raise DataError(
+            f"{_prepared_for(folder, card)} (records of {card['record_length']} tokens) but this run "
+            f"needs records of {record_length} tokens: pass the same length flags or prepare the data "
+            "again"
+        )
     if card["tokenizer"]["sha256"] != tokenizer_hash(tokenizer):
-        raise DataError(f"--dataset_dir {folder} was tokenized with another tokenizer than this run's (sha256 "
-                        f"{card['tokenizer']['sha256'][:12]}, this run's {tokenizer_hash(tokenizer)[:12]}): pass "
-                        f"--tokenizer_name {folder / TOKENIZER_DIR} or prepare the data again")
+        raise DataError(
+            f"--dataset_dir {folder} was tokenized with another tokenizer than this run's (sha256 "
+            f"{card['tokenizer']['sha256'][:12]}, this run's {tokenizer_hash(tokenizer)[:12]}): pass "
+            f"--tokenizer_name {folder / TOKENIZER_DIR} or prepare the data again"
+        )
     train = _open_split(folder, card, "train", verify)
     if train is None:
         raise DataError(f"--dataset_dir {folder} has no training split; prepare the dataset again")
@@ -178,11 +208,13 @@ def _check_ids(folder, split: PreparedSplit, mode: str, vocab_size: int) -> None
     for path, tokens in zip(split.paths, shards):
         starts = range(0, len(tokens), ID_CHECK_CHUNK)
         for start in starts if whole else sorted({0, starts[-1]} if len(starts) else ()):
-            ids = tokens[start:start + ID_CHECK_CHUNK] & id_bits
+            ids = tokens[start : start + ID_CHECK_CHUNK] & id_bits
             if ids.size and not (0 <= ids.min() and ids.max() < vocab_size):
                 bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
-                raise DataError(f"--dataset_dir {folder}: shard {path.name} holds token id {bad}, outside the "
-                                f"tokenizer's {vocab_size} ids (a damaged shard); prepare the dataset again")
+                raise DataError(
+                    f"--dataset_dir {folder}: shard {path.name} holds token id {bad}, outside the "
+                    f"tokenizer's {vocab_size} ids (a damaged shard); prepare the dataset again"
+                )
 
 
 # -- preparing a dataset (python -m spmdlm.prepare) ------------------------------------------------------------------
@@ -192,10 +224,20 @@ def _key(head: dict) -> str:
     return hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()
 
 
-CHANGE_NAMES = {"inputs": "inputs", "tokenizer": "tokenizer", "record_length": "record length",
-                "mode": "preparation mode", "objective": "objective flags", "for_model": "--for_model",
-                "validation": "validation split", "records_per_shard": "--shard_size", "separator_id": "separator id",
-                "pad_id": "pad id", "bos_id": "bos id", "version": "dataset format"}
+CHANGE_NAMES = {
+    "inputs": "inputs",
+    "tokenizer": "tokenizer",
+    "record_length": "record length",
+    "mode": "preparation mode",
+    "objective": "objective flags",
+    "for_model": "--for_model",
+    "validation": "validation split",
+    "records_per_shard": "--shard_size",
+    "separator_id": "separator id",
+    "pad_id": "pad id",
+    "bos_id": "bos id",
+    "version": "dataset format",
+}
 
 
 def _changes(old: dict, head: dict) -> list[str]:
@@ -213,11 +255,25 @@ def _shards_present(folder: Path, card: dict) -> bool:
     return True
 
 
-def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family, objective: dict,
-                    record_length: int, mode: str, separator_id: int, pad_id: int | None,
-                    bos_id: int | None = None, validation_percentage: float = 5.0, workers: int | None = None,
-                    shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, model_max_length: int = 1024,
-                    progress: bool | None = None) -> dict:
+def prepare_dataset(
+    corpus: Corpus,
+    tokenizer,
+    out: str | os.PathLike,
+    *,
+    family,
+    objective: dict,
+    record_length: int,
+    mode: str,
+    separator_id: int,
+    pad_id: int | None,
+    bos_id: int | None = None,
+    validation_percentage: float = 5.0,
+    workers: int | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    model_max_length: int = 1024,
+    progress: bool | None = None,
+) -> dict:
     """Prepare `corpus` into the dataset directory `out` and return its card; a no-op when `out` already holds the
     dataset of these inputs and settings. Refuses (DataError) a non-empty `out` holding anything else, and a dataset
     of other inputs or settings unless `overwrite`. `workers` (default: the CPUs) changes speed, not the bytes.
@@ -240,8 +296,11 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
         "format": CARD_FORMAT,
         "version": CARD_VERSION,
         "inputs": corpus.manifest(),
-        "tokenizer": {"sha256": tokenizer_hash(tokenizer), "vocab_size": tokenizer.get_vocab_size(),
-                      "dir": TOKENIZER_DIR},
+        "tokenizer": {
+            "sha256": tokenizer_hash(tokenizer),
+            "vocab_size": tokenizer.get_vocab_size(),
+            "dir": TOKENIZER_DIR,
+        },
         "for_model": family.name,
         "objective": objective,
         "record_length": record_length,
@@ -272,8 +331,10 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
         if old.get("key") == key:
             log.warning("%s has missing or damaged shards; preparing it again", out)
         elif not overwrite:
-            raise DataError(f"--out {out} holds a dataset prepared with other {', '.join(_changes(old, head))}; "
-                            "pass --overwrite to replace it or choose another --out")
+            raise DataError(
+                f"--out {out} holds a dataset prepared with other {', '.join(_changes(old, head))}; "
+                "pass --overwrite to replace it or choose another --out"
+            )
 
     host = socket.gethostname()
     tmp = out.with_name(f".{out.name}.tmp-{host}-{os.getpid()}")
@@ -289,9 +350,19 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
     except OSError as e:
         raise DataError(f"cannot write in {out.parent}: {e.strerror or e}; choose a writable --out") from None
     try:
-        card = {**head, "key": key, **_write_dataset(corpus, tokenizer, tmp, head, workers=workers,
-                                                      validation_percentage=validation_percentage,
-                                                      progress=progress)}
+        card = {
+            **head,
+            "key": key,
+            **_write_dataset(
+                corpus,
+                tokenizer,
+                tmp,
+                head,
+                workers=workers,
+                validation_percentage=validation_percentage,
+                progress=progress,
+            ),
+        }
         save_tokenizer(tokenizer, tmp / TOKENIZER_DIR, family, model_max_length=model_max_length)
         (tmp / CARD_NAME).write_text(json.dumps(card, indent=2, ensure_ascii=False) + "\n")
         if storage.is_remote(out):
@@ -301,8 +372,10 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
     except OSError as e:
         if not no_space(e):
             raise
-        raise DataError(f"cannot write the dataset {out}: no space left on device in {out.parent}; free some "
-                        "space or choose another --out") from None
+        raise DataError(
+            f"cannot write the dataset {out}: no space left on device in {out.parent}; free some "
+            "space or choose another --out"
+        ) from None
     finally:
         if storage.is_remote(out):
             shutil.rmtree(tmp.parent, ignore_errors=True)
@@ -312,7 +385,9 @@ def prepare_dataset(corpus: Corpus, tokenizer, out: str | os.PathLike, *, family
 
 
 def _describe(card: dict) -> str:
-    return f"for {card.get('for_model')}, records of {card.get('record_length')} tokens, key {str(card.get('key'))[:12]}"
+    return (
+        f"for {card.get('for_model')}, records of {card.get('record_length')} tokens, key {str(card.get('key'))[:12]}"
+    )
 
 
 def _raced(out: Path, ours: dict) -> DataError:
@@ -321,9 +396,11 @@ def _raced(out: Path, ours: dict) -> DataError:
         theirs = json.loads((out / CARD_NAME).read_text())
     except (OSError, ValueError):
         theirs = {}
-    return DataError(f"--out {out} got another dataset ({_describe(theirs)}) from a preparation that ran at the same "
-                     f"time; this one ({_describe(ours)}) was not written over it: choose another --out, or run "
-                     "again with --overwrite to replace it")
+    return DataError(
+        f"--out {out} got another dataset ({_describe(theirs)}) from a preparation that ran at the same "
+        f"time; this one ({_describe(ours)}) was not written over it: choose another --out, or run "
+        "again with --overwrite to replace it"
+    )
 
 
 def _swap_in(tmp: Path, out: Path, seen: str | None, card: dict) -> dict:
@@ -384,53 +461,101 @@ def _upload_in(tmp: Path, out) -> None:
     storage.upload(tmp / CARD_NAME, out / CARD_NAME)
 
 
-def _write_dataset(corpus: Corpus, tokenizer, folder: Path, head: dict, *, workers: int,
-                   validation_percentage: float, progress: bool | None) -> dict:
+def _write_dataset(
+    corpus: Corpus,
+    tokenizer,
+    folder: Path,
+    head: dict,
+    *,
+    workers: int,
+    validation_percentage: float,
+    progress: bool | None,
+) -> dict:
     """Tokenize the corpus into shard files in `folder`; -> the card's "read" and "splits"."""
     from_hash = head["validation"]["from"] == "document hash"
-    cut = Cut(head["record_length"], head["separator_id"], head["mode"], head["pad_id"],
-              validation_percentage if from_hash else 0.0, bos_id=head.get("bos_id"))
-    sinks = {split: RecordShards(lambda i, split=split: folder / f"{split}-{i:05d}{TOKENS_SUFFIX}",
-                                         head["records_per_shard"])
-             for split in ("train", "validation")}
+    cut = Cut(
+        head["record_length"],
+        head["separator_id"],
+        head["mode"],
+        head["pad_id"],
+        validation_percentage if from_hash else 0.0,
+        bos_id=head.get("bos_id"),
+    )
+    sinks = {
+        split: RecordShards(
+            lambda i, split=split: folder / f"{split}-{i:05d}{TOKENS_SUFFIX}", head["records_per_shard"]
+        )
+        for split in ("train", "validation")
+    }
     stats = ReadStats()
     started = time.perf_counter()
     total = corpus.total_bytes
-    bar = progress_bar(total, "preparing", unit="B" if total else "doc",
-                                disable=None if progress is None else not progress)
+    bar = progress_bar(
+        total, "preparing", unit="B" if total else "doc", disable=None if progress is None else not progress
+    )
     tokens_seen = [0]
 
     def on_chunk(documents: int, tokens: int) -> None:
         tokens_seen[0] += tokens
         bar.update((stats.bytes_read - bar.n) if total else documents)
-        bar.set_postfix_str(f"{tokens_seen[0] / max(1e-9, time.perf_counter() - started) / 1e6:.2f}M tok/s",
-                            refresh=False)
+        bar.set_postfix_str(
+            f"{tokens_seen[0] / max(1e-9, time.perf_counter() - started) / 1e6:.2f}M tok/s", refresh=False
+        )
 
     with bar:
-        split_stats = tokenize_into(corpus.documents("train", stats), tokenizer,
-                                            sinks if from_hash else {"train": sinks["train"]}, cut,
-                                            workers=workers, on_chunk=on_chunk)
+        split_stats = tokenize_into(
+            corpus.documents("train", stats),
+            tokenizer,
+            sinks if from_hash else {"train": sinks["train"]},
+            cut,
+            workers=workers,
+            on_chunk=on_chunk,
+        )
         if head["validation"]["from"] == "the dataset's validation split":
             split_stats["validation"] = tokenize_into(
-                corpus.documents("validation", stats), tokenizer, {"train": sinks["validation"]}, cut,
-                workers=workers, on_chunk=on_chunk, name="validation")["train"]
+                corpus.documents("validation", stats),
+                tokenizer,
+                {"train": sinks["validation"]},
+                cut,
+                workers=workers,
+                on_chunk=on_chunk,
+                name="validation",
+            )["train"]
     elapsed = time.perf_counter() - started
     shards = {split: sink.close() for split, sink in sinks.items()}
     train = split_stats["train"]
     if train.examples == 0:
-        raise DataError(f"the training corpus has {train.tokens} tokens in {train.documents} documents, fewer than "
-                        f"one example of {cut.record_length} tokens; give more text or lower the length")
+        raise DataError(
+            f"the training corpus has {train.tokens} tokens in {train.documents} documents, fewer than "
+            f"one example of {cut.record_length} tokens; give more text or lower the length"
+        )
     splits = {"train": None, "validation": None}
     for split, counts in split_stats.items():
         if counts.examples == 0:
-            log.warning("the %s split (%d documents, %d tokens) is smaller than one example of %d tokens: none "
-                        "written; raise --validation_percentage", split, counts.documents, counts.tokens,
-                        cut.record_length)
+            log.warning(
+                "the %s split (%d documents, %d tokens) is smaller than one example of %d tokens: none "
+                "written; raise --validation_percentage",
+                split,
+                counts.documents,
+                counts.tokens,
+                cut.record_length,
+            )
             continue
-        splits[split] = {**counts.card(), "shards": [{"file": s["path"].name, "records": s["records"],
-                                                     "bytes": s["bytes"], "sha256": s["sha256"]}
-                                                    for s in shards[split]]}
+        splits[split] = {
+            **counts.card(),
+            "shards": [
+                {"file": s["path"].name, "records": s["records"], "bytes": s["bytes"], "sha256": s["sha256"]}
+                for s in shards[split]
+            ],
+        }
     total_tokens = sum(c.tokens for c in split_stats.values())
-    log.info("tokenized %d documents (%d tokens) in %.1fs: %.0f tokens/s with %d worker%s", stats.documents,
-             total_tokens, elapsed, total_tokens / max(elapsed, 1e-9), workers, "s" * (workers > 1))
+    log.info(
+        "tokenized %d documents (%d tokens) in %.1fs: %.0f tokens/s with %d worker%s",
+        stats.documents,
+        total_tokens,
+        elapsed,
+        total_tokens / max(elapsed, 1e-9),
+        workers,
+        "s" * (workers > 1),
+    )
     return {"read": stats.card(), "splits": splits}

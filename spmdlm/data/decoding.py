@@ -10,11 +10,11 @@ import bz2
 import codecs
 import gzip
 import io
-import lzma
 import logging
+import lzma
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from spmdlm.errors import DataError
 
@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 COMPRESSION_SUFFIXES = {".gz", ".zst", ".xz", ".bz2"}
 DATASETS_HINT = "pip install 'spmdlm[datasets]'"  # the extra that brings zstandard, pyarrow and datasets
 
-BINARY_FIX = ("give text files (any suffix; plain, .gz, .zst, .xz or .bz2) or leave it out of the inputs "
-              "(--text_format parquet if it is parquet)")
+BINARY_FIX = (
+    "give text files (any suffix; plain, .gz, .zst, .xz or .bz2) or leave it out of the inputs "
+    "(--text_format parquet if it is parquet)"
+)
 BINARY_PROBE = 8192  # bytes looked at to tell text from binary
 MAX_INVALID_SHARE = 0.3  # a text file with more undecodable bytes than this in the probe is taken for binary
 # A BOM says the encoding; the UTF-32 ones come first, as the UTF-32 LE BOM begins with the UTF-16 LE one.
@@ -54,8 +56,9 @@ def _open_binary(path: Path):
         try:
             import zstandard
         except ImportError:
-            raise DataError(f"{path}: reading .zst files needs zstandard: pip install zstandard (or "
-                            f"{DATASETS_HINT})") from None
+            raise DataError(
+                f"{path}: reading .zst files needs zstandard: pip install zstandard (or {DATASETS_HINT})"
+            ) from None
     raw = path.open("rb")  # a local file, or a gs:// object read through gcsfs
     if compression in _STDLIB_DECOMPRESSORS:
         return raw, _STDLIB_DECOMPRESSORS[compression](raw)
@@ -64,9 +67,11 @@ def _open_binary(path: Path):
     return raw, raw
 
 
-_STDLIB_DECOMPRESSORS = {".gz": lambda raw: gzip.GzipFile(fileobj=raw, mode="rb"),
-                         ".xz": lambda raw: lzma.LZMAFile(raw, mode="rb"),
-                         ".bz2": lambda raw: bz2.BZ2File(raw, mode="rb")}
+_STDLIB_DECOMPRESSORS = {
+    ".gz": lambda raw: gzip.GzipFile(fileobj=raw, mode="rb"),
+    ".xz": lambda raw: lzma.LZMAFile(raw, mode="rb"),
+    ".bz2": lambda raw: bz2.BZ2File(raw, mode="rb"),
+}
 
 
 def _decompression_errors(path: Path) -> tuple[type[BaseException], ...]:
@@ -85,8 +90,10 @@ def _decompression_errors(path: Path) -> tuple[type[BaseException], ...]:
 
 
 def _bad_compressed(path: Path, e: BaseException) -> DataError:
-    return DataError(f"{path}: cannot decompress ({str(e).partition(chr(10))[0] or type(e).__name__}); "
-                     "the file is truncated or not what its suffix says")
+    return DataError(
+        f"{path}: cannot decompress ({str(e).partition(chr(10))[0] or type(e).__name__}); "
+        "the file is truncated or not what its suffix says"
+    )
 
 
 def _encoding(path: Path) -> str:
@@ -131,5 +138,9 @@ def text_lines(path: Path, newline: str | None = None, stats=None) -> Iterator[s
             stats.reading = None
             stats.invalid_bytes += invalid
     if invalid:
-        log.warning("%s: %d bytes are not valid UTF-8 and were replaced by U+FFFD (convert the file to UTF-8, "
-                    "e.g. iconv -f latin1 -t utf-8)", path, invalid)
+        log.warning(
+            "%s: %d bytes are not valid UTF-8 and were replaced by U+FFFD (convert the file to UTF-8, "
+            "e.g. iconv -f latin1 -t utf-8)",
+            path,
+            invalid,
+        )

@@ -20,8 +20,8 @@ import glob
 import itertools
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import yaml
@@ -73,12 +73,16 @@ def parse_train_file(text: str) -> tuple[Source, ...]:
         return ()
     unweighted = [part for part, match in zip(parts, matches) if match is None]
     if unweighted:
-        raise ArgumentError(f"--train_file {text}: {unweighted[0]} has no :WEIGHT; in a mixture every part has one "
-                            "(a source of several files is a glob or a directory, or use --data_mixture)")
+        raise ArgumentError(
+            f"--train_file {text}: {unweighted[0]} has no :WEIGHT; in a mixture every part has one "
+            "(a source of several files is a glob or a directory, or use --data_mixture)"
+        )
     names = unique_names([name_of(match["path"]) for match in matches])
     weights = normalised([float(match["weight"]) for match in matches], names, "--train_file")
-    return tuple(Source(name, weight, train_file=match["path"], origin=f"--train_file source {name}")
-                 for name, weight, match in zip(names, weights, matches))
+    return tuple(
+        Source(name, weight, train_file=match["path"], origin=f"--train_file source {name}")
+        for name, weight, match in zip(names, weights, matches)
+    )
 
 
 def name_of(pattern: str) -> str:
@@ -107,17 +111,22 @@ def normalised(weights: Sequence[float], names: Sequence[str], where: str) -> li
     """Positive finite weights scaled to sum to 1; a source too light to get one slot per PERIOD is refused."""
     for name, weight in zip(names, weights):
         if not (math.isfinite(weight) and weight > 0):
-            raise ArgumentError(f"{where}: source {name} has weight {weight:g}; weights must be positive (leave a "
-                                "source out instead of weighting it 0)")
+            raise ArgumentError(
+                f"{where}: source {name} has weight {weight:g}; weights must be positive (leave a "
+                "source out instead of weighting it 0)"
+            )
     total = sum(weights)
     if not math.isfinite(total):
-        raise ArgumentError(f"{where}: the weights sum to more than a float holds; scale them down (only their "
-                            "ratios count)")
+        raise ArgumentError(
+            f"{where}: the weights sum to more than a float holds; scale them down (only their ratios count)"
+        )
     shares = [weight / total for weight in weights]
     for name, count in zip(names, slot_counts(shares)):
         if count == 0:
-            raise ArgumentError(f"{where}: source {name}'s weight gives it no example in {PERIOD:,}; give it at "
-                                f"least 1/{PERIOD:,} of the total")
+            raise ArgumentError(
+                f"{where}: source {name}'s weight gives it no example in {PERIOD:,}; give it at "
+                f"least 1/{PERIOD:,} of the total"
+            )
     return shares
 
 
@@ -134,15 +143,19 @@ def read_mixture_file(path: str) -> tuple[Source, ...]:
         raise ArgumentError(f"{where} is not valid YAML: {yaml_problem(e)}") from None
     entries = loaded.get("sources") if isinstance(loaded, dict) else loaded
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
-        raise ArgumentError(f"{where}: expected `sources:`, a list of mappings with name, train_file or "
-                            "dataset_dir, weight and optionally validation_file")
+        raise ArgumentError(
+            f"{where}: expected `sources:`, a list of mappings with name, train_file or "
+            "dataset_dir, weight and optionally validation_file"
+        )
     names, weights = [], []
     for number, entry in enumerate(entries, start=1):
         unknown = sorted(set(entry) - set(MIXTURE_KEYS))
         name = entry.get("name")
         if unknown:
-            raise ArgumentError(f"{where}: source {number} has unknown keys {', '.join(map(str, unknown))} (known: "
-                                f"{', '.join(MIXTURE_KEYS)})")
+            raise ArgumentError(
+                f"{where}: source {number} has unknown keys {', '.join(map(str, unknown))} (known: "
+                f"{', '.join(MIXTURE_KEYS)})"
+            )
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ArgumentError(f"{where}: source {number} needs a name of letters, digits, _ . - (got {name!r})")
         if name in names:
@@ -150,16 +163,24 @@ def read_mixture_file(path: str) -> tuple[Source, ...]:
         if (entry.get("train_file") is None) == (entry.get("dataset_dir") is None):
             raise ArgumentError(f"{where}: source {name} needs one of train_file and dataset_dir")
         if entry.get("dataset_dir") is not None and entry.get("validation_file") is not None:
-            raise ArgumentError(f"{where}: source {name}: a dataset_dir has its own validation split; leave out "
-                                "validation_file")
+            raise ArgumentError(
+                f"{where}: source {name}: a dataset_dir has its own validation split; leave out validation_file"
+            )
         names.append(name)
         weights.append(_weight(entry.get("weight"), f"{where}: source {name}"))
     shares = normalised(weights, names, where)
     beside = lambda value: None if value is None else _beside(file.parent, str(value))
-    return tuple(Source(name, share, train_file=beside(entry.get("train_file")),
-                        dataset_dir=beside(entry.get("dataset_dir")),
-                        validation_file=beside(entry.get("validation_file")), origin=f"{where} source {name}")
-                 for name, share, entry in zip(names, shares, entries))
+    return tuple(
+        Source(
+            name,
+            share,
+            train_file=beside(entry.get("train_file")),
+            dataset_dir=beside(entry.get("dataset_dir")),
+            validation_file=beside(entry.get("validation_file")),
+            origin=f"{where} source {name}",
+        )
+        for name, share, entry in zip(names, shares, entries)
+    )
 
 
 def _weight(value, where: str) -> float:
@@ -173,9 +194,11 @@ def _weight(value, where: str) -> float:
 
 def _beside(folder: Path, value: str) -> str:
     """Each comma-separated path of `value`, relative ones taken relative to `folder`."""
+
     def one(part: str) -> str:
         part = part.strip()
         return part if storage.is_url(part) or Path(part).expanduser().is_absolute() else str(folder / part)
+
     return ",".join(one(part) for part in value.split(",") if part.strip())
 
 

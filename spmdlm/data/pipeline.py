@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 import grain
 import jax
@@ -29,12 +29,15 @@ from spmdlm.data.records import PreparedSplit, TokenRecords
 from spmdlm.errors import DataError
 from spmdlm.mesh import batch_sharding
 
+
 # The objective's prefetch threads (`Objective.read_threads`), a few batches ahead each: measured on 2 cores
 # (benchmarks/bench_read.py), one thread doubles CLM and MLM (the gather and numpy release the GIL) and slows BART's
 # GIL-bound denoising; Grain's default 16 threads and 500 elements cost more per batch than they save. Batches are
 # read in order either way.
 def read_options_for(objective: Objective) -> grain.ReadOptions:
     return grain.ReadOptions(num_threads=objective.read_threads, prefetch_buffer_size=4 * objective.read_threads)
+
+
 # What a checkpointed iterator's position counts (run_config.json "data_format"): 1 = examples (spmdlm 0.2),
 # 2 = host batches (HostBatches, MixtureBatches). A resume across formats is refused (train/outputs.py).
 DATA_FORMAT = 2
@@ -77,8 +80,7 @@ class RecordBatch:
 class _HostRows:
     """Element s of a batch source: this process's contiguous rows of global batch s, as global example indices."""
 
-    def __init__(self, num_records: int, *, global_batch: int, num_epochs: int, process_index: int,
-                 process_count: int):
+    def __init__(self, num_records: int, *, global_batch: int, num_epochs: int, process_index: int, process_count: int):
         if global_batch % process_count:
             raise ValueError(f"global batch {global_batch} is not divisible by {process_count} processes")
         self.global_batch, self.local = global_batch, global_batch // process_count
@@ -95,12 +97,26 @@ class _HostRows:
 class HostBatches(_HostRows):
     """Grain random-access source: element s is this process's rows of global batch s, read in one gather."""
 
-    def __init__(self, split: PreparedSplit, *, seed: int, global_batch: int, num_epochs: int,
-                 process_index: int = 0, process_count: int = 1, shuffle: bool = True):
+    def __init__(
+        self,
+        split: PreparedSplit,
+        *,
+        seed: int,
+        global_batch: int,
+        num_epochs: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        shuffle: bool = True,
+    ):
         self.records = TokenRecords(split)
         self.order = EpochOrder(len(self.records), seed, shuffle)
-        super().__init__(len(self.records), global_batch=global_batch, num_epochs=num_epochs,
-                         process_index=process_index, process_count=process_count)
+        super().__init__(
+            len(self.records),
+            global_batch=global_batch,
+            num_epochs=num_epochs,
+            process_index=process_index,
+            process_count=process_count,
+        )
 
     def __getitem__(self, step: int) -> RecordBatch:
         indices = self.indices(step)
@@ -111,14 +127,28 @@ class MixtureBatches(_HostRows):
     """HostBatches of a weighted mixture (spmdlm.data.mixture): global example g is example j of source k
     (`MixtureOrder`), read as record EpochOrder_k(j) of that source; an epoch is the sum of the sources' records."""
 
-    def __init__(self, mixed: MixedSplit, *, seed: int, global_batch: int, num_epochs: int,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        mixed: MixedSplit,
+        *,
+        seed: int,
+        global_batch: int,
+        num_epochs: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         self.sources = [TokenRecords(split) for split in mixed.splits]
-        self.orders = [EpochOrder(len(records), seed, stream=(SOURCE_STREAM + k,))
-                       for k, records in enumerate(self.sources)]
+        self.orders = [
+            EpochOrder(len(records), seed, stream=(SOURCE_STREAM + k,)) for k, records in enumerate(self.sources)
+        ]
         self.mixture = MixtureOrder(mixed.weights, seed)
-        super().__init__(mixed.num_records, global_batch=global_batch, num_epochs=num_epochs,
-                         process_index=process_index, process_count=process_count)
+        super().__init__(
+            mixed.num_records,
+            global_batch=global_batch,
+            num_epochs=num_epochs,
+            process_index=process_index,
+            process_count=process_count,
+        )
 
     def __getitem__(self, step: int) -> RecordBatch:
         indices = self.indices(step)
@@ -138,26 +168,47 @@ class _ApplyObjective(grain.transforms.Map):
         return self.objective.batch(batch.records, self.seed, batch.indices)
 
 
-def train_batches(split: PreparedSplit | MixedSplit, objective: Objective, *, seed: int, global_batch: int,
-                  num_epochs: int, process_index: int = 0, process_count: int = 1,
-                  read_options: grain.ReadOptions | None = None):
+def train_batches(
+    split: PreparedSplit | MixedSplit,
+    objective: Objective,
+    *,
+    seed: int,
+    global_batch: int,
+    num_epochs: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    read_options: grain.ReadOptions | None = None,
+):
     """An iterator (checkpointable with Grain) of this process's part of each global training batch, of one corpus
     or of a mixture's sources.
 
     In order: Grain's thread prefetch (`read_options`, default `read_options_for(objective)`) keeps the order, so the
-    batches are the same either way; `mp_prefetch` would not. A split of several shard files is read as one sequence: every host opens
-    all shards and reads only its rows.
+    batches are the same either way; `mp_prefetch` would not. A split of several shard files is read as one
+    sequence: every host opens all shards and reads only its rows.
     """
     source_class = MixtureBatches if isinstance(split, MixedSplit) else HostBatches
-    source = source_class(split, seed=seed, global_batch=global_batch, num_epochs=num_epochs,
-                          process_index=process_index, process_count=process_count)
+    source = source_class(
+        split,
+        seed=seed,
+        global_batch=global_batch,
+        num_epochs=num_epochs,
+        process_index=process_index,
+        process_count=process_count,
+    )
     ds = grain.MapDataset.source(source).map(_ApplyObjective(objective, seed))
     return iter(ds.to_iter_dataset(read_options or read_options_for(objective)))
 
 
-def eval_batches(split: PreparedSplit, objective: Objective, *, seed: int, global_batch: int,
-                 max_examples: int | None = None, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+def eval_batches(
+    split: PreparedSplit,
+    objective: Objective,
+    *,
+    seed: int,
+    global_batch: int,
+    max_examples: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[dict[str, np.ndarray]]:
     """Every validation example once, in file order, the last batch padded with loss-free examples."""
     records = TokenRecords(split)
     total = len(records) if max_examples is None else min(len(records), max_examples)
@@ -179,8 +230,9 @@ def to_global(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
 
 
 def batch_spec(objective: Objective, global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
-    return {k: jax.ShapeDtypeStruct((global_batch, *shape), dtype)
-            for k, (shape, dtype) in objective.example_spec().items()}
+    return {
+        k: jax.ShapeDtypeStruct((global_batch, *shape), dtype) for k, (shape, dtype) in objective.example_spec().items()
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +255,8 @@ def make_schedule(num_records: int, global_batch: int, num_train_epochs: float, 
     if total <= 0:
         raise DataError(f"--num_train_epochs {num_train_epochs} gives no training steps; raise it or set --max_steps")
     if total > MAX_STEPS:
-        raise DataError(f"--num_train_epochs {num_train_epochs} gives {total} steps, more than the {MAX_STEPS} a step "
-                        "counter holds; lower it or set --max_steps")
+        raise DataError(
+            f"--num_train_epochs {num_train_epochs} gives {total} steps, more than the {MAX_STEPS} a step "
+            "counter holds; lower it or set --max_steps"
+        )
     return Schedule(steps_per_epoch, total, num_epochs=-(-total // steps_per_epoch))

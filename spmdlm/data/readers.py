@@ -10,6 +10,7 @@ library sources) and the held-out split by document hash.
 
 Buckets (gs://, spmdlm/storage.py): input files are read through gcsfs as they are (streamed).
 """
+
 from __future__ import annotations
 
 import csv
@@ -22,8 +23,8 @@ import logging
 import os
 import stat
 import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 from spmdlm import storage
 from spmdlm.data.decoding import DATASETS_HINT, formats, text_lines
@@ -34,9 +35,11 @@ log = logging.getLogger(__name__)
 DATASET_CARD = "dataset.json"  # the card of a dataset prepared by python -m spmdlm.prepare (spmdlm/data/datasets.py)
 SUFFIX_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet"}
 TEXT_FORMATS = ("text", "json", "csv", "parquet")  # --text_format
-TEXT_FORMAT_HELP = ("the format of every input file, whatever its name: text, json (JSON lines or an array), csv "
-                    "(.tsv files tab-separated), parquet. Default: from the suffix (.json/.jsonl, .csv/.tsv, "
-                    ".parquet), any other file being text (checked: binary files are refused)")
+TEXT_FORMAT_HELP = (
+    "the format of every input file, whatever its name: text, json (JSON lines or an array), csv "
+    "(.tsv files tab-separated), parquet. Default: from the suffix (.json/.jsonl, .csv/.tsv, "
+    ".parquet), any other file being text (checked: binary files are refused)"
+)
 
 
 def file_format(path: Path, text_format: str | None = None) -> str:
@@ -66,8 +69,13 @@ class ReadStats:
             return self.bytes_done
 
     def card(self) -> dict:
-        return {"files": self.files, "documents": self.documents, "invalid_utf8_bytes_replaced": self.invalid_bytes,
-                "empty_lines_skipped": self.empty_lines, "empty_files_skipped": self.empty_files}
+        return {
+            "files": self.files,
+            "documents": self.documents,
+            "invalid_utf8_bytes_replaced": self.invalid_bytes,
+            "empty_lines_skipped": self.empty_lines,
+            "empty_files_skipped": self.empty_files,
+        }
 
 
 # -- finding input files ---------------------------------------------------------------------------------------------
@@ -80,9 +88,12 @@ def _readable(path: Path) -> bool:
 
 def _directory_files(folder: Path) -> list[Path]:
     if storage.is_remote(folder):  # every object under the prefix; hidden names (at any level) skipped
-        inside = lambda p: str(p)[len(str(folder)):].strip("/").split("/")
-        return [p for p in storage.files_under(folder)
-                if _readable(p) and not any(part.startswith(".") for part in inside(p))]
+        inside = lambda p: str(p)[len(str(folder)) :].strip("/").split("/")
+        return [
+            p
+            for p in storage.files_under(folder)
+            if _readable(p) and not any(part.startswith(".") for part in inside(p))
+        ]
     found = []
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -97,8 +108,12 @@ def _directory_files(folder: Path) -> list[Path]:
     return found
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def _kind(path: Path) -> str:
@@ -148,32 +163,38 @@ def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> l
             if match.is_file():
                 found.append(match)
             elif (match / DATASET_CARD).is_file():  # its shards are tokens, not text
-                raise DataError(f"{flag} {match}: is a dataset prepared by python -m spmdlm.prepare, not text; give "
-                                "it as --dataset_dir (in a mixture: as a source's dataset_dir in --data_mixture)")
+                raise DataError(
+                    f"{flag} {match}: is a dataset prepared by python -m spmdlm.prepare, not text; give "
+                    "it as --dataset_dir (in a mixture: as a source's dataset_dir in --data_mixture)"
+                )
             elif match.is_dir():
                 found.extend(_directory_files(match))
             elif _special(match):  # a FIFO has no size and cannot seek (the manifest samples files) or be re-read
-                raise DataError(f"{flag} {match}: is not a regular file ({_kind(match)}); give a file (write the "
-                                "stream to a file first)")
+                raise DataError(
+                    f"{flag} {match}: is not a regular file ({_kind(match)}); give a file (write the "
+                    "stream to a file first)"
+                )
         if not found:
             missing.append(pattern)
         files.extend(found)
     if len(missing) == 1:
         raise DataError(f"{flag} {missing[0]}: no such file; check the path (globs like 'data/*.txt' are allowed)")
     if missing:
-        raise DataError(f"{flag}: no such files: {', '.join(missing)}; check the paths (globs like 'data/*.txt' "
-                        "are allowed)")
+        raise DataError(
+            f"{flag}: no such files: {', '.join(missing)}; check the paths (globs like 'data/*.txt' are allowed)"
+        )
     return files
 
 
 # -- reading documents ---------------------------------------------------------------------------------------------
 
 
-
 TEXT_DOCUMENTS = ("line", "blank_line", "file")  # --text_documents: where a text file's documents end
-TEXT_DOCUMENTS_HELP = ("text files only (json/csv/parquet records are documents already): where a document ends. "
-                       "line = each non-empty line (the HF scripts'; default); blank_line = paragraphs separated by "
-                       "blank lines, newlines inside kept; file = each file is one document")
+TEXT_DOCUMENTS_HELP = (
+    "text files only (json/csv/parquet records are documents already): where a document ends. "
+    "line = each non-empty line (the HF scripts'; default); blank_line = paragraphs separated by "
+    "blank lines, newlines inside kept; file = each file is one document"
+)
 
 
 def _read_txt(path: Path, stats: ReadStats, text_documents: str = "line") -> Iterator[str]:
@@ -210,8 +231,9 @@ def _pick_text(record, where: str, text_column: str | None) -> str:
         column = text_column or "text"
         if column not in record:
             fields = ", ".join(str(k) for k in list(record)[:10]) + (", ..." if len(record) > 10 else "")
-            raise DataError(f"{where} has no {column!r} field; pass --text_column NAME, NAME one of its fields: "
-                            f"{fields or 'none'}")
+            raise DataError(
+                f"{where} has no {column!r} field; pass --text_column NAME, NAME one of its fields: {fields or 'none'}"
+            )
         value = record[column]
     return "" if value is None else str(value)
 
@@ -228,7 +250,7 @@ def _texts(located: Iterable[tuple[str, object]], text_column: str | None, stats
 
 def _read_json(path: Path, text_column: str | None, stats: ReadStats) -> Iterator[str]:
     lines = enumerate(text_lines(path, stats=stats), start=1)
-    for number, line in lines:
+    for number, line in lines:  # noqa: B007 - the first non-empty line is read on after the loop
         if line.strip():
             break
         stats.empty_lines += 1
@@ -250,8 +272,9 @@ def _json_lines(path: Path, lines: Iterable[tuple[int, str]], stats: ReadStats) 
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{number}: not JSON lines ({e}); fix the line or convert the file to .txt") \
-                    from None
+                raise DataError(
+                    f"{path}:{number}: not JSON lines ({e}); fix the line or convert the file to .txt"
+                ) from None
             yield f"{path}:{number}", record
         else:
             stats.empty_lines += 1
@@ -279,8 +302,9 @@ def _read_parquet(path: Path, text_column: str | None, stats: ReadStats) -> Iter
     names = parquet.schema_arrow.names
     if column not in names:
         fields = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
-        raise DataError(f"{path} has no {column!r} column; pass --text_column NAME, NAME one of its columns: "
-                        f"{fields or 'none'}")
+        raise DataError(
+            f"{path} has no {column!r} column; pass --text_column NAME, NAME one of its columns: {fields or 'none'}"
+        )
     for batch in parquet.iter_batches(batch_size=1024, columns=[column]):
         for value in batch.column(0).to_pylist():
             text = "" if value is None else str(value)
@@ -300,8 +324,14 @@ def _documents_of(path: Path, fmt: str, text_column: str | None, stats: ReadStat
     return _read_txt(path, stats, text_documents)
 
 
-def read_documents(files: Iterable[Path], *, text_column: str | None = None, stats: ReadStats | None = None,
-                   text_documents: str = "line", text_format: str | None = None) -> Iterator[str]:
+def read_documents(
+    files: Iterable[Path],
+    *,
+    text_column: str | None = None,
+    stats: ReadStats | None = None,
+    text_documents: str = "line",
+    text_format: str | None = None,
+) -> Iterator[str]:
     """The non-empty documents of the files: a text file's lines, paragraphs or whole text (`text_documents`), or
     the `text_column` ("text") field of a record. Each file's format is `file_format`'s.
 
@@ -348,8 +378,9 @@ def in_validation_split(document: str, percentage: float) -> bool:
 
 def _is_saved_dataset(path: Path) -> bool:
     """A directory written by datasets' save_to_disk (a Dataset or a DatasetDict)."""
-    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file()
-                                                       and (path / "dataset_info.json").is_file())
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
 
 
 def load_hf_dataset(name: str, config_name: str | None = None) -> dict:
@@ -385,16 +416,19 @@ def _hf_texts(dataset, name: str, split: str, text_column: str | None, stats: Re
     column = text_column or "text"
     names = dataset.column_names
     if names is not None and column not in names:
-        raise DataError(f"--dataset_name {name} split {split} has no {column!r} column; pass --text_column NAME, "
-                        f"NAME one of its columns: {', '.join(names[:10]) or 'none'}")
+        raise DataError(
+            f"--dataset_name {name} split {split} has no {column!r} column; pass --text_column NAME, "
+            f"NAME one of its columns: {', '.join(names[:10]) or 'none'}"
+        )
     if hasattr(dataset, "iter") and hasattr(dataset, "__len__"):  # map-style (memory-mapped): column batches
         rows = (value for batch in dataset.select_columns([column]).iter(batch_size=1000) for value in batch[column])
     else:
         rows = (record.get(column, KeyError) for record in dataset)
     for value in rows:
         if value is KeyError:
-            raise DataError(f"--dataset_name {name} split {split}: a record has no {column!r} field; pass "
-                            "--text_column NAME")
+            raise DataError(
+                f"--dataset_name {name} split {split}: a record has no {column!r} field; pass --text_column NAME"
+            )
         text = "" if value is None else str(value)
         if text.strip():
             stats.documents += 1
@@ -415,8 +449,12 @@ def _file_entry(path: Path) -> dict:
         for offset in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
             f.seek(offset)
             digest.update(f.read(SAMPLE_BYTES))
-    return {"path": str(path) if storage.is_remote(path) else str(path.resolve()), "bytes": size,
-            "mtime_ns": storage.mtime_ns(path), "sample_blake2b": digest.hexdigest()}
+    return {
+        "path": str(path) if storage.is_remote(path) else str(path.resolve()),
+        "bytes": size,
+        "mtime_ns": storage.mtime_ns(path),
+        "sample_blake2b": digest.hexdigest(),
+    }
 
 
 @dataclasses.dataclass
@@ -444,12 +482,18 @@ class Corpus:
     def documents(self, split: str = "train", stats: ReadStats | None = None) -> Iterator[str]:
         stats = stats if stats is not None else ReadStats()
         if not self.dataset_name:
-            return read_documents(self.files, text_column=self.text_column, stats=stats,
-                                  text_documents=self.text_documents, text_format=self.text_format)
+            return read_documents(
+                self.files,
+                text_column=self.text_column,
+                stats=stats,
+                text_documents=self.text_documents,
+                text_format=self.text_format,
+            )
         loaded = self._dataset()
         if split not in loaded:
-            raise DataError(f"--dataset_name {self.dataset_name} has no {split!r} split (it has "
-                            f"{', '.join(loaded) or 'none'})")
+            raise DataError(
+                f"--dataset_name {self.dataset_name} has no {split!r} split (it has {', '.join(loaded) or 'none'})"
+            )
         return _hf_texts(loaded[split], self.dataset_name, split, self.text_column, stats)
 
     @property
@@ -461,21 +505,38 @@ class Corpus:
         dir lists its files; a Hub dataset is named only)."""
         if not self.dataset_name:
             # text_format only when given, so the manifests (and cache keys) of earlier corpora stay as they were
-            return {"files": [_file_entry(p) for p in self.files], "text_column": self.text_column,
-                    "text_documents": self.text_documents, **({"text_format": self.text_format}
-                                                              if self.text_format else {})}
+            return {
+                "files": [_file_entry(p) for p in self.files],
+                "text_column": self.text_column,
+                "text_documents": self.text_documents,
+                **({"text_format": self.text_format} if self.text_format else {}),
+            }
         path = Path(self.dataset_name).expanduser()
-        files = ([path] if path.is_file() else
-                 sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir()
-                 else [])
-        return {"dataset_name": str(path.resolve()) if path.exists() else self.dataset_name,
-                "dataset_config_name": self.dataset_config_name, "files": [_file_entry(p) for p in files],
-                "text_column": self.text_column}
+        files = (
+            [path]
+            if path.is_file()
+            else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            if path.is_dir()
+            else []
+        )
+        return {
+            "dataset_name": str(path.resolve()) if path.exists() else self.dataset_name,
+            "dataset_config_name": self.dataset_config_name,
+            "files": [_file_entry(p) for p in files],
+            "text_column": self.text_column,
+        }
 
 
-def open_corpus(inputs: Sequence[str] = (), *, dataset_name: str | None = None,
-                dataset_config_name: str | None = None, text_column: str | None = None,
-                text_documents: str = "line", text_format: str | None = None, flag: str = "INPUTS") -> Corpus:
+def open_corpus(
+    inputs: Sequence[str] = (),
+    *,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    text_column: str | None = None,
+    text_documents: str = "line",
+    text_format: str | None = None,
+    flag: str = "INPUTS",
+) -> Corpus:
     """The corpus of `inputs` (files, globs, directories) or of `--dataset_name`; missing inputs in one error."""
     if inputs and dataset_name:
         raise DataError("give input files or --dataset_name, not both")
@@ -487,28 +548,43 @@ def open_corpus(inputs: Sequence[str] = (), *, dataset_name: str | None = None,
         raise DataError("--dataset_config_name needs --dataset_name")
     if not inputs:
         raise DataError(f"no input: give {flag} (files, globs or directories) or --dataset_name")
-    return Corpus(files=tuple(expand_files(inputs, flag)), text_column=text_column, text_documents=text_documents,
-                  text_format=text_format)
+    return Corpus(
+        files=tuple(expand_files(inputs, flag)),
+        text_column=text_column,
+        text_documents=text_documents,
+        text_format=text_format,
+    )
 
 
 def add_corpus_arguments(parser) -> None:
     """The corpus flags of the commands that read one (spmdlm.prepare, spmdlm.tokenizer): INPUTS or --dataset_name
     (read with `corpus_of`)."""
-    parser.add_argument("inputs", nargs="*", metavar="INPUTS",
-                        help="files, globs or directories: text (any name), json/jsonl/csv/parquet; plain, .gz, .zst, "
-                             ".xz or .bz2")
-    parser.add_argument("--dataset_name", default=None,
-                        help="a datasets dataset: a save_to_disk dir, parquet file/dir, or Hub name (needs "
-                             f"{DATASETS_HINT})")
+    parser.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUTS",
+        help="files, globs or directories: text (any name), json/jsonl/csv/parquet; plain, .gz, .zst, .xz or .bz2",
+    )
+    parser.add_argument(
+        "--dataset_name",
+        default=None,
+        help=f"a datasets dataset: a save_to_disk dir, parquet file/dir, or Hub name (needs {DATASETS_HINT})",
+    )
     parser.add_argument("--dataset_config_name", default=None, help="the dataset's configuration")
-    parser.add_argument("--text_column", default=None, help="json/jsonl/csv/parquet/datasets: the text field "
-                                                            "(default: text)")
+    parser.add_argument(
+        "--text_column", default=None, help="json/jsonl/csv/parquet/datasets: the text field (default: text)"
+    )
     parser.add_argument("--text_documents", choices=TEXT_DOCUMENTS, default="line", help=TEXT_DOCUMENTS_HELP)
     parser.add_argument("--text_format", choices=TEXT_FORMATS, default=None, help=TEXT_FORMAT_HELP)
 
 
 def corpus_of(args) -> Corpus:
     """The corpus that `add_corpus_arguments`' flags name."""
-    return open_corpus(args.inputs, dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
-                       text_column=args.text_column, text_documents=args.text_documents, text_format=args.text_format)
-
+    return open_corpus(
+        args.inputs,
+        dataset_name=args.dataset_name,
+        dataset_config_name=args.dataset_config_name,
+        text_column=args.text_column,
+        text_documents=args.text_documents,
+        text_format=args.text_format,
+    )

@@ -32,9 +32,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -64,10 +64,15 @@ class Cut:
     bos_id: int | None = None  # "packed_lines": the id that opens each framed line
 
     def __post_init__(self):
-        if (self.mode not in MODES or (self.mode in PADDED_MODES and self.pad_id is None)
-                or (self.mode == "packed_lines" and self.bos_id is None)):
-            raise ValueError(f"preparation mode {self.mode!r} (pad_id {self.pad_id}, bos_id {self.bos_id}) is not "
-                             "one of stream, sentences, lines+pad_id, packed_lines+pad_id+bos_id")
+        if (
+            self.mode not in MODES
+            or (self.mode in PADDED_MODES and self.pad_id is None)
+            or (self.mode == "packed_lines" and self.bos_id is None)
+        ):
+            raise ValueError(
+                f"preparation mode {self.mode!r} (pad_id {self.pad_id}, bos_id {self.bos_id}) is not "
+                "one of stream, sentences, lines+pad_id, packed_lines+pad_id+bos_id"
+            )
         if self.record_length < (3 if self.mode == "packed_lines" else 1):  # packed: room for bos, a token, eos
             raise ValueError(f"record_length {self.record_length} is too short for {self.mode!r} records")
 
@@ -103,7 +108,7 @@ def _pieces(doc: str) -> list[int]:
     starts, at = [0], PIECE_CHARS
     while at < len(doc):
         cut = doc.find(" ", at)
-        while cut > 0 and (doc[cut - 1].isspace() or doc[cut + 1:cut + 2].isspace()):
+        while cut > 0 and (doc[cut - 1].isspace() or doc[cut + 1 : cut + 2].isspace()):
             cut = doc.find(" ", cut + 1)
         if cut <= 0:
             break
@@ -181,8 +186,11 @@ def _tokenize_chunk(tokenizer, documents: list[str], cut: Cut) -> dict[str, tupl
         encoded[i] = enc
     for i in sorted(set(range(len(documents))) - set(short)):
         encoded[i] = _encode_long(tokenizer, documents[i])
-    held_out = ([in_validation_split(doc, cut.validation_percentage) for doc in documents]
-                if cut.validation_percentage > 0 else [False] * len(documents))
+    held_out = (
+        [in_validation_split(doc, cut.validation_percentage) for doc in documents]
+        if cut.validation_percentage > 0
+        else [False] * len(documents)
+    )
     out = {}
     for split, wanted in (("train", False), ("validation", True)):
         picked = [(doc, enc) for doc, enc, held in zip(documents, encoded, held_out) if held is wanted]
@@ -325,7 +333,7 @@ class _Cutter:
         whole = len(stream) // self.cut.record_length
         self.sink.write(stream[: whole * self.cut.record_length].reshape(whole, self.cut.record_length))
         self.stats.examples += whole
-        self.carry = stream[whole * self.cut.record_length:].copy()
+        self.carry = stream[whole * self.cut.record_length :].copy()
 
     def finish(self) -> SplitStats:
         self.stats.tokens_dropped += len(self.carry)
@@ -339,9 +347,16 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def tokenize_into(documents: Iterable[str], tokenizer, sinks: dict[str, RecordShards], cut: Cut, *,
-                  workers: int = 1, on_chunk: Callable[[int, int], None] | None = None,
-                  name: str | None = None) -> dict[str, SplitStats]:
+def tokenize_into(
+    documents: Iterable[str],
+    tokenizer,
+    sinks: dict[str, RecordShards],
+    cut: Cut,
+    *,
+    workers: int = 1,
+    on_chunk: Callable[[int, int], None] | None = None,
+    name: str | None = None,
+) -> dict[str, SplitStats]:
     """Tokenize `documents` into records written to `sinks["train"]` (and `sinks["validation"]` when
     cut.validation_percentage > 0). The one preparation path of the token cache and of `spmdlm.prepare`. `name`:
     what the log calls a single sink's records when they are not training records (e.g. "validation").
@@ -375,16 +390,26 @@ def tokenize_into(documents: Iterable[str], tokenizer, sinks: dict[str, RecordSh
         raise
     stats = {split: cutter.finish() for split, cutter in cutters.items()}
     if cut.mode in PADDED_MODES:
-        log.info("%s records of %d tokens: %s (pad tokens / record tokens)", cut.mode, cut.record_length,
-                 ", ".join(f"{name or split} {s.examples} with {s.padding_fraction(cut.record_length):.1%} padding"
-                           for split, s in stats.items()))
+        log.info(
+            "%s records of %d tokens: %s (pad tokens / record tokens)",
+            cut.mode,
+            cut.record_length,
+            ", ".join(
+                f"{name or split} {s.examples} with {s.padding_fraction(cut.record_length):.1%} padding"
+                for split, s in stats.items()
+            ),
+        )
     return stats
 
 
 def _tokenize_in_workers(documents, tokenizer, cut: Cut, workers: int, consume) -> None:
     # spawn, not fork: the parent may be a JAX process with running threads; the workers import no JAX.
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_worker_init, initargs=(tokenizer.to_str(), cut, os.getpid()))
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_worker_init,
+        initargs=(tokenizer.to_str(), cut, os.getpid()),
+    )
     pending: collections.deque = collections.deque()
     try:
         for chunk in _chunks(documents):
@@ -431,8 +456,9 @@ class TokenRecords:
 
     def __init__(self, split: PreparedSplit):
         # Plain ndarray views of the maps: indexing an np.memmap itself costs more than the gather.
-        self._shards = [np.asarray(np.memmap(p, dtype=TOKEN_DTYPE, mode="r")).reshape(-1, split.record_length)
-                        for p in split.paths]
+        self._shards = [
+            np.asarray(np.memmap(p, dtype=TOKEN_DTYPE, mode="r")).reshape(-1, split.record_length) for p in split.paths
+        ]
         self._starts = np.cumsum([0] + [len(shard) for shard in self._shards])
         self._len = split.num_records  # checked against the files when opened; --max_train_samples keeps a prefix
         self.record_length = split.record_length
@@ -503,5 +529,4 @@ def progress_bar(total: int | None, desc: str, unit: str = "doc", disable: bool 
     from tqdm import tqdm
 
     # disable=None: shown on a terminal only (a log file gets the summary lines instead); stderr, as tqdm does.
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, disable=disable,
-                leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, disable=disable, leave=False)

@@ -46,7 +46,7 @@ def sentence_ends(text: str) -> list[int]:
             ends.append(end)
             start = end
     if text.strip():
-        if ends and not text[ends[-1]:].strip():
+        if ends and not text[ends[-1] :].strip():
             ends[-1] = len(text)  # trailing whitespace joins the last sentence
         else:
             ends.append(len(text))
@@ -58,8 +58,11 @@ def mark_sentence_ends(offsets: list[tuple[int, int]] | np.ndarray, ends: list[i
 
     `offsets` are one document's per-token (start, end) character offsets, in order, as tokenizers return them.
     """
-    starts = (offsets[:, 0].astype(np.int64) if isinstance(offsets, np.ndarray)  # a long document's, in pieces
-              else np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets)))
+    starts = (
+        offsets[:, 0].astype(np.int64)
+        if isinstance(offsets, np.ndarray)  # a long document's, in pieces
+        else np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
+    )
     flags = np.zeros(len(offsets), dtype=bool)
     last = np.searchsorted(starts, np.asarray(ends, dtype=np.int64), side="left") - 1
     flags[last[last >= 0]] = True  # an end before the first token (none in practice) marks nothing

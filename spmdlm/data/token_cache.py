@@ -16,12 +16,23 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from spmdlm import storage
-from spmdlm.data.records import (TOKEN_FORMAT, TOKENS_SUFFIX, Cut, PreparedSplit, RecordShards, file_sha256,
-                                 no_space, progress_bar, remove_stale_temps, token_file_problem, tokenize_into)
+from spmdlm.data.records import (
+    TOKEN_FORMAT,
+    TOKENS_SUFFIX,
+    Cut,
+    PreparedSplit,
+    RecordShards,
+    file_sha256,
+    no_space,
+    progress_bar,
+    remove_stale_temps,
+    token_file_problem,
+    tokenize_into,
+)
 from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -82,10 +93,20 @@ def prepare_split(
     terminal only). A gs:// `cache_dir` keeps the cache in the bucket and a copy on this host's disk.
     """
     if storage.is_remote(cache_dir):
-        return _prepare_split_in_bucket(documents, tokenizer, record_length=record_length,
-                                        separator_id=separator_id, cache_dir=cache_dir, name=name,
-                                        overwrite_cache=overwrite_cache, mode=mode, pad_id=pad_id, bos_id=bos_id,
-                                        workers=workers, progress=progress)
+        return _prepare_split_in_bucket(
+            documents,
+            tokenizer,
+            record_length=record_length,
+            separator_id=separator_id,
+            cache_dir=cache_dir,
+            name=name,
+            overwrite_cache=overwrite_cache,
+            mode=mode,
+            pad_id=pad_id,
+            bos_id=bos_id,
+            workers=workers,
+            progress=progress,
+        )
     cut = Cut(record_length, separator_id, mode, pad_id, bos_id=bos_id)
     documents = list(documents)
     if not documents:
@@ -96,13 +117,22 @@ def prepare_split(
         try:
             meta = _verified_meta(data_path, meta_path, record_length)
         except _OldFormat:
-            log.warning("the tokenized %s cache %s is in the ArrayRecord format of earlier versions; rebuilding it "
-                        "once as flat tokens (fast batched reads)", name, folder)
+            log.warning(
+                "the tokenized %s cache %s is in the ArrayRecord format of earlier versions; rebuilding it "
+                "once as flat tokens (fast batched reads)",
+                name,
+                folder,
+            )
         except _DamagedCache as e:
             log.warning("the tokenized %s cache %s is damaged (%s); rebuilding it", name, folder, e)
         else:
-            log.info("reusing the tokenized %s cache %s (%d records, %d tokens)", name, folder, meta["num_records"],
-                     meta["num_tokens"])
+            log.info(
+                "reusing the tokenized %s cache %s (%d records, %d tokens)",
+                name,
+                folder,
+                meta["num_records"],
+                meta["num_tokens"],
+            )
             return PreparedSplit(data_path, meta["num_records"], meta["num_tokens"], record_length, folder.name)
 
     host = socket.gethostname()
@@ -112,21 +142,31 @@ def prepare_split(
         folder.mkdir(parents=True, exist_ok=True)
         tmp.touch()
     except OSError as e:
-        raise DataError(f"cannot write the token cache in {folder}: {e.strerror or e}; pass a writable --cache_dir") \
-            from None
+        raise DataError(
+            f"cannot write the token cache in {folder}: {e.strerror or e}; pass a writable --cache_dir"
+        ) from None
     remove_stale_temps(folder, f"{glob.escape(name)}.*", host)
     sink = RecordShards(lambda index: tmp)
     bar = progress_bar(len(documents), f"tokenizing {name}", disable=None if progress is None else not progress)
     try:
         with bar:
-            stats = tokenize_into(documents, tokenizer, {"train": sink}, cut, workers=workers,
-                                  on_chunk=lambda docs, tokens: bar.update(docs), name=name)["train"]
+            stats = tokenize_into(
+                documents,
+                tokenizer,
+                {"train": sink},
+                cut,
+                workers=workers,
+                on_chunk=lambda docs, tokens: bar.update(docs),
+                name=name,
+            )["train"]
         sink.close()
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and no_space(e):
-            raise DataError(f"cannot write the token cache in {folder}: no space left on device; free some space "
-                            "or pass another --cache_dir") from None
+            raise DataError(
+                f"cannot write the token cache in {folder}: no space left on device; free some space "
+                "or pass another --cache_dir"
+            ) from None
         raise
     if stats.examples == 0:
         tmp.unlink(missing_ok=True)
@@ -134,18 +174,30 @@ def prepare_split(
             f"the {name} corpus has {stats.tokens} tokens, fewer than one example of {record_length}; "
             "give more text or lower --block_size/--max_seq_length"
         )
-    meta = {"format": TOKEN_FORMAT, "num_records": stats.examples, "num_tokens": stats.tokens,
-            "record_length": record_length, "documents": len(documents), "pad_tokens": stats.pad_tokens,
-            "bytes": tmp.stat().st_size,
-            "sha256": file_sha256(tmp)}
+    meta = {
+        "format": TOKEN_FORMAT,
+        "num_records": stats.examples,
+        "num_tokens": stats.tokens,
+        "record_length": record_length,
+        "documents": len(documents),
+        "pad_tokens": stats.pad_tokens,
+        "bytes": tmp.stat().st_size,
+        "sha256": file_sha256(tmp),
+    }
     # Each file by an atomic rename, the metadata last: a cache is never seen half-written.
     os.replace(tmp, data_path)
     meta_tmp = meta_path.with_name(meta_path.name + tmp_suffix)
     meta_tmp.write_text(json.dumps(meta))
     os.replace(meta_tmp, meta_path)
     (folder / f"{name}{OLD_SUFFIX}").unlink(missing_ok=True)  # an earlier version's file of the same records
-    log.info("tokenized %d %s documents into %d records of %d tokens (%s)", len(documents), name, stats.examples,
-             record_length, folder)
+    log.info(
+        "tokenized %d %s documents into %d records of %d tokens (%s)",
+        len(documents),
+        name,
+        stats.examples,
+        record_length,
+        folder,
+    )
     return PreparedSplit(data_path, stats.examples, stats.tokens, record_length, folder.name)
 
 
@@ -156,9 +208,16 @@ def _cache_key(documents: list[str], tokenizer, cut: Cut) -> str:
     for doc in documents:
         content.update(hashlib.sha256(doc.encode("utf-8")).digest())
     return hashlib.sha256(
-        b"|".join([content.digest(), tokenizer.to_str().encode(), str(cut.record_length).encode(),
-                   str(cut.separator_id).encode(), f"{cut.mode}:{cut.pad_id}".encode()]
-                  + ([str(cut.bos_id).encode()] if cut.mode == "packed_lines" else []))
+        b"|".join(
+            [
+                content.digest(),
+                tokenizer.to_str().encode(),
+                str(cut.record_length).encode(),
+                str(cut.separator_id).encode(),
+                f"{cut.mode}:{cut.pad_id}".encode(),
+            ]
+            + ([str(cut.bos_id).encode()] if cut.mode == "packed_lines" else [])
+        )
     ).hexdigest()[:24]
 
 
@@ -166,8 +225,13 @@ def _prepare_split_in_bucket(documents, tokenizer, *, cache_dir, name: str, over
     """The token cache in a bucket: a verified copy of it on this host's disk (downloaded when missing or stale),
     or, when the bucket has none, one built here and uploaded (the data file first, the metadata last: a reader
     never sees a cache half-written)."""
-    cut = Cut(settings["record_length"], settings["separator_id"], settings["mode"], settings["pad_id"],
-              bos_id=settings["bos_id"])
+    cut = Cut(
+        settings["record_length"],
+        settings["separator_id"],
+        settings["mode"],
+        settings["pad_id"],
+        bos_id=settings["bos_id"],
+    )
     documents = list(documents)
     if not documents:
         raise DataError(f"the {name} corpus is empty; give a file with text in it")
@@ -185,8 +249,9 @@ def _prepare_split_in_bucket(documents, tokenizer, *, cache_dir, name: str, over
             local.mkdir(parents=True, exist_ok=True)
             storage.write_atomic(local_meta, remote_meta)
             fetched = True
-    split = prepare_split(documents, tokenizer, cache_dir=local.parent, name=name, overwrite_cache=overwrite_cache,
-                          **settings)
+    split = prepare_split(
+        documents, tokenizer, cache_dir=local.parent, name=name, overwrite_cache=overwrite_cache, **settings
+    )
     if not fetched or (local / meta_name).read_text() != (remote / meta_name).read_text():  # built (or rebuilt) here
         storage.upload(local / data_name, remote / data_name)
         storage.upload(local / meta_name, remote / meta_name)

@@ -24,7 +24,6 @@ from spmdlm.errors import TokenizerError
 _GENERIC_HF_CLASS = "PreTrainedTokenizerFast"
 
 
-
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
     """The tokenizer a model family trains and the special tokens it relies on."""
@@ -53,7 +52,12 @@ def _counted(texts: Iterable[str], seen: list[int]) -> Iterator[str]:
 
 
 def train_tokenizer(
-    family, texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2, lowercase: bool = False,
+    family,
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    lowercase: bool = False,
     show_progress: bool = False,
 ) -> Tokenizer:
     """Train a tokenizer for a family (or model_type name) on `texts`. The result is deterministic for the same texts.
@@ -247,7 +251,6 @@ def _through_transformers(files: dict, class_name: str | None, source) -> Tokeni
     import tempfile
 
     import sentencepiece
-
     import transformers
     from transformers.utils import logging as hf_logging
 
@@ -262,8 +265,11 @@ def _through_transformers(files: dict, class_name: str | None, source) -> Tokeni
                         sentencepiece.SentencePieceProcessor(model_file=str(Path(folder) / name))
                     except Exception as e:  # RuntimeError/OSError with a multi-line message
                         raise TokenizerError(f"cannot read SentencePiece model {file}: {_first_line(e)}") from None
-            cls = transformers.AutoTokenizer if class_name is None else \
-                getattr(transformers, f"{class_name}Fast", None) or getattr(transformers, class_name)
+            cls = (
+                transformers.AutoTokenizer
+                if class_name is None
+                else getattr(transformers, f"{class_name}Fast", None) or getattr(transformers, class_name)
+            )
             converted = cls.from_pretrained(folder, local_files_only=True)
     except TokenizerError:
         raise
@@ -288,8 +294,12 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max
     spec = tokenizer_spec(family)
     special_token_ids(tok, spec)  # fail before writing anything
     special_map = {f"{role}_token": token for role, token in spec.specials.items() if token is not None}
-    config = {"tokenizer_class": _hf_class(tok, spec), "model_max_length": model_max_length,
-              "model_input_names": list(spec.model_input_names), **special_map}
+    config = {
+        "tokenizer_class": _hf_class(tok, spec),
+        "model_max_length": model_max_length,
+        "model_input_names": list(spec.model_input_names),
+        **special_map,
+    }
     if spec.num_sentinels:
         sentinel_ids(tok, spec.num_sentinels)
         sentinels = [f"<extra_id_{k}>" for k in range(spec.num_sentinels)]

@@ -36,8 +36,10 @@ def families() -> dict[str, Family]:
         if not isinstance(family, Family):
             raise ConfigError(f"model family {source} is a {type(family).__name__}, not a spmdlm Family")
         if family.name in found:
-            raise ConfigError(f"two model families are named {family.name!r}: {found[family.name][1]} and {source}; "
-                              "uninstall or rename one")
+            raise ConfigError(
+                f"two model families are named {family.name!r}: {found[family.name][1]} and {source}; "
+                "uninstall or rename one"
+            )
         found[family.name] = (family, source)
 
     for module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
@@ -70,8 +72,10 @@ def objective_flags() -> tuple[Flag, ...]:
     for family in families().values():
         for flag in family.flags:
             if flags.setdefault(flag.name, flag) != flag:
-                raise ConfigError(f"model family {family.name} declares --{flag.name} differently from another "
-                                  "family; share one Flag declaration")
+                raise ConfigError(
+                    f"model family {family.name} declares --{flag.name} differently from another "
+                    "family; share one Flag declaration"
+                )
     return tuple(flags.values())
 
 
@@ -83,10 +87,13 @@ def all_presets() -> dict[str, dict]:
 def family_choices() -> FamilyChoices:
     """What the launcher's parser needs to know of the families."""
     known = families()
-    return FamilyChoices(objective_flags(), {name: tuple(flag.name for flag in f.flags) for name, f in known.items()},
-                         {name: f.quickstart for name, f in known.items()},
-                         tuple(preset_names()) + tuple(sorted(all_presets())),
-                         {name: f.default_preset for name, f in known.items()})
+    return FamilyChoices(
+        objective_flags(),
+        {name: tuple(flag.name for flag in f.flags) for name, f in known.items()},
+        {name: f.quickstart for name, f in known.items()},
+        tuple(preset_names()) + tuple(sorted(all_presets())),
+        {name: f.default_preset for name, f in known.items()},
+    )
 
 
 # -- the one config resolution ----------------------------------------------------------------------------------------
@@ -110,16 +117,18 @@ def checked_config(values: dict, model_type: str | None, source: str, overrides:
     model_type = values.get("model_type", model_type)
     if model_type not in families():
         found = ", ".join(values.get("architectures") or []) or "no architectures listed"
-        raise ConfigError(f"{source} holds a {model_type!r} model ({found}); supported model types: "
-                          f"{', '.join(families())}")
+        raise ConfigError(
+            f"{source} holds a {model_type!r} model ({found}); supported model types: {', '.join(families())}"
+        )
     family = families()[model_type]
     family.check_hf_config(values)
     values = {**values, **{k: v for k, v in (overrides or {}).items() if v is not None}}
     return family.config_class.from_dict(values)
 
 
-def objective_for_shapes(family: Family, config: HFConfig, seq_len: int | None = None, *,
-                         args: RunArgs | None = None) -> Objective:
+def objective_for_shapes(
+    family: Family, config: HFConfig, seq_len: int | None = None, *, args: RunArgs | None = None
+) -> Objective:
     """The family's objective at the run's shapes, for synthetic batches (benchmarks, compile checks).
 
     Built from a small tokenizer trained on a few words: only lengths and special ids matter for shapes. `args`: the

@@ -8,8 +8,17 @@ from spmdlm.data.objectives import DOCUMENT_ATTENTION, MAX_SEQ_LENGTH, MLM_PROBA
 from spmdlm.data.objectives.denoising import MASK_RATIO, PERMUTE_SENTENCE_RATIO, POISSON_LAMBDA, Denoising
 from spmdlm.data.tokenizer import all_special_ids, special_token_ids
 from spmdlm.errors import ArgumentError, ConfigError
-from spmdlm.families.base import (FRAMED_BPE_TOKENIZER, LINEAR, ROW, SAME, Family, Generation, Table,
-                                  check_framed_length, forward_encoder_decoder)
+from spmdlm.families.base import (
+    FRAMED_BPE_TOKENIZER,
+    LINEAR,
+    ROW,
+    SAME,
+    Family,
+    Generation,
+    Table,
+    check_framed_length,
+    forward_encoder_decoder,
+)
 from spmdlm.flops import attention_matmuls, dense
 from spmdlm.models.bart import BartConfig, BartForConditionalGeneration
 
@@ -25,15 +34,24 @@ def _norm_rules(hf: str, ours: str):
 
 def _stack_rules(stack: str, index: str, is_decoder: bool):
     hf, ours = f"model.{stack}.layers.{{{index}}}", f"{stack}.layers.layers"
-    attention = lambda name: tuple(rule for a, b in (("q", "query"), ("k", "key"), ("v", "value"), ("out", "out"))
-                                   for rule in _linear_rules(f"{hf}.{name}.{a}_proj", f"{ours}.{name}.{b}"))
+    attention = lambda name: tuple(
+        rule
+        for a, b in (("q", "query"), ("k", "key"), ("v", "value"), ("out", "out"))
+        for rule in _linear_rules(f"{hf}.{name}.{a}_proj", f"{ours}.{name}.{b}")
+    )
     return (
         (f"model.{stack}.embed_positions.weight", f"{stack}.embed_positions.embedding", SAME),
         *_norm_rules(f"model.{stack}.layernorm_embedding", f"{stack}.layernorm_embedding"),
         *attention("self_attn"),
         *_norm_rules(f"{hf}.self_attn_layer_norm", f"{ours}.self_attn_layer_norm"),
-        *((*attention("encoder_attn"), *_norm_rules(f"{hf}.encoder_attn_layer_norm",
-                                                     f"{ours}.encoder_attn_layer_norm")) if is_decoder else ()),
+        *(
+            (
+                *attention("encoder_attn"),
+                *_norm_rules(f"{hf}.encoder_attn_layer_norm", f"{ours}.encoder_attn_layer_norm"),
+            )
+            if is_decoder
+            else ()
+        ),
         *_linear_rules(f"{hf}.fc1", f"{ours}.mlp.wi"),
         *_linear_rules(f"{hf}.fc2", f"{ours}.mlp.wo"),
         *_norm_rules(f"{hf}.final_layer_norm", f"{ours}.final_layer_norm"),
@@ -50,20 +68,30 @@ TABLE = Table(
     layer_counts=lambda c: {"i": c.encoder_layers, "j": c.decoder_layers},
     hf_prefix="model.",  # BartPreTrainedModel.base_model_prefix
     # tied copies of model.shared; fairseq version buffers (transformers ignores them too)
-    ignore=(r"^lm_head\.weight$", r"^(model\.)?(encoder|decoder)\.embed_tokens\.weight$",
-            r"^(model\.)?(encoder|decoder)\.version$"),
+    ignore=(
+        r"^lm_head\.weight$",
+        r"^(model\.)?(encoder|decoder)\.embed_tokens\.weight$",
+        r"^(model\.)?(encoder|decoder)\.version$",
+    ),
     optional=(r"^final_logits_bias$",),  # absent from BartModel checkpoints (facebook/bart-*): zeros
 )
 
 
 def check_hf_config(values: dict) -> None:
     # Keys of older (fairseq-converted) BART configs that mean another architecture; transformers ignores them.
-    unsupported = {"normalize_before": True, "add_final_layer_norm": True, "static_position_embeddings": True,
-                   "normalize_embedding": False, "add_bias_logits": True}
+    unsupported = {
+        "normalize_before": True,
+        "add_final_layer_norm": True,
+        "static_position_embeddings": True,
+        "normalize_embedding": False,
+        "add_bias_logits": True,
+    }
     for key, bad in unsupported.items():
         if values.get(key) == bad:
-            raise ConfigError(f"BART config with {key}={str(bad).lower()} (mBART/Marian-style) is not supported; "
-                              "only the post-LayerNorm BART of facebook/bart-* is")
+            raise ConfigError(
+                f"BART config with {key}={str(bad).lower()} (mBART/Marian-style) is not supported; "
+                "only the post-LayerNorm BART of facebook/bart-* is"
+            )
     for key in ("encoder_layerdrop", "decoder_layerdrop"):
         if values.get(key):
             raise ConfigError(f"BART {key} {values[key]} is not supported; set it to 0")
@@ -77,25 +105,38 @@ def mask_ratio(args) -> float:
     # --mlm_probability is the HF script's name for it; both given and different is a mistake.
     given, mlm_probability = MASK_RATIO.of(args), MLM_PROBABILITY.of(args)
     if given is not None and mlm_probability is not None and given != mlm_probability:
-        raise ArgumentError(f"--mask_ratio {given} and --mlm_probability {mlm_probability} disagree; "
-                            "for BART they are the same setting: give one")
+        raise ArgumentError(
+            f"--mask_ratio {given} and --mlm_probability {mlm_probability} disagree; "
+            "for BART they are the same setting: give one"
+        )
     return next((r for r in (given, mlm_probability) if r is not None), 0.3)
 
 
 def check_lengths(args, config) -> None:
-    check_framed_length(max_seq_length(args, config), config.max_position_embeddings,
-                        f"max_position_embeddings {config.max_position_embeddings}")
+    check_framed_length(
+        max_seq_length(args, config),
+        config.max_position_embeddings,
+        f"max_position_embeddings {config.max_position_embeddings}",
+    )
     mask_ratio(args)
 
 
 def build_objective(args, config, tokenizer):
     ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
     try:
-        return Denoising(max_seq_length(args, config), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"],
-                         mask_id=ids["mask"], decoder_start_id=config.decoder_start_token_id,
-                         special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
-                         permute_sentence_ratio=PERMUTE_SENTENCE_RATIO.of(args), mask_ratio=mask_ratio(args),
-                         poisson_lambda=POISSON_LAMBDA.of(args), document_attention=DOCUMENT_ATTENTION.of(args))
+        return Denoising(
+            max_seq_length(args, config),
+            bos_id=ids["bos"],
+            eos_id=ids["eos"],
+            pad_id=ids["pad"],
+            mask_id=ids["mask"],
+            decoder_start_id=config.decoder_start_token_id,
+            special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
+            permute_sentence_ratio=PERMUTE_SENTENCE_RATIO.of(args),
+            mask_ratio=mask_ratio(args),
+            poisson_lambda=POISSON_LAMBDA.of(args),
+            document_attention=DOCUMENT_ATTENTION.of(args),
+        )
     except ValueError as e:
         raise ArgumentError(str(e)) from None
 
@@ -114,11 +155,16 @@ def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = Fa
     encoder = encoder_len * n_enc * (qkvo + attention_matmuls(encoder_len, d) + ffn(config.encoder_ffn_dim))
     causal = 1 if full_causal_square else 2
     decoder_self = decoder_len * n_dec * (qkvo + attention_matmuls(decoder_len, d) / causal)
-    cross = n_dec * (decoder_len * (2 * dense(d, d) + attention_matmuls(encoder_len, d))
-                     + encoder_len * 2 * dense(d, d))
-    return {"encoder": encoder, "decoder_self_attention": decoder_self, "cross_attention": cross,
-            "decoder_ffn": decoder_len * n_dec * ffn(config.decoder_ffn_dim),
-            "lm_head": decoder_len * dense(d, config.vocab_size)}
+    cross = n_dec * (
+        decoder_len * (2 * dense(d, d) + attention_matmuls(encoder_len, d)) + encoder_len * 2 * dense(d, d)
+    )
+    return {
+        "encoder": encoder,
+        "decoder_self_attention": decoder_self,
+        "cross_attention": cross,
+        "decoder_ffn": decoder_len * n_dec * ffn(config.decoder_ffn_dim),
+        "lm_head": decoder_len * dense(d, config.vocab_size),
+    }
 
 
 FAMILY = Family(
@@ -130,9 +176,16 @@ FAMILY = Family(
     tokenizer=dataclasses.replace(FRAMED_BPE_TOKENIZER, hf_class="BartTokenizerFast"),
     objective_class=Denoising,
     default_preset="bart-base",
-    quickstart=dict(config_name="bart-tiny", max_seq_length=128,
-                    per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
-                    max_steps=400, sample_prompts="def<mask>(self):|import<mask>"),
+    quickstart=dict(
+        config_name="bart-tiny",
+        max_seq_length=128,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        adam_beta2=0.98,
+        max_steps=400,
+        sample_prompts="def<mask>(self):|import<mask>",
+    ),
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -70,16 +71,19 @@ class Table:
 
 # RoBERTa and BART: byte-level BPE whose texts are framed <s> ... </s>, the same specials at the same ids (0-4).
 _FRAMED_SPECIALS = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
-FRAMED_BPE_TOKENIZER = TokenizerSpec(kind="bpe", specials=_FRAMED_SPECIALS,
-                                     trained_order=tuple(_FRAMED_SPECIALS.values()), frames_with_bos=True)
+FRAMED_BPE_TOKENIZER = TokenizerSpec(
+    kind="bpe", specials=_FRAMED_SPECIALS, trained_order=tuple(_FRAMED_SPECIALS.values()), frames_with_bos=True
+)
 
 
 # -- lengths ---------------------------------------------------------------------------------------------------------
 def check_framed_length(length: int, limit: int, positions: str) -> None:
     """--max_seq_length of an encoder that frames its input as <s> ... </s>, against the positions it has."""
     if length > limit:
-        raise ArgumentError(f"--max_seq_length {length} is longer than the model's {positions}; lower "
-                            "--max_seq_length or use a config with more positions")
+        raise ArgumentError(
+            f"--max_seq_length {length} is longer than the model's {positions}; lower "
+            "--max_seq_length or use a config with more positions"
+        )
     if length < 3:
         raise ArgumentError(f"--max_seq_length {length} leaves no room between <s> and </s>; raise it")
 
@@ -97,15 +101,26 @@ def packing_fields(batch: Batch, names: tuple[str, ...]) -> dict[str, jax.Array]
 
 def forward_single_stack(model, batch: Batch, rngs: nnx.Rngs | None = None, *, features_only: bool = False):
     """Decoder-only and encoder-only models: `model(input_ids, attention_mask=..., segment_ids=..., positions=...)`."""
-    return model(batch["input_ids"], attention_mask=batch.get("attention_mask"), rngs=rngs,
-                 features_only=features_only, **packing_fields(batch, SEGMENT_FIELDS))
+    return model(
+        batch["input_ids"],
+        attention_mask=batch.get("attention_mask"),
+        rngs=rngs,
+        features_only=features_only,
+        **packing_fields(batch, SEGMENT_FIELDS),
+    )
 
 
 def forward_encoder_decoder(model, batch: Batch, rngs: nnx.Rngs | None = None, *, features_only: bool = False):
     """Encoder-decoders: the encoder's inputs and the decoder's (teacher-forced) inputs, and their segments."""
-    return model(batch["input_ids"], batch["decoder_input_ids"], attention_mask=batch.get("attention_mask"),
-                 decoder_attention_mask=batch.get("decoder_attention_mask"), rngs=rngs, features_only=features_only,
-                 **packing_fields(batch, SEGMENT_FIELDS + DECODER_SEGMENT_FIELDS))
+    return model(
+        batch["input_ids"],
+        batch["decoder_input_ids"],
+        attention_mask=batch.get("attention_mask"),
+        decoder_attention_mask=batch.get("decoder_attention_mask"),
+        rngs=rngs,
+        features_only=features_only,
+        **packing_fields(batch, SEGMENT_FIELDS + DECODER_SEGMENT_FIELDS),
+    )
 
 
 # -- what generation calls --------------------------------------------------------------------------------------------
@@ -125,8 +140,9 @@ class DecoderOnlyGenerator(Protocol):
         """An empty cache of `slots` tokens for `batch` rows."""
         ...
 
-    def extend(self, input_ids: jax.Array, cache: Cache, attention_mask: jax.Array | None = None
-               ) -> tuple[jax.Array, Cache]:
+    def extend(
+        self, input_ids: jax.Array, cache: Cache, attention_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, Cache]:
         """The next tokens [B, T] (the prompt's mask the first time) -> logits [B, T, V] and the cache."""
         ...
 
@@ -134,8 +150,7 @@ class DecoderOnlyGenerator(Protocol):
 class EncoderDecoderGenerator(Protocol):
     """An encoder-decoder that generates: the input encoded once, then decoder tokens through a KV cache."""
 
-    def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
-        ...
+    def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array: ...
 
     def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
         """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""
@@ -180,14 +195,23 @@ class Family:
     def is_encoder_decoder(self) -> bool:
         return getattr(self.config_class, "is_encoder_decoder", False)
 
-    def make_model(self, config, *, rngs, dtype=jnp.float32, remat: str = "dots", scan_unroll: int | bool = 1,
-                   attention: str = "xla"):
+    def make_model(
+        self,
+        config,
+        *,
+        rngs,
+        dtype=jnp.float32,
+        remat: str = "dots",
+        scan_unroll: int | bool = 1,
+        attention: str = "xla",
+    ):
         """The model; `attention` chooses how its shared attention layers compute (layers.set_attention)."""
         model = self.model_class(config, rngs=rngs, dtype=dtype, remat=remat, scan_unroll=scan_unroll)
         return set_attention(model, attention)
 
-    def train_flops_per_step(self, config, objective: Objective, global_batch: int, *,
-                             full_causal_square: bool = False) -> float:
+    def train_flops_per_step(
+        self, config, objective: Objective, global_batch: int, *, full_causal_square: bool = False
+    ) -> float:
         """Model FLOPs of one optimizer step over a global batch: 3 x forward matmul FLOPs (remat excluded; the
         conventions are in spmdlm/flops.py). `full_causal_square` also counts the masked half of causal attention,
         which a dense implementation computes (for cross-checks against what XLA runs; MFU uses the default)."""

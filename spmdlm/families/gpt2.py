@@ -36,7 +36,11 @@ TABLE = Table(
 
 
 def check_hf_config(values: dict) -> None:
-    unsupported = {"scale_attn_by_inverse_layer_idx": True, "reorder_and_upcast_attn": True, "add_cross_attention": True}
+    unsupported = {
+        "scale_attn_by_inverse_layer_idx": True,
+        "reorder_and_upcast_attn": True,
+        "add_cross_attention": True,
+    }
     for key, bad in unsupported.items():
         if values.get(key) == bad:
             raise ConfigError(f"GPT-2 config with {key}={bad} is not supported")
@@ -48,13 +52,18 @@ def block_size(args, config) -> int:
 
 def check_lengths(args, config) -> None:
     if block_size(args, config) > config.n_positions:
-        raise ArgumentError(f"--block_size {block_size(args, config)} is longer than the model's n_positions "
-                            f"{config.n_positions}; lower --block_size or use a config with more positions")
+        raise ArgumentError(
+            f"--block_size {block_size(args, config)} is longer than the model's n_positions "
+            f"{config.n_positions}; lower --block_size or use a config with more positions"
+        )
 
 
 def build_objective(args, config, tokenizer):
-    return CausalLM(block_size(args, config), eos_id=special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
-                    document_attention=DOCUMENT_ATTENTION.of(args))
+    return CausalLM(
+        block_size(args, config),
+        eos_id=special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
+        document_attention=DOCUMENT_ATTENTION.of(args),
+    )
 
 
 def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = False) -> dict[str, float]:
@@ -63,8 +72,11 @@ def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = Fa
     ff = config.n_inner or 4 * d
     per_layer_dense = dense(d, 3 * d) + dense(d, d) + dense(d, ff) + dense(ff, d)
     per_layer_attention = attention_matmuls(seq, d) / (1 if full_causal_square else 2)  # causal: half
-    return {"dense": seq * n_layer * per_layer_dense, "attention": seq * n_layer * per_layer_attention,
-            "lm_head": seq * dense(d, vocab)}
+    return {
+        "dense": seq * n_layer * per_layer_dense,
+        "attention": seq * n_layer * per_layer_attention,
+        "lm_head": seq * dense(d, vocab),
+    }
 
 
 FAMILY = Family(
@@ -81,9 +93,16 @@ FAMILY = Family(
         hf_class="GPT2TokenizerFast",
     ),
     default_preset="gpt2",
-    quickstart=dict(config_name="gpt2-tiny", block_size=128,
-                    per_device_train_batch_size=4, learning_rate=2e-3, weight_decay=0.01, adam_beta2=0.98,
-                    max_steps=400, sample_prompts="def main(|import os"),
+    quickstart=dict(
+        config_name="gpt2-tiny",
+        block_size=128,
+        per_device_train_batch_size=4,
+        learning_rate=2e-3,
+        weight_decay=0.01,
+        adam_beta2=0.98,
+        max_steps=400,
+        sample_prompts="def main(|import os",
+    ),
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,

@@ -8,8 +8,16 @@ from spmdlm.data.objectives import DOCUMENT_ATTENTION, MAX_SEQ_LENGTH, MLM_PROBA
 from spmdlm.data.objectives.mlm import LINE_BY_LINE, PACKING, MaskedLM, layout_problem
 from spmdlm.data.tokenizer import all_special_ids, special_token_ids
 from spmdlm.errors import ArgumentError, ConfigError
-from spmdlm.families.base import (FRAMED_BPE_TOKENIZER, LINEAR, SAME, Family, Generation, Table, check_framed_length,
-                                  forward_single_stack)
+from spmdlm.families.base import (
+    FRAMED_BPE_TOKENIZER,
+    LINEAR,
+    SAME,
+    Family,
+    Generation,
+    Table,
+    check_framed_length,
+    forward_single_stack,
+)
 from spmdlm.flops import attention_matmuls, dense
 from spmdlm.models.roberta import RobertaConfig, RobertaForMaskedLM
 
@@ -21,9 +29,11 @@ TABLE = Table(
         ("roberta.embeddings.token_type_embeddings.weight", "token_type_embeddings.embedding", SAME),
         ("roberta.embeddings.LayerNorm.weight", "embeddings_layer_norm.scale", SAME),
         ("roberta.embeddings.LayerNorm.bias", "embeddings_layer_norm.bias", SAME),
-        *((f"{_LAYER}.attention.self.{hf}.{w}", f"{_OURS}.self_attn.{ours}.{o}", LINEAR if w == "weight" else SAME)
-          for hf, ours in (("query", "query"), ("key", "key"), ("value", "value")) for w, o in (("weight", "kernel"),
-                                                                                               ("bias", "bias"))),
+        *(
+            (f"{_LAYER}.attention.self.{hf}.{w}", f"{_OURS}.self_attn.{ours}.{o}", LINEAR if w == "weight" else SAME)
+            for hf, ours in (("query", "query"), ("key", "key"), ("value", "value"))
+            for w, o in (("weight", "kernel"), ("bias", "bias"))
+        ),
         (f"{_LAYER}.attention.output.dense.weight", f"{_OURS}.self_attn.out.kernel", LINEAR),
         (f"{_LAYER}.attention.output.dense.bias", f"{_OURS}.self_attn.out.bias", SAME),
         (f"{_LAYER}.attention.output.LayerNorm.weight", f"{_OURS}.self_attn_layer_norm.scale", SAME),
@@ -49,8 +59,10 @@ TABLE = Table(
 
 def check_hf_config(values: dict) -> None:
     if values.get("position_embedding_type", "absolute") != "absolute":
-        raise ConfigError(f"RoBERTa position_embedding_type {values['position_embedding_type']!r} is not supported; "
-                          "only 'absolute' is")
+        raise ConfigError(
+            f"RoBERTa position_embedding_type {values['position_embedding_type']!r} is not supported; "
+            "only 'absolute' is"
+        )
     if values.get("is_decoder") or values.get("add_cross_attention"):
         raise ConfigError("RoBERTa as a decoder (is_decoder/add_cross_attention) is not supported")
 
@@ -61,9 +73,12 @@ def max_seq_length(args, config) -> int:
 
 
 def check_lengths(args, config) -> None:
-    check_framed_length(max_seq_length(args, config), config.max_length,
-                        f"{config.max_length} positions (max_position_embeddings {config.max_position_embeddings} "
-                        "minus RoBERTa's padding offset)")
+    check_framed_length(
+        max_seq_length(args, config),
+        config.max_length,
+        f"{config.max_length} positions (max_position_embeddings {config.max_position_embeddings} "
+        "minus RoBERTa's padding offset)",
+    )
     # before any data is read (build_objective checks the same again)
     if problem := layout_problem(LINE_BY_LINE.of(args), PACKING.of(args), DOCUMENT_ATTENTION.of(args)):
         raise ArgumentError(problem)
@@ -72,11 +87,19 @@ def check_lengths(args, config) -> None:
 def build_objective(args, config, tokenizer):
     ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
     try:
-        return MaskedLM(max_seq_length(args, config), bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["pad"],
-                        mask_id=ids["mask"], special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
-                        vocab_size=tokenizer.get_vocab_size(), mlm_probability=MLM_PROBABILITY.of(args) or 0.15,
-                        line_by_line=LINE_BY_LINE.of(args), packing=PACKING.of(args),
-                        document_attention=DOCUMENT_ATTENTION.of(args))
+        return MaskedLM(
+            max_seq_length(args, config),
+            bos_id=ids["bos"],
+            eos_id=ids["eos"],
+            pad_id=ids["pad"],
+            mask_id=ids["mask"],
+            special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
+            vocab_size=tokenizer.get_vocab_size(),
+            mlm_probability=MLM_PROBABILITY.of(args) or 0.15,
+            line_by_line=LINE_BY_LINE.of(args),
+            packing=PACKING.of(args),
+            document_attention=DOCUMENT_ATTENTION.of(args),
+        )
     except ValueError as e:
         raise ArgumentError(str(e)) from None
 
@@ -85,9 +108,11 @@ def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = Fa
     """Forward matmul FLOPs of one example by part: bidirectional attention, the MLM head's dense and decoder."""
     seq, d, ff = lengths["input"], config.hidden_size, config.intermediate_size
     per_layer_dense = 4 * dense(d, d) + dense(d, ff) + dense(ff, d)
-    return {"dense": seq * config.num_hidden_layers * per_layer_dense,
-            "attention": seq * config.num_hidden_layers * attention_matmuls(seq, d),
-            "lm_head": seq * (dense(d, d) + dense(d, config.vocab_size))}
+    return {
+        "dense": seq * config.num_hidden_layers * per_layer_dense,
+        "attention": seq * config.num_hidden_layers * attention_matmuls(seq, d),
+        "lm_head": seq * (dense(d, d) + dense(d, config.vocab_size)),
+    }
 
 
 FAMILY = Family(
@@ -99,9 +124,16 @@ FAMILY = Family(
     tokenizer=dataclasses.replace(FRAMED_BPE_TOKENIZER, hf_class="RobertaTokenizerFast"),
     objective_class=MaskedLM,
     default_preset="roberta-base",
-    quickstart=dict(config_name="roberta-tiny", max_seq_length=128,
-                    per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.01, adam_beta2=0.98,
-                    max_steps=400, sample_prompts="import<mask>|def<mask>(self):"),
+    quickstart=dict(
+        config_name="roberta-tiny",
+        max_seq_length=128,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        adam_beta2=0.98,
+        max_steps=400,
+        sample_prompts="import<mask>|def<mask>(self):",
+    ),
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,

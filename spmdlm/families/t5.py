@@ -16,13 +16,16 @@ DEFAULT_LENGTH = 512  # relative positions have no model maximum: the T5 recipes
 
 # torch Linear weights are (out, in): LINEAR. {i} counts encoder blocks, {j} decoder blocks.
 def _attention_rules(hf: str, ours: str):
-    return tuple((f"{hf}.{a}.weight", f"{ours}.{b}.kernel", LINEAR)
-                 for a, b in (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out")))
+    return tuple(
+        (f"{hf}.{a}.weight", f"{ours}.{b}.kernel", LINEAR)
+        for a, b in (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out"))
+    )
 
 
 def _mlp_rules(hf: str, ours: str):
-    dense_rules = tuple((f"{hf}.DenseReluDense.{w}.weight", f"{ours}.mlp.{w}.kernel", LINEAR)
-                        for w in ("wi_0", "wi_1", "wo"))
+    dense_rules = tuple(
+        (f"{hf}.DenseReluDense.{w}.weight", f"{ours}.mlp.{w}.kernel", LINEAR) for w in ("wi_0", "wi_1", "wo")
+    )
     return (*dense_rules, (f"{hf}.layer_norm.weight", f"{ours}.mlp_norm.scale", SAME))
 
 
@@ -30,14 +33,19 @@ def _stack_rules(stack: str, index: str, is_decoder: bool):
     block, ours = f"{stack}.block.{{{index}}}.layer", f"{stack}.block.layers"
     rules = [
         # HF keeps the stack's relative-position table in block 0; ours belongs to the stack
-        (f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-         f"{stack}.relative_attention_bias.embedding", SAME),
+        (
+            f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            f"{stack}.relative_attention_bias.embedding",
+            SAME,
+        ),
         (f"{block}.0.layer_norm.weight", f"{ours}.self_attention_norm.scale", SAME),
         *_attention_rules(f"{block}.0.SelfAttention", f"{ours}.self_attention"),
     ]
     if is_decoder:
-        rules += [(f"{block}.1.layer_norm.weight", f"{ours}.cross_attention_norm.scale", SAME),
-                  *_attention_rules(f"{block}.1.EncDecAttention", f"{ours}.cross_attention")]
+        rules += [
+            (f"{block}.1.layer_norm.weight", f"{ours}.cross_attention_norm.scale", SAME),
+            *_attention_rules(f"{block}.1.EncDecAttention", f"{ours}.cross_attention"),
+        ]
     rules += _mlp_rules(f"{block}.{2 if is_decoder else 1}", ours)
     rules.append((f"{stack}.final_layer_norm.weight", f"{stack}.final_layer_norm.scale", SAME))
     return tuple(rules)
@@ -54,8 +62,10 @@ TABLE = Table(
         ("lm_head.weight", "lm_head.kernel", LINEAR),
     ),
     layer_counts=lambda c: {"i": c.num_layers, "j": c.num_decoder_layers},
-    ignore=(r"^(encoder|decoder)\.embed_tokens\.weight$",  # tied copies of shared
-            r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$"),  # unused by HF too
+    ignore=(
+        r"^(encoder|decoder)\.embed_tokens\.weight$",  # tied copies of shared
+        r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",
+    ),  # unused by HF too
 )
 
 
@@ -64,20 +74,27 @@ def check_hf_config(values: dict) -> None:
     proj = values.get("feed_forward_proj", "relu")
     if dense_activation(proj) is None:
         given = "" if "feed_forward_proj" in values else " (absent: transformers' default)"
-        raise ConfigError(f"T5 feed_forward_proj {proj!r}{given} is not supported; only gated ones such as "
-                          "'gated-gelu' (T5 v1.1, Flan-T5) are: set \"feed_forward_proj\": \"gated-gelu\"")
+        raise ConfigError(
+            f"T5 feed_forward_proj {proj!r}{given} is not supported; only gated ones such as "
+            '\'gated-gelu\' (T5 v1.1, Flan-T5) are: set "feed_forward_proj": "gated-gelu"'
+        )
     if hf_scales_decoder_outputs(values):
-        raise ConfigError("T5 with a tied, d_model**-0.5-scaled LM head (original T5; transformers' default when "
-                          "tie_word_embeddings is absent) is not supported; only T5 v1.1 (tie_word_embeddings false "
-                          "or scale_decoder_outputs false) is")
+        raise ConfigError(
+            "T5 with a tied, d_model**-0.5-scaled LM head (original T5; transformers' default when "
+            "tie_word_embeddings is absent) is not supported; only T5 v1.1 (tie_word_embeddings false "
+            "or scale_decoder_outputs false) is"
+        )
 
 
 def _span_corruption(args, sentinels, eos_id: int, decoder_start_id: int):
     try:
         return SpanCorruption(
-            inputs_length=MAX_SEQ_LENGTH.of(args) or DEFAULT_LENGTH, sentinel_ids=tuple(int(s) for s in sentinels),
-            eos_id=eos_id, noise_density=MLM_PROBABILITY.of(args) or 0.15,
-            mean_noise_span_length=MEAN_NOISE_SPAN_LENGTH.of(args), decoder_start_id=decoder_start_id,
+            inputs_length=MAX_SEQ_LENGTH.of(args) or DEFAULT_LENGTH,
+            sentinel_ids=tuple(int(s) for s in sentinels),
+            eos_id=eos_id,
+            noise_density=MLM_PROBABILITY.of(args) or 0.15,
+            mean_noise_span_length=MEAN_NOISE_SPAN_LENGTH.of(args),
+            decoder_start_id=decoder_start_id,
             document_attention=DOCUMENT_ATTENTION.of(args),
         )
     except ValueError as e:
@@ -90,8 +107,12 @@ def check_lengths(args, config) -> None:
 
 
 def build_objective(args, config, tokenizer):
-    return _span_corruption(args, sentinel_ids(tokenizer), special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
-                            config.decoder_start_token_id)
+    return _span_corruption(
+        args,
+        sentinel_ids(tokenizer),
+        special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
+        config.decoder_start_token_id,
+    )
 
 
 def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = False) -> dict[str, float]:
@@ -111,10 +132,17 @@ def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = Fa
     encoder = encoder_len * n_enc * (qkvo + attention_matmuls(encoder_len, inner) + ffn)
     causal = 1 if full_causal_square else 2
     decoder_self = decoder_len * n_dec * (qkvo + attention_matmuls(decoder_len, inner) / causal)
-    cross = n_dec * (decoder_len * (dense(d, inner) + dense(inner, d) + attention_matmuls(encoder_len, inner))
-                     + encoder_len * 2 * dense(d, inner))
-    return {"encoder": encoder, "decoder_self_attention": decoder_self, "cross_attention": cross,
-            "decoder_ffn": decoder_len * n_dec * ffn, "lm_head": decoder_len * dense(d, vocab)}
+    cross = n_dec * (
+        decoder_len * (dense(d, inner) + dense(inner, d) + attention_matmuls(encoder_len, inner))
+        + encoder_len * 2 * dense(d, inner)
+    )
+    return {
+        "encoder": encoder,
+        "decoder_self_attention": decoder_self,
+        "cross_attention": cross,
+        "decoder_ffn": decoder_len * n_dec * ffn,
+        "lm_head": decoder_len * dense(d, vocab),
+    }
 
 
 FAMILY = Family(
@@ -131,9 +159,16 @@ FAMILY = Family(
         num_sentinels=NUM_SENTINELS,
     ),
     default_preset="t5-v1_1-base",
-    quickstart=dict(config_name="t5-v1_1-tiny", max_seq_length=128,
-                    per_device_train_batch_size=4, learning_rate=5e-3, adafactor=True, weight_decay=0.001,
-                    max_steps=300, sample_prompts="def <extra_id_0>(self):|import <extra_id_0>"),
+    quickstart=dict(
+        config_name="t5-v1_1-tiny",
+        max_seq_length=128,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        adafactor=True,
+        weight_decay=0.001,
+        max_steps=300,
+        sample_prompts="def <extra_id_0>(self):|import <extra_id_0>",
+    ),
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,

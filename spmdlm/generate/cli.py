@@ -17,9 +17,8 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from spmdlm import checkpoint as ckpt
-from spmdlm import storage
+from spmdlm import export, storage
 from spmdlm.data.tokenizer import SPIECE_NAME, TokenizerError, load_tokenizer
-from spmdlm import export
 from spmdlm.export import ExportError, load_hf
 from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
 from spmdlm.mesh import MeshError, make_mesh, requested_device_count, simulate_cpu_devices
@@ -29,8 +28,11 @@ from spmdlm.models.layers import resolve_attention, set_attention
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m spmdlm.generate", allow_abbrev=False,
-                                description="Generate text from an spmdlm checkpoint or a transformers export.")
+    p = argparse.ArgumentParser(
+        prog="python -m spmdlm.generate",
+        allow_abbrev=False,
+        description="Generate text from an spmdlm checkpoint or a transformers export.",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a training run's --output_dir (its newest good checkpoint)")
     source.add_argument("--model_name_or_path", help="a transformers directory (e.g. OUTPUT_DIR/hf)")
@@ -39,17 +41,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt_file", help="a file of prompts, one per non-empty line")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
-    p.add_argument("--top_k", type=int, default=0,
-                   help="keep the k most likely tokens (0: all); with --fill_mask, the candidates shown (default 5)")
+    p.add_argument(
+        "--top_k",
+        type=int,
+        default=0,
+        help="keep the k most likely tokens (0: all); with --fill_mask, the candidates shown (default 5)",
+    )
     p.add_argument("--top_p", type=float, default=1.0, help="keep the most likely tokens up to this mass (1: all)")
     p.add_argument("--num_samples", type=int, default=1, help="continuations per prompt (needs --temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same samples")
     p.add_argument("--mesh", default="data=-1", help="device mesh, as in training (e.g. tensor=2 shards the heads)")
-    p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES,
-                   help="attention's core, as in training (auto: the platform's kernel where it applies); the "
-                        "steps through the generation cache always use the xla einsums")
-    p.add_argument("--with_prompt", action="store_true",
-                   help="print each prompt before its continuation (encoder-decoders: on its own line)")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=ATTENTION_CHOICES,
+        help="attention's core, as in training (auto: the platform's kernel where it applies); the "
+        "steps through the generation cache always use the xla einsums",
+    )
+    p.add_argument(
+        "--with_prompt",
+        action="store_true",
+        help="print each prompt before its continuation (encoder-decoders: on its own line)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
     p.add_argument("--fill_mask", action="store_true", help="RoBERTa: the top tokens of each <mask> of the prompt")
     return p
@@ -59,13 +72,18 @@ def check(args) -> None:
     if args.step is not None and not args.checkpoint:
         raise GenerateError("--step applies to --checkpoint, not to --model_name_or_path")
     if args.fill_mask:
-        changed = [f"--{k}" for k in ("max_new_tokens", "temperature", "top_p", "num_samples", "seed")
-                   if getattr(args, k) != parser().get_default(k)]
+        changed = [
+            f"--{k}"
+            for k in ("max_new_tokens", "temperature", "top_p", "num_samples", "seed")
+            if getattr(args, k) != parser().get_default(k)
+        ]
         if changed:
             raise GenerateError(f"{', '.join(changed)} do not apply to --fill_mask")
     elif args.num_samples > 1 and args.temperature == 0:
-        raise GenerateError(f"--num_samples {args.num_samples} with --temperature 0 repeats one greedy continuation; "
-                            "set --temperature > 0 to sample")
+        raise GenerateError(
+            f"--num_samples {args.num_samples} with --temperature 0 repeats one greedy continuation; "
+            "set --temperature > 0 to sample"
+        )
 
 
 def read_prompts(args) -> list[str]:
@@ -85,8 +103,11 @@ def read_prompts(args) -> list[str]:
 def load_run(run_dir: str | Path, step: int | None, mesh):
     """(model, config, tokenizer) of a training run's checkpoint: the newest that verifies, or `step`."""
     model, config, tokenizer_dir, _ = export.load_run(
-        run_dir, step, mesh, hint="pass the --output_dir of a training run, or --model_name_or_path for a "
-                                  "transformers directory")
+        run_dir,
+        step,
+        mesh,
+        hint="pass the --output_dir of a training run, or --model_name_or_path for a transformers directory",
+    )
     return model, config, load_tokenizer(tokenizer_dir or run_dir)
 
 
@@ -95,8 +116,10 @@ def load_export(path: str | Path, mesh):
     if not folder.is_dir():
         raise ConfigError(f"--model_name_or_path {path}: no such directory")
     if not any((folder / name).is_file() for name in ("tokenizer.json", SPIECE_NAME)):  # before the weights load
-        raise GenerateError(f"--model_name_or_path {path} has no tokenizer (tokenizer.json or spiece.model): copy "
-                            "the tokenizer the model was trained with into it (a run's is OUTPUT_DIR/tokenizer.json)")
+        raise GenerateError(
+            f"--model_name_or_path {path} has no tokenizer (tokenizer.json or spiece.model): copy "
+            "the tokenizer the model was trained with into it (a run's is OUTPUT_DIR/tokenizer.json)"
+        )
     tokenizer = load_tokenizer(folder)
     model, config = load_hf(folder, mesh=mesh)
     return model, config, tokenizer
@@ -107,26 +130,46 @@ def run(args) -> tuple[list[dict], object]:
     check(args)
     prompts = read_prompts(args)
     mesh = make_mesh(args.mesh)
-    model, config, tokenizer = load_run(args.checkpoint, args.step, mesh) if args.checkpoint else \
-        load_export(args.model_name_or_path, mesh)
+    model, config, tokenizer = (
+        load_run(args.checkpoint, args.step, mesh) if args.checkpoint else load_export(args.model_name_or_path, mesh)
+    )
     try:
-        chosen, _ = resolve_attention(model, args.attention, platform=mesh.devices.flat[0].platform,
-                                      dtype=jnp.float32, training=False)  # loaded models compute in float32
+        chosen, _ = resolve_attention(
+            model, args.attention, platform=mesh.devices.flat[0].platform, dtype=jnp.float32, training=False
+        )  # loaded models compute in float32
     except ValueError as e:
         raise GenerateError(f"--attention {args.attention}: {e}") from None
     set_attention(model, chosen)
     if args.fill_mask:
         candidates = fill_mask(model, config, tokenizer, prompts[0], top_k=args.top_k or 5)
-        return [{"text": prompts[0], "mask": i, "candidates": [{"token": t, "id": token_id, "probability": p}
-                                                                for t, token_id, p in found]}
-                for i, found in enumerate(candidates)], config
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, num_samples=args.num_samples)
+        return [
+            {
+                "text": prompts[0],
+                "mask": i,
+                "candidates": [{"token": t, "id": token_id, "probability": p} for t, token_id, p in found],
+            }
+            for i, found in enumerate(candidates)
+        ], config
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        num_samples=args.num_samples,
+    )
     rows = generate_ids(model, config, tokenizer, prompts, **kwargs)
     samples = [(prompt, i) for prompt in prompts for i in range(args.num_samples)]
-    return [{"prompt": prompt, "sample": i, "continuation": continuation_text(config, tokenizer, row),
-             "new_tokens": len(row), "stopped_at_eos": row[-1] == config.eos_token_id}
-            for (prompt, i), row in zip(samples, rows)], config
+    return [
+        {
+            "prompt": prompt,
+            "sample": i,
+            "continuation": continuation_text(config, tokenizer, row),
+            "new_tokens": len(row),
+            "stopped_at_eos": row[-1] == config.eos_token_id,
+        }
+        for (prompt, i), row in zip(samples, rows)
+    ], config
 
 
 def show(args, records: list[dict], joiner: str) -> None:
@@ -152,8 +195,15 @@ def main(argv: list[str] | None = None) -> int:
         simulate_cpu_devices(wanted)
     try:
         records, config = run(args)
-    except (GenerateError, ckpt.CheckpointError, ConfigError, ExportError, MeshError, TokenizerError,
-            storage.StorageError) as e:
+    except (
+        GenerateError,
+        ckpt.CheckpointError,
+        ConfigError,
+        ExportError,
+        MeshError,
+        TokenizerError,
+        storage.StorageError,
+    ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     show(args, records, joiner="\n" if config.is_encoder_decoder else "")

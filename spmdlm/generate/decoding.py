@@ -36,8 +36,6 @@ PROMPT_BUCKET = 16  # prompt lengths are rounded up to a multiple of this (left 
 SLOT_BUCKET = 64  # ... and cache lengths to a multiple of this: fewer shapes to compile
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class Specials:
     """The token ids generation uses (static: part of the compiled code)."""
@@ -52,8 +50,13 @@ class Specials:
     def of(cls, config, generation: Generation, vocab: int | None = None) -> Specials:
         pad = getattr(config, "pad_token_id", None)
         start = config.decoder_start_token_id if generation is Generation.ENCODER_DECODER else None
-        return cls(config.eos_token_id, config.eos_token_id if pad is None else pad,  # GPT-2 pads with EOS, as HF
-                   start, getattr(config, "forced_eos_token_id", None), vocab)
+        return cls(
+            config.eos_token_id,
+            config.eos_token_id if pad is None else pad,  # GPT-2 pads with EOS, as HF
+            start,
+            getattr(config, "forced_eos_token_id", None),
+            vocab,
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -88,7 +91,7 @@ def prefill(graphdef, params, input_ids, attention_mask, *, slots: int, specials
     else:  # a DecoderOnlyGenerator
         first = input_ids
         logits, cache = model.extend(first, model.init_cache(batch, slots), attention_mask)
-    tokens = jnp.full((batch, slots), specials.pad, jnp.int32).at[:, :first.shape[1]].set(first)
+    tokens = jnp.full((batch, slots), specials.pad, jnp.int32).at[:, : first.shape[1]].set(first)
     return State(cache, logits[:, -1].astype(jnp.float32), tokens, jnp.zeros(batch, bool))
 
 
@@ -98,6 +101,7 @@ def decode(graphdef, params, state: State, settings: Settings, *, specials: Spec
     cache.index from the state's logits, then runs it. The last token's run is wasted: the price of having the
     sampling rule once in the compiled code (the prefill does not sample). Returns every slot's token [B, slots],
     replicated (each process of a multi-host run reads them all)."""
+
     def step(carry):  # the parameters ride in the carry: nnx refuses a model closed over from the outer trace
         params, state = carry
         slot, logits = state.cache.index, state.logits
@@ -139,24 +143,55 @@ def encode_prompts(config, tokenizer, prompts: list[str]) -> list[list[int]]:
         if not prompt.strip() or not ids:
             raise GenerateError("a prompt is empty: give some text to continue")
         if len(ids) > config.max_length:
-            raise GenerateError(f"a prompt has {len(ids)} tokens, more than the {config.max_length} positions of this "
-                                "model; shorten it")
+            raise GenerateError(
+                f"a prompt has {len(ids)} tokens, more than the {config.max_length} positions of this model; shorten it"
+            )
     return encoded
 
 
-def generate_ids(model, config, tokenizer, prompts: list[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1) -> list[list[int]]:
+def generate_ids(
+    model,
+    config,
+    tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    num_samples: int = 1,
+) -> list[list[int]]:
     """The new token ids of each prompt's `num_samples` continuations (prompt-major), each up to and including its
     EOS if it emitted one. `temperature` 0 decodes greedily."""
     if num_samples < 1:
         raise GenerateError(f"num_samples ({num_samples}) must be at least 1")
     rows = [ids for ids in encode_prompts(config, tokenizer, prompts) for _ in range(num_samples)]
-    return generate_tokens(model, config, rows, vocab=tokenizer.get_vocab_size(), max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return generate_tokens(
+        model,
+        config,
+        rows,
+        vocab=tokenizer.get_vocab_size(),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+    )
 
 
-def generate_tokens(model, config, rows: list[list[int]], *, vocab: int | None = None, max_new_tokens: int = 64,
-                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
+def generate_tokens(
+    model,
+    config,
+    rows: list[list[int]],
+    *,
+    vocab: int | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[list[int]]:
     """`generate_ids` of prompts given as token ids (framed as the family frames them); only ids below `vocab` (the
     tokenizer's) are chosen. One compiled program per (rows, prompt bucket, cache slots)."""
     generation = get_family(config.model_type).generation
@@ -176,35 +211,61 @@ def generate_tokens(model, config, rows: list[list[int]], *, vocab: int | None =
     mask = np.zeros(ids.shape, np.int32)
     if specials.decoder_start is None:  # the prompt is the decoder's: left padding, then the new tokens
         if longest + max_new_tokens > config.max_length:
-            raise GenerateError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the "
-                                f"{config.max_length} positions of this model; shorten the prompt or ask for fewer")
+            raise GenerateError(
+                f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the "
+                f"{config.max_length} positions of this model; shorten the prompt or ask for fewer"
+            )
         for row, prompt in enumerate(rows):
-            ids[row, ids.shape[1] - len(prompt):], mask[row, ids.shape[1] - len(prompt):] = prompt, 1
+            ids[row, ids.shape[1] - len(prompt) :], mask[row, ids.shape[1] - len(prompt) :] = prompt, 1
         first = ids.shape[1]
     else:  # the prompt is the encoder's (right padding); the decoder starts from decoder_start
         if max_new_tokens > config.max_length:
-            raise GenerateError(f"{max_new_tokens} new tokens exceed the {config.max_length} positions of this "
-                                f"model's decoder; ask for fewer")
+            raise GenerateError(
+                f"{max_new_tokens} new tokens exceed the {config.max_length} positions of this "
+                f"model's decoder; ask for fewer"
+            )
         for row, prompt in enumerate(rows):
-            ids[row, :len(prompt)], mask[row, :len(prompt)] = prompt, 1
+            ids[row, : len(prompt)], mask[row, : len(prompt)] = prompt, 1
         first = 1
     settings = Settings(sampling, jax.random.key(seed), jnp.int32(first + max_new_tokens))
     graphdef, params = nnx.split(model)
     with _on_params_mesh(params):
-        state = prefill(graphdef, params, ids, mask, slots=_round_up(first + max_new_tokens, SLOT_BUCKET),
-                        specials=specials)
+        state = prefill(
+            graphdef, params, ids, mask, slots=_round_up(first + max_new_tokens, SLOT_BUCKET), specials=specials
+        )
         tokens = decode(graphdef, params, state, settings, specials=specials)
-    new = np.asarray(tokens)[:, first:first + max_new_tokens]
+    new = np.asarray(tokens)[:, first : first + max_new_tokens]
     ends = [np.flatnonzero(row == specials.eos) for row in new]
-    return [row[:end[0] + 1].tolist() if len(end) else row.tolist() for row, end in zip(new, ends)]
+    return [row[: end[0] + 1].tolist() if len(end) else row.tolist() for row, end in zip(new, ends)]
 
 
-def generate(model, config, tokenizer, prompts: list[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1) -> list[str]:
+def generate(
+    model,
+    config,
+    tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    num_samples: int = 1,
+) -> list[str]:
     """The text of each prompt's `num_samples` continuations (prompt-major), without the prompt and without EOS,
     BOS and padding (T5's sentinels are kept: span corruption generates them)."""
-    rows = generate_ids(model, config, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_k=top_k, top_p=top_p, seed=seed, num_samples=num_samples)
+    rows = generate_ids(
+        model,
+        config,
+        tokenizer,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        num_samples=num_samples,
+    )
     return [continuation_text(config, tokenizer, row) for row in rows]
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from spmdlm import storage
 from spmdlm.errors import TasksError
@@ -39,8 +40,18 @@ class HarnessModel:
     `interrupt`, if given, is called before each batch; what it raises ends the tasks (training gives way to a
     checkpoint that way)."""
 
-    def __init__(self, family: Family, model, tokenizer, mesh, *, batch_size: int = 8, max_length: int | None = None,
-                 interrupt: Callable[[], None] | None = None, seed: int = 0):
+    def __init__(
+        self,
+        family: Family,
+        model,
+        tokenizer,
+        mesh,
+        *,
+        batch_size: int = 8,
+        max_length: int | None = None,
+        interrupt: Callable[[], None] | None = None,
+        seed: int = 0,
+    ):
         check_likelihood(family)
         super().__init__()
         config = model.config
@@ -78,8 +89,7 @@ class HarnessModel:
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = True, **kwargs) -> list[tuple[float, bool]]:
-        answers = self.scorer.score([(context, continuation) for _, context, continuation in requests],
-                                    self.interrupt)
+        answers = self.scorer.score([(context, continuation) for _, context, continuation in requests], self.interrupt)
         for (strings, _, _), answer in zip(requests, answers):
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, answer)
@@ -92,8 +102,9 @@ class HarnessModel:
 
         windows, owners = [], []
         for index, (text,) in enumerate(request.args for request in requests):
-            for window in get_rolling_token_windows(token_list=self.tok_encode(text), prefix_token=self._prefix,
-                                                    max_seq_len=self.max_length, context_len=1):
+            for window in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self._prefix, max_seq_len=self.max_length, context_len=1
+            ):
                 windows.append(make_disjoint_window(window))
                 owners.append(index)
         totals = [0.0] * len(requests)
@@ -111,8 +122,9 @@ class HarnessModel:
             groups.setdefault(repr(sorted(request.args[1].items())), []).append(index)
         texts = [""] * len(requests)
         for indices in groups.values():
-            for index, text in zip(indices, self._generate([requests[i].args[0] for i in indices],
-                                                           requests[indices[0]].args[1])):
+            for index, text in zip(
+                indices, self._generate([requests[i].args[0] for i in indices], requests[indices[0]].args[1])
+            ):
                 texts[index] = text
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
         return texts
@@ -121,26 +133,44 @@ class HarnessModel:
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
         kwargs = normalize_gen_kwargs(gen_kwargs, MAX_GEN_TOKS)
-        until = handle_stop_sequences(kwargs.pop("until", None),
-                                      eos=self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False))
+        until = handle_stop_sequences(
+            kwargs.pop("until", None), eos=self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
+        )
         new_tokens = kwargs.pop("max_gen_toks")
         budget = self.max_length if self.backend == "seq2seq" else self.max_length - new_tokens
         if budget < 1:
-            raise TasksError(f"a task asks for {new_tokens} new tokens, which leave no room for its prompt in "
-                             f"max_length {self.max_length}")
-        sampling = dict(temperature=float(kwargs.get("temperature", 0.0)), top_k=int(kwargs.get("top_k") or 0),
-                        top_p=float(kwargs.get("top_p") or 1.0)) if kwargs.get("do_sample") else {}
+            raise TasksError(
+                f"a task asks for {new_tokens} new tokens, which leave no room for its prompt in "
+                f"max_length {self.max_length}"
+            )
+        sampling = (
+            dict(
+                temperature=float(kwargs.get("temperature", 0.0)),
+                top_k=int(kwargs.get("top_k") or 0),
+                top_p=float(kwargs.get("top_p") or 1.0),
+            )
+            if kwargs.get("do_sample")
+            else {}
+        )
         rows = [self.tok_encode(context)[-budget:] for context in contexts]
         out = []
         for start in range(0, len(rows), self.batch_size):
             if self.interrupt is not None:
                 self.interrupt()
-            chunk = rows[start:start + self.batch_size]
-            ids = generate_tokens(self.model, self.config, chunk + [chunk[0]] * (self.batch_size - len(chunk)),
-                                  vocab=self.tokenizer.get_vocab_size(), max_new_tokens=new_tokens, seed=self.seed,
-                                  **sampling)
-            out += [postprocess_generated_text(self.tokenizer.decode(row, skip_special_tokens=True), until, None)
-                    for row in ids[:len(chunk)]]
+            chunk = rows[start : start + self.batch_size]
+            ids = generate_tokens(
+                self.model,
+                self.config,
+                chunk + [chunk[0]] * (self.batch_size - len(chunk)),
+                vocab=self.tokenizer.get_vocab_size(),
+                max_new_tokens=new_tokens,
+                seed=self.seed,
+                **sampling,
+            )
+            out += [
+                postprocess_generated_text(self.tokenizer.decode(row, skip_special_tokens=True), until, None)
+                for row in ids[: len(chunk)]
+            ]
         return out
 
 
@@ -153,14 +183,24 @@ def lm_class() -> type:
     return type("SpmdlmLM", (HarnessModel, TemplateLM), {"__module__": __name__, "__doc__": HarnessModel.__doc__})
 
 
-def harness_lm(family: Family, model, tokenizer, mesh, *, batch_size: int = 8, max_length: int | None = None,
-               interrupt: Callable[[], None] | None = None, seed: int = 0):
+def harness_lm(
+    family: Family,
+    model,
+    tokenizer,
+    mesh,
+    *,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    interrupt: Callable[[], None] | None = None,
+    seed: int = 0,
+):
     """An lm_eval `LM` (loglikelihood, loglikelihood_rolling, generate_until) of a loaded model: its family, the NNX
     model (sharded on `mesh`), its `tokenizers.Tokenizer`; `batch_size` rows per call (a multiple of the mesh's
     batch axes), rows of at most `max_length` tokens (default: the model's positions, as the hf backend)."""
     check_likelihood(family)
-    return lm_class()(family, model, tokenizer, mesh, batch_size=batch_size, max_length=max_length,
-                      interrupt=interrupt, seed=seed)
+    return lm_class()(
+        family, model, tokenizer, mesh, batch_size=batch_size, max_length=max_length, interrupt=interrupt, seed=seed
+    )
 
 
 # -- tasks ------------------------------------------------------------------------------------------------------------
@@ -188,14 +228,24 @@ def task_manager(tasks: str | Sequence[str], task_dirs: Sequence[str | Path] = (
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
         where = f" in {', '.join(map(str, dirs))} or" if dirs else ""
-        raise TasksError(f"unknown task{'s' * (len(unknown) > 1)} {', '.join(unknown)}: not a task{where} among "
-                         "lm-eval's; check the name (a local YAML's `task:` field) and the task directory")
+        raise TasksError(
+            f"unknown task{'s' * (len(unknown) > 1)} {', '.join(unknown)}: not a task{where} among "
+            "lm-eval's; check the name (a local YAML's `task:` field) and the task directory"
+        )
     return manager
 
 
-def run_tasks(lm, tasks: str | Sequence[str], *, task_dirs: Sequence[str | Path] = (), limit: int | float | None = None,
-              num_fewshot: int | None = None, seed: int = 0, manager=None, bootstrap_iters: int = 0
-              ) -> dict[str, dict[str, float]]:
+def run_tasks(
+    lm,
+    tasks: str | Sequence[str],
+    *,
+    task_dirs: Sequence[str | Path] = (),
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    seed: int = 0,
+    manager=None,
+    bootstrap_iters: int = 0,
+) -> dict[str, dict[str, float]]:
     """{task or group: {metric: value}} of `tasks` on `lm` (lm_eval's evaluator; stderr only with
     `bootstrap_iters`). `num_fewshot` overrides the tasks' own (except those fixed at 0, as simple_evaluate does);
     few-shot examples are drawn with `seed`. `manager`: a `task_manager` to reuse."""
@@ -226,5 +276,6 @@ def metrics_of(values: dict[str, Any]) -> dict[str, float]:
 
 def flat_metrics(results: dict[str, dict[str, float]], prefix: str = TASK_METRICS) -> dict[str, float]:
     """{prefix/task/metric: value}: the keys of metrics.jsonl, the trackers and eval_results.json."""
-    return {f"{prefix}/{task}/{metric}": value
-            for task, metrics in results.items() for metric, value in metrics.items()}
+    return {
+        f"{prefix}/{task}/{metric}": value for task, metrics in results.items() for metric, value in metrics.items()
+    }

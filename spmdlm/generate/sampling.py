@@ -46,10 +46,17 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 
 def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     """Next token ids [B] from float32 logits [B, V]; rows draw independently from one key."""
+
     def sample(logits):
         scaled = logits / sampling.temperature
-        filtered = jax.lax.cond((sampling.top_k > 0) | (sampling.top_p < 1), filter_logits,
-                                lambda x, *_: x, scaled, sampling.top_k, sampling.top_p)  # sorting V costs
+        filtered = jax.lax.cond(
+            (sampling.top_k > 0) | (sampling.top_p < 1),
+            filter_logits,
+            lambda x, *_: x,
+            scaled,
+            sampling.top_k,
+            sampling.top_p,
+        )  # sorting V costs
         return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
 
     greedy = lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +38,11 @@ LIKELIHOOD = (Generation.DECODER_ONLY, Generation.ENCODER_DECODER)
 def check_likelihood(family: Family) -> None:
     """One line for a family whose models score no continuation (masked LMs, training-only models)."""
     if family.generation not in LIKELIHOOD:
-        raise TasksError(f"a {family.name} model has no LM-harness likelihood (it does not predict text left to "
-                         "right); evaluate it on held-out text instead, or run tasks on a decoder-only or "
-                         "encoder-decoder model")
+        raise TasksError(
+            f"a {family.name} model has no LM-harness likelihood (it does not predict text left to "
+            "right); evaluate it on held-out text instead, or run tasks on a decoder-only or "
+            "encoder-decoder model"
+        )
 
 
 def length_bucket(n: int, limit: int) -> int:
@@ -78,16 +80,20 @@ class Scorer:
 
     def row(self, context: list[int], continuation: list[int]) -> Row:
         if not continuation or len(continuation) > self.max_length:
-            raise TasksError(f"a continuation of {len(continuation)} tokens cannot be scored with max_length "
-                             f"{self.max_length}; it needs 1 to max_length tokens")
+            raise TasksError(
+                f"a continuation of {len(continuation)} tokens cannot be scored with max_length "
+                f"{self.max_length}; it needs 1 to max_length tokens"
+            )
         if self.encoder_decoder:
-            return Row([self.decoder_start] + continuation[:-1], continuation, len(continuation),
-                       context[-self.max_length:])
-        whole = (context + continuation)[-(self.max_length + 1):]
+            return Row(
+                [self.decoder_start] + continuation[:-1], continuation, len(continuation), context[-self.max_length :]
+            )
+        whole = (context + continuation)[-(self.max_length + 1) :]
         return Row(whole[:-1], whole[1:], len(continuation))
 
-    def score(self, pairs: Sequence[tuple[list[int], list[int]]], interrupt: Callable[[], None] | None = None
-              ) -> list[tuple[float, bool]]:
+    def score(
+        self, pairs: Sequence[tuple[list[int], list[int]]], interrupt: Callable[[], None] | None = None
+    ) -> list[tuple[float, bool]]:
         """(log-probability, greedy) of each (context ids, continuation ids); `interrupt` is called before each
         batch (it may raise to abandon the work)."""
         rows = [self.row(list(context), list(continuation)) for context, continuation in pairs]
@@ -96,7 +102,7 @@ class Scorer:
         for start in range(0, len(order), self.batch_size):
             if interrupt is not None:
                 interrupt()
-            chunk = order[start:start + self.batch_size]
+            chunk = order[start : start + self.batch_size]
             logprobs, greedy = self.run([rows[i] for i in chunk])
             for i, logprob, hit in zip(chunk, logprobs, greedy):
                 answers[i] = (float(logprob), bool(hit))
@@ -107,8 +113,9 @@ class Scorer:
         batch, targets, weights = self.arrays(rows)
         put = lambda x: jax.make_array_from_callback(x.shape, batch_sharding(self.mesh, x.ndim), lambda i: x[i])
         with jax.set_mesh(self.mesh):
-            logprobs, greedy = continuation_scores(self.graphdef, self.params, jax.tree.map(put, batch),
-                                                   put(targets), put(weights), forward=self.forward)
+            logprobs, greedy = continuation_scores(
+                self.graphdef, self.params, jax.tree.map(put, batch), put(targets), put(weights), forward=self.forward
+            )
         return np.asarray(logprobs), np.asarray(greedy)
 
     def arrays(self, rows: list[Row]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
@@ -117,19 +124,27 @@ class Scorer:
         targets = self.padded([row.targets for row in rows], length=stream.shape[1])[0]
         weights = np.zeros(stream.shape, np.float32)
         for i, row in enumerate(rows):
-            weights[i, len(row.stream) - row.scored:len(row.stream)] = 1.0
+            weights[i, len(row.stream) - row.scored : len(row.stream)] = 1.0
         if not self.encoder_decoder:
             return {"input_ids": stream, "attention_mask": stream_mask}, targets, weights
         encoder, encoder_mask = self.padded([row.encoder for row in rows])
-        return ({"input_ids": encoder, "attention_mask": encoder_mask, "decoder_input_ids": stream,
-                 "decoder_attention_mask": stream_mask}, targets, weights)
+        return (
+            {
+                "input_ids": encoder,
+                "attention_mask": encoder_mask,
+                "decoder_input_ids": stream,
+                "decoder_attention_mask": stream_mask,
+            },
+            targets,
+            weights,
+        )
 
     def padded(self, sequences: list[list[int]], length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         length = length or length_bucket(max(map(len, sequences)), self.max_length)
         ids = np.full((len(sequences), length), self.pad, np.int32)
         mask = np.zeros((len(sequences), length), np.int32)
         for i, sequence in enumerate(sequences):
-            ids[i, :len(sequence)], mask[i, :len(sequence)] = sequence, 1
+            ids[i, : len(sequence)], mask[i, : len(sequence)] = sequence, 1
         return ids, mask
 
 

@@ -75,8 +75,13 @@ class AttentionMask:
         return mask
 
 
-def make_attention_mask(key_valid: jax.Array | None = None, causal: bool = False, *,
-                        q_segments: jax.Array | None = None, kv_segments: jax.Array | None = None) -> AttentionMask:
+def make_attention_mask(
+    key_valid: jax.Array | None = None,
+    causal: bool = False,
+    *,
+    q_segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
+) -> AttentionMask:
     """The mask of an attention call: padding (`key_valid`), causality, and packed segments (both or neither; a key
     that `key_valid` marks as padding is moved to segment 0)."""
     if (q_segments is None) != (kv_segments is None):
@@ -86,8 +91,12 @@ def make_attention_mask(key_valid: jax.Array | None = None, causal: bool = False
         if key_valid is not None:
             kv_segments = jnp.where(key_valid.astype(bool), kv_segments, 0)
         key_valid = None  # segment 0 is the padding now
-    return AttentionMask(key_valid=None if key_valid is None else key_valid.astype(bool), causal=causal,
-                         q_segments=q_segments, kv_segments=kv_segments)
+    return AttentionMask(
+        key_valid=None if key_valid is None else key_valid.astype(bool),
+        causal=causal,
+        q_segments=q_segments,
+        kv_segments=kv_segments,
+    )
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -103,8 +112,15 @@ def _say_once(implementation: str, reason: str) -> None:
     log.info("attention %s: %s; these calls use the xla einsums", implementation, reason)
 
 
-def fused(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | None,
-          bias: jax.Array | None, scale: float) -> jax.Array | None:
+def fused(
+    implementation: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: AttentionMask | None,
+    bias: jax.Array | None,
+    scale: float,
+) -> jax.Array | None:
     """q [B, T, heads, head_dim], k and v [B, S, heads, head_dim] -> [B, T, heads, head_dim] by `implementation`,
     or None where it cannot take this call (the caller then uses the einsums)."""
     mask = mask or AttentionMask()
@@ -115,19 +131,32 @@ def fused(implementation: str, q: jax.Array, k: jax.Array, v: jax.Array, mask: A
     if implementation == "splash":
         return _splash(q, k, v, mask, scale)
     if mask.segmented:  # as a boolean mask (cuDNN takes it as its mask input)
-        return jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
-                                            mask=mask.array(q.shape[1], k.shape[1]), scale=scale,
-                                            implementation="cudnn" if implementation == "cudnn" else "xla")
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            bias=None if bias is None else bias.astype(q.dtype),
+            mask=mask.array(q.shape[1], k.shape[1]),
+            scale=scale,
+            implementation="cudnn" if implementation == "cudnn" else "xla",
+        )
     kv_lengths = None
     if mask.key_valid is not None and implementation == "cudnn":
         # cuDNN's padding mask is a length per row: keys are right-padded in every call without a cache (training,
         # evaluation, the encoders in generation); left-padded prompts only ever go through the cache.
         kv_lengths = mask.key_valid.sum(-1, dtype=jnp.int32)
     dense_padding = None if mask.key_valid is None or kv_lengths is not None else mask.key_valid[:, None, None, :]
-    return jax.nn.dot_product_attention(q, k, v, bias=None if bias is None else bias.astype(q.dtype),
-                                        mask=dense_padding, scale=scale, is_causal=mask.causal,
-                                        key_value_seq_lengths=kv_lengths,
-                                        implementation="cudnn" if implementation == "cudnn" else "xla")
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        bias=None if bias is None else bias.astype(q.dtype),
+        mask=dense_padding,
+        scale=scale,
+        is_causal=mask.causal,
+        key_value_seq_lengths=kv_lengths,
+        implementation="cudnn" if implementation == "cudnn" else "xla",
+    )
 
 
 def _unsupported(implementation: str, q, k, mask: AttentionMask, bias) -> str | None:
@@ -165,31 +194,45 @@ def _splash(q, k, v, mask: AttentionMask, scale: float) -> jax.Array:
         head_mask = (splash_mask.CausalMask if mask.causal else splash_mask.FullMask)((local_length, key_length))
         block = max(b for b in (512, 256, SPLASH_BLOCK) if local_length % b == 0 and key_length % b == 0)
         kernel = splash.make_splash_mha(
-            splash_mask.MultiHeadMask([head_mask] * local_heads), head_shards=1, q_seq_shards=1,
-            block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
-                                          block_kv_dq=block),
-            interpret=platform != "tpu")
+            splash_mask.MultiHeadMask([head_mask] * local_heads),
+            head_shards=1,
+            q_seq_shards=1,
+            block_sizes=splash.BlockSizes(
+                block_q=block,
+                block_kv=block,
+                block_kv_compute=block,
+                block_q_dkv=block,
+                block_kv_dkv=block,
+                block_kv_dkv_compute=block,
+                block_q_dq=block,
+                block_kv_dq=block,
+            ),
+            interpret=platform != "tpu",
+        )
         return jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(q_segments, kv_segments))
 
     if not mesh.empty:  # a Pallas kernel is not partitioned by XLA: each device runs it on its own rows and heads
         spec = resolve_spec(q.shape, ("batch", "act_heads", None, None), dict(mesh.shape))
         rows = PartitionSpec(spec[0], None)
-        attend = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec, rows, rows), out_specs=spec,
-                               check_vma=False)
+        attend = jax.shard_map(
+            attend, mesh=mesh, in_specs=(spec, spec, spec, rows, rows), out_specs=spec, check_vma=False
+        )
     return to_heads_first(attend(q, k, v, q_segments, kv_segments))
 
 
 def _splash_uncompilable(device_kind: str, dtype) -> str | None:
     """Why this TPU generation's compiler rejects the splash kernel at `dtype`, or None."""
     if jnp.dtype(dtype) != jnp.float32 and device_kind.lower().startswith(SPLASH_FLOAT32_ONLY):
-        return (f"the TPU compiler (Mosaic) cannot build the splash kernel's {jnp.dtype(dtype).name} matmuls for "
-                f"{device_kind}")
+        return (
+            f"the TPU compiler (Mosaic) cannot build the splash kernel's {jnp.dtype(dtype).name} matmuls for "
+            f"{device_kind}"
+        )
     return None
 
 
-def resolve(requested: str, *, platform: str, dtype, training: bool, dropout: float, biased: bool,
-            device_kind: str = "") -> tuple[str, str | None]:
+def resolve(
+    requested: str, *, platform: str, dtype, training: bool, dropout: float, biased: bool, device_kind: str = ""
+) -> tuple[str, str | None]:
     """The implementation a run uses for `requested` (CHOICES) and a line saying why when `auto` did not pick the
     platform's kernel. `dropout`: the model's largest attention dropout; `biased`: some attention adds a bias;
     `device_kind`: the devices' generation (jax's device_kind), for kernels some generations cannot compile.
@@ -203,25 +246,34 @@ def resolve(requested: str, *, platform: str, dtype, training: bool, dropout: fl
         if kernel is None:
             return "xla", None
         if dropping:
-            return "xla", (f"auto = xla, not {kernel}: the model's attention dropout is {dropout} and the fused "
-                           "kernels have none (a config with attention dropout 0 uses the kernel)")
+            return "xla", (
+                f"auto = xla, not {kernel}: the model's attention dropout is {dropout} and the fused "
+                "kernels have none (a config with attention dropout 0 uses the kernel)"
+            )
         if kernel == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES:
             return "xla", "auto = xla, not cudnn: cuDNN's flash attention needs --dtype bfloat16"
         if kernel == "splash" and uncompilable:
             return "xla", f"auto = xla, not splash: {uncompilable} (--dtype float32 would take the kernel)"
-        return kernel, ("auto = splash; the self-attention with T5's relative-position bias keeps xla (the kernel "
-                        "takes no bias)" if kernel == "splash" and biased else None)
+        return kernel, (
+            "auto = splash; the self-attention with T5's relative-position bias keeps xla (the kernel takes no bias)"
+            if kernel == "splash" and biased
+            else None
+        )
     if requested in ("cudnn", "splash") and requested != kernel:
-        where = {"cudnn": "an NVIDIA GPU with CUDA JAX (pip install -e '.[cuda]')",
-                 "splash": "a TPU (or --compile_for a TPU slice)"}[requested]
-        raise ValueError(f"the {requested} kernel needs {where}, and this run's devices are {platform}; use "
-                         "--attention auto or xla")
+        where = {
+            "cudnn": "an NVIDIA GPU with CUDA JAX (pip install -e '.[cuda]')",
+            "splash": "a TPU (or --compile_for a TPU slice)",
+        }[requested]
+        raise ValueError(
+            f"the {requested} kernel needs {where}, and this run's devices are {platform}; use --attention auto or xla"
+        )
     if requested == "splash" and uncompilable:
         raise ValueError(f"{uncompilable}: use --attention auto or xla, or --dtype float32")
     if requested == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES:
-        raise ValueError("cuDNN's flash attention takes bfloat16/float16: add --dtype bfloat16, or use --attention "
-                         "xla")
+        raise ValueError("cuDNN's flash attention takes bfloat16/float16: add --dtype bfloat16, or use --attention xla")
     if requested != "xla" and dropping:
-        raise ValueError(f"the model's attention dropout is {dropout} and the {requested} path has none: use a "
-                         "config with attention dropout 0, or --attention xla")
+        raise ValueError(
+            f"the model's attention dropout is {dropout} and the {requested} path has none: use a "
+            "config with attention dropout 0, or --attention xla"
+        )
     return requested, None

@@ -25,8 +25,17 @@ from flax import nnx
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import make_attention_mask, segment_positions
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import (ACTIVATIONS, Bias, Cache, Embed, LayerNorm, LayerStack, PostNormBlock, dropout,
-                                  make_param)
+from spmdlm.models.layers import (
+    ACTIVATIONS,
+    Bias,
+    Cache,
+    Embed,
+    LayerNorm,
+    LayerStack,
+    PostNormBlock,
+    dropout,
+    make_param,
+)
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of the table
 LAYER_NORM_EPS = 1e-5  # torch nn.LayerNorm's default, which BART uses everywhere
@@ -66,11 +75,15 @@ class BartConfig(HFConfig):
             if self.d_model % heads:
                 raise ValueError(f"d_model {self.d_model} is not divisible by {stack}_attention_heads {heads}")
         if self.activation_function not in ACTIVATIONS:
-            raise ValueError(f"activation_function {self.activation_function!r} is not supported; use one of "
-                             f"{', '.join(ACTIVATIONS)}")
+            raise ValueError(
+                f"activation_function {self.activation_function!r} is not supported; use one of "
+                f"{', '.join(ACTIVATIONS)}"
+            )
         if not self.tie_word_embeddings:
-            raise ValueError("BART with an LM head untied from the shared embeddings is not supported; set "
-                             "tie_word_embeddings to true")
+            raise ValueError(
+                "BART with an LM head untied from the shared embeddings is not supported; set "
+                "tie_word_embeddings to true"
+            )
         if self.max_position_embeddings < 1:
             raise ValueError(f"max_position_embeddings {self.max_position_embeddings} must be at least 1")
 
@@ -92,28 +105,49 @@ class BartStack(nnx.Module):
     """The encoder (bidirectional) or the decoder (causal, with cross-attention): positions, layernorm_embedding,
     then post-LN layers. It takes the (scaled) token embeddings: the table is shared, so it lives in the model."""
 
-    def __init__(self, config: BartConfig, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: str,
-                 scan_unroll: int | bool = 1):
+    def __init__(
+        self, config: BartConfig, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: str, scan_unroll: int | bool = 1
+    ):
         self.config = config
         d, std = config.d_model, config.init_std
         stack = "decoder" if is_decoder else "encoder"
-        self.embed_positions = Embed(config.max_position_embeddings + POSITION_OFFSET, d, init_std=std, dtype=dtype,
-                                     axes=("positions", "embed"), rngs=rngs)
+        self.embed_positions = Embed(
+            config.max_position_embeddings + POSITION_OFFSET,
+            d,
+            init_std=std,
+            dtype=dtype,
+            axes=("positions", "embed"),
+            rngs=rngs,
+        )
         self.layernorm_embedding = LayerNorm(d, eps=LAYER_NORM_EPS, rngs=rngs)
         self.layers = LayerStack(
-            lambda r: PostNormBlock(d, getattr(config, f"{stack}_attention_heads"), getattr(config, f"{stack}_ffn_dim"),
-                                    activation=config.activation_function, eps=LAYER_NORM_EPS,
-                                    dropout_rate=config.dropout, attention_dropout=config.attention_dropout,
-                                    activation_dropout=config.activation_dropout, cross_attention=is_decoder,
-                                    init_std=std, dtype=dtype, rngs=r),
-            getattr(config, f"{stack}_layers"), rngs=rngs, remat=remat, unroll=scan_unroll)
+            lambda r: PostNormBlock(
+                d,
+                getattr(config, f"{stack}_attention_heads"),
+                getattr(config, f"{stack}_ffn_dim"),
+                activation=config.activation_function,
+                eps=LAYER_NORM_EPS,
+                dropout_rate=config.dropout,
+                attention_dropout=config.attention_dropout,
+                activation_dropout=config.activation_dropout,
+                cross_attention=is_decoder,
+                init_std=std,
+                dtype=dtype,
+                rngs=r,
+            ),
+            getattr(config, f"{stack}_layers"),
+            rngs=rngs,
+            remat=remat,
+            unroll=scan_unroll,
+        )
 
     def __call__(self, embedded, mask, context=None, context_mask=None, *, positions=None, rngs=None):
         """`positions` [B, T]: each token's position within its packed segment (default: 0..T-1)."""
         length = embedded.shape[1]
         if length > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {length} exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
+            raise ValueError(
+                f"sequence length {length} exceeds max_position_embeddings {self.config.max_position_embeddings}"
+            )
         positions = jnp.arange(length) if positions is None else positions
         x = dropout(self.with_positions(embedded, positions), self.config.dropout, rngs)
         return self.layers(x, mask, context, context_mask, rngs=rngs)
@@ -126,8 +160,9 @@ class BartStack(nnx.Module):
     def extend(self, embedded, cache: Cache) -> tuple[jax.Array, Cache]:
         """The decoder during generation: the next tokens' embeddings [B, T, d] through the cache (no padding)."""
         positions, mask, cache = cache.advance(embedded.shape[1])
-        return self.layers.scan_with_cache(self.with_positions(embedded, positions), cache, mask, None,
-                                           make_attention_mask(cache.cross_valid))
+        return self.layers.scan_with_cache(
+            self.with_positions(embedded, positions), cache, mask, None, make_attention_mask(cache.cross_valid)
+        )
 
 
 class BartForConditionalGeneration(nnx.Module):
@@ -140,35 +175,60 @@ class BartForConditionalGeneration(nnx.Module):
 
     config_class = BartConfig
 
-    def __init__(self, config: BartConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots",
-                 scan_unroll: int | bool = 1):
+    def __init__(
+        self, config: BartConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots", scan_unroll: int | bool = 1
+    ):
         self.config = config
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.shared = Embed(config.vocab_size, config.d_model, init_std=config.init_std, dtype=dtype, rngs=rngs)
-        stack = lambda is_decoder: BartStack(config, is_decoder=is_decoder, dtype=dtype, rngs=rngs, remat=remat,
-                                             scan_unroll=scan_unroll)
+        stack = lambda is_decoder: BartStack(
+            config, is_decoder=is_decoder, dtype=dtype, rngs=rngs, remat=remat, scan_unroll=scan_unroll
+        )
         self.encoder, self.decoder = stack(False), stack(True)
-        self.final_logits_bias = make_param(nnx.initializers.zeros, rngs.params(), (config.vocab_size,), ("vocab",),
-                                            kind=Bias)
+        self.final_logits_bias = make_param(
+            nnx.initializers.zeros, rngs.params(), (config.vocab_size,), ("vocab",), kind=Bias
+        )
 
     def embed(self, ids: jax.Array) -> jax.Array:
         return self.shared(ids) * self.embed_scale
 
-    def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               rngs: nnx.Rngs | None = None) -> jax.Array:
+    def encode(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:
         mask = make_attention_mask(attention_mask, q_segments=segment_ids, kv_segments=segment_ids)
         return self.encoder(self.embed(input_ids), mask, positions=_positions(segment_ids, positions), rngs=rngs)
 
-    def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
-               decoder_attention_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
-               decoder_segment_ids: jax.Array | None = None, decoder_positions: jax.Array | None = None,
-               rngs: nnx.Rngs | None = None, features_only: bool = False) -> jax.Array:
-        mask = make_attention_mask(decoder_attention_mask, causal=True, q_segments=decoder_segment_ids,
-                                   kv_segments=decoder_segment_ids)
+    def decode(
+        self,
+        decoder_input_ids: jax.Array,
+        encoded: jax.Array,
+        attention_mask: jax.Array | None = None,
+        decoder_attention_mask: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        decoder_segment_ids: jax.Array | None = None,
+        decoder_positions: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+        features_only: bool = False,
+    ) -> jax.Array:
+        mask = make_attention_mask(
+            decoder_attention_mask, causal=True, q_segments=decoder_segment_ids, kv_segments=decoder_segment_ids
+        )
         context_mask = make_attention_mask(attention_mask, q_segments=decoder_segment_ids, kv_segments=segment_ids)
-        x = self.decoder(self.embed(decoder_input_ids), mask, encoded, context_mask,
-                         positions=_positions(decoder_segment_ids, decoder_positions), rngs=rngs)
+        x = self.decoder(
+            self.embed(decoder_input_ids),
+            mask,
+            encoded,
+            context_mask,
+            positions=_positions(decoder_segment_ids, decoder_positions),
+            rngs=rngs,
+        )
         return x if features_only else self.head(x)
 
     def head(self, x: jax.Array) -> jax.Array:
@@ -178,23 +238,48 @@ class BartForConditionalGeneration(nnx.Module):
         logits = self.shared.attend(x) + jax.lax.stop_gradient(self.final_logits_bias[...])
         return constrain(logits, "batch", "length", "act_vocab")
 
-    def __call__(self, input_ids: jax.Array, decoder_input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                 decoder_attention_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
-                 decoder_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                 decoder_positions: jax.Array | None = None, rngs: nnx.Rngs | None = None,
-                 features_only: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        decoder_input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        decoder_attention_mask: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        decoder_segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        decoder_positions: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+        features_only: bool = False,
+    ) -> jax.Array:
         encoded = self.encode(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, rngs=rngs)
-        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
-                           segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids,
-                           decoder_positions=decoder_positions, rngs=rngs, features_only=features_only)
+        return self.decode(
+            decoder_input_ids,
+            encoded,
+            attention_mask,
+            decoder_attention_mask,
+            segment_ids=segment_ids,
+            decoder_segment_ids=decoder_segment_ids,
+            decoder_positions=decoder_positions,
+            rngs=rngs,
+            features_only=features_only,
+        )
 
     def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
         """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""
         config = self.config
         heads = config.decoder_attention_heads
         cross = self.decoder.layers.map(lambda layer: layer.encoder_attn.keys_values(encoded))
-        return Cache.empty(config.decoder_layers, encoded.shape[0], slots, heads, config.d_model // heads,
-                           self.shared.dtype, cross, attention_mask)
+        return Cache.empty(
+            config.decoder_layers,
+            encoded.shape[0],
+            slots,
+            heads,
+            config.d_model // heads,
+            self.shared.dtype,
+            cross,
+            attention_mask,
+        )
 
     def extend(self, decoder_input_ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """Generation: the next decoder tokens [B, T] attend to the cached ones -> logits [B, T, V] and the cache."""

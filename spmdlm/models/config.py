@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from spmdlm import storage
 from spmdlm.errors import ConfigError
@@ -21,8 +22,6 @@ def _presets_dir() -> Path:
 
 
 PRESETS_DIR = _presets_dir()
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +56,9 @@ def read_config_source(config_name: str, presets: Mapping[str, dict] | None = No
     if presets and config_name in presets:
         return dict(presets[config_name])
     given = storage.path(config_name, "--config_name")  # a gs:// JSON file or directory is read from the bucket
-    candidates = [given, given / "config.json"] + ([] if storage.is_url(config_name) else
-                                                   [PRESETS_DIR / f"{config_name}.json"])
+    candidates = [given, given / "config.json"] + (
+        [] if storage.is_url(config_name) else [PRESETS_DIR / f"{config_name}.json"]
+    )
     for path in candidates:
         if path.is_file():
             return _read_json(path, f"--config_name {config_name}")

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.config import HFConfig
 from spmdlm.models.attention import make_attention_mask, segment_positions
+from spmdlm.models.config import HFConfig
 from spmdlm.models.layers import MLP, Attention, Cache, Embed, LayerNorm, LayerStack, dropout
 
 
@@ -61,12 +61,28 @@ class Block(nnx.Module):
         # HF scales the init of the residual output projections by 1/sqrt(2 * n_layer) (GPT-2 paper).
         out_std = std / (2 * config.n_layer) ** 0.5
         self.ln_1 = LayerNorm(d, eps=config.layer_norm_epsilon, rngs=rngs)
-        self.attn = Attention(d, config.n_head, d // config.n_head, fused_qkv=True,
-                              scale=None if config.scale_attn_weights else 1.0, dropout_rate=config.attn_pdrop,
-                              init_std=std, out_init_std=out_std, dtype=dtype, rngs=rngs)
+        self.attn = Attention(
+            d,
+            config.n_head,
+            d // config.n_head,
+            fused_qkv=True,
+            scale=None if config.scale_attn_weights else 1.0,
+            dropout_rate=config.attn_pdrop,
+            init_std=std,
+            out_init_std=out_std,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.ln_2 = LayerNorm(d, eps=config.layer_norm_epsilon, rngs=rngs)
-        self.mlp = MLP(d, config.n_inner or 4 * d, activation=config.activation_function, init_std=std,
-                       out_init_std=out_std, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(
+            d,
+            config.n_inner or 4 * d,
+            activation=config.activation_function,
+            init_std=std,
+            out_init_std=out_std,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.resid_pdrop = config.resid_pdrop
 
     def __call__(self, x, mask, *, rngs=None, cache=None):
@@ -82,19 +98,29 @@ class GPT2LMHeadModel(nnx.Module):
 
     config_class = GPT2Config
 
-    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots",
-                 scan_unroll: int | bool = 1):
+    def __init__(
+        self, config: GPT2Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots", scan_unroll: int | bool = 1
+    ):
         self.config = config
         self.wte = Embed(config.vocab_size, config.n_embd, init_std=config.initializer_range, dtype=dtype, rngs=rngs)
-        self.wpe = Embed(config.n_positions, config.n_embd, init_std=0.01, dtype=dtype, rngs=rngs,
-                         axes=("positions", "embed"))
-        self.h = LayerStack(lambda r: Block(config, dtype=dtype, rngs=r), config.n_layer, rngs=rngs, remat=remat,
-                            unroll=scan_unroll)
+        self.wpe = Embed(
+            config.n_positions, config.n_embd, init_std=0.01, dtype=dtype, rngs=rngs, axes=("positions", "embed")
+        )
+        self.h = LayerStack(
+            lambda r: Block(config, dtype=dtype, rngs=r), config.n_layer, rngs=rngs, remat=remat, unroll=scan_unroll
+        )
         self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, rngs=rngs)
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                 rngs: nnx.Rngs | None = None, features_only: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+        features_only: bool = False,
+    ) -> jax.Array:
         length = input_ids.shape[1]
         if length > self.config.n_positions:
             raise ValueError(f"sequence length {length} exceeds n_positions {self.config.n_positions}")
@@ -115,8 +141,9 @@ class GPT2LMHeadModel(nnx.Module):
         config = self.config
         return Cache.empty(config.n_layer, batch, slots, config.n_head, config.n_embd // config.n_head, self.wte.dtype)
 
-    def extend(self, input_ids: jax.Array, cache: Cache, attention_mask: jax.Array | None = None
-               ) -> tuple[jax.Array, Cache]:
+    def extend(
+        self, input_ids: jax.Array, cache: Cache, attention_mask: jax.Array | None = None
+    ) -> tuple[jax.Array, Cache]:
         """Generation: the next tokens `input_ids` [B, T] of every row (a left-padded prompt, then one token at a
         time) attend to the cached ones; -> their logits [B, T, V] and the cache holding their keys and values."""
         positions, mask, cache = cache.advance(input_ids.shape[1], attention_mask)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -144,9 +144,7 @@ class Dense(nnx.Module):
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         self.dtype = dtype
         self.out_dtype = out_dtype  # e.g. float32 logits from a bfloat16 matmul (accumulated in float32)
-        self.kernel = make_param(
-            nnx.initializers.normal(init_std), rngs.params(), (in_features, *out_shape), axes
-        )
+        self.kernel = make_param(nnx.initializers.normal(init_std), rngs.params(), (in_features, *out_shape), axes)
         self.bias = (
             make_param(nnx.initializers.zeros, rngs.params(), out_shape, axes[1:], kind=Bias) if use_bias else None
         )
@@ -156,8 +154,9 @@ class Dense(nnx.Module):
         if self.out_dtype == jnp.float32 and kernel.ndim == 2:
             y = einsum_float32("...d,dk->...k", x.astype(self.dtype), kernel)
         else:
-            y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                                    preferred_element_type=self.out_dtype)
+            y = jax.lax.dot_general(
+                x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=self.out_dtype
+            )
         if self.saved_as:
             y = checkpoint_name(y, self.saved_as)
         if self.bias is not None:
@@ -168,8 +167,16 @@ class Dense(nnx.Module):
 class Embed(nnx.Module):
     """Token or position table; `attend` reuses it as a tied output projection."""
 
-    def __init__(self, num_embeddings: int, features: int, *, rngs: nnx.Rngs, init_std=0.02, dtype=jnp.float32,
-                 axes: tuple[str, str | None] = ("vocab", None)):
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        rngs: nnx.Rngs,
+        init_std=0.02,
+        dtype=jnp.float32,
+        axes: tuple[str, str | None] = ("vocab", None),
+    ):
         # Shard the vocab dim, not the hidden one: a hidden-sharded table is fully rematerialised by the gather.
         self.dtype = dtype
         self.embedding = make_param(nnx.initializers.normal(init_std), rngs.params(), (num_embeddings, features), axes)
@@ -185,7 +192,9 @@ class LayerNorm(nnx.Module):
     def __init__(self, features: int, *, eps: float = 1e-5, use_bias: bool = True, rngs: nnx.Rngs):
         self.eps = eps
         self.scale = make_param(nnx.initializers.ones, rngs.params(), (features,), ("norm",), kind=Scale)
-        self.bias = make_param(nnx.initializers.zeros, rngs.params(), (features,), ("norm",), kind=Bias) if use_bias else None
+        self.bias = (
+            make_param(nnx.initializers.zeros, rngs.params(), (features,), ("norm",), kind=Bias) if use_bias else None
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
@@ -216,18 +225,45 @@ class MLP(nnx.Module):
     `dropout_rate` acts on the hidden activations (before wo); residual dropout is the caller's.
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, activation: str, gated: bool = False, use_bias: bool = True,
-                 dropout_rate: float = 0.0, init_std: float = 0.02, out_init_std: float | None = None,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        activation: str,
+        gated: bool = False,
+        use_bias: bool = True,
+        dropout_rate: float = 0.0,
+        init_std: float = 0.02,
+        out_init_std: float | None = None,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         self.activation = activation
         self.dropout_rate = dropout_rate
-        dense_in = lambda: Dense(d_model, d_ff, ("embed", "mlp"), rngs=rngs, use_bias=use_bias, init_std=init_std,
-                                 dtype=dtype, saved_as="mlp_hidden")
+        dense_in = lambda: Dense(
+            d_model,
+            d_ff,
+            ("embed", "mlp"),
+            rngs=rngs,
+            use_bias=use_bias,
+            init_std=init_std,
+            dtype=dtype,
+            saved_as="mlp_hidden",
+        )
         self.wi = None if gated else dense_in()
         self.wi_0 = dense_in() if gated else None
         self.wi_1 = dense_in() if gated else None
-        self.wo = Dense(d_ff, d_model, ("mlp", "embed"), rngs=rngs, use_bias=use_bias,
-                        init_std=init_std if out_init_std is None else out_init_std, dtype=dtype, saved_as="mlp_out")
+        self.wo = Dense(
+            d_ff,
+            d_model,
+            ("mlp", "embed"),
+            rngs=rngs,
+            use_bias=use_bias,
+            init_std=init_std if out_init_std is None else out_init_std,
+            dtype=dtype,
+            saved_as="mlp_out",
+        )
 
     def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         act = ACTIVATIONS[self.activation]
@@ -260,14 +296,30 @@ class Cache:
     layer: jax.Array | None = None  # inside the layer scan: the index of the layer being run
 
     @classmethod
-    def empty(cls, layers: int, batch: int, slots: int, heads: int, head_dim: int, dtype,
-              cross: tuple[jax.Array, jax.Array] | None = None, cross_valid: jax.Array | None = None) -> Cache:
+    def empty(
+        cls,
+        layers: int,
+        batch: int,
+        slots: int,
+        heads: int,
+        head_dim: int,
+        dtype,
+        cross: tuple[jax.Array, jax.Array] | None = None,
+        cross_valid: jax.Array | None = None,
+    ) -> Cache:
         """`cross`: the stacked cross-attention keys and values [layers, batch, source, heads, head_dim]."""
         shape = (layers, batch, heads, slots, head_dim)
         zeros = lambda: constrain(jnp.zeros(shape, dtype), "layers", "batch", "act_heads", "length", None)
         cross_key, cross_value = (jnp.swapaxes(a, 2, 3) for a in cross) if cross else (None, None)
-        return cls(zeros(), zeros(), jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32), cross_key, cross_value,
-                   None if cross_valid is None else cross_valid.astype(bool))
+        return cls(
+            zeros(),
+            zeros(),
+            jnp.zeros((batch, slots), bool),
+            jnp.zeros((), jnp.int32),
+            cross_key,
+            cross_value,
+            None if cross_valid is None else cross_valid.astype(bool),
+        )
 
     def advance(self, length: int, attention_mask: jax.Array | None = None):
         """For the next `length` tokens, about to go to slots index..index+length-1 (`attention_mask` [B, length]:
@@ -288,6 +340,7 @@ class Cache:
     def write(self, key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The running layer's new keys and values [B, T, heads, head_dim] go to slots index..; returns all its
         slots' [B, heads, slots, head_dim]."""
+
         def put(stacked, new):
             new = jnp.swapaxes(new, 1, 2)[None].astype(stacked.dtype)
             return jax.lax.dynamic_update_slice(stacked, new, (self.layer, 0, 0, self.index, 0))
@@ -306,10 +359,25 @@ class Attention(nnx.Module):
 
     implementation = "xla"  # attention.IMPLEMENTATIONS; set per model by set_attention
 
-    def __init__(self, d_model: int, num_heads: int, head_dim: int, *, use_bias: bool = True, fused_qkv: bool = False,
-                 scale: float | None = None, dropout_rate: float = 0.0, init_std: float = 0.02,
-                 q_init_std: float | None = None, kv_init_std: float | None = None, out_init_std: float | None = None,
-                 cross: bool = False, biased: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        use_bias: bool = True,
+        fused_qkv: bool = False,
+        scale: float | None = None,
+        dropout_rate: float = 0.0,
+        init_std: float = 0.02,
+        q_init_std: float | None = None,
+        kv_init_std: float | None = None,
+        out_init_std: float | None = None,
+        cross: bool = False,
+        biased: bool = False,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         self.num_heads, self.head_dim = num_heads, head_dim
         self.cross, self.biased = cross, biased
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -317,17 +385,34 @@ class Attention(nnx.Module):
         inner = num_heads * head_dim
         std = lambda s: init_std if s is None else s
         if fused_qkv:
-            self.qkv = Dense(d_model, (3, inner), ("embed", "qkv", "heads"), rngs=rngs, use_bias=use_bias,
-                             init_std=init_std, dtype=dtype, saved_as="qkv")
+            self.qkv = Dense(
+                d_model,
+                (3, inner),
+                ("embed", "qkv", "heads"),
+                rngs=rngs,
+                use_bias=use_bias,
+                init_std=init_std,
+                dtype=dtype,
+                saved_as="qkv",
+            )
             self.query = self.key = self.value = None
         else:
             self.qkv = None
-            proj = lambda s, name: Dense(d_model, inner, ("embed", "heads"), rngs=rngs, use_bias=use_bias, init_std=s,
-                                         dtype=dtype, saved_as=name)
+            proj = lambda s, name: Dense(
+                d_model, inner, ("embed", "heads"), rngs=rngs, use_bias=use_bias, init_std=s, dtype=dtype, saved_as=name
+            )
             self.query = proj(std(q_init_std), "query")
             self.key, self.value = proj(std(kv_init_std), "key"), proj(std(kv_init_std), "value")
-        self.out = Dense(inner, d_model, ("heads", "embed"), rngs=rngs, use_bias=use_bias, init_std=std(out_init_std),
-                         dtype=dtype, saved_as="attention_out")
+        self.out = Dense(
+            inner,
+            d_model,
+            ("heads", "embed"),
+            rngs=rngs,
+            use_bias=use_bias,
+            init_std=std(out_init_std),
+            dtype=dtype,
+            saved_as="attention_out",
+        )
 
     def heads(self, t: jax.Array) -> jax.Array:
         """[..., heads * head_dim] -> [..., heads, head_dim], heads sharded over `tensor`."""
@@ -336,8 +421,16 @@ class Attention(nnx.Module):
     def keys_values(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self.heads(self.key(context)), self.heads(self.value(context))
 
-    def __call__(self, x: jax.Array, context: jax.Array | None = None, *, mask: AttentionMask | None = None,
-                 bias: jax.Array | None = None, rngs: nnx.Rngs | None = None, cache: Cache | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        context: jax.Array | None = None,
+        *,
+        mask: AttentionMask | None = None,
+        bias: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+        cache: Cache | None = None,
+    ) -> jax.Array:
         """With a `cache` (generation), self-attention adds x's keys and values to it and attends over all its
         slots; cross-attention reads the keys and values projected once from the encoder output, not `context`."""
         layout = "bshd" if cache is None else "bhsd"  # keys and values: [B, S, heads, head_dim], or as cached
@@ -370,8 +463,6 @@ class Attention(nnx.Module):
         return jnp.einsum(f"bhts,{layout}->bthd", probs, v)
 
 
-
-
 def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
     """Compute every attention layer of `model` with `implementation` (attention.IMPLEMENTATIONS): part of the
     model's graph, so it holds for training, evaluation and generation alike."""
@@ -383,13 +474,21 @@ def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
     return model
 
 
-def resolve_attention(model: nnx.Module, requested: str, *, platform: str, dtype, training: bool,
-                      device_kind: str = "") -> tuple[str, str | None]:
+def resolve_attention(
+    model: nnx.Module, requested: str, *, platform: str, dtype, training: bool, device_kind: str = ""
+) -> tuple[str, str | None]:
     """attention.resolve for `model` (an abstract one will do): weighs its largest attention dropout and whether some
     attention takes a bias."""
     layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, Attention)]
-    return resolve(requested, platform=platform, dtype=dtype, training=training, device_kind=device_kind,
-                   dropout=max((m.dropout_rate for m in layers), default=0.0), biased=any(m.biased for m in layers))
+    return resolve(
+        requested,
+        platform=platform,
+        dtype=dtype,
+        training=training,
+        device_kind=device_kind,
+        dropout=max((m.dropout_rate for m in layers), default=0.0),
+        biased=any(m.biased for m in layers),
+    )
 
 
 # What each layer keeps for its backward pass (the launcher's --remat), as jax.checkpoint policies over the names the
@@ -402,9 +501,13 @@ def resolve_attention(model: nnx.Module, requested: str, *, platform: str, dtype
 QKV = ("qkv", "query", "key", "value")  # GPT-2's fused projection, or the three
 PROJECTIONS = (*QKV, "attention_out", "mlp_hidden", "mlp_out")
 _keep = jax.checkpoint_policies.save_only_these_names
-REMAT_POLICIES = {"none": None, "dots": _keep(*PROJECTIONS),
-                  "dots_with_attention": _keep(*PROJECTIONS, "attention_weights"),
-                  "qkv": _keep(*QKV), "full": jax.checkpoint_policies.nothing_saveable}
+REMAT_POLICIES = {
+    "none": None,
+    "dots": _keep(*PROJECTIONS),
+    "dots_with_attention": _keep(*PROJECTIONS, "attention_weights"),
+    "qkv": _keep(*QKV),
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 class LayerStack(nnx.Module):
@@ -416,8 +519,15 @@ class LayerStack(nnx.Module):
     one key per layer. `unroll` is jax.lax.scan's (True = fully unrolled, same parameters; for benchmarks).
     """
 
-    def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs,
-                 remat: str = "dots", unroll: int | bool = 1):
+    def __init__(
+        self,
+        make_layer: Callable[[nnx.Rngs], nnx.Module],
+        count: int,
+        *,
+        rngs: nnx.Rngs,
+        remat: str = "dots",
+        unroll: int | bool = 1,
+    ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         self.count, self.remat, self.unroll = count, remat, unroll
@@ -456,6 +566,7 @@ class LayerStack(nnx.Module):
         The self-attention cache is part of the scan's carry, not a scanned input: XLA then updates it in place,
         where scanning slices in and out copied the whole cache every step.
         """
+
         @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry, unroll=self.unroll)
         def body(layer, carry, i, cross):
             x, cache = carry
@@ -465,11 +576,13 @@ class LayerStack(nnx.Module):
 
         carried = dataclasses.replace(cache, cross_key=None, cross_value=None)
         x, carried = body(self.layers, (x, carried), jnp.arange(self.count), (cache.cross_key, cache.cross_value))
-        return x, dataclasses.replace(carried, cross_key=cache.cross_key, cross_value=cache.cross_value,
-                                      index=cache.index + x.shape[1])
+        return x, dataclasses.replace(
+            carried, cross_key=cache.cross_key, cross_value=cache.cross_value, index=cache.index + x.shape[1]
+        )
 
     def map(self, fn: Callable[[nnx.Module], tuple[jax.Array, ...]]) -> tuple[jax.Array, ...]:
         """`fn(layer)` for every layer, stacked on a leading layers axis (e.g. cross-attention keys and values)."""
+
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
         def body(layer, carry):
             return carry, fn(layer)
@@ -485,18 +598,45 @@ class PostNormBlock(nnx.Module):
     rename tables map RoBERTa's names onto them.
     """
 
-    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, activation: str, eps: float, dropout_rate: float,
-                 attention_dropout: float, activation_dropout: float, cross_attention: bool, init_std: float,
-                 dtype, rngs: nnx.Rngs):
-        attention = lambda cross=False: Attention(d_model, num_heads, d_model // num_heads, cross=cross,
-                                                  dropout_rate=attention_dropout, init_std=init_std, dtype=dtype,
-                                                  rngs=rngs)
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        *,
+        activation: str,
+        eps: float,
+        dropout_rate: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        cross_attention: bool,
+        init_std: float,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        attention = lambda cross=False: Attention(
+            d_model,
+            num_heads,
+            d_model // num_heads,
+            cross=cross,
+            dropout_rate=attention_dropout,
+            init_std=init_std,
+            dtype=dtype,
+            rngs=rngs,
+        )
         norm = lambda: LayerNorm(d_model, eps=eps, rngs=rngs)
         self.self_attn, self.self_attn_layer_norm = attention(), norm()
         self.encoder_attn = attention(cross=True) if cross_attention else None
         self.encoder_attn_layer_norm = norm() if cross_attention else None
-        self.mlp = MLP(d_model, d_ff, activation=activation, dropout_rate=activation_dropout, init_std=init_std,
-                       dtype=dtype, rngs=rngs)
+        self.mlp = MLP(
+            d_model,
+            d_ff,
+            activation=activation,
+            dropout_rate=activation_dropout,
+            init_std=init_std,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.final_layer_norm = norm()
         self.dropout_rate = dropout_rate
 

@@ -18,8 +18,17 @@ from flax import nnx
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import make_attention_mask, segment_positions
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import (ACTIVATIONS, Bias, Dense, Embed, LayerNorm, LayerStack, PostNormBlock, dropout,
-                                  make_param)
+from spmdlm.models.layers import (
+    ACTIVATIONS,
+    Bias,
+    Dense,
+    Embed,
+    LayerNorm,
+    LayerStack,
+    PostNormBlock,
+    dropout,
+    make_param,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +55,18 @@ class RobertaConfig(HFConfig):
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                             f"{self.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
         if not self.tie_word_embeddings:
             raise ValueError("RoBERTa with an untied MLM decoder is not supported; set tie_word_embeddings to true")
         if self.max_position_embeddings <= self.pad_token_id + 1:
-            raise ValueError(f"max_position_embeddings {self.max_position_embeddings} leaves no positions after "
-                             f"the padding offset {self.pad_token_id + 1}")
+            raise ValueError(
+                f"max_position_embeddings {self.max_position_embeddings} leaves no positions after "
+                f"the padding offset {self.pad_token_id + 1}"
+            )
 
     @property
     def max_length(self) -> int:
@@ -81,8 +93,15 @@ class RobertaForMaskedLM(nnx.Module):
 
     config_class = RobertaConfig
 
-    def __init__(self, config: RobertaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots",
-                 scan_unroll: int | bool = 1):
+    def __init__(
+        self,
+        config: RobertaConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        remat: str = "dots",
+        scan_unroll: int | bool = 1,
+    ):
         self.config = config
         d, std, eps = config.hidden_size, config.initializer_range, config.layer_norm_eps
         embed = lambda n, axes=("vocab", None): Embed(n, d, init_std=std, dtype=dtype, axes=axes, rngs=rngs)
@@ -91,33 +110,58 @@ class RobertaForMaskedLM(nnx.Module):
         self.token_type_embeddings = embed(config.type_vocab_size, (None, "embed"))
         self.embeddings_layer_norm = LayerNorm(d, eps=eps, rngs=rngs)
         self.layer = LayerStack(
-            lambda r: PostNormBlock(d, config.num_attention_heads, config.intermediate_size,
-                                    activation=config.hidden_act, eps=eps, dropout_rate=config.hidden_dropout_prob,
-                                    attention_dropout=config.attention_probs_dropout_prob, activation_dropout=0.0,
-                                    cross_attention=False, init_std=std, dtype=dtype, rngs=r),
-            config.num_hidden_layers, rngs=rngs, remat=remat, unroll=scan_unroll)
+            lambda r: PostNormBlock(
+                d,
+                config.num_attention_heads,
+                config.intermediate_size,
+                activation=config.hidden_act,
+                eps=eps,
+                dropout_rate=config.hidden_dropout_prob,
+                attention_dropout=config.attention_probs_dropout_prob,
+                activation_dropout=0.0,
+                cross_attention=False,
+                init_std=std,
+                dtype=dtype,
+                rngs=r,
+            ),
+            config.num_hidden_layers,
+            rngs=rngs,
+            remat=remat,
+            unroll=scan_unroll,
+        )
         self.lm_head_dense = Dense(d, d, ("embed", "mlp"), init_std=std, dtype=dtype, rngs=rngs)
         self.lm_head_layer_norm = LayerNorm(d, eps=eps, rngs=rngs)
-        self.lm_head_bias = make_param(nnx.initializers.zeros, rngs.params(), (config.vocab_size,), ("vocab",),
-                                       kind=Bias)
+        self.lm_head_bias = make_param(
+            nnx.initializers.zeros, rngs.params(), (config.vocab_size,), ("vocab",), kind=Bias
+        )
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                 token_type_ids: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None, rngs: nnx.Rngs | None = None,
-                 features_only: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+        features_only: bool = False,
+    ) -> jax.Array:
         config = self.config
         if input_ids.shape[1] > config.max_length:
-            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds the {config.max_length} positions of "
-                             f"max_position_embeddings {config.max_position_embeddings}")
+            raise ValueError(
+                f"sequence length {input_ids.shape[1]} exceeds the {config.max_length} positions of "
+                f"max_position_embeddings {config.max_position_embeddings}"
+            )
         types = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         if segment_ids is None:
             position = position_ids(input_ids, config.pad_token_id)
         else:
             positions = segment_positions(segment_ids) if positions is None else positions
             position = packed_position_ids(segment_ids, positions, config.pad_token_id)
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(position) + self.token_type_embeddings(types))
-        x = dropout(self.embeddings_layer_norm(constrain(x, "batch", "length", "act_embed")),
-                    config.hidden_dropout_prob, rngs)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position) + self.token_type_embeddings(types)
+        x = dropout(
+            self.embeddings_layer_norm(constrain(x, "batch", "length", "act_embed")), config.hidden_dropout_prob, rngs
+        )
         mask = make_attention_mask(attention_mask, q_segments=segment_ids, kv_segments=segment_ids)
         x = self.layer(x, mask, rngs=rngs)
         return x if features_only else self.head(x)

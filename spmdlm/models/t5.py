@@ -3,10 +3,12 @@
 Mirrors transformers' `T5ForConditionalGeneration` (v1.1 flavour: gated feed-forward, no d_model**-0.5 scaling of
 the decoder output, separate `lm_head`). Attribute names follow HF where our shared layers allow;
 `spmdlm/families/t5.py` holds the rename table. Blocks are stacked and scanned; the relative-position table, which
-HF keeps in block 0, belongs to each stack here (every block of the stack uses it). Attention is unscaled (scale=1.0): T5's initialisation of the query projection absorbs 1/sqrt(d_kv).
+HF keeps in block 0, belongs to each stack here (every block of the stack uses it). Attention is unscaled
+(scale=1.0): T5's initialisation of the query projection absorbs 1/sqrt(d_kv).
 
-transformers 5 quirk (docs/architecture.md §5): it always sets `tie_word_embeddings=True` on T5 configs and keeps the value found
-in config.json only as `scale_decoder_outputs`. Both `from_dict` and `to_hf_dict` below speak that dialect.
+transformers 5 quirk (docs/architecture.md §5): it always sets `tie_word_embeddings=True` on T5 configs and keeps
+the value found in config.json only as `scale_decoder_outputs`. Both `from_dict` and `to_hf_dict` below speak that
+dialect.
 
 Generation: `encode` once, `init_cache` (the encoder output's cross-attention keys and values, projected once), then
 `extend` one decoder token at a time through a preallocated KV cache (`layers.Cache`).
@@ -24,8 +26,8 @@ import numpy as np
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.config import HFConfig
 from spmdlm.models.attention import make_attention_mask
+from spmdlm.models.config import HFConfig
 from spmdlm.models.layers import ACTIVATIONS, MLP, Attention, Cache, Dense, Embed, LayerStack, RMSNorm, dropout
 
 
@@ -73,15 +75,21 @@ class T5Config(HFConfig):
         if self.num_decoder_layers is None:
             object.__setattr__(self, "num_decoder_layers", self.num_layers)
         if dense_activation(self.feed_forward_proj) is None:
-            raise ValueError(f"T5 feed_forward_proj {self.feed_forward_proj!r} is not supported; use a gated one "
-                             f"such as 'gated-gelu' (T5 v1.1)")
+            raise ValueError(
+                f"T5 feed_forward_proj {self.feed_forward_proj!r} is not supported; use a gated one "
+                f"such as 'gated-gelu' (T5 v1.1)"
+            )
         if self.tie_word_embeddings:
-            raise ValueError("T5 with a tied, d_model**-0.5-scaled LM head (original T5) is not supported; "
-                             "use T5 v1.1 (tie_word_embeddings false)")
+            raise ValueError(
+                "T5 with a tied, d_model**-0.5-scaled LM head (original T5) is not supported; "
+                "use T5 v1.1 (tie_word_embeddings false)"
+            )
         buckets = self.relative_attention_num_buckets
         if buckets < 4 or self.relative_attention_max_distance <= buckets // 2:
-            raise ValueError(f"relative_attention_max_distance {self.relative_attention_max_distance} must exceed "
-                             f"half of relative_attention_num_buckets ({buckets}), which need to be >= 4")
+            raise ValueError(
+                f"relative_attention_max_distance {self.relative_attention_max_distance} must exceed "
+                f"half of relative_attention_num_buckets ({buckets}), which need to be >= 4"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> T5Config:
@@ -93,8 +101,12 @@ class T5Config(HFConfig):
 
     def to_hf_dict(self) -> dict[str, Any]:
         # Both keys, so transformers neither ties lm_head to shared nor scales the decoder output (verified by logits).
-        return {**super().to_hf_dict(), "tie_word_embeddings": False, "scale_decoder_outputs": False,
-                "is_encoder_decoder": True}
+        return {
+            **super().to_hf_dict(),
+            "tie_word_embeddings": False,
+            "scale_decoder_outputs": False,
+            "is_encoder_decoder": True,
+        }
 
     @property
     def dense_act_fn(self) -> str:
@@ -105,8 +117,9 @@ class T5Config(HFConfig):
         return 512  # relative positions have no limit; this is the tokenizer's model_max_length, as T5's
 
 
-def relative_position_buckets(query_length: int, key_length: int, *, bidirectional: bool, num_buckets: int,
-                              max_distance: int) -> np.ndarray:
+def relative_position_buckets(
+    query_length: int, key_length: int, *, bidirectional: bool, num_buckets: int, max_distance: int
+) -> np.ndarray:
     """[T, S] bucket of each (key - query) distance: exact for small distances, logarithmic up to max_distance.
 
     Computed in numpy float32 with the same operation order as transformers (shapes are static), so the bucket
@@ -133,19 +146,39 @@ class Block(nnx.Module):
     def __init__(self, config: T5Config, *, is_decoder: bool, dtype, rngs: nnx.Rngs):
         d, f, heads, d_kv = config.d_model, config.initializer_factor, config.num_heads, config.d_kv
         # HF's init: q absorbs the missing 1/sqrt(d_kv); k, v, wi by fan-in; o, wo by their fan-in.
-        attention = lambda cross=False: Attention(d, heads, d_kv, use_bias=False, scale=1.0, cross=cross,
-                                                  biased=not cross, dropout_rate=config.dropout_rate, q_init_std=f * (d * d_kv) ** -0.5,
-                                                  kv_init_std=f * d**-0.5, out_init_std=f * (heads * d_kv) ** -0.5,
-                                                  dtype=dtype, rngs=rngs)
+        attention = lambda cross=False: Attention(
+            d,
+            heads,
+            d_kv,
+            use_bias=False,
+            scale=1.0,
+            cross=cross,
+            biased=not cross,
+            dropout_rate=config.dropout_rate,
+            q_init_std=f * (d * d_kv) ** -0.5,
+            kv_init_std=f * d**-0.5,
+            out_init_std=f * (heads * d_kv) ** -0.5,
+            dtype=dtype,
+            rngs=rngs,
+        )
         norm = lambda: RMSNorm(d, eps=config.layer_norm_epsilon, rngs=rngs)
         self.self_attention_norm = norm()
         self.self_attention = attention()
         self.cross_attention_norm = norm() if is_decoder else None
         self.cross_attention = attention(cross=True) if is_decoder else None
         self.mlp_norm = norm()
-        self.mlp = MLP(d, config.d_ff, activation=config.dense_act_fn, gated=True, use_bias=False,
-                       dropout_rate=config.dropout_rate, init_std=f * d**-0.5, out_init_std=f * config.d_ff**-0.5,
-                       dtype=dtype, rngs=rngs)
+        self.mlp = MLP(
+            d,
+            config.d_ff,
+            activation=config.dense_act_fn,
+            gated=True,
+            use_bias=False,
+            dropout_rate=config.dropout_rate,
+            init_std=f * d**-0.5,
+            out_init_std=f * config.d_ff**-0.5,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.dropout_rate = config.dropout_rate
 
     def __call__(self, x, mask, bias, context, context_mask, *, rngs=None, cache=None):
@@ -162,26 +195,42 @@ class Block(nnx.Module):
 class Stack(nnx.Module):
     """The encoder (bidirectional) or the decoder (causal, with cross-attention): blocks + final RMSNorm."""
 
-    def __init__(self, config: T5Config, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: str,
-                 scan_unroll: int | bool = 1):
+    def __init__(
+        self, config: T5Config, *, is_decoder: bool, dtype, rngs: nnx.Rngs, remat: str, scan_unroll: int | bool = 1
+    ):
         self.config = config
         self.is_decoder = is_decoder
         d, heads = config.d_model, config.num_heads
-        self.relative_attention_bias = Embed(config.relative_attention_num_buckets, heads,
-                                             init_std=config.initializer_factor * d**-0.5,
-                                             axes=("relpos_buckets", "heads"), rngs=rngs)
+        self.relative_attention_bias = Embed(
+            config.relative_attention_num_buckets,
+            heads,
+            init_std=config.initializer_factor * d**-0.5,
+            axes=("relpos_buckets", "heads"),
+            rngs=rngs,
+        )
         count = config.num_decoder_layers if is_decoder else config.num_layers
-        self.block = LayerStack(lambda r: Block(config, is_decoder=is_decoder, dtype=dtype, rngs=r), count, rngs=rngs,
-                                remat=remat, unroll=scan_unroll)
+        self.block = LayerStack(
+            lambda r: Block(config, is_decoder=is_decoder, dtype=dtype, rngs=r),
+            count,
+            rngs=rngs,
+            remat=remat,
+            unroll=scan_unroll,
+        )
         self.final_layer_norm = RMSNorm(config.d_model, eps=config.layer_norm_epsilon, rngs=rngs)
 
     def position_bias(self, length: int, queries: tuple[jax.Array, int] | None = None) -> jax.Array:
         """[1, heads, T, length] additive self-attention bias from the stack's table (float32): for all `length`
         positions as queries, or for `queries` = (first, count) of them (generation: the tokens being fed)."""
-        buckets = jnp.asarray(relative_position_buckets(length, length, bidirectional=not self.is_decoder,
-                                                        num_buckets=self.config.relative_attention_num_buckets,
-                                                        max_distance=self.config.relative_attention_max_distance),
-                              dtype=jnp.int32)
+        buckets = jnp.asarray(
+            relative_position_buckets(
+                length,
+                length,
+                bidirectional=not self.is_decoder,
+                num_buckets=self.config.relative_attention_num_buckets,
+                max_distance=self.config.relative_attention_max_distance,
+            ),
+            dtype=jnp.int32,
+        )
         if queries is not None:
             buckets = jax.lax.dynamic_slice_in_dim(buckets, *queries, axis=0)
         values = self.relative_attention_bias(buckets)  # [T, length, heads]
@@ -213,30 +262,55 @@ class T5ForConditionalGeneration(nnx.Module):
 
     config_class = T5Config
 
-    def __init__(self, config: T5Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots",
-                 scan_unroll: int | bool = 1):
+    def __init__(
+        self, config: T5Config, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots", scan_unroll: int | bool = 1
+    ):
         self.config = config
         f = config.initializer_factor
         self.shared = Embed(config.vocab_size, config.d_model, init_std=f * 1.0, dtype=dtype, rngs=rngs)
-        stack = lambda is_decoder: Stack(config, is_decoder=is_decoder, dtype=dtype, rngs=rngs, remat=remat,
-                                         scan_unroll=scan_unroll)
+        stack = lambda is_decoder: Stack(
+            config, is_decoder=is_decoder, dtype=dtype, rngs=rngs, remat=remat, scan_unroll=scan_unroll
+        )
         self.encoder, self.decoder = stack(False), stack(True)
         # HF draws lm_head from N(0, 1) (it inherits the tied init); d_model**-0.5 keeps the initial logits O(1) on
         # RMS-normalised features, as the scaled tied head of original T5 does.
-        self.lm_head = Dense(config.d_model, config.vocab_size, ("embed", "vocab"), use_bias=False,
-                             init_std=f * config.d_model**-0.5, dtype=dtype, out_dtype=jnp.float32, rngs=rngs)
+        self.lm_head = Dense(
+            config.d_model,
+            config.vocab_size,
+            ("embed", "vocab"),
+            use_bias=False,
+            init_std=f * config.d_model**-0.5,
+            dtype=dtype,
+            out_dtype=jnp.float32,
+            rngs=rngs,
+        )
 
-    def encode(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-               segment_ids: jax.Array | None = None, rngs: nnx.Rngs | None = None) -> jax.Array:
+    def encode(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:
         mask = make_attention_mask(attention_mask, q_segments=segment_ids, kv_segments=segment_ids)
         return self.encoder(self.shared(input_ids), mask, rngs=rngs)
 
-    def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, attention_mask: jax.Array | None = None,
-               decoder_attention_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
-               decoder_segment_ids: jax.Array | None = None, rngs: nnx.Rngs | None = None,
-               features_only: bool = False) -> jax.Array:
-        mask = make_attention_mask(decoder_attention_mask, causal=True, q_segments=decoder_segment_ids,
-                                   kv_segments=decoder_segment_ids)
+    def decode(
+        self,
+        decoder_input_ids: jax.Array,
+        encoded: jax.Array,
+        attention_mask: jax.Array | None = None,
+        decoder_attention_mask: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        decoder_segment_ids: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+        features_only: bool = False,
+    ) -> jax.Array:
+        mask = make_attention_mask(
+            decoder_attention_mask, causal=True, q_segments=decoder_segment_ids, kv_segments=decoder_segment_ids
+        )
         context_mask = make_attention_mask(attention_mask, q_segments=decoder_segment_ids, kv_segments=segment_ids)
         x = self.decoder(self.shared(decoder_input_ids), mask, encoded, context_mask, rngs=rngs)
         return x if features_only else self.head(x)
@@ -245,23 +319,47 @@ class T5ForConditionalGeneration(nnx.Module):
         """The decoder's final features [..., d] -> logits [..., V]."""
         return constrain(self.lm_head(x), "batch", "length", "act_vocab")  # v1.1: no d_model**-0.5 scaling
 
-    def __call__(self, input_ids: jax.Array, decoder_input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                 decoder_attention_mask: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
-                 decoder_segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                 decoder_positions: jax.Array | None = None, rngs: nnx.Rngs | None = None,
-                 features_only: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        decoder_input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        decoder_attention_mask: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        decoder_segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        decoder_positions: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+        features_only: bool = False,
+    ) -> jax.Array:
         del positions, decoder_positions  # relative positions: see the class docstring
         encoded = self.encode(input_ids, attention_mask, segment_ids=segment_ids, rngs=rngs)
-        return self.decode(decoder_input_ids, encoded, attention_mask, decoder_attention_mask,
-                           segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids, rngs=rngs,
-                           features_only=features_only)
+        return self.decode(
+            decoder_input_ids,
+            encoded,
+            attention_mask,
+            decoder_attention_mask,
+            segment_ids=segment_ids,
+            decoder_segment_ids=decoder_segment_ids,
+            rngs=rngs,
+            features_only=features_only,
+        )
 
     def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
         """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""
         config = self.config
         cross = self.decoder.block.map(lambda block: block.cross_attention.keys_values(encoded))
-        return Cache.empty(config.num_decoder_layers, encoded.shape[0], slots, config.num_heads, config.d_kv,
-                           self.shared.dtype, cross, attention_mask)
+        return Cache.empty(
+            config.num_decoder_layers,
+            encoded.shape[0],
+            slots,
+            config.num_heads,
+            config.d_kv,
+            self.shared.dtype,
+            cross,
+            attention_mask,
+        )
 
     def extend(self, decoder_input_ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """Generation: the next decoder tokens [B, T] attend to the cached ones -> logits [B, T, V] and the cache."""

@@ -38,8 +38,6 @@ GiB = 2**30
 INSTALL_HINT = "pip install -e '.[tpu]'"
 
 
-
-
 def use_cpu_backend() -> None:
     """This machine only compiles: its own accelerator, if any, is neither needed nor taken (unless JAX_PLATFORMS
     says otherwise). Before JAX initialises its backends."""
@@ -59,12 +57,13 @@ def tpu_devices(topology: str, num_slices: int = 1) -> list:
     kwargs = {"chip_config_name": "megacore"} if topology.lower().startswith("v4") else {}
     try:
         with _stderr_hidden():
-            desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=num_slices,
-                                                **kwargs)
+            desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=num_slices, **kwargs)
     except Exception as e:  # libtpu's own message names the problem (unknown chip, shape not a slice)
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ArgumentError(f"--compile_for {topology}: {reason}; give a TPU slice as GENERATION:TOPOLOGY, "
-                                "e.g. v3:2x2 (a v3-8), v4:2x2x4, v5e:16x16 (a v5e-256), v5p:4x4x4, v6e:8x8") from None
+        raise ArgumentError(
+            f"--compile_for {topology}: {reason}; give a TPU slice as GENERATION:TOPOLOGY, "
+            "e.g. v3:2x2 (a v3-8), v4:2x2x4, v5e:16x16 (a v5e-256), v5p:4x4x4, v6e:8x8"
+        ) from None
     return list(desc.devices)
 
 
@@ -109,17 +108,30 @@ def estimate(args: RunArgs) -> dict[str, Any]:
     hosts = len({d.process_index for d in slice_devices})
     eval_batch = args.per_device_eval_batch_size * batch_axis_size(mesh)
     result: dict[str, Any] = {
-        "topology": args.compile_for, "num_slices": args.num_slices, "device_kind": kind,
-        "chip": chip.name if chip else kind, "devices": len(slice_devices), "hosts": hosts,
-        "devices_per_host": len(slice_devices) // hosts, "mesh": dict(mesh.shape), "mesh_spec": args.mesh,
+        "topology": args.compile_for,
+        "num_slices": args.num_slices,
+        "device_kind": kind,
+        "chip": chip.name if chip else kind,
+        "devices": len(slice_devices),
+        "hosts": hosts,
+        "devices_per_host": len(slice_devices) // hosts,
+        "mesh": dict(mesh.shape),
+        "mesh_spec": args.mesh,
         "dcn_mesh": args.dcn_mesh,
-        "model_type": ctx.family.name, "config": ctx.config_source,
-        "parameters": count_parameters(graphdef, state), "dtype": args.dtype, "attention": ctx.attention,
-        "remat": ctx.layer_plan.remat, "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "global_batch": ctx.global_batch, "per_host_batch": ctx.global_batch // hosts,
+        "model_type": ctx.family.name,
+        "config": ctx.config_source,
+        "parameters": count_parameters(graphdef, state),
+        "dtype": args.dtype,
+        "attention": ctx.attention,
+        "remat": ctx.layer_plan.remat,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "global_batch": ctx.global_batch,
+        "per_host_batch": ctx.global_batch // hosts,
         "per_device_batch": ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
-        "sequence_lengths": ctx.objective.sequence_lengths(), "eval_batch": eval_batch,
-        "state_bytes_per_device": per_device_bytes(state), "state_bytes_replicated": global_bytes(state),
+        "sequence_lengths": ctx.objective.sequence_lengths(),
+        "eval_batch": eval_batch,
+        "state_bytes_per_device": per_device_bytes(state),
+        "state_bytes_replicated": global_bytes(state),
         "hbm_bytes_per_device": chip.hbm_bytes if chip else None,
         "peak_flops_per_device": chip.peak_flops if chip else None,
         "analytic_flops_per_step": ctx.family.train_flops_per_step(ctx.config, ctx.objective, ctx.global_batch),
@@ -127,8 +139,11 @@ def estimate(args: RunArgs) -> dict[str, Any]:
     }
     train_spec, eval_spec = (pipeline.batch_spec(ctx.objective, n) for n in (ctx.global_batch, eval_batch))
     result["train"] = _compiled(lambda: stepper.lower_train(state, train_spec).compile())
-    result["eval"] = _compiled(lambda: stepper.lower_eval(state, eval_spec).compile()) \
-        if args.evaluating and "error" not in result["train"] else None
+    result["eval"] = (
+        _compiled(lambda: stepper.lower_eval(state, eval_spec).compile())
+        if args.evaluating and "error" not in result["train"]
+        else None
+    )
     result.update(roofline(result))
     steps = [step for step in (result["train"], result["eval"]) if step]
     if any("error" in step for step in steps):
@@ -148,8 +163,9 @@ def _compiled(compile_step) -> dict[str, Any]:
         text = str(e)
         if "Mosaic failed to compile" in text:  # a generation the kernel table (models/attention.py) does not know
             reason = text.split("\n", 1)[0].split("Mosaic failed to compile TPU kernel: ", 1)[-1]
-            raise ArgumentError(f"--compile_for: the TPU compiler rejected the fused attention kernel ({reason}); "
-                                "use --attention xla") from None
+            raise ArgumentError(
+                f"--compile_for: the TPU compiler rejected the fused attention kernel ({reason}); use --attention xla"
+            ) from None
         if "RESOURCE_EXHAUSTED" not in text and "memory" not in text.lower():
             raise
         lines = [line.strip() for line in text.replace("RESOURCE_EXHAUSTED: ", "").splitlines() if line.strip()]
@@ -173,8 +189,11 @@ def roofline(r: dict[str, Any]) -> dict[str, Any]:
     seconds, bound = max((compute, "compute at peak"), (memory, "HBM traffic at full bandwidth"))
     if (train.get("xla_optimal_seconds") or 0.0) > seconds:  # both are lower bounds on the step time
         seconds, bound = train["xla_optimal_seconds"], "XLA's optimal_seconds"
-    return {"roofline_seconds": seconds, "roofline_bound": bound,
-            "projected_mfu": per_device / (r["peak_flops_per_device"] * seconds)}
+    return {
+        "roofline_seconds": seconds,
+        "roofline_bound": bound,
+        "projected_mfu": per_device / (r["peak_flops_per_device"] * seconds),
+    }
 
 
 def _size(b: float) -> str:
@@ -189,8 +208,10 @@ def _step_memory(step: dict[str, Any], hbm: int | None) -> str:
     if "error" in step:
         return f"does not compile: XLA: {step['error']}"
     share = f" of {_size(hbm)} HBM ({100 * step['total_bytes'] / hbm:.0f}%)" if hbm else ""
-    return (f"per device: arguments {_size(step['argument_bytes'])}, temporaries {_size(step['temp_bytes'])}, "
-            f"total {_size(step['total_bytes'])}{share}")
+    return (
+        f"per device: arguments {_size(step['argument_bytes'])}, temporaries {_size(step['temp_bytes'])}, "
+        f"total {_size(step['total_bytes'])}{share}"
+    )
 
 
 def report(r: dict[str, Any]) -> list[str]:
@@ -203,8 +224,8 @@ def report(r: dict[str, Any]) -> list[str]:
         f"spmdlm --compile_for {r['topology']}{slices}: ESTIMATES from XLA's compiler for {r['device_kind']}; "
         "nothing was run",
         f"  devices         {r['devices']} x {r['chip']} on {r['hosts']} host(s), {r['devices_per_host']} per host",
-        f"  mesh            {mesh}" + (f" (across slices: {r['dcn_mesh'] or 'data=' + str(r['num_slices'])})"
-                                       if r["num_slices"] > 1 else ""),
+        f"  mesh            {mesh}"
+        + (f" (across slices: {r['dcn_mesh'] or 'data=' + str(r['num_slices'])})" if r["num_slices"] > 1 else ""),
         f"  model           {r['model_type']} ({r['config']}): {r['parameters'] / 1e6:.1f}M parameters, "
         f"{r['dtype']}, attention {r['attention']}, remat {r['remat']}",
         f"  batch           global {r['global_batch']} x {' + '.join(map(str, r['sequence_lengths'].values()))} "
@@ -215,22 +236,32 @@ def report(r: dict[str, Any]) -> list[str]:
         f"  train step      {_step_memory(train, r['hbm_bytes_per_device'])}",
     ]
     if evaluation:
-        lines.append(f"  eval step       {_step_memory(evaluation, r['hbm_bytes_per_device'])} (batch {r['eval_batch']})")
+        lines.append(
+            f"  eval step       {_step_memory(evaluation, r['hbm_bytes_per_device'])} (batch {r['eval_batch']})"
+        )
     xla = train.get("xla_flops_per_device")
-    lines.append(f"  FLOPs/step      model {r['analytic_flops_per_step']:.3g} ({per_device:.3g} per device)"
-                 + (f"; XLA {xla:.3g} per device (it counts a scanned layer once)" if xla else ""))
+    lines.append(
+        f"  FLOPs/step      model {r['analytic_flops_per_step']:.3g} ({per_device:.3g} per device)"
+        + (f"; XLA {xla:.3g} per device (it counts a scanned layer once)" if xla else "")
+    )
     if r.get("roofline_seconds"):
-        lines.append(f"  roofline        {_duration(r['roofline_seconds'])}/step (bound: {r['roofline_bound']}; "
-                     f"{r['peak_flops_per_device'] / 1e12:.1f} TFLOP/s bf16 peak per device; communication not "
-                     f"modelled) -> MFU at most {100 * r['projected_mfu']:.0f}%")
-    lines.append(f"  compile         train step {train['compile_seconds']:.1f} s"
-                 + (f", eval step {evaluation['compile_seconds']:.1f} s" if evaluation else "")
-                 + f", state {r['init_compile_seconds']:.1f} s (on this machine)")
+        lines.append(
+            f"  roofline        {_duration(r['roofline_seconds'])}/step (bound: {r['roofline_bound']}; "
+            f"{r['peak_flops_per_device'] / 1e12:.1f} TFLOP/s bf16 peak per device; communication not "
+            f"modelled) -> MFU at most {100 * r['projected_mfu']:.0f}%"
+        )
+    lines.append(
+        f"  compile         train step {train['compile_seconds']:.1f} s"
+        + (f", eval step {evaluation['compile_seconds']:.1f} s" if evaluation else "")
+        + f", state {r['init_compile_seconds']:.1f} s (on this machine)"
+    )
     if r["fits"] is not None:
         use = max((step.get("total_bytes", 0) for step in (train, evaluation) if step), default=0)
         tight = r["fits"] and use > 0.9 * r["hbm_bytes_per_device"]
-        lines.append(f"  fits in HBM     {'yes' if r['fits'] else 'NO'}"
-                     + (" (less than 10% to spare for the runtime: a smaller micro-batch is safer)" if tight else ""))
+        lines.append(
+            f"  fits in HBM     {'yes' if r['fits'] else 'NO'}"
+            + (" (less than 10% to spare for the runtime: a smaller micro-batch is safer)" if tight else "")
+        )
     return lines
 
 
@@ -243,8 +274,10 @@ def refusal(r: dict[str, Any], args: RunArgs) -> str:
     if "error" in step:
         numbers = f"XLA: {step['error']}"
     else:
-        numbers = (f"{_size(step['total_bytes'])} per device (arguments {_size(step['argument_bytes'])}, "
-                   f"temporaries {_size(step['temp_bytes'])}) but a {r['chip']} device has {_size(hbm)} of HBM")
+        numbers = (
+            f"{_size(step['total_bytes'])} per device (arguments {_size(step['argument_bytes'])}, "
+            f"temporaries {_size(step['temp_bytes'])}) but a {r['chip']} device has {_size(hbm)} of HBM"
+        )
     tries = []
     if name == "eval":
         tries.append(f"a smaller --per_device_eval_batch_size (now {args.per_device_eval_batch_size})")
@@ -252,14 +285,20 @@ def refusal(r: dict[str, Any], args: RunArgs) -> str:
         if r["remat"] != "full":
             tries.append("--gradient_checkpointing")
         if r["mesh"]["fsdp"] == 1:
-            tries.append("fsdp (e.g. --mesh data=N,fsdp=M) to shard the parameters and optimizer state "
-                         f"({_size(r['state_bytes_per_device'])} per device now)")
-        tries.append(f"a smaller --per_device_train_batch_size (now {r['per_device_batch']}), with "
-                     "--gradient_accumulation_steps to keep the global batch")
+            tries.append(
+                "fsdp (e.g. --mesh data=N,fsdp=M) to shard the parameters and optimizer state "
+                f"({_size(r['state_bytes_per_device'])} per device now)"
+            )
+        tries.append(
+            f"a smaller --per_device_train_batch_size (now {r['per_device_batch']}), with "
+            "--gradient_accumulation_steps to keep the global batch"
+        )
         if args.dtype != "bfloat16":
             tries.append("--dtype bfloat16")
-    return (f"estimate: the {name} step does not fit in HBM on {r['topology']} (--mesh {r['mesh_spec']}): {numbers}; "
-            f"try {', '.join(tries)}")
+    return (
+        f"estimate: the {name} step does not fit in HBM on {r['topology']} (--mesh {r['mesh_spec']}): {numbers}; "
+        f"try {', '.join(tries)}"
+    )
 
 
 def run_compile_for(args: RunArgs) -> dict[str, Any]:

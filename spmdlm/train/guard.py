@@ -28,8 +28,6 @@ log = logging.getLogger("spmdlm")
 LOCK_NAME = "run.lock"
 
 
-
-
 class RunLock:
     """OUTPUT_DIR/run.lock (host, pid, start time), created atomically before anything else is written there.
 
@@ -44,7 +42,7 @@ class RunLock:
         self.path = self.out / LOCK_NAME
         self._created_dirs: list = []  # those this lock made, deepest first (the output dir, then e.g. runs/)
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         if not self.enabled:
             return self
         try:
@@ -55,8 +53,9 @@ class RunLock:
             self._take_over_stale()
         except OSError as e:
             self._remove_created_dir()
-            raise LockError(f"cannot write in --output_dir {self.out} ({e.strerror or e}); "
-                            "choose a writable directory") from None
+            raise LockError(
+                f"cannot write in --output_dir {self.out} ({e.strerror or e}); choose a writable directory"
+            ) from None
         return self
 
     def __exit__(self, *exc) -> None:
@@ -65,8 +64,12 @@ class RunLock:
             self._remove_created_dir()
 
     def _create(self) -> None:
-        storage.create_exclusive(self.path, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        storage.create_exclusive(
+            self.path,
+            json.dumps(
+                {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            ),
+        )
 
     def _take_over_stale(self) -> None:
         try:
@@ -75,15 +78,16 @@ class RunLock:
         except (OSError, ValueError, KeyError, TypeError):
             host, pid, started = None, None, "?"
         if host == socket.gethostname() and (pid == os.getpid() or not storage.pid_alive(pid)):
-            log.warning("taking over the lock of a run that is gone (pid %s, started %s) in %s", pid, started,
-                        self.out)
+            log.warning("taking over the lock of a run that is gone (pid %s, started %s) in %s", pid, started, self.out)
             self.path.unlink(missing_ok=True)
             self._create()
             return
         who = f"pid {pid} on host {host}, started {started}" if host else "a run whose lock file is unreadable"
         gone = "" if host == socket.gethostname() else f"; if that run is gone, delete {self.path}"
-        raise LockError(f"--output_dir {self.out} is in use by another run ({who}); wait for it to finish or "
-                        f"choose another --output_dir{gone}")
+        raise LockError(
+            f"--output_dir {self.out} is in use by another run ({who}); wait for it to finish or "
+            f"choose another --output_dir{gone}"
+        )
 
     def _remove_created_dir(self) -> None:
         """A refused run leaves the disk as it was: the dirs it made, while empty (a bucket has no empty dirs)."""
@@ -120,7 +124,7 @@ class StopOnSignal:
         self._previous: dict[int, object] = {}
         self._multi = jax.process_count() > 1
 
-    def __enter__(self) -> "StopOnSignal":
+    def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             for signum in (s for s in STOP_SIGNALS if not (self._multi and s == signal.SIGTERM)):
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -134,8 +138,10 @@ class StopOnSignal:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: no waiting for the save
         self.signum = signum
-        log.warning("%s received: saving a checkpoint at the end of this step (Ctrl-C again to quit at once)",
-                    signal.Signals(signum).name)
+        log.warning(
+            "%s received: saving a checkpoint at the end of this step (Ctrl-C again to quit at once)",
+            signal.Signals(signum).name,
+        )
         if self._multi:
             os.kill(os.getpid(), signal.SIGTERM)
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import multihost_utils
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from spmdlm import checkpoint
 from spmdlm.config import RunArgs
@@ -29,17 +29,35 @@ from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
 from spmdlm.generate.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
-from spmdlm.train.guard import RunLock, StopOnSignal
 from spmdlm.train import publish
-from spmdlm.train.outputs import (check_fingerprints, check_output_dir, export_done, missing_outputs,
-                                  outputs_undone_on_failure, prepare_output_dir, read_results, write_run_files)
-from spmdlm.train.report import Reporter, write_json
-from spmdlm.train.trackers import is_eval_key
-from spmdlm.train.setup import (RunContext, check_memory, is_main, read_corpora, read_sources, resolve, setup_data,
-                                setup_mixture_data, setup_state, setup_tokenizer)
-from spmdlm.train.state import count_parameters
+from spmdlm.train.guard import RunLock, StopOnSignal
 from spmdlm.train.optim import optim_config_from_args
+from spmdlm.train.outputs import (
+    check_fingerprints,
+    check_output_dir,
+    export_done,
+    missing_outputs,
+    outputs_undone_on_failure,
+    prepare_output_dir,
+    read_results,
+    write_run_files,
+)
+from spmdlm.train.report import Reporter, write_json
+from spmdlm.train.setup import (
+    RunContext,
+    check_memory,
+    is_main,
+    read_corpora,
+    read_sources,
+    resolve,
+    setup_data,
+    setup_mixture_data,
+    setup_state,
+    setup_tokenizer,
+)
+from spmdlm.train.state import count_parameters
 from spmdlm.train.step import Stepper, model_for_evaluation
+from spmdlm.train.trackers import is_eval_key
 
 log = logging.getLogger("spmdlm")
 
@@ -61,9 +79,15 @@ def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None
     per_split: dict[str | None, Any] = {}
     for name, split in ctx.data.validation_splits.items():
         totals: dict[str, Any] = {}
-        for batch in pipeline.eval_batches(split, ctx.objective, seed=args.seed, global_batch=global_batch,
-                                           max_examples=args.max_eval_samples, process_index=jax.process_index(),
-                                           process_count=jax.process_count()):
+        for batch in pipeline.eval_batches(
+            split,
+            ctx.objective,
+            seed=args.seed,
+            global_batch=global_batch,
+            max_examples=args.max_eval_samples,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        ):
             if abandoned(stop):
                 return None
             sums = stepper.eval_step(state, pipeline.to_global(batch, ctx.mesh))
@@ -75,19 +99,29 @@ def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None
     results = summarise(functools.reduce(lambda a, b: jax.tree.map(np.add, a, b), per_split.values()))
     for name, totals in per_split.items():
         if name is not None:
-            results.update({f"eval/{name}/{key.removeprefix('eval_')}": value
-                            for key, value in summarise(totals).items() if not key.endswith("_all_positions")})
+            results.update(
+                {
+                    f"eval/{name}/{key.removeprefix('eval_')}": value
+                    for key, value in summarise(totals).items()
+                    if not key.endswith("_all_positions")
+                }
+            )
     return results
 
 
 def summarise(totals: dict[str, Any]) -> dict[str, float]:
     """Loss, perplexity, accuracy, tokens, and bits per byte and bytes (docs/evaluation.md) of eval sums: of the
     objective's scored labels first, when it has them, then of all positions."""
+
     def metrics(prefix: str, suffix: str = "") -> dict[str, float]:
         tokens = max(float(totals[f"{prefix}tokens"]), 1.0)
         loss = float(totals[f"{prefix}loss_sum"]) / tokens
-        out = {f"eval_loss{suffix}": loss, f"eval_perplexity{suffix}": math.exp(min(loss, 50.0)),
-               f"eval_accuracy{suffix}": float(totals[f"{prefix}correct"]) / tokens, f"eval_tokens{suffix}": tokens}
+        out = {
+            f"eval_loss{suffix}": loss,
+            f"eval_perplexity{suffix}": math.exp(min(loss, 50.0)),
+            f"eval_accuracy{suffix}": float(totals[f"{prefix}correct"]) / tokens,
+            f"eval_tokens{suffix}": tokens,
+        }
         if f"{prefix}bytes" in totals:  # summed nats over the bytes the labels stand for, in bits
             size = int(totals[f"{prefix}bytes"])
             out[f"eval_bits_per_byte{suffix}"] = float(totals[f"{prefix}loss_sum"]) / max(size, 1) / math.log(2)
@@ -113,8 +147,15 @@ def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = N
         if abandoned(stop):
             raise TasksAbandoned
 
-    lm = harness_lm(ctx.family, model, ctx.tokenizer, ctx.mesh, interrupt=interrupt, seed=args.seed,
-                    batch_size=args.per_device_eval_batch_size * batch_axis_size(ctx.mesh))
+    lm = harness_lm(
+        ctx.family,
+        model,
+        ctx.tokenizer,
+        ctx.mesh,
+        interrupt=interrupt,
+        seed=args.seed,
+        batch_size=args.per_device_eval_batch_size * batch_axis_size(ctx.mesh),
+    )
     try:
         results = run_tasks(lm, args.eval_tasks, manager=ctx.tasks, limit=args.eval_tasks_limit, seed=args.seed)
     except TasksAbandoned:
@@ -122,8 +163,9 @@ def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = N
     return flat_metrics(results)
 
 
-def final_task_metrics(ctx: RunContext, graphdef, state, reporter: Reporter, step: int, previous: dict[str, Any],
-                       keep_previous: bool) -> dict[str, float]:
+def final_task_metrics(
+    ctx: RunContext, graphdef, state, reporter: Reporter, step: int, previous: dict[str, Any], keep_previous: bool
+) -> dict[str, float]:
     """--eval_tasks at the end of a run (a finished run's own results when it only redoes what is missing)."""
     before = {k: v for k, v in previous.items() if k.startswith(TASK_METRICS + "/")}
     if keep_previous and before:
@@ -161,12 +203,23 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
         setup_data(ctx, *corpora)
     check_fingerprints(ctx)
     if ctx.data.train is not None and ctx.latest_step > ctx.total_steps:  # it would report and export a later model
-        raise RunError(f"--output_dir {ctx.out} holds a checkpoint at step {ctx.latest_step}, past this run's "
-                       f"{ctx.total_steps} steps; give --max_steps {ctx.latest_step} or more to continue it, or use "
-                       "another --output_dir")
-    reporter = Reporter(ctx.out, enabled=is_main(), family=ctx.family, config=ctx.config, objective=ctx.objective,
-                        global_batch=ctx.global_batch, mesh=ctx.mesh, dtype=args.dtype, run_start=ctx.run_start,
-                        args=args)
+        raise RunError(
+            f"--output_dir {ctx.out} holds a checkpoint at step {ctx.latest_step}, past this run's "
+            f"{ctx.total_steps} steps; give --max_steps {ctx.latest_step} or more to continue it, or use "
+            "another --output_dir"
+        )
+    reporter = Reporter(
+        ctx.out,
+        enabled=is_main(),
+        family=ctx.family,
+        config=ctx.config,
+        objective=ctx.objective,
+        global_batch=ctx.global_batch,
+        mesh=ctx.mesh,
+        dtype=args.dtype,
+        run_start=ctx.run_start,
+        args=args,
+    )
     training = ctx.data.train is not None
     with outputs_undone_on_failure(ctx):  # a tracker that cannot start, a step that does not fit: nothing left
         if training and ctx.latest_step < ctx.total_steps and not args.dry_run:
@@ -177,8 +230,13 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
         previous_results = read_results(ctx.out) if ctx.resuming else {}
         results: dict[str, Any] = {"total_steps": ctx.total_steps, "parameters": n_params}
         if training and ctx.latest_step >= ctx.total_steps and not missing_outputs(ctx, previous_results):
-            log.info("the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing "
-                     "to do (--overwrite_output_dir starts afresh)", ctx.out, ctx.latest_step, ctx.total_steps)
+            log.info(
+                "the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing "
+                "to do (--overwrite_output_dir starts afresh)",
+                ctx.out,
+                ctx.latest_step,
+                ctx.total_steps,
+            )
             if args.push_to_hub:  # re-running a finished run retries its upload
                 publish.publish_export(ctx, {**results, **previous_results})
             return {**results, **previous_results}
@@ -197,11 +255,21 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
     # -- stage 6: train (or restore for evaluation only) ---------------------------------------------------------
     step, trained = 0, False
     if training:
-        manager = checkpoint.make_manager(ctx.out, save_interval_steps=1, max_to_keep=args.save_total_limit,
-                                          keep_every_n_steps=args.keep_every_n_steps)
-        iterator = pipeline.train_batches(ctx.data.train, ctx.objective, seed=args.seed,
-                                          global_batch=ctx.global_batch, num_epochs=ctx.schedule.num_epochs,
-                                          process_index=jax.process_index(), process_count=jax.process_count())
+        manager = checkpoint.make_manager(
+            ctx.out,
+            save_interval_steps=1,
+            max_to_keep=args.save_total_limit,
+            keep_every_n_steps=args.keep_every_n_steps,
+        )
+        iterator = pipeline.train_batches(
+            ctx.data.train,
+            ctx.objective,
+            seed=args.seed,
+            global_batch=ctx.global_batch,
+            num_epochs=ctx.schedule.num_epochs,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
         try:
             if ctx.resuming:
                 state, step = checkpoint.restore_newest_good(manager, state, iterator)
@@ -232,8 +300,17 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
             reporter.log_eval(step if not training else ctx.total_steps, metrics)
             results.update(metrics)
     if ctx.tasks is not None:
-        results.update(final_task_metrics(ctx, graphdef, state, reporter, step if not training else ctx.total_steps,
-                                          previous_results, keep_previous=training and not trained))
+        results.update(
+            final_task_metrics(
+                ctx,
+                graphdef,
+                state,
+                reporter,
+                step if not training else ctx.total_steps,
+                previous_results,
+                keep_previous=training and not trained,
+            )
+        )
     export = args.export_hf and training and (trained or not export_done(ctx.out))
     finish(ctx, graphdef, state, reporter, {**previous_results, **results}, export)
     return results
@@ -241,16 +318,27 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
 
 def log_setup(ctx: RunContext, n_params: int) -> None:
     args, mesh = ctx.args, ctx.mesh
-    log.info("model %s (config %s): %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices "
-             "x %d accumulation) | %d steps", ctx.family.name, ctx.config_source, n_params / 1e6, dict(mesh.shape),
-             ctx.global_batch, ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
-             batch_axis_size(mesh), args.gradient_accumulation_steps, ctx.total_steps)
+    log.info(
+        "model %s (config %s): %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices "
+        "x %d accumulation) | %d steps",
+        ctx.family.name,
+        ctx.config_source,
+        n_params / 1e6,
+        dict(mesh.shape),
+        ctx.global_batch,
+        ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
+        batch_axis_size(mesh),
+        args.gradient_accumulation_steps,
+        ctx.total_steps,
+    )
 
 
 def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[str, Any], export: bool) -> None:
     if is_main():
-        write_json(ctx.out / "eval_results.json",
-                   {k: v for k, v in results.items() if is_eval_key(k) or k.startswith("train_")})
+        write_json(
+            ctx.out / "eval_results.json",
+            {k: v for k, v in results.items() if is_eval_key(k) or k.startswith("train_")},
+        )
         reporter.finish(results)
     if export:
         evaluated = nnx.state(model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args)))
@@ -259,8 +347,9 @@ def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[s
     publish.publish_export(ctx, results)  # the model card, and the upload with --push_to_hub
 
 
-def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, reporter: Reporter, start_step: int,
-               run_config: dict) -> dict[str, Any]:
+def train_loop(
+    ctx: RunContext, stepper: Stepper, state, iterator, manager, reporter: Reporter, start_step: int, run_config: dict
+) -> dict[str, Any]:
     args, total_steps = ctx.args, ctx.total_steps
     pending: list[dict] = []  # device-side metrics since the last log; fetched only at log time
     reporter.start(start_step, total_steps)
@@ -284,13 +373,16 @@ def train_loop(ctx: RunContext, stepper: Stepper, state, iterator, manager, repo
             else:
                 reporter.tick(step)
             checkpoint.check_saved(manager, last_saved)  # a failed async save stops the run now, not at the next
-            if ctx.data.validation_splits and args.evaluating and step % args.eval_steps == 0 \
-                    and step < total_steps:
+            if ctx.data.validation_splits and args.evaluating and step % args.eval_steps == 0 and step < total_steps:
                 metrics = evaluate(stepper, state, ctx, stop)
                 if metrics is not None:
                     reporter.log_eval(step, metrics)
-            if ctx.tasks is not None and args.eval_tasks_steps and step % args.eval_tasks_steps == 0 \
-                    and step < total_steps:
+            if (
+                ctx.tasks is not None
+                and args.eval_tasks_steps
+                and step % args.eval_tasks_steps == 0
+                and step < total_steps
+            ):
                 metrics = task_metrics(ctx, stepper.graphdef, state, stop)
                 if metrics is not None:
                     reporter.log_tasks(step, metrics)
@@ -326,9 +418,16 @@ def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]
     model, _ = model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args))
     prompts = split_prompts(ctx.args.sample_prompts, ctx.tokenizer)
     if ctx.family.generation is Generation.FILL_MASK:
-        return [{"prompt": p, "fill_mask": [[token for token, _, _ in candidates]
-                                            for candidates in fill_mask(model, ctx.config, ctx.tokenizer, p, 3)]}
-                for p in prompts]
+        return [
+            {
+                "prompt": p,
+                "fill_mask": [
+                    [token for token, _, _ in candidates]
+                    for candidates in fill_mask(model, ctx.config, ctx.tokenizer, p, 3)
+                ],
+            }
+            for p in prompts
+        ]
     common = dict(max_new_tokens=min(32, ctx.config.max_length // 2))
     greedy = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.0, **common)
     sampled = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.8, top_k=50, seed=step, **common)
@@ -337,8 +436,9 @@ def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]
 
 def split_prompts(text: str, tokenizer) -> list[str]:
     """--sample_prompts split at |, except within the tokenizer's special tokens (GPT-2's <|endoftext|>)."""
-    kept = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if "|" in t.content), key=len,
-                  reverse=True)
+    kept = sorted(
+        (t.content for t in tokenizer.get_added_tokens_decoder().values() if "|" in t.content), key=len, reverse=True
+    )
     parts = re.split(f"({'|'.join(map(re.escape, kept))})|\\|" if kept else r"(\|)", text)  # text, bar, text, ...
     prompts, current = [], parts[0]
     for token, after in zip(parts[1::2], parts[2::2]):
@@ -349,8 +449,9 @@ def split_prompts(text: str, tokenizer) -> list[str]:
     return [p for p in prompts + [current] if p.strip()]
 
 
-def save(manager, step: int, state, iterator, run_config: dict, pending: list[dict], last_saved: int,
-         args: RunArgs) -> None:
+def save(
+    manager, step: int, state, iterator, run_config: dict, pending: list[dict], last_saved: int, args: RunArgs
+) -> None:
     """Checkpoint, unless the metrics not yet logged (fetched here) or the state itself are not finite."""
     check_finite(jax.device_get(pending), step, last_saved, args)
     try:
@@ -363,8 +464,13 @@ def say_skipped(fetched: list[dict], step: int, before: int) -> int:
     """Log the steps --skip_step_on_spike skipped since the last log; -> the count so far."""
     total = int(fetched[-1].get("skipped_steps", 0))
     if total > before:
-        log.warning("%d step%s up to step %d skipped as loss spikes (their updates not applied); %d in all",
-                    total - before, "s" * (total - before > 1), step, total)
+        log.warning(
+            "%d step%s up to step %d skipped as loss spikes (their updates not applied); %d in all",
+            total - before,
+            "s" * (total - before > 1),
+            step,
+            total,
+        )
     return total
 
 
@@ -397,13 +503,16 @@ def check_finite(fetched: list[dict], step: int, last_saved: int, args: RunArgs)
                 raise DivergenceError(
                     f"training diverged at step {first + offset}: {int(metrics['consecutive_skips'])} steps in a "
                     f"row were skipped as loss spikes (--skip_step_on_spike {args.skip_step_on_spike:g}, "
-                    f"--max_consecutive_skips {args.max_consecutive_skips}); {_advice(last_saved, args)}")
+                    f"--max_consecutive_skips {args.max_consecutive_skips}); {_advice(last_saved, args)}"
+                )
             continue
         loss = float(metrics["loss_sum"]) / max(float(metrics["tokens"]), 1.0)
         grad_norm = float(metrics["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise DivergenceError(f"training diverged at step {first + offset}: loss {loss:.4g}, grad norm "
-                                  f"{grad_norm:.4g}; {_advice(last_saved, args)}")
+            raise DivergenceError(
+                f"training diverged at step {first + offset}: loss {loss:.4g}, grad norm "
+                f"{grad_norm:.4g}; {_advice(last_saved, args)}"
+            )
 
 
 def _advice(last_saved: int, args: RunArgs) -> str:

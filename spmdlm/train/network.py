@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from spmdlm.errors import ArgumentError
 
@@ -55,8 +56,9 @@ def bounded(call: Callable[[], Any], seconds: float | None = None) -> Any:
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
-        raise TimedOut(f"no answer within {seconds:g} s (the server is unreachable or not answering; "
-                       f"{TIMEOUT_ENV} sets the bound)")
+        raise TimedOut(
+            f"no answer within {seconds:g} s (the server is unreachable or not answering; {TIMEOUT_ENV} sets the bound)"
+        )
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result")

@@ -49,8 +49,10 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.lr_scheduler_type not in LR_SCHEDULERS:
-            raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is not supported; use one of "
-                             f"{', '.join(LR_SCHEDULERS)}")
+            raise ValueError(
+                f"--lr_scheduler_type {self.lr_scheduler_type!r} is not supported; use one of "
+                f"{', '.join(LR_SCHEDULERS)}"
+            )
         if self.optim not in OPTIMIZERS:
             raise ValueError(f"--optim {self.optim!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
         if self.adafactor and self.optim not in ("adamw", "adafactor"):
@@ -65,11 +67,21 @@ class OptimConfig:
 def optim_config_from_args(args: RunArgs) -> OptimConfig:
     """The run's OptimConfig: every optimisation flag (spmdlm.config.RunArgs), validated already."""
     return OptimConfig(
-        learning_rate=args.learning_rate, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_epsilon=args.adam_epsilon, adafactor=args.adafactor,
-        max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps, lr_scheduler_type=args.lr_scheduler_type,
-        optim=args.optim or "adamw", min_lr_ratio=args.min_lr_ratio, decay_steps=args.decay_steps,
-        decay_ratio=args.decay_ratio, skip_step_on_spike=args.skip_step_on_spike, spike_window=args.spike_window,
+        learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_epsilon=args.adam_epsilon,
+        adafactor=args.adafactor,
+        max_grad_norm=args.max_grad_norm,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler_type,
+        optim=args.optim or "adamw",
+        min_lr_ratio=args.min_lr_ratio,
+        decay_steps=args.decay_steps,
+        decay_ratio=args.decay_ratio,
+        skip_step_on_spike=args.skip_step_on_spike,
+        spike_window=args.spike_window,
     )
 
 
@@ -105,12 +117,12 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
         # Written here: optax has no inverse-square-root schedule (transformers' get_inverse_sqrt_schedule).
         # join_schedules evaluates it before the warmup ends too, at negative s: clipped (no division by zero).
         timescale = warmup or INVERSE_SQRT_TIMESCALE
-        after = lambda s: peak * jnp.maximum(cfg.min_lr_ratio,
-                                             jnp.sqrt(timescale / (jnp.maximum(s, 0) + timescale)))
+        after = lambda s: peak * jnp.maximum(cfg.min_lr_ratio, jnp.sqrt(timescale / (jnp.maximum(s, 0) + timescale)))
     elif cfg.lr_scheduler_type == "wsd":
         cooldown = min(wsd_decay_steps(cfg, total_steps), decay_steps)
-        after = optax.join_schedules([optax.constant_schedule(peak), optax.linear_schedule(peak, floor, cooldown)],
-                                     [decay_steps - cooldown])
+        after = optax.join_schedules(
+            [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, cooldown)], [decay_steps - cooldown]
+        )
     else:  # constant, constant_with_warmup: both warm up when --warmup_steps is given
         after = optax.constant_schedule(peak)
     if warmup == 0:
@@ -155,8 +167,11 @@ def muon_dimension_numbers(model: nnx.Module):
 def stacked_labels(model: nnx.Module):
     """'stacked' for parameters of scanned layers (leading `layers` axis), 'single' for the others."""
     params = nnx.state(model, nnx.Param)
-    return jax.tree.map(lambda v: "stacked" if v.get_metadata().get("logical_axes", ("",))[0] == "layers"
-                        else "single", params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(
+        lambda v: "stacked" if v.get_metadata().get("logical_axes", ("",))[0] == "layers" else "single",
+        params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
 
 def per_layer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -171,8 +186,11 @@ def per_layer(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 def _without_variable_metadata(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """Init `tx` on plain arrays: nnx.Optimizer copies a parameter's sharding metadata onto every state leaf made
     from it, which breaks Adafactor's factored moments (a row vector cannot take a matrix's PartitionSpec)."""
-    unwrap = lambda tree: jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
-                                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+    unwrap = lambda tree: jax.tree.map(
+        lambda v: v.get_value() if isinstance(v, nnx.Variable) else v,
+        tree,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
     return optax.GradientTransformation(lambda params: tx.init(unwrap(params)), tx.update)
 
 
@@ -182,8 +200,9 @@ def _plain_masked_nodes(tx: optax.GradientTransformation) -> optax.GradientTrans
     an array (nnx.eval_shape, the abstract state of a resume, reads its shape)."""
     is_variable = lambda x: isinstance(x, nnx.Variable)
     unwrap = lambda v: v.get_value() if is_variable(v) and isinstance(v.get_value(), optax.MaskedNode) else v
-    return optax.GradientTransformation(lambda params: jax.tree.map(unwrap, tx.init(params), is_leaf=is_variable),
-                                        tx.update)
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(unwrap, tx.init(params), is_leaf=is_variable), tx.update
+    )
 
 
 def decoupled_weight_decay(schedule: optax.Schedule, rate: float, mask) -> optax.GradientTransformation:
@@ -256,16 +275,26 @@ def make_optimizer(cfg: OptimConfig, model: nnx.Module, total_steps: int) -> opt
         core = optax.lion(schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, weight_decay=cfg.weight_decay, mask=mask)
     elif cfg.optimizer == "muon":
         # Muon's decay covers exactly its own matrices (all of them decay); AdamW's part keeps optax's decay of 0.
-        core = _plain_masked_nodes(optax.contrib.muon(
-            schedule, eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay, adam_b1=cfg.adam_beta1,
-            adam_b2=cfg.adam_beta2, muon_weight_dimension_numbers=muon_dimension_numbers(model),
-            consistent_rms=MUON_CONSISTENT_RMS,
-        ))
+        core = _plain_masked_nodes(
+            optax.contrib.muon(
+                schedule,
+                eps=cfg.adam_epsilon,
+                weight_decay=cfg.weight_decay,
+                adam_b1=cfg.adam_beta1,
+                adam_b2=cfg.adam_beta2,
+                muon_weight_dimension_numbers=muon_dimension_numbers(model),
+                consistent_rms=MUON_CONSISTENT_RMS,
+            )
+        )
     elif cfg.optimizer == "schedule_free_adamw":
         core = schedule_free_adamw(cfg, schedule, mask)
     else:
         core = optax.adamw(
-            schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay,
+            schedule,
+            b1=cfg.adam_beta1,
+            b2=cfg.adam_beta2,
+            eps=cfg.adam_epsilon,
+            weight_decay=cfg.weight_decay,
             mask=mask,
         )
     clip = [clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm and cfg.max_grad_norm > 0 else []
@@ -314,7 +343,8 @@ def skip_spikes(inner: optax.GradientTransformation, z: float, window: int) -> o
             return value > mean + z * spread
 
         spike = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm)) | (
-            (filled >= SPIKE_HISTORY) & (above(state.losses, loss) | above(state.grad_norms, grad_norm)))
+            (filled >= SPIKE_HISTORY) & (above(state.losses, loss) | above(state.grad_norms, grad_norm))
+        )
         new_updates, new_inner = inner.update(updates, state.inner, params, **extra)
         keep = lambda old, new: jnp.where(spike, old, new)
         slot = state.accepted % window
@@ -324,7 +354,8 @@ def skip_spikes(inner: optax.GradientTransformation, z: float, window: int) -> o
             accepted=state.accepted + (~spike).astype(jnp.int32),
             consecutive=jnp.where(spike, state.consecutive + 1, 0),
             skipped=state.skipped + spike.astype(jnp.int32),
-            inner=jax.tree.map(keep, state.inner, new_inner))
+            inner=jax.tree.map(keep, state.inner, new_inner),
+        )
 
     return optax.GradientTransformationExtraArgs(init, update)
 

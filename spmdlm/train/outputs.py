@@ -32,17 +32,58 @@ log = logging.getLogger("spmdlm")
 # A mixture's train_file / data_mixture are compared as the mixture itself (its sources and weights), which
 # --allow_mixture_change lets change.
 MIXTURE_KEYS = ("train_file", "data_mixture")
-COMMON_RESUME_KEYS = ("model_name_or_path", "tokenizer_name", "train_file", "dataset_dir", "dataset_name",
-                      "dataset_config_name", "text_column", "validation_file",
-                      "validation_split_percentage", "max_train_samples", "seed", "weight_decay", "adafactor",
-                      "optim", "gradient_accumulation_steps")
-LOGGED_CHANGES = ("learning_rate", "lr_scheduler_type", "skip_step_on_spike", "min_lr_ratio", "decay_steps", "decay_ratio", "warmup_steps",
-                  "max_steps", "num_train_epochs",
-                  "logging_steps", "eval_steps", "save_steps", "max_grad_norm", "z_loss", "mesh", "dtype",
-                  "sample_prompts", "sample_every")
+COMMON_RESUME_KEYS = (
+    "model_name_or_path",
+    "tokenizer_name",
+    "train_file",
+    "dataset_dir",
+    "dataset_name",
+    "dataset_config_name",
+    "text_column",
+    "validation_file",
+    "validation_split_percentage",
+    "max_train_samples",
+    "seed",
+    "weight_decay",
+    "adafactor",
+    "optim",
+    "gradient_accumulation_steps",
+)
+LOGGED_CHANGES = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "skip_step_on_spike",
+    "min_lr_ratio",
+    "decay_steps",
+    "decay_ratio",
+    "warmup_steps",
+    "max_steps",
+    "num_train_epochs",
+    "logging_steps",
+    "eval_steps",
+    "save_steps",
+    "max_grad_norm",
+    "z_loss",
+    "mesh",
+    "dtype",
+    "sample_prompts",
+    "sample_every",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-OUR_OUTPUTS = ("checkpoints", checkpoint.DAMAGED_DIR, "tensorboard", "metrics.jsonl", "samples.jsonl",
-               "eval_results.json", "loss_curve.png", "hf", "run_config.json", "trackers.json", "wandb", "mlruns")
+OUR_OUTPUTS = (
+    "checkpoints",
+    checkpoint.DAMAGED_DIR,
+    "tensorboard",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "eval_results.json",
+    "loss_curve.png",
+    "hf",
+    "run_config.json",
+    "trackers.json",
+    "wandb",
+    "mlruns",
+)
 
 
 def read_run_config(out: Path) -> dict:
@@ -52,8 +93,9 @@ def read_run_config(out: Path) -> dict:
     try:
         saved = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunError(f"{path} is not valid JSON ({e}); restore it, or start afresh with --overwrite_output_dir") \
-            from None
+        raise RunError(
+            f"{path} is not valid JSON ({e}); restore it, or start afresh with --overwrite_output_dir"
+        ) from None
     if not isinstance(saved, dict):
         raise RunError(f"{path} is not a run config; restore it, or start afresh with --overwrite_output_dir")
     return saved
@@ -75,8 +117,10 @@ def check_output_dir(ctx: RunContext) -> str:
         ctx.latest_step = max(checkpoint.make_manager(out, read_only=True).all_steps(), default=0)
         has_checkpoints = ctx.latest_step > 0
     if has_checkpoints and saved is None:
-        raise RunError(f"--output_dir {out} holds checkpoints but no run_config.json, so they cannot be checked "
-                       "against this run; restore the file, choose another --output_dir, or --overwrite_output_dir")
+        raise RunError(
+            f"--output_dir {out} holds checkpoints but no run_config.json, so they cannot be checked "
+            "against this run; restore the file, choose another --output_dir, or --overwrite_output_dir"
+        )
     if has_checkpoints:
         checkpoint.check_format(saved, out)
         check_data_format(saved, out)
@@ -87,8 +131,10 @@ def check_output_dir(ctx: RunContext) -> str:
             keys = tuple(k for k in keys if k not in MIXTURE_KEYS)
         changed = [k for k in keys if saved.get(k) != current.get(k)]
         # Spike skipping keeps its window in the optimizer state: on/off and the window's size must match; Z may change
-        spikes = lambda d: (bool(d.get("skip_step_on_spike")), d.get("spike_window", 100) if d.get("skip_step_on_spike")
-                            else None)
+        spikes = lambda d: (
+            bool(d.get("skip_step_on_spike")),
+            d.get("spike_window", 100) if d.get("skip_step_on_spike") else None,
+        )
         if spikes(saved) != spikes(current):
             changed.append("skip_step_on_spike/spike_window")
         # Token ids are set from the tokenizer after this check, so they are not compared here.
@@ -96,15 +142,22 @@ def check_output_dir(ctx: RunContext) -> str:
         if shape_of(saved.get("model_config")) != shape_of(ctx.config.to_hf_dict()):
             changed.append("model config")
         if changed:
-            raise RunError(f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
-                           "use the same flags to resume, another --output_dir, or --overwrite_output_dir")
+            raise RunError(
+                f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
+                "use the same flags to resume, another --output_dir, or --overwrite_output_dir"
+            )
         check_mixture(ctx, saved)
         if saved.get("global_batch") != ctx.global_batch:
-            raise RunError(f"--output_dir {out} holds a run with a global batch of {saved.get('global_batch')} "
-                           f"examples, this one has {ctx.global_batch}; resume with --global_batch_size "
-                           f"{saved.get('global_batch')} (any mesh that divides it), or use another --output_dir")
-        logged = [f"{k} {saved.get(k)} -> {getattr(args, k)}" for k in LOGGED_CHANGES
-                  if k in saved and saved[k] != getattr(args, k)]
+            raise RunError(
+                f"--output_dir {out} holds a run with a global batch of {saved.get('global_batch')} "
+                f"examples, this one has {ctx.global_batch}; resume with --global_batch_size "
+                f"{saved.get('global_batch')} (any mesh that divides it), or use another --output_dir"
+            )
+        logged = [
+            f"{k} {saved.get(k)} -> {getattr(args, k)}"
+            for k in LOGGED_CHANGES
+            if k in saved and saved[k] != getattr(args, k)
+        ]
         if logged:
             log.info("resuming with changed settings: %s", ", ".join(logged))
         return "resume"
@@ -112,19 +165,31 @@ def check_output_dir(ctx: RunContext) -> str:
     # it made itself, or what --overwrite_output_dir allows: the outputs of an earlier run that left no checkpoint
     # (say, a finished run whose checkpoints were removed: its export) are refused, not replaced; anything else is
     # someone's data.
-    inputs = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-              "merges.txt", "spiece.model", LOCK_NAME}
+    inputs = {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+        "spiece.model",
+        LOCK_NAME,
+    }
     # an interrupted export's temporary sibling of hf/ (spmdlm.export.save_hf) is ours too
     found = {p.name for p in out.iterdir() if not p.name.startswith((".hf.tmp-", ".hf.old.tmp-"))}
     if found - inputs - set(OUR_OUTPUTS):
-        raise RunError(f"--output_dir {out} is not empty and holds no run to resume; "
-                       "pass --overwrite_output_dir to use it anyway or choose another --output_dir")
+        raise RunError(
+            f"--output_dir {out} is not empty and holds no run to resume; "
+            "pass --overwrite_output_dir to use it anyway or choose another --output_dir"
+        )
     earlier = sorted(found & set(OUR_OUTPUTS) - {"checkpoints"})
     if earlier:
         kept = f" ({checkpoint.DAMAGED_DIR}/ is kept either way)" if checkpoint.DAMAGED_DIR in earlier else ""
-        raise RunError(f"--output_dir {out} holds outputs of an earlier run but no checkpoint to resume "
-                       f"({', '.join(earlier)}); pass --overwrite_output_dir to replace them{kept}, or choose another "
-                       "--output_dir")
+        raise RunError(
+            f"--output_dir {out} holds outputs of an earlier run but no checkpoint to resume "
+            f"({', '.join(earlier)}); pass --overwrite_output_dir to replace them{kept}, or choose another "
+            "--output_dir"
+        )
     return "clear"
 
 
@@ -141,9 +206,11 @@ def check_mixture(ctx: RunContext, saved: dict) -> None:
         return
     change = describe_change(before, now)
     if not ctx.args.allow_mixture_change:
-        raise RunError(f"--output_dir {ctx.out} holds a run of another data mixture ({change}); resume with the "
-                       "same sources and weights, use another --output_dir, or pass --allow_mixture_change to "
-                       "continue from the same step with the new ones")
+        raise RunError(
+            f"--output_dir {ctx.out} holds a run of another data mixture ({change}); resume with the "
+            "same sources and weights, use another --output_dir, or pass --allow_mixture_change to "
+            "continue from the same step with the new ones"
+        )
     log.warning("resuming with a changed data mixture (--allow_mixture_change): %s", change)
 
 
@@ -187,22 +254,30 @@ def check_data_format(saved: dict, out) -> None:
     since. Restored into the other pipeline it would sit at the wrong place, so such a run is refused, not resumed."""
     found = saved.get("data_format", 1)
     if found != pipeline.DATA_FORMAT:
-        raise RunError(f"--output_dir {out} holds checkpoints of an earlier data pipeline (format {found}: one "
-                       f"example per element; this version reads batches, format {pipeline.DATA_FORMAT}), whose data "
-                       "position cannot be restored here; resume it with the spmdlm version that started it, or "
-                       "continue from its weights (python -m spmdlm.export, then --model_name_or_path OUTPUT_DIR/hf "
-                       "in a new --output_dir)")
+        raise RunError(
+            f"--output_dir {out} holds checkpoints of an earlier data pipeline (format {found}: one "
+            f"example per element; this version reads batches, format {pipeline.DATA_FORMAT}), whose data "
+            "position cannot be restored here; resume it with the spmdlm version that started it, or "
+            "continue from its weights (python -m spmdlm.export, then --model_name_or_path OUTPUT_DIR/hf "
+            "in a new --output_dir)"
+        )
 
 
 def write_run_files(ctx: RunContext) -> dict[str, Any]:
     """The tokenizer (unless one is there: a later export finds it beside the checkpoints) and run_config.json:
     written once the run is known to fit."""
-    run_config = {**ctx.args.to_json(), "attention_implementation": ctx.attention, "global_batch": ctx.global_batch,
-                  "layer_plan": ctx.layer_plan.record() if ctx.layer_plan else None,
-                  "model_config": ctx.config.to_hf_dict(),
-                  "trained_tokenizer": ctx.trained_tokenizer, "checkpoint_format": checkpoint.FORMAT,
-                  "data_format": pipeline.DATA_FORMAT,
-                  "mixture": mixture_record(ctx), "fingerprints": fingerprints(ctx)}
+    run_config = {
+        **ctx.args.to_json(),
+        "attention_implementation": ctx.attention,
+        "global_batch": ctx.global_batch,
+        "layer_plan": ctx.layer_plan.record() if ctx.layer_plan else None,
+        "model_config": ctx.config.to_hf_dict(),
+        "trained_tokenizer": ctx.trained_tokenizer,
+        "checkpoint_format": checkpoint.FORMAT,
+        "data_format": pipeline.DATA_FORMAT,
+        "mixture": mixture_record(ctx),
+        "fingerprints": fingerprints(ctx),
+    }
     if is_main():
         if not (ctx.out / "tokenizer.json").exists():
             save_tokenizer(ctx.tokenizer, ctx.out, ctx.family, model_max_length=ctx.config.max_length)
@@ -226,20 +301,26 @@ def check_fingerprints(ctx: RunContext) -> None:
         return
     now = fingerprints(ctx)
     names = {"train_data": "the training data", "tokenizer": "the tokenizer"}
-    changed = [names[k] for k, v in now.items() if v and saved.get(k) and type(saved[k]) is type(v)
-               and not isinstance(v, dict) and saved[k] != v]
+    changed = [
+        names[k]
+        for k, v in now.items()
+        if v and saved.get(k) and type(saved[k]) is type(v) and not isinstance(v, dict) and saved[k] != v
+    ]
     # a mixture's sources: those both runs have (a source added or left out is a mixture change, checked before)
     before, after = saved.get("train_data"), now["train_data"]
     if isinstance(before, dict) and isinstance(after, dict):
-        changed += [f"the training data of source {name}" for name in after
-                    if name in before and before[name] != after[name]]
+        changed += [
+            f"the training data of source {name}" for name in after if name in before and before[name] != after[name]
+        ]
     if not changed:
         return
     what = " and ".join(changed)
     if not ctx.args.allow_data_change:
-        raise RunError(f"--output_dir {ctx.out} holds a run of other data: {what} changed since it started "
-                       "(fingerprints in run_config.json); restore them, use another --output_dir, or pass "
-                       "--allow_data_change to resume on the new data")
+        raise RunError(
+            f"--output_dir {ctx.out} holds a run of other data: {what} changed since it started "
+            "(fingerprints in run_config.json); restore them, use another --output_dir, or pass "
+            "--allow_data_change to resume on the new data"
+        )
     log.warning("resuming on changed data (--allow_data_change): %s changed since the run started", what)
 
 

@@ -57,8 +57,16 @@ def dots_bytes_per_token(model: nnx.Module, itemsize: int) -> int:
     return features * itemsize
 
 
-def plan_layers(remat: str, scan_unroll: str, model: nnx.Module, *, platform: str, itemsize: int,
-                tokens_per_device: int, memory_bytes: int | None) -> LayerPlan:
+def plan_layers(
+    remat: str,
+    scan_unroll: str,
+    model: nnx.Module,
+    *,
+    platform: str,
+    itemsize: int,
+    tokens_per_device: int,
+    memory_bytes: int | None,
+) -> LayerPlan:
     """The plan for `model` (an abstract one will do) with `tokens_per_device` tokens per micro-batch and device,
     computing in a dtype of `itemsize` bytes on `platform`, whose devices have `memory_bytes` each (None: unknown)."""
     reasons = {}
@@ -67,8 +75,10 @@ def plan_layers(remat: str, scan_unroll: str, model: nnx.Module, *, platform: st
         gib = lambda b: f"{b / 2**30:.2f} GiB"
         if memory_bytes and need > REMAT_MEMORY_SHARE * memory_bytes:
             remat = "full"
-            reasons["remat"] = (f"full: the matmul outputs dots would keep ({gib(need)} per device) exceed "
-                                f"{REMAT_MEMORY_SHARE:.0%} of its memory ({gib(memory_bytes)})")
+            reasons["remat"] = (
+                f"full: the matmul outputs dots would keep ({gib(need)} per device) exceed "
+                f"{REMAT_MEMORY_SHARE:.0%} of its memory ({gib(memory_bytes)})"
+            )
         else:
             remat = "dots"
             reasons["remat"] = f"dots: the matmul outputs it keeps take {gib(need)} per device"
@@ -91,6 +101,7 @@ def plan_layers(remat: str, scan_unroll: str, model: nnx.Module, *, platform: st
 def residual_width(stack: LayerStack) -> int:
     """The width of the stream between a stack's layers (d_model): the input width most of its weight matmuls have
     (queries, keys, values and the MLP's input do; attention and MLP outputs read other widths)."""
-    widths = [module.kernel.get_value().shape[1] for _, module in nnx.iter_graph(stack.layers)
-              if isinstance(module, Dense)]
+    widths = [
+        module.kernel.get_value().shape[1] for _, module in nnx.iter_graph(stack.layers) if isinstance(module, Dense)
+    ]
     return collections.Counter(widths).most_common(1)[0][0]

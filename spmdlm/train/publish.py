@@ -19,8 +19,9 @@ import math
 import os
 import struct
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 
@@ -40,8 +41,12 @@ DEFAULT_ENDPOINT = "https://huggingface.co"  # huggingface_hub's own default
 CARD_NAME = "README.md"
 CHECKPOINT_DIR_IN_REPO = "last-checkpoint"
 # The model-index metrics: eval_results.json's key -> (metric type, pretty name)
-METRICS = {"eval_loss": ("loss", "Eval loss"), "eval_perplexity": ("perplexity", "Perplexity"),
-           "eval_accuracy": ("accuracy", "Token accuracy"), "eval_bits_per_byte": ("bits_per_byte", "Bits per byte")}
+METRICS = {
+    "eval_loss": ("loss", "Eval loss"),
+    "eval_perplexity": ("perplexity", "Perplexity"),
+    "eval_accuracy": ("accuracy", "Token accuracy"),
+    "eval_bits_per_byte": ("bits_per_byte", "Bits per byte"),
+}
 TOKENIZER_KINDS = {"bpe": "byte-level BPE", "unigram": "Unigram (SentencePiece)"}
 
 
@@ -61,23 +66,57 @@ def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | 
     model_id = repo_id_of(ctx)
     where = _where(folder)  # the snippet loads the local export unless it is on the Hub
     data = ModelCardData(
-        library_name="transformers", license=args.card_license, pipeline_tag=task,
-        tags=[family.name, "spmdlm", task, *_split(args.card_tags)], datasets=datasets_given or None,
+        library_name="transformers",
+        license=args.card_license,
+        pipeline_tag=task,
+        tags=[family.name, "spmdlm", task, *_split(args.card_tags)],
+        datasets=datasets_given or None,
         model_name=model_id,
-        eval_results=[EvalResult(task_type=task, dataset_type=datasets_given[0] if datasets_given else "text",
-                                 dataset_name=datasets_given[0] if datasets_given else "held-out text",
-                                 dataset_split="validation", metric_type=metric, metric_name=name,
-                                 metric_value=results[key])
-                      for key, (metric, name) in METRICS.items() if key in results] or None)
-    body = "\n".join([
-        f"# {model_id}", "",
-        _summary(ctx, folder, step), "",
-        "## Model", "", *_model_lines(ctx, folder), "",
-        "## Training data", "", *_data_lines(ctx), "",
-        "## Training procedure", "", *_training_lines(ctx), "",
-        "## Evaluation", "", *_evaluation_lines(results, step, ctx.total_steps), "",
-        "## How to use", "", *card_usage_lines(family, model_id if ctx.hub is not None else where, where), "",
-        f"Trained with spmdlm {__version__} (JAX and Flax NNX pretraining of RoBERTa, GPT-2, T5 and BART).", ""])
+        eval_results=[
+            EvalResult(
+                task_type=task,
+                dataset_type=datasets_given[0] if datasets_given else "text",
+                dataset_name=datasets_given[0] if datasets_given else "held-out text",
+                dataset_split="validation",
+                metric_type=metric,
+                metric_name=name,
+                metric_value=results[key],
+            )
+            for key, (metric, name) in METRICS.items()
+            if key in results
+        ]
+        or None,
+    )
+    body = "\n".join(
+        [
+            f"# {model_id}",
+            "",
+            _summary(ctx, folder, step),
+            "",
+            "## Model",
+            "",
+            *_model_lines(ctx, folder),
+            "",
+            "## Training data",
+            "",
+            *_data_lines(ctx),
+            "",
+            "## Training procedure",
+            "",
+            *_training_lines(ctx),
+            "",
+            "## Evaluation",
+            "",
+            *_evaluation_lines(results, step, ctx.total_steps),
+            "",
+            "## How to use",
+            "",
+            *card_usage_lines(family, model_id if ctx.hub is not None else where, where),
+            "",
+            f"Trained with spmdlm {__version__} (JAX and Flax NNX pretraining of RoBERTa, GPT-2, T5 and BART).",
+            "",
+        ]
+    )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
 
 
@@ -97,11 +136,16 @@ def default_repo_id(ctx: RunContext) -> str:
 
 
 def _summary(ctx: RunContext, folder, step: int | None) -> str:
-    what = (f"the model at step {step} of {ctx.total_steps} (an upload during training)" if step is not None
-            else f"the model after {ctx.total_steps} steps")
+    what = (
+        f"the model at step {step} of {ctx.total_steps} (an upload during training)"
+        if step is not None
+        else f"the model after {ctx.total_steps} steps"
+    )
     start = f"from `{ctx.args.model_name_or_path}`" if ctx.args.model_name_or_path else "from scratch"
-    return (f"A {ctx.family.name} model ({_count(parameter_count(folder))} parameters) pretrained {start} with "
-            f"spmdlm: {what}, exported in transformers format for `{ctx.family.hf_auto_class}`.")
+    return (
+        f"A {ctx.family.name} model ({_count(parameter_count(folder))} parameters) pretrained {start} with "
+        f"spmdlm: {what}, exported in transformers format for `{ctx.family.hf_auto_class}`."
+    )
 
 
 def parameter_count(folder) -> int:
@@ -115,10 +159,14 @@ def parameter_count(folder) -> int:
 def _model_lines(ctx: RunContext, folder) -> list[str]:
     config, family, tok = ctx.config, ctx.family, ctx.tokenizer
     counts = list(family.table.layer_counts(config).values())
-    layers = (f"{counts[0]} encoder and {counts[1]} decoder layers" if family.is_encoder_decoder and len(counts) == 2
-              else f"{sum(counts)} layers")
-    width = next((getattr(config, name) for name in ("hidden_size", "d_model", "n_embd") if hasattr(config, name)),
-                 None)
+    layers = (
+        f"{counts[0]} encoder and {counts[1]} decoder layers"
+        if family.is_encoder_decoder and len(counts) == 2
+        else f"{sum(counts)} layers"
+    )
+    width = next(
+        (getattr(config, name) for name in ("hidden_size", "d_model", "n_embd") if hasattr(config, name)), None
+    )
     spec = family.tokenizer
     origin = "trained on the training corpus" if ctx.trained_tokenizer else "given"
     return [
@@ -132,30 +180,44 @@ def _model_lines(ctx: RunContext, folder) -> list[str]:
 def _data_lines(ctx: RunContext) -> list[str]:
     args, train = ctx.args, ctx.data.train
     if ctx.sources:
-        lines = [f"A weighted mixture of {len(ctx.sources)} sources:", "",
-                 "| source | weight | records | tokens |", "| --- | --- | --- | --- |"]
-        lines += [f"| {s.name} | {s.weight:.3g} | {split.num_records:,} | {split.num_tokens:,} |"
-                  for s, split in zip(ctx.sources, train.splits)]
+        lines = [
+            f"A weighted mixture of {len(ctx.sources)} sources:",
+            "",
+            "| source | weight | records | tokens |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {s.name} | {s.weight:.3g} | {split.num_records:,} | {split.num_tokens:,} |"
+            for s, split in zip(ctx.sources, train.splits)
+        ]
         return lines
     if args.dataset_dir:
         card = ctx.dataset_cards.get(args.dataset_dir) or datasets.read_card(args.dataset_dir)  # as trained on
-        source = (f"the prepared dataset `{args.dataset_dir}` ({card['read']['files']:,} files, "
-                  f"{card['splits']['train']['documents']:,} training documents)")
+        source = (
+            f"the prepared dataset `{args.dataset_dir}` ({card['read']['files']:,} files, "
+            f"{card['splits']['train']['documents']:,} training documents)"
+        )
     elif args.dataset_name:
-        source = f"the datasets dataset `{args.dataset_name}`" + (f" ({args.dataset_config_name})"
-                                                                  if args.dataset_config_name else "")
+        source = f"the datasets dataset `{args.dataset_name}`" + (
+            f" ({args.dataset_config_name})" if args.dataset_config_name else ""
+        )
     elif args.train_file:
         documents = _cached_documents(train)
         source = f"`{args.train_file}` ({len(readers.expand_files(args.train_file)):,} files" + (
-            f", {documents:,} training documents)" if documents else ")")
+            f", {documents:,} training documents)" if documents else ")"
+        )
     else:
         source = "the embedded corpus (this Python's standard library sources)"
-    held_out = (f"`{args.validation_file}`" if args.validation_file else
-                f"{args.validation_split_percentage:g}% of the documents, held out by content hash")
-    return [f"- corpus: {source}",
-            f"- training records: {train.num_records:,} of {train.record_length} tokens ({train.num_tokens:,} "
-            "tokens)",
-            f"- evaluation: {held_out}"]
+    held_out = (
+        f"`{args.validation_file}`"
+        if args.validation_file
+        else f"{args.validation_split_percentage:g}% of the documents, held out by content hash"
+    )
+    return [
+        f"- corpus: {source}",
+        f"- training records: {train.num_records:,} of {train.record_length} tokens ({train.num_tokens:,} tokens)",
+        f"- evaluation: {held_out}",
+    ]
 
 
 def _cached_documents(split) -> int | None:
@@ -173,7 +235,8 @@ def _training_lines(ctx: RunContext) -> list[str]:
     optimizer = args.optim
     if args.optim != "adafactor":
         optimizer += f" (beta1 {args.adam_beta1:g}, beta2 {args.adam_beta2:g}" + (
-            f", epsilon {args.adam_epsilon:g})" if "adamw" in args.optim else ")")
+            f", epsilon {args.adam_epsilon:g})" if "adamw" in args.optim else ")"
+        )
     schedule = args.lr_scheduler_type + (f", floor {args.min_lr_ratio:g} of the peak" if args.min_lr_ratio else "")
     device = mesh.devices.flat[0]
     flags = ", ".join(f"--{flag.name} {flag.of(args)}" for flag in ctx.family.flags)
@@ -193,11 +256,17 @@ def _training_lines(ctx: RunContext) -> list[str]:
 
 
 def _evaluation_lines(results: dict[str, Any], step: int | None, total_steps: int) -> list[str]:
-    rows = [(key, value) for key, value in results.items()
-            if (key.startswith(("eval_", "eval/")) or key == "train_loss") and isinstance(value, (int, float))]
+    rows = [
+        (key, value)
+        for key, value in results.items()
+        if (key.startswith(("eval_", "eval/")) or key == "train_loss") and isinstance(value, (int, float))
+    ]
     if not rows:
-        return [f"None yet: this upload is the model at step {step} of {total_steps}; the final upload has the "
-                "evaluation." if step is not None else "The run did not evaluate (no held-out data)."]
+        return [
+            f"None yet: this upload is the model at step {step} of {total_steps}; the final upload has the evaluation."
+            if step is not None
+            else "The run did not evaluate (no held-out data)."
+        ]
     return ["| metric | value |", "| --- | --- |", *(f"| {key} | {value:.6g} |" for key, value in rows)]
 
 
@@ -227,8 +296,9 @@ class Hub:
             try:
                 with _quiet_hub_logs():
                     # private=None leaves the visibility to the hub (public, or an organisation's default)
-                    url = network.bounded(lambda: self.api.create_repo(self.repo_id, private=self.private or None,
-                                                                       exist_ok=True))
+                    url = network.bounded(
+                        lambda: self.api.create_repo(self.repo_id, private=self.private or None, exist_ok=True)
+                    )
             except Exception as e:  # noqa: BLE001 - any failure (network, HTTP, auth) must leave the run as it is
                 self._warn("creating the repository", e)
                 return False
@@ -243,25 +313,44 @@ class Hub:
         try:
             with _local(folder) as local, _quiet_hub_logs():
                 size = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
-                network.bounded(lambda: self.api.upload_folder(
-                    repo_id=self.repo_id, folder_path=local, path_in_repo=path_in_repo,
-                    commit_message=f"spmdlm: {what}", delete_patterns="*" if replace else None),
-                    network.timeout_s() + size / network.UPLOAD_BYTES_PER_S)
+                network.bounded(
+                    lambda: self.api.upload_folder(
+                        repo_id=self.repo_id,
+                        folder_path=local,
+                        path_in_repo=path_in_repo,
+                        commit_message=f"spmdlm: {what}",
+                        delete_patterns="*" if replace else None,
+                    ),
+                    network.timeout_s() + size / network.UPLOAD_BYTES_PER_S,
+                )
         except Exception as e:  # noqa: BLE001 - as in create
             self._warn(f"uploading {what} to", e)
             return False
-        log.info("uploaded %s to %s/%s%s", what, self.endpoint, self.repo_id,
-                 f"/tree/main/{path_in_repo}" if path_in_repo else "")
+        log.info(
+            "uploaded %s to %s/%s%s",
+            what,
+            self.endpoint,
+            self.repo_id,
+            f"/tree/main/{path_in_repo}" if path_in_repo else "",
+        )
         return True
 
     def _warn(self, what: str, error: Exception) -> None:
         status = getattr(getattr(error, "response", None), "status_code", None)
         first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        fix = ("check the token (--hub_token, HF_TOKEN or `hf auth login`) and its write access to the repository"
-               if status in (401, 403) else
-               f"re-run the same command to retry, or upload with `hf upload {self.repo_id} {self.export_dir}`")
-        log.warning("--push_to_hub: %s %s on %s failed: %s; the run and its outputs are unaffected; %s", what,
-                    self.repo_id, self.endpoint, first, fix)
+        fix = (
+            "check the token (--hub_token, HF_TOKEN or `hf auth login`) and its write access to the repository"
+            if status in (401, 403)
+            else f"re-run the same command to retry, or upload with `hf upload {self.repo_id} {self.export_dir}`"
+        )
+        log.warning(
+            "--push_to_hub: %s %s on %s failed: %s; the run and its outputs are unaffected; %s",
+            what,
+            self.repo_id,
+            self.endpoint,
+            first,
+            fix,
+        )
 
 
 def hub_for(ctx: RunContext) -> Hub | None:
@@ -279,8 +368,10 @@ def hub_for(ctx: RunContext) -> Hub | None:
     except HFValidationError as e:
         given = "--hub_model_id" if args.hub_model_id else f"the output dir's name ({args.output_dir})"
         reason = str(e).splitlines()[0]
-        raise ArgumentError(f"--push_to_hub: {given} {repo_id!r} is not a Hub repository id ({reason}); give "
-                            "--hub_model_id NAME or USER/NAME") from None
+        raise ArgumentError(
+            f"--push_to_hub: {given} {repo_id!r} is not a Hub repository id ({reason}); give "
+            "--hub_model_id NAME or USER/NAME"
+        ) from None
     # --token: the HF scripts' name for it; get_token: HF_TOKEN, else the saved login
     token = args.hub_token or args.token or get_token()
     if not token:
@@ -324,8 +415,12 @@ def push_checkpoint(ctx: RunContext, graphdef, state, step: int, manager) -> Non
     if args.hub_strategy == "checkpoint":
         checkpoint.check_saved(manager, step, wait=True)
         if ctx.hub is not None:
-            ctx.hub.upload(checkpoint.checkpoint_dir(ctx.out) / str(step), f"checkpoint at step {step}",
-                           path_in_repo=CHECKPOINT_DIR_IN_REPO, replace=True)
+            ctx.hub.upload(
+                checkpoint.checkpoint_dir(ctx.out) / str(step),
+                f"checkpoint at step {step}",
+                path_in_repo=CHECKPOINT_DIR_IN_REPO,
+                replace=True,
+            )
 
 
 @contextlib.contextmanager
@@ -337,7 +432,7 @@ def _local(folder) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix="spmdlm-hub-") as tmp:
         for file in storage.files_under(folder):
-            storage.download(file, Path(tmp) / str(file)[len(str(folder).rstrip("/")) + 1:], progress=False)
+            storage.download(file, Path(tmp) / str(file)[len(str(folder).rstrip("/")) + 1 :], progress=False)
         yield Path(tmp)
 
 

@@ -68,8 +68,9 @@ def read_records(path: Path) -> list[tuple[str, dict]]:
         else:
             dropped += 1
     if dropped:
-        log.warning("%s: dropped %d unreadable line%s (torn by a crash mid-write)", path, dropped,
-                    "" if dropped == 1 else "s")
+        log.warning(
+            "%s: dropped %d unreadable line%s (torn by a crash mid-write)", path, dropped, "" if dropped == 1 else "s"
+        )
     return records
 
 
@@ -125,8 +126,20 @@ SYNC_SECONDS = 30.0  # a bucket output dir's reports are uploaded at most this o
 
 
 class Reporter:
-    def __init__(self, out: Path, *, enabled: bool, family: Family, config, objective: Objective, global_batch: int,
-                 mesh, dtype: str, run_start: float | None = None, args: RunArgs | None = None):
+    def __init__(
+        self,
+        out: Path,
+        *,
+        enabled: bool,
+        family: Family,
+        config,
+        objective: Objective,
+        global_batch: int,
+        mesh,
+        dtype: str,
+        run_start: float | None = None,
+        args: RunArgs | None = None,
+    ):
         """`args`: the run's, for --report_to and --run_name; None reports to TensorBoard only."""
         targets = report_targets(args) if args is not None else ("tensorboard",)
         trackers.check_targets(targets, out)  # on every process: all stop together, before anything is trained
@@ -143,8 +156,11 @@ class Reporter:
         self.flops_per_step = family.train_flops_per_step(config, objective, global_batch)
         self.peak_flops = devices.peak_flops_per_device(dtype)
         self._bar = None
-        run_config = {**args.to_json(), "global_batch": global_batch, "model_config": config.to_hf_dict()} \
-            if args is not None else {}
+        run_config = (
+            {**args.to_json(), "global_batch": global_batch, "model_config": config.to_hf_dict()}
+            if args is not None
+            else {}
+        )
         run_name = (args and args.run_name) or storage.absolute(out).name  # --output_dir . has a name too
         self.run_name = run_name
         self._trackers = trackers.Trackers(trackers.build(targets, self.out, run_name, run_config))
@@ -209,11 +225,15 @@ class Reporter:
         if not self.enabled:
             return
         mb = lambda k: stats.get(k, 0) / 2**20
-        log.info("train step compiled in %.1fs | per device: arguments %.1f MiB, outputs %.1f MiB, temporaries "
-                 "%.1f MiB | XLA FLOPs/device %s (a scanned layer counted once)", stats.get("compile_seconds", 0.0),
-                 mb("argument_bytes"),
-                 mb("output_bytes"), mb("temp_bytes"), f"{stats['xla_flops_per_device']:.3g}"
-                 if stats.get("xla_flops_per_device") else "n/a")
+        log.info(
+            "train step compiled in %.1fs | per device: arguments %.1f MiB, outputs %.1f MiB, temporaries "
+            "%.1f MiB | XLA FLOPs/device %s (a scanned layer counted once)",
+            stats.get("compile_seconds", 0.0),
+            mb("argument_bytes"),
+            mb("output_bytes"),
+            mb("temp_bytes"),
+            f"{stats['xla_flops_per_device']:.3g}" if stats.get("xla_flops_per_device") else "n/a",
+        )
         if not self.dry_run:  # a dry run writes nothing; the trackers get no compile record
             self._append("metrics.jsonl", strict_json({"step": 0, "event": "compile", **stats}))
 
@@ -236,11 +256,16 @@ class Reporter:
         # Non-padding input tokens: what a packed run gains over a padded one (tokens_per_second counts every slot)
         self._real_rates.append(sums["real_tokens"] / seconds)
         self._last_step, self._last_time = step, now
-        record = {"step": step, "loss": loss, "accuracy": sums["correct"] / max(sums["tokens"], 1.0),
-                  "learning_rate": float(pending[-1].get("learning_rate", math.nan)),
-                  "grad_norm": float(pending[-1]["grad_norm"]), "tokens_per_second": tokens_per_s,
-                  "real_tokens_per_second": sums["real_tokens"] / seconds,
-                  "padding_fraction": 1.0 - sums["real_tokens"] / max(steps * self.tokens_per_step, 1)}
+        record = {
+            "step": step,
+            "loss": loss,
+            "accuracy": sums["correct"] / max(sums["tokens"], 1.0),
+            "learning_rate": float(pending[-1].get("learning_rate", math.nan)),
+            "grad_norm": float(pending[-1]["grad_norm"]),
+            "tokens_per_second": tokens_per_s,
+            "real_tokens_per_second": sums["real_tokens"] / seconds,
+            "padding_fraction": 1.0 - sums["real_tokens"] / max(steps * self.tokens_per_step, 1),
+        }
         if sums["z_loss_sum"]:
             record["z_loss"] = sums["z_loss_sum"] / max(sums["tokens"], 1.0)
         if "skipped_steps" in pending[-1]:
@@ -252,16 +277,25 @@ class Reporter:
                 record["mfu"] = record["tflops_per_device"] * 1e12 / self.peak_flops
         if self.enabled:
             self._write(record)
-            shown = {"loss": f"{loss:.4f}", "lr": f"{record['learning_rate']:.3g}",
-                     "grad_norm": f"{record['grad_norm']:.3g}", "tok_s": f"{tokens_per_s:,.0f}"}
+            shown = {
+                "loss": f"{loss:.4f}",
+                "lr": f"{record['learning_rate']:.3g}",
+                "grad_norm": f"{record['grad_norm']:.3g}",
+                "tok_s": f"{tokens_per_s:,.0f}",
+            }
             if "mfu" in record:
                 shown["mfu"] = f"{record['mfu']:.1%}"
             if self._bar is not None:
                 self._bar.update(step - self._bar.n)
                 self._bar.set_postfix(shown, refresh=False)
             else:
-                log.info("step %d/%d | %s | ETA %s", step, self._total,
-                         " | ".join(f"{k} {v}" for k, v in shown.items()), self._eta(step, now))
+                log.info(
+                    "step %d/%d | %s | ETA %s",
+                    step,
+                    self._total,
+                    " | ".join(f"{k} {v}" for k, v in shown.items()),
+                    self._eta(step, now),
+                )
             self.sync(force=False)
         return loss
 
@@ -271,18 +305,27 @@ class Reporter:
         if done <= 0:
             return "?"
         seconds = int((now - self._start_time) / done * (self._total - step))
-        return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+        return (
+            f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+            if seconds >= 3600
+            else f"{seconds // 60}m{seconds % 60:02d}s"
+        )
 
     def log_eval(self, step: int, metrics: dict[str, float]):
         if not self.enabled:
             return
         self._write({"step": step, **metrics})
-        sources = [f"{key.split('/')[1]} {value:.4f}" for key, value in metrics.items()
-                   if key.startswith("eval/") and key.endswith("/loss")]
-        message = (f"eval at step {step}: loss {metrics['eval_loss']:.4f} | perplexity "
-                   f"{metrics['eval_perplexity']:.2f} | accuracy {metrics['eval_accuracy']:.4f}"
-                   + (f" | bits/byte {metrics['eval_bits_per_byte']:.4f}" if "eval_bits_per_byte" in metrics else "")
-                   + (f" | loss by source: {', '.join(sources)}" if sources else ""))
+        sources = [
+            f"{key.split('/')[1]} {value:.4f}"
+            for key, value in metrics.items()
+            if key.startswith("eval/") and key.endswith("/loss")
+        ]
+        message = (
+            f"eval at step {step}: loss {metrics['eval_loss']:.4f} | perplexity "
+            f"{metrics['eval_perplexity']:.2f} | accuracy {metrics['eval_accuracy']:.4f}"
+            + (f" | bits/byte {metrics['eval_bits_per_byte']:.4f}" if "eval_bits_per_byte" in metrics else "")
+            + (f" | loss by source: {', '.join(sources)}" if sources else "")
+        )
         (self._bar.write if self._bar is not None else log.info)(message)
         self.sync(force=False)
 
@@ -291,8 +334,9 @@ class Reporter:
         if not self.enabled:
             return
         self._write({"step": step, **metrics})
-        shown = " | ".join(f"{key.split('/', 1)[1]} {value:.4g}" for key, value in metrics.items()
-                           if "_stderr" not in key)
+        shown = " | ".join(
+            f"{key.split('/', 1)[1]} {value:.4g}" for key, value in metrics.items() if "_stderr" not in key
+        )
         (self._bar.write if self._bar is not None else log.info)(f"LM-harness tasks at step {step}: {shown}")
         self.sync(force=False)
 
@@ -311,9 +355,11 @@ class Reporter:
     def throughput(self) -> dict[str, float]:
         rates = self._rates[1:] or self._rates  # the first interval includes warm-up
         real = self._real_rates[1:] or self._real_rates
-        return {"train_tokens_per_second": float(np.median(rates)) if rates else float("nan"),
-                "train_real_tokens_per_second": float(np.median(real)) if real else float("nan"),
-                "train_seconds": time.perf_counter() - self._start_time}
+        return {
+            "train_tokens_per_second": float(np.median(rates)) if rates else float("nan"),
+            "train_real_tokens_per_second": float(np.median(real)) if real else float("nan"),
+            "train_seconds": time.perf_counter() - self._start_time,
+        }
 
     # -- outputs -------------------------------------------------------------------------------------------------
     def _append(self, name: str, line: str) -> None:
@@ -352,12 +398,14 @@ class Reporter:
         try:
             fig.savefig(self.out / "loss_curve.png", dpi=110)
         except OSError as e:  # matplotlib's message names no path
-            raise RunError(f"cannot write {self.target / 'loss_curve.png'}: {e.strerror or e}; free space and "
-                           "run the same command again to finish (the checkpoints are kept)") from None
+            raise RunError(
+                f"cannot write {self.target / 'loss_curve.png'}: {e.strerror or e}; free space and "
+                "run the same command again to finish (the checkpoints are kept)"
+            ) from None
         finally:
             plt.close(fig)
 
-    def __enter__(self) -> "Reporter":
+    def __enter__(self) -> Reporter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -382,17 +430,29 @@ class Reporter:
                 self.plot_loss_curve()
         finally:  # the trackers' runs end either way (with the curve if it was drawn)
             samples = self.out / "samples.jsonl"
-            self._trackers.finish(results, curve if curve.is_file() else None,
-                                  [record for _, record in read_records(samples)] if samples.is_file() else [])
+            self._trackers.finish(
+                results,
+                curve if curve.is_file() else None,
+                [record for _, record in read_records(samples)] if samples.is_file() else [],
+            )
         if self.enabled and self.out is not self.target:
             self.sync()
             shutil.rmtree(self.out, ignore_errors=True)  # the staging folder: everything is in the bucket now
             self.out = self.target
-        labels = {"train_loss": "train loss {:.4f}", "eval_loss": "eval loss {:.4f}",
-                  "eval_perplexity": "perplexity {:.2f}", "eval_accuracy": "accuracy {:.4f}",
-                  "eval_bits_per_byte": "bits/byte {:.4f}",
-                  "train_tokens_per_second": "{:,.0f} tokens/s",
-                  "train_real_tokens_per_second": "{:,.0f} real (non-padding) tokens/s", "total_steps": "{} steps"}
+        labels = {
+            "train_loss": "train loss {:.4f}",
+            "eval_loss": "eval loss {:.4f}",
+            "eval_perplexity": "perplexity {:.2f}",
+            "eval_accuracy": "accuracy {:.4f}",
+            "eval_bits_per_byte": "bits/byte {:.4f}",
+            "train_tokens_per_second": "{:,.0f} tokens/s",
+            "train_real_tokens_per_second": "{:,.0f} real (non-padding) tokens/s",
+            "total_steps": "{} steps",
+        }
         parts = [fmt.format(results[k]) for k, fmt in labels.items() if k in results]
-        log.info("summary: %s | wall time %.0fs | outputs in %s", " | ".join(parts),
-                 time.perf_counter() - self._run_start, self.target)
+        log.info(
+            "summary: %s | wall time %.0fs | outputs in %s",
+            " | ".join(parts),
+            time.perf_counter() - self._run_start,
+            self.target,
+        )

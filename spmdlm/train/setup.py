@@ -23,8 +23,14 @@ from spmdlm import devices, export, storage
 from spmdlm.config import DEFAULT_MODEL_TYPE, RunArgs
 from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cache
 from spmdlm.data.objectives import Objective
-from spmdlm.data.tokenizer import (TOKENIZER_LAYOUTS, load_tokenizer, special_token_ids, token_byte_lengths,
-                                   tokenizer_layout, train_tokenizer)
+from spmdlm.data.tokenizer import (
+    TOKENIZER_LAYOUTS,
+    load_tokenizer,
+    special_token_ids,
+    token_byte_lengths,
+    tokenizer_layout,
+    train_tokenizer,
+)
 from spmdlm.errors import ArgumentError, DataError, RunError, TasksError
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
@@ -109,9 +115,13 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
         config_name = args.config_name or (str(out) if (out / "config.json").exists() else default)
         config = load_config(config_name, args.model_type)
         if not args.config_name and not args.uses_embedded_corpus and config_name == default:
-            log.info("no --config_name: using the %s preset (%s); pass --config_name for another size", default,
-                     ", ".join(f"{k}={v}" for k, v in config.to_hf_dict().items()
-                               if type(v) is int and not k.endswith("token_id")))
+            log.info(
+                "no --config_name: using the %s preset (%s); pass --config_name for another size",
+                default,
+                ", ".join(
+                    f"{k}={v}" for k, v in config.to_hf_dict().items() if type(v) is int and not k.endswith("token_id")
+                ),
+            )
         if args.vocab_size:
             config = config.replace(vocab_size=args.vocab_size)
     family = get_family(config.model_type)
@@ -123,8 +133,19 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     if args.training and args.learning_rate == 0:
         log.warning("--learning_rate 0: training will not change the weights (give a positive rate to train)")
     attention = choose_attention(args, family, config, mesh)
-    ctx = RunContext(args, mesh, out, family, config, global_batch, run_start, config_name, attention,
-                     mixture.sources_of(args.train_file, args.data_mixture), tasks=tasks)
+    ctx = RunContext(
+        args,
+        mesh,
+        out,
+        family,
+        config,
+        global_batch,
+        run_start,
+        config_name,
+        attention,
+        mixture.sources_of(args.train_file, args.data_mixture),
+        tasks=tasks,
+    )
     if args.model_name_or_path:
         check_pretrained(ctx)
     return ctx
@@ -147,8 +168,10 @@ def check_pretrained(ctx: RunContext) -> None:
         ctx.tokenizer = own
     else:
         layouts = " or ".join(" + ".join(layout) for layout in TOKENIZER_LAYOUTS)
-        raise ArgumentError(f"--model_name_or_path {path} has no tokenizer ({layouts}); pass the tokenizer it was "
-                            "trained with as --tokenizer_name")
+        raise ArgumentError(
+            f"--model_name_or_path {path} has no tokenizer ({layouts}); pass the tokenizer it was "
+            "trained with as --tokenizer_name"
+        )
     check_tokenizer_fits(ctx.tokenizer, ctx.config)
     export.check_checkpoint(path, ctx.checkpoint_config or ctx.config)
 
@@ -164,21 +187,31 @@ def extend_vocabulary(ctx: RunContext, own) -> None:
     moved = sorted((i, token) for token, i in old.items() if new.get(token) != i)
     if moved:
         i, token = moved[0]
-        raise ArgumentError(f"--tokenizer_name {ctx.args.tokenizer_name} does not extend the tokenizer of "
-                            f"--model_name_or_path: {len(moved)} of its tokens have other ids (e.g. {token!r}: {i} -> "
-                            f"{new.get(token)}); give a tokenizer that keeps every old id and appends new tokens "
-                            "(transformers' add_tokens), or leave --tokenizer_name out")
+        raise ArgumentError(
+            f"--tokenizer_name {ctx.args.tokenizer_name} does not extend the tokenizer of "
+            f"--model_name_or_path: {len(moved)} of its tokens have other ids (e.g. {token!r}: {i} -> "
+            f"{new.get(token)}); give a tokenizer that keeps every old id and appends new tokens "
+            "(transformers' add_tokens), or leave --tokenizer_name out"
+        )
     if len(new) > ctx.config.vocab_size:
-        log.info("--tokenizer_name extends the checkpoint's %d tokens by %d: the embedding grows from %d to %d rows, "
-                 "the new ones the mean of the old", len(old), len(new) - len(old), ctx.config.vocab_size, len(new))
+        log.info(
+            "--tokenizer_name extends the checkpoint's %d tokens by %d: the embedding grows from %d to %d rows, "
+            "the new ones the mean of the old",
+            len(old),
+            len(new) - len(old),
+            ctx.config.vocab_size,
+            len(new),
+        )
         ctx.checkpoint_config, ctx.config = ctx.config, ctx.config.replace(vocab_size=len(new))
 
 
 def check_tokenizer_fits(tok, config) -> None:
     if tok.get_vocab_size() > config.vocab_size:
-        raise ArgumentError(f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
-                            f"{config.vocab_size}; use --vocab_size/a config with vocab_size >= "
-                            f"{tok.get_vocab_size()} or a smaller tokenizer")
+        raise ArgumentError(
+            f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
+            f"{config.vocab_size}; use --vocab_size/a config with vocab_size >= "
+            f"{tok.get_vocab_size()} or a smaller tokenizer"
+        )
 
 
 def resolve_tasks(args: RunArgs, family: Family):
@@ -198,8 +231,14 @@ def choose_attention(args: RunArgs, family: Family, config, mesh: Mesh) -> str:
     device = mesh.devices.flat[0]
     platform = device.platform
     try:
-        chosen, note = resolve_attention(model, args.attention, platform=platform, dtype=DTYPES[args.dtype],
-                                         training=args.training, device_kind=device.device_kind)
+        chosen, note = resolve_attention(
+            model,
+            args.attention,
+            platform=platform,
+            dtype=DTYPES[args.dtype],
+            training=args.training,
+            device_kind=device.device_kind,
+        )
     except ValueError as e:
         raise ArgumentError(f"--attention {args.attention}: {e}") from None
     if note:
@@ -214,9 +253,11 @@ def check_flags_apply(args: RunArgs, family: Family) -> None:
     for other in families().values():
         for flag in other.flags:
             if flag.name not in own and flag.of(args) != flag.default:
-                raise ArgumentError(f"--{flag.name} does not apply to {family.name}; its flags are "
-                                    f"{', '.join('--' + f.name for f in family.flags)} (the first sets the "
-                                    "example length)")
+                raise ArgumentError(
+                    f"--{flag.name} does not apply to {family.name}; its flags are "
+                    f"{', '.join('--' + f.name for f in family.flags)} (the first sets the "
+                    "example length)"
+                )
 
 
 def global_batch_size(args: RunArgs, mesh) -> int:
@@ -226,7 +267,8 @@ def global_batch_size(args: RunArgs, mesh) -> int:
             raise ArgumentError(
                 f"--global_batch_size {args.global_batch_size} is not divisible by the {batch_axis_size(mesh)} "
                 f"batch devices (data x fsdp of --mesh {args.mesh}) x {args.gradient_accumulation_steps} "
-                f"accumulation steps; use a multiple of {per_step}")
+                f"accumulation steps; use a multiple of {per_step}"
+            )
         return args.global_batch_size
     return args.per_device_train_batch_size * per_step
 
@@ -241,25 +283,32 @@ class SourceDocuments:
     validation: list[str]
 
 
-def read_corpora(args: RunArgs, source: mixture.Source | None = None, *, need_train: bool = True
-                 ) -> tuple[list[str], list[str]]:
+def read_corpora(
+    args: RunArgs, source: mixture.Source | None = None, *, need_train: bool = True
+) -> tuple[list[str], list[str]]:
     """Training and validation documents (of one mixture `source`, else of the run's corpus); without a
     validation file a hash split of the training documents (or the dataset's own validation split). None with
     --dataset_dir: it is tokenized already. `need_train` False (spmdlm.evaluate): a validation file is read alone."""
     if args.dataset_dir:
         return [], []
-    train_file, validation_file = (source.train_file, source.validation_file) if source else \
-        (args.train_file, args.validation_file)
+    train_file, validation_file = (
+        (source.train_file, source.validation_file) if source else (args.train_file, args.validation_file)
+    )
     flag = source.origin if source else "--train_file"
     if validation_file and not need_train:
-        return [], read_validation(args, validation_file, f"{flag} validation_file" if source else
-                                   "--validation_file")
+        return [], read_validation(args, validation_file, f"{flag} validation_file" if source else "--validation_file")
     held_out, train_files = None, ()
     if train_file or args.dataset_name:
         # the string as given: expand_files splits its commas (--train_file a.txt,b.txt, as --validation_file)
-        corpus = readers.open_corpus(train_file or (), dataset_name=args.dataset_name,
-                                     dataset_config_name=args.dataset_config_name, text_column=args.text_column,
-                                     text_documents=args.text_documents, text_format=args.text_format, flag=flag)
+        corpus = readers.open_corpus(
+            train_file or (),
+            dataset_name=args.dataset_name,
+            dataset_config_name=args.dataset_config_name,
+            text_column=args.text_column,
+            text_documents=args.text_documents,
+            text_format=args.text_format,
+            flag=flag,
+        )
         docs, train_files = corpus.documents("train"), corpus.files
         if args.dataset_name and "validation" in corpus.splits and not validation_file:
             held_out = list(corpus.documents("validation"))
@@ -271,11 +320,11 @@ def read_corpora(args: RunArgs, source: mixture.Source | None = None, *, need_tr
     for doc in docs:
         (split_off if split and readers.in_validation_split(doc, split) else train).append(doc)
     if validation_file:
-        held_out = read_validation(args, validation_file, f"{flag} validation_file" if source else
-                                   "--validation_file", train_files)
+        held_out = read_validation(
+            args, validation_file, f"{flag} validation_file" if source else "--validation_file", train_files
+        )
     if not train:
-        raise DataError(f"the training corpus{f' of source {source.name}' if source else ''} has no text; check "
-                        f"{flag}")
+        raise DataError(f"the training corpus{f' of source {source.name}' if source else ''} has no text; check {flag}")
     return train, split_off if held_out is None else held_out
 
 
@@ -283,12 +332,19 @@ def read_validation(args: RunArgs, validation_file: str, flag: str, train_files=
     """The documents of held-out files (`flag` names them in errors); a warning if they are training files too."""
     validation_files = readers.expand_files(validation_file, flag)
     warn_if_training_files(validation_files, train_files)
-    return list(readers.read_documents(validation_files, text_column=args.text_column,
-                                       text_documents=args.text_documents, text_format=args.text_format))
+    return list(
+        readers.read_documents(
+            validation_files,
+            text_column=args.text_column,
+            text_documents=args.text_documents,
+            text_format=args.text_format,
+        )
+    )
 
 
-def read_sources(args: RunArgs, sources: tuple[mixture.Source, ...], *, need_train: bool = True
-                 ) -> list[SourceDocuments]:
+def read_sources(
+    args: RunArgs, sources: tuple[mixture.Source, ...], *, need_train: bool = True
+) -> list[SourceDocuments]:
     """Each mixture source's documents, read before anything is written (a prepared source's card is checked)."""
     corpora, tokenizers = [], {}
     for source in sources:
@@ -319,19 +375,24 @@ def check_one_tokenizer(source: mixture.Source, card: dict, seen: dict[str, mixt
     first_sha, first = next(iter(seen.items()), (sha, source))
     seen.setdefault(sha, source)
     if sha != first_sha:
-        raise DataError(f"{source.origin}: {source.dataset_dir} was tokenized with another tokenizer than source "
-                        f"{first.name}'s {first.dataset_dir}; a mixture's sources share one tokenizer: prepare it "
-                        f"again with --tokenizer {storage.path(first.dataset_dir) / datasets.TOKENIZER_DIR}")
+        raise DataError(
+            f"{source.origin}: {source.dataset_dir} was tokenized with another tokenizer than source "
+            f"{first.name}'s {first.dataset_dir}; a mixture's sources share one tokenizer: prepare it "
+            f"again with --tokenizer {storage.path(first.dataset_dir) / datasets.TOKENIZER_DIR}"
+        )
 
 
 def warn_if_training_files(validation_files, train_files) -> None:
     """A --validation_file that is also a training file makes the evaluation measure training data: said once."""
     same = [str(f) for f in validation_files if any(readers.same_file(f, t) for t in train_files)]
     if same:
-        log.warning("--validation_file %s %s also in --train_file: the evaluation measures training data, not "
-                    "held-out text; give held-out files (or leave --validation_file out to hold out "
-                    "--validation_split_percentage of the documents)", ", ".join(same),
-                    "is" if len(same) == 1 else "are")
+        log.warning(
+            "--validation_file %s %s also in --train_file: the evaluation measures training data, not "
+            "held-out text; give held-out files (or leave --validation_file out to hold out "
+            "--validation_split_percentage of the documents)",
+            ", ".join(same),
+            "is" if len(same) == 1 else "are",
+        )
 
 
 def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
@@ -353,7 +414,9 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
         log.info("training a %d-token tokenizer on %d documents", vocab, len(train_docs))
         tok = train_tokenizer(ctx.family, train_docs, vocab)  # saved with run_config.json (write_run_files)
     use_tokenizer(ctx, tok)
-    ctx.trained_tokenizer = origin == "trained" or (origin == "output_dir" and bool(ctx.previous.get("trained_tokenizer")))
+    ctx.trained_tokenizer = origin == "trained" or (
+        origin == "output_dir" and bool(ctx.previous.get("trained_tokenizer"))
+    )
 
 
 def use_tokenizer(ctx: RunContext, tok) -> None:
@@ -361,8 +424,13 @@ def use_tokenizer(ctx: RunContext, tok) -> None:
     config = ctx.config
     check_tokenizer_fits(tok, config)
     fields = {f.name for f in dataclasses.fields(config)}
-    ctx.config = config.replace(**{f"{k}_token_id": v for k, v in special_token_ids(tok, ctx.family).items()
-                                   if v is not None and f"{k}_token_id" in fields})
+    ctx.config = config.replace(
+        **{
+            f"{k}_token_id": v
+            for k, v in special_token_ids(tok, ctx.family).items()
+            if v is not None and f"{k}_token_id" in fields
+        }
+    )
     ctx.tokenizer = tok
 
 
@@ -400,9 +468,9 @@ def setup_mixture_data(ctx: RunContext, corpora: list[SourceDocuments]) -> None:
 def open_prepared(ctx: RunContext, dataset_dir: str):
     """(train, validation) of a dataset prepared by python -m spmdlm.prepare, checked against this run's tokenizer
     and lengths; each only when the run trains or evaluates."""
-    train, validation, card = datasets.open_dataset(dataset_dir, tokenizer=ctx.tokenizer,
-                                                   record_length=ctx.objective.record_length,
-                                                   mode=ctx.objective.preparation)
+    train, validation, card = datasets.open_dataset(
+        dataset_dir, tokenizer=ctx.tokenizer, record_length=ctx.objective.record_length, mode=ctx.objective.preparation
+    )
     ctx.dataset_cards[dataset_dir] = card  # what the model card describes, even if the dataset is prepared anew
     return train if ctx.args.training else None, validation if ctx.args.evaluating else None
 
@@ -412,11 +480,20 @@ def tokenize(ctx: RunContext, docs, name: str) -> records.PreparedSplit:
     args = ctx.args
     ids = special_token_ids(ctx.tokenizer, ctx.family)
     cache = storage.path(args.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
-    common = dict(record_length=ctx.objective.record_length, separator_id=ids["eos"], cache_dir=cache,
-                  mode=ctx.objective.preparation, pad_id=ids.get("pad"), bos_id=ids.get("bos"),
-                  workers=args.preprocessing_num_workers or 1)
-    split = token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=args.overwrite_cache,
-                                      **common) if is_main() else None
+    common = dict(
+        record_length=ctx.objective.record_length,
+        separator_id=ids["eos"],
+        cache_dir=cache,
+        mode=ctx.objective.preparation,
+        pad_id=ids.get("pad"),
+        bos_id=ids.get("bos"),
+        workers=args.preprocessing_num_workers or 1,
+    )
+    split = (
+        token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=args.overwrite_cache, **common)
+        if is_main()
+        else None
+    )
     if jax.process_count() > 1:  # the others wait for process 0's file, then read the same cache
         multihost_utils.sync_global_devices(f"prepared {name}")
         if not is_main():
@@ -433,8 +510,12 @@ def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None =
     of = f" of source {source}" if source else ""
     if not docs:  # e.g. one document (--text_documents file) falls on the training side of the hash split
         if args.validation_split_percentage and not given:
-            log.warning("no evaluation%s: the held-out %.1f%% of the documents is none of them (the split is per "
-                        "document); give a validation file, or more documents", of, args.validation_split_percentage)
+            log.warning(
+                "no evaluation%s: the held-out %.1f%% of the documents is none of them (the split is per "
+                "document); give a validation file, or more documents",
+                of,
+                args.validation_split_percentage,
+            )
         return None
     try:
         return tokenize(ctx, docs, "validation")
@@ -442,8 +523,14 @@ def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None =
         if given:
             raise
         fix = "give it a validation_file" if source else "pass --validation_file"
-        log.warning("no evaluation%s: the held-out %.1f%% of the documents is too small (%s); raise "
-                    "--validation_split_percentage or %s", of, args.validation_split_percentage, e, fix)
+        log.warning(
+            "no evaluation%s: the held-out %.1f%% of the documents is too small (%s); raise "
+            "--validation_split_percentage or %s",
+            of,
+            args.validation_split_percentage,
+            e,
+            fix,
+        )
         return None
 
 
@@ -459,8 +546,9 @@ def finish_data(ctx: RunContext, train, validation, source_validation=None) -> N
     train = train if isinstance(train, mixture.MixedSplit) else cap_train_samples(args, train)
     ctx.data = Data(train, validation, source_validation or {})
     if train is not None:
-        ctx.schedule = pipeline.make_schedule(train.num_records, ctx.global_batch, args.num_train_epochs,
-                                              args.max_steps)
+        ctx.schedule = pipeline.make_schedule(
+            train.num_records, ctx.global_batch, args.num_train_epochs, args.max_steps
+        )
 
 
 # -- stage 5: the sharded train state -------------------------------------------------------------------------------
@@ -471,17 +559,37 @@ def setup_state(ctx: RunContext, *, abstract: bool):
     args = ctx.args
     optim, steps = optim_config_from_args(args), max(ctx.total_steps, 1)
     ctx.layer_plan = choose_layer_plan(ctx)
-    graphdef, state = build_train_state(ctx.family, ctx.config, ctx.mesh, optim=optim, total_steps=steps,
-                                        seed=args.seed, dtype=args.dtype, remat=ctx.layer_plan.remat,
-                                        scan_unroll=ctx.layer_plan.scan_unroll, attention=ctx.attention,
-                                        abstract=abstract)
+    graphdef, state = build_train_state(
+        ctx.family,
+        ctx.config,
+        ctx.mesh,
+        optim=optim,
+        total_steps=steps,
+        seed=args.seed,
+        dtype=args.dtype,
+        remat=ctx.layer_plan.remat,
+        scan_unroll=ctx.layer_plan.scan_unroll,
+        attention=ctx.attention,
+        abstract=abstract,
+    )
     check_mesh_use(state, ctx)
     if args.model_name_or_path and not abstract:
         state = export.load_hf_into_state(args.model_name_or_path, graphdef, state, ctx.checkpoint_config)
-    stepper = Stepper(graphdef, state, ctx.mesh, ctx.family.forward, grad_accum=args.gradient_accumulation_steps,
-                      z_loss=args.z_loss, dropout_seed=args.seed, schedule=learning_rate_schedule(optim, steps),
-                      loss_chunk=args.loss_chunk_size, label_capacity=ctx.objective.label_capacity,
-                      unscored=ctx.objective.unscored_label_ids, optim=optim, byte_lengths=byte_lengths(ctx))
+    stepper = Stepper(
+        graphdef,
+        state,
+        ctx.mesh,
+        ctx.family.forward,
+        grad_accum=args.gradient_accumulation_steps,
+        z_loss=args.z_loss,
+        dropout_seed=args.seed,
+        schedule=learning_rate_schedule(optim, steps),
+        loss_chunk=args.loss_chunk_size,
+        label_capacity=ctx.objective.label_capacity,
+        unscored=ctx.objective.unscored_label_ids,
+        optim=optim,
+        byte_lengths=byte_lengths(ctx),
+    )
     return graphdef, state, stepper
 
 
@@ -498,10 +606,15 @@ def check_mesh_use(state, ctx: RunContext) -> None:
         raise ArgumentError(
             f"--mesh {ctx.args.mesh}: the tensor axis ({ctx.mesh.shape['tensor']}) divides none of the model's "
             "sharded dimensions (heads x head size, MLP width, vocabulary), so it would only repeat the same work; "
-            "use a tensor size that divides them, or give those devices to data/fsdp")
+            "use a tensor size that divides them, or give those devices to data/fsdp"
+        )
     if "fsdp" in idle:
-        log.warning("--mesh %s: the fsdp axis (%d) divides no parameter dimension, so parameters are replicated "
-                    "(plain data parallelism)", ctx.args.mesh, ctx.mesh.shape["fsdp"])
+        log.warning(
+            "--mesh %s: the fsdp axis (%d) divides no parameter dimension, so parameters are replicated "
+            "(plain data parallelism)",
+            ctx.args.mesh,
+            ctx.mesh.shape["fsdp"],
+        )
 
 
 def choose_layer_plan(ctx: RunContext) -> LayerPlan:
@@ -511,10 +624,15 @@ def choose_layer_plan(ctx: RunContext) -> LayerPlan:
     lengths = ctx.objective.sequence_lengths()
     per_device = ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps)
     model = nnx.eval_shape(lambda: ctx.family.make_model(ctx.config, rngs=nnx.Rngs(0)))
-    plan = plan_layers(args.remat, args.scan_unroll, model, platform=device.platform,
-                       itemsize=jnp.dtype(DTYPES[args.dtype]).itemsize,
-                       tokens_per_device=per_device * sum(lengths.values()),
-                       memory_bytes=devices.memory_per_device(device))
+    plan = plan_layers(
+        args.remat,
+        args.scan_unroll,
+        model,
+        platform=device.platform,
+        itemsize=jnp.dtype(DTYPES[args.dtype]).itemsize,
+        tokens_per_device=per_device * sum(lengths.values()),
+        memory_bytes=devices.memory_per_device(device),
+    )
     for flag, why in plan.reasons.items():
         log.info("--%s auto = %s", flag, why)
     return plan
@@ -529,11 +647,15 @@ def check_memory(stats: dict[str, Any], ctx: RunContext) -> None:
     if not capacity or need * (local if what == "host" else 1) <= capacity:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"
-    shared = f"the host's {gib(capacity)} of RAM shared by {local} CPU devices" if what == "host" else \
-        f"the device's {gib(capacity)}"
+    shared = (
+        f"the host's {gib(capacity)} of RAM shared by {local} CPU devices"
+        if what == "host"
+        else f"the device's {gib(capacity)}"
+    )
     args = ctx.args
     raise RunError(
         f"the train step needs {gib(need)} per device (arguments {gib(stats.get('argument_bytes', 0))}, temporaries "
         f"{gib(stats.get('temp_bytes', 0))}) but has {shared}; try a smaller --per_device_train_batch_size (now "
         f"{ctx.global_batch // (batch_axis_size(ctx.mesh) * args.gradient_accumulation_steps)}) or sequence length, "
-        "--gradient_checkpointing, fsdp (--mesh fsdp=N), --dtype bfloat16, or a smaller --config_name")
+        "--gradient_checkpointing, fsdp (--mesh fsdp=N), --dtype bfloat16, or a smaller --config_name"
+    )

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +35,33 @@ def create_train_state(build: Callable[[], tuple[nnx.Module, nnx.Optimizer]], me
     return graphdef, state
 
 
-def build_train_state(family: Family, config, mesh: Mesh, *, optim: OptimConfig = OptimConfig(), total_steps: int = 1,
-                      seed: int = 0, dtype: str = "float32", remat: str = "dots", scan_unroll: int = 1,
-                      attention: str = "xla", abstract: bool = False):
+def build_train_state(
+    family: Family,
+    config,
+    mesh: Mesh,
+    *,
+    optim: OptimConfig = OptimConfig(),
+    total_steps: int = 1,
+    seed: int = 0,
+    dtype: str = "float32",
+    remat: str = "dots",
+    scan_unroll: int = 1,
+    attention: str = "xla",
+    abstract: bool = False,
+):
     """-> (graphdef, state) of the family's model with its optimizer, initialised from `seed` (parameters float32,
     computing in `dtype`). `scan_unroll` 0 unrolls the layer scan fully. `abstract` allocates nothing (see
     `create_train_state`): the target of a restore, or all that a compile-only run needs."""
+
     def build():
-        model = family.make_model(config, rngs=nnx.Rngs(params=seed), dtype=DTYPES[dtype], remat=remat,
-                                  scan_unroll=scan_unroll or True, attention=attention)
+        model = family.make_model(
+            config,
+            rngs=nnx.Rngs(params=seed),
+            dtype=DTYPES[dtype],
+            remat=remat,
+            scan_unroll=scan_unroll or True,
+            attention=attention,
+        )
         return model, nnx.Optimizer(model, make_optimizer(optim, model, max(total_steps, 1)), wrt=nnx.Param)
 
     return create_train_state(build, mesh, abstract=abstract)

@@ -8,7 +8,8 @@ of target tokens in the whole global batch.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,13 @@ from spmdlm.mesh import batch_sharding, constrain
 from spmdlm.train.optim import OptimConfig, evaluation_params, spike_counts
 
 
-def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0,
-                       unscored: tuple[int, ...] = (), byte_lengths: jax.Array | None = None) -> dict[str, jax.Array]:
+def cross_entropy_sums(
+    logits: jax.Array,
+    labels: jax.Array,
+    z_loss: float = 0.0,
+    unscored: tuple[int, ...] = (),
+    byte_lengths: jax.Array | None = None,
+) -> dict[str, jax.Array]:
     """Summed fp32 cross-entropy, optional T5X z-loss (coef · logsumexp²), token count and correct predictions.
 
     With `unscored` label ids (BART's special tokens), the same sums over the other labels too (`scored_*`): the
@@ -44,8 +50,11 @@ def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0
 
     def sums(counted, prefix=""):
         weights = counted.astype(jnp.float32)
-        out = {f"{prefix}loss_sum": jnp.sum((lse - target) * weights), f"{prefix}tokens": jnp.sum(weights),
-               f"{prefix}correct": jnp.sum(hit & counted).astype(jnp.float32)}
+        out = {
+            f"{prefix}loss_sum": jnp.sum((lse - target) * weights),
+            f"{prefix}tokens": jnp.sum(weights),
+            f"{prefix}correct": jnp.sum(hit & counted).astype(jnp.float32),
+        }
         if byte_lengths is not None:  # int32: exact where a float32 sum of a long evaluation would round
             out[f"{prefix}bytes"] = jnp.sum(jnp.where(counted, byte_lengths[safe_labels], 0), dtype=jnp.int32)
         return out
@@ -56,9 +65,15 @@ def cross_entropy_sums(logits: jax.Array, labels: jax.Array, z_loss: float = 0.0
     return out
 
 
-def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, labels: jax.Array,
-                               chunk: int, z_loss: float = 0.0, unscored: tuple[int, ...] = (),
-                               byte_lengths: jax.Array | None = None) -> dict[str, jax.Array]:
+def chunked_cross_entropy_sums(
+    head: Callable[[jax.Array], jax.Array],
+    features: jax.Array,
+    labels: jax.Array,
+    chunk: int,
+    z_loss: float = 0.0,
+    unscored: tuple[int, ...] = (),
+    byte_lengths: jax.Array | None = None,
+) -> dict[str, jax.Array]:
     """`cross_entropy_sums(head(features), labels)` computed `chunk` positions at a time, so only one chunk's
     logits [B, chunk, V] exist at once, forward and backward (each chunk's logits are recomputed for its gradient
     under jax.checkpoint). A length that `chunk` does not divide is padded with ignored positions."""
@@ -83,9 +98,16 @@ def chunked_cross_entropy_sums(head: Callable[[jax.Array], jax.Array], features:
     return jax.lax.scan(body, zeros, (features, labels))[0]
 
 
-def head_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, labels: jax.Array, *, z_loss: float = 0.0,
-              loss_chunk: int = 0, unscored: tuple[int, ...] = (), byte_lengths: jax.Array | None = None
-              ) -> dict[str, jax.Array]:
+def head_sums(
+    head: Callable[[jax.Array], jax.Array],
+    features: jax.Array,
+    labels: jax.Array,
+    *,
+    z_loss: float = 0.0,
+    loss_chunk: int = 0,
+    unscored: tuple[int, ...] = (),
+    byte_lengths: jax.Array | None = None,
+) -> dict[str, jax.Array]:
     """Loss sums of the LM head over `features` [B, T, d], all positions at once or `loss_chunk` at a time."""
     if 0 < loss_chunk < labels.shape[1]:
         return chunked_cross_entropy_sums(head, features, labels, loss_chunk, z_loss, unscored, byte_lengths)
@@ -109,9 +131,18 @@ def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capaci
     return jax.lax.cond(valid.sum(-1).max() <= capacity, gathered, lambda: head_sums(head, features, labels, **loss))
 
 
-def loss_sums(model: nnx.Module, batch: Batch, forward: Forward, rngs: nnx.Rngs | None = None, *,
-              z_loss: float = 0.0, loss_chunk: int = 0, label_capacity: int | None = None,
-              unscored: tuple[int, ...] = (), byte_lengths: jax.Array | None = None) -> dict[str, jax.Array]:
+def loss_sums(
+    model: nnx.Module,
+    batch: Batch,
+    forward: Forward,
+    rngs: nnx.Rngs | None = None,
+    *,
+    z_loss: float = 0.0,
+    loss_chunk: int = 0,
+    label_capacity: int | None = None,
+    unscored: tuple[int, ...] = (),
+    byte_lengths: jax.Array | None = None,
+) -> dict[str, jax.Array]:
     """The token-summed loss and metrics of one batch, the model called by its family's `forward`.
     `loss_chunk` > 0 computes them a chunk of positions at a time (`chunked_cross_entropy_sums`); `label_capacity`
     (the objective's) runs the LM head on labelled positions only (`labelled_positions_sums`). Both give the same
@@ -129,8 +160,10 @@ def loss_sums(model: nnx.Module, batch: Batch, forward: Forward, rngs: nnx.Rngs 
 
 
 # Each model input and the fields that mark its padding (the first the batch has; none: every token is real).
-INPUT_PADDING = (("input_ids", ("attention_mask", "segment_ids")),
-                 ("decoder_input_ids", ("decoder_attention_mask", "decoder_segment_ids")))
+INPUT_PADDING = (
+    ("input_ids", ("attention_mask", "segment_ids")),
+    ("decoder_input_ids", ("decoder_attention_mask", "decoder_segment_ids")),
+)
 
 
 def real_tokens(batch: Batch) -> jax.Array:
@@ -163,10 +196,23 @@ def state_shardings(state) -> Any:
 class Stepper:
     """Compiles and runs the train and eval steps over the flat (model, optimizer) state, which it donates."""
 
-    def __init__(self, graphdef, state, mesh: Mesh, forward: Forward, *, grad_accum: int = 1, z_loss: float = 0.0,
-                 dropout_seed: int = 0, schedule: optax.Schedule | None = None, loss_chunk: int = 0,
-                 label_capacity: int | None = None, unscored: tuple[int, ...] = (), optim: OptimConfig | None = None,
-                 byte_lengths: np.ndarray | None = None):
+    def __init__(
+        self,
+        graphdef,
+        state,
+        mesh: Mesh,
+        forward: Forward,
+        *,
+        grad_accum: int = 1,
+        z_loss: float = 0.0,
+        dropout_seed: int = 0,
+        schedule: optax.Schedule | None = None,
+        loss_chunk: int = 0,
+        label_capacity: int | None = None,
+        unscored: tuple[int, ...] = (),
+        optim: OptimConfig | None = None,
+        byte_lengths: np.ndarray | None = None,
+    ):
         """`state`: the train state, or the state of a model alone to evaluate (no train step then). `byte_lengths`:
         each vocabulary id's UTF-8 bytes, which evaluation sums for bits per byte."""
         self.graphdef, self.mesh, self.forward = graphdef, mesh, forward
@@ -197,6 +243,7 @@ class Stepper:
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(step_key, index))
                 sums = loss_sums(m, micro, self.forward, rngs, **self.loss)
                 return (sums["loss_sum"] + sums["z_loss_sum"]) * per_token, sums
+
             return jax.grad(loss_of, has_aux=True)(p)
 
         if self.grad_accum == 1:
@@ -213,8 +260,9 @@ class Stepper:
                 p = jax.lax.optimization_barrier(p)
                 return (jax.tree.map(jnp.add, acc, micro_grads(p, *inputs)), p), None
 
-            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_grads(
-                params, jax.tree.map(lambda x: x[0], micro), 0)))
+            zeros = jax.tree.map(
+                jnp.zeros_like, jax.eval_shape(lambda: micro_grads(params, jax.tree.map(lambda x: x[0], micro), 0))
+            )
             ((grads, sums), _), _ = jax.lax.scan(body, (zeros, params), (micro, jnp.arange(k)))
         metrics = dict(sums, grad_norm=optax.global_norm(grads), real_tokens=real_tokens(batch))
         if self.schedule is not None:
@@ -236,19 +284,30 @@ class Stepper:
     def batch_shardings(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):
         return {k: batch_sharding(self.mesh, len(v.shape)) for k, v in batch_spec.items()}
 
-    def lower_train(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct], *, donate: bool = True,
-                    compiler_options: dict[str, Any] | None = None):
+    def lower_train(
+        self,
+        state,
+        batch_spec: dict[str, jax.ShapeDtypeStruct],
+        *,
+        donate: bool = True,
+        compiler_options: dict[str, Any] | None = None,
+    ):
         """The train step lowered for `state`'s shapes and shardings (arrays or ShapeDtypeStructs) and a batch of
         `batch_spec`; `.compile()` it. `compiler_options`: XLA's, e.g. for benchmarks."""
-        fn = jax.jit(self.train_fn, in_shardings=(self.shardings, self.batch_shardings(batch_spec), self.replicated),
-                     out_shardings=(self.shardings, self.replicated), donate_argnums=0 if donate else (),
-                     compiler_options=compiler_options)
+        fn = jax.jit(
+            self.train_fn,
+            in_shardings=(self.shardings, self.batch_shardings(batch_spec), self.replicated),
+            out_shardings=(self.shardings, self.replicated),
+            donate_argnums=0 if donate else (),
+            compiler_options=compiler_options,
+        )
         with jax.set_mesh(self.mesh):
             return fn.lower(abstract_of(state), batch_spec, jax.ShapeDtypeStruct((), jnp.int32))
 
     def lower_eval(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]):
-        fn = jax.jit(self.eval_fn, in_shardings=(self.shardings, self.batch_shardings(batch_spec)),
-                     out_shardings=self.replicated)
+        fn = jax.jit(
+            self.eval_fn, in_shardings=(self.shardings, self.batch_shardings(batch_spec)), out_shardings=self.replicated
+        )
         with jax.set_mesh(self.mesh):
             return fn.lower(abstract_of(state), batch_spec)
 
@@ -265,7 +324,8 @@ class Stepper:
 
     def eval_step(self, state, batch: Batch):
         if self._eval is None:  # compiled at the first batch: evaluation may never run
-            self._eval = jax.jit(self.eval_fn, in_shardings=(self.shardings, self.batch_shardings(batch)),
-                                 out_shardings=self.replicated)
+            self._eval = jax.jit(
+                self.eval_fn, in_shardings=(self.shardings, self.batch_shardings(batch)), out_shardings=self.replicated
+            )
         with jax.set_mesh(self.mesh):
             return self._eval(state, batch)

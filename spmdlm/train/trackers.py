@@ -17,8 +17,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from spmdlm import storage
 from spmdlm.errors import ArgumentError, RunError
@@ -40,13 +41,17 @@ def check_targets(targets: Iterable[str], out) -> None:
     for target in targets:
         module = LIBRARIES.get(target)
         if module and importlib.util.find_spec(module) is None:
-            raise ArgumentError(f"--report_to {target}: the {module} library is not installed; "
-                                f"pip install -e '.[{target}]' (or leave {target} out of --report_to)")
+            raise ArgumentError(
+                f"--report_to {target}: the {module} library is not installed; "
+                f"pip install -e '.[{target}]' (or leave {target} out of --report_to)"
+            )
     # the file store needs its empty folders, which a bucket does not keep: a resumed run would not find its run
     if "mlflow" in targets and storage.is_remote(out) and not os.environ.get("MLFLOW_TRACKING_URI"):
-        raise ArgumentError(f"--report_to mlflow with --output_dir {out}: MLflow's default store (a folder of "
-                            "files) cannot live in a bucket; set MLFLOW_TRACKING_URI to a tracking server (or a "
-                            "local file: folder)")
+        raise ArgumentError(
+            f"--report_to mlflow with --output_dir {out}: MLflow's default store (a folder of "
+            "files) cannot live in a bucket; set MLFLOW_TRACKING_URI to a tracking server (or a "
+            "local file: folder)"
+        )
 
 
 def is_eval_key(key: str) -> bool:
@@ -56,8 +61,11 @@ def is_eval_key(key: str) -> bool:
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The finite numbers of a metrics.jsonl record, without its step: what every tracker logs."""
-    return {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))
-            and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def one_line(error: Exception) -> str:
@@ -119,15 +127,18 @@ class EventLog:
 
         self._summary, self._event = summary, event_pb2.Event
         self.folder = folder
-        self._events = self._io(lambda: (folder.mkdir(parents=True, exist_ok=True),
-                                         EventsWriter(str(folder / "events")))[1])
+        self._events = self._io(
+            lambda: (folder.mkdir(parents=True, exist_ok=True), EventsWriter(str(folder / "events")))[1]
+        )
 
     def _io(self, write):
         try:
             return write()
         except OSError as e:
-            raise RunError(f"cannot write TensorBoard events in {self.folder}: {e.strerror or e}; free space or "
-                           "choose another --output_dir (the checkpoints saved so far are kept)") from None
+            raise RunError(
+                f"cannot write TensorBoard events in {self.folder}: {e.strerror or e}; free space or "
+                "choose another --output_dir (the checkpoints saved so far are kept)"
+            ) from None
 
     def _write(self, summary, step: int) -> None:
         event = self._event(summary=summary, step=int(step), wall_time=time.time())
@@ -178,7 +189,8 @@ class TensorBoard(Tracker):
 class WandB(Tracker):
     """A W&B run in project WANDB_PROJECT (default spmdlm), its files under OUTPUT_DIR/wandb (WANDB_DIR/wandb when that
     is set; where WANDB_MODE=offline leaves them for `wandb sync`): the run config, each record of metrics.jsonl at its
-    train step under the same keys, and at the end the final results (summary), the loss curve and the samples (a table)."""
+    train step under the same keys, and at the end the final results (summary), the loss curve and the samples (a
+    table)."""
 
     name = "wandb"
 
@@ -191,11 +203,16 @@ class WandB(Tracker):
 
         for variable, folder in WANDB_DIRS.items():  # else its logs and staging go under $HOME (unless set by the user)
             os.environ.setdefault(variable, str(self.out / "wandb" / folder))
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spmdlm"), name=self.run_name,
-                               id=saved_id(self.out, self.name), resume="allow",
-                               dir=None if os.environ.get("WANDB_DIR") else str(self.out),  # None: wandb reads it
-                               config=self.run_config, allow_val_change=True,  # a resume may change some settings
-                               reinit="create_new")  # never finishes a run of the caller's own
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "spmdlm"),
+            name=self.run_name,
+            id=saved_id(self.out, self.name),
+            resume="allow",
+            dir=None if os.environ.get("WANDB_DIR") else str(self.out),  # None: wandb reads it
+            config=self.run_config,
+            allow_val_change=True,  # a resume may change some settings
+            reinit="create_new",
+        )  # never finishes a run of the caller's own
         save_id(self.out, self.name, self._run.id)
         self._last_step = step
 
@@ -214,9 +231,13 @@ class WandB(Tracker):
             if loss_curve is not None:
                 media["loss_curve"] = wandb.Image(str(loss_curve))
             if samples:
-                rows = [[record["step"], sample["prompt"], kind, value if isinstance(value, str) else json.dumps(value)]
-                        for record in samples for sample in record["samples"]
-                        for kind, value in sample.items() if kind != "prompt"]
+                rows = [
+                    [record["step"], sample["prompt"], kind, value if isinstance(value, str) else json.dumps(value)]
+                    for record in samples
+                    for sample in record["samples"]
+                    for kind, value in sample.items()
+                    if kind != "prompt"
+                ]
                 media["samples"] = wandb.Table(columns=["step", "prompt", "kind", "output"], data=rows)
             if media:  # beside the last metrics (W&B drops a step before a resumed run's first)
                 self._run.log(media, step=max(self._last_step, self._run.starting_step))
@@ -253,8 +274,12 @@ class MLflow(Tracker):
             except MlflowException as e:
                 if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
-                log.warning("--report_to mlflow: run %s (%s) is not in %s; starting a new run", self._run_id,
-                            self.out / IDS_FILE, uri)
+                log.warning(
+                    "--report_to mlflow: run %s (%s) is not in %s; starting a new run",
+                    self._run_id,
+                    self.out / IDS_FILE,
+                    uri,
+                )
         if logged is not None:
             client.update_run(self._run_id, status="RUNNING")
             # a crash between checkpoints logged steps that are run again: MLflow keeps the first attempt's
@@ -267,8 +292,11 @@ class MLflow(Tracker):
             save_id(self.out, self.name, self._run_id)
             logged = {}
         # a param cannot change once logged (MLflow refuses): a resumed run adds only those it did not have
-        params = [Param(key, str(value)[:MAX_PARAM_VAL_LENGTH]) for key, value in flatten(self.run_config).items()
-                  if key not in logged]
+        params = [
+            Param(key, str(value)[:MAX_PARAM_VAL_LENGTH])
+            for key, value in flatten(self.run_config).items()
+            if key not in logged
+        ]
         client.log_batch(self._run_id, params=params)  # MLflow splits it into batches of its size limit
         self._last_step = step
 
@@ -286,8 +314,7 @@ class MLflow(Tracker):
     def finish(self, results, loss_curve, samples, failed) -> None:
         if not failed:
             # the final results besides the eval metrics already logged at their step: throughput, train loss
-            self._log_metrics({k: v for k, v in scalars(results).items() if not is_eval_key(k)},
-                              self._last_step)
+            self._log_metrics({k: v for k, v in scalars(results).items() if not is_eval_key(k)}, self._last_step)
             for path in (loss_curve, self.out / "samples.jsonl"):
                 if path is not None and path.is_file():
                     self._client.log_artifact(self._run_id, str(path))
@@ -307,8 +334,11 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def build(targets: Iterable[str], out: Path, run_name: str, run_config: dict[str, Any]) -> list[Tracker]:
     """The trackers of --report_to, in its order."""
-    make = {"tensorboard": lambda: TensorBoard(out), "wandb": lambda: WandB(out, run_name, run_config),
-            "mlflow": lambda: MLflow(out, run_name, run_config)}
+    make = {
+        "tensorboard": lambda: TensorBoard(out),
+        "wandb": lambda: WandB(out, run_name, run_config),
+        "mlflow": lambda: MLflow(out, run_name, run_config),
+    }
     return [make[target]() for target in targets]
 
 
@@ -324,8 +354,10 @@ class Trackers:
                 try:
                     network.bounded(lambda: tracker.start(step))
                 except Exception as e:  # noqa: BLE001 - a login, a server, a store: the library's own message
-                    raise RunError(f"--report_to {tracker.name}: could not start its run: {one_line(e)}; fix that "
-                                   f"or leave {tracker.name} out of --report_to") from None
+                    raise RunError(
+                        f"--report_to {tracker.name}: could not start its run: {one_line(e)}; fix that "
+                        f"or leave {tracker.name} out of --report_to"
+                    ) from None
             else:
                 tracker.start(step)
             self._open.append(tracker)
@@ -339,8 +371,13 @@ class Trackers:
             try:
                 network.bounded(lambda: call(tracker))
             except Exception as e:  # noqa: BLE001 - the tracker is lost, the run is not
-                log.warning("--report_to %s: %s failed (%s); the run goes on without %s (metrics.jsonl has "
-                            "everything)", tracker.name, what, one_line(e), tracker.name)
+                log.warning(
+                    "--report_to %s: %s failed (%s); the run goes on without %s (metrics.jsonl has everything)",
+                    tracker.name,
+                    what,
+                    one_line(e),
+                    tracker.name,
+                )
                 self._open.remove(tracker)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -352,8 +389,9 @@ class Trackers:
     def flush(self) -> None:
         self._each(lambda t: t.flush(), "flushing")
 
-    def finish(self, results: dict[str, Any], loss_curve: Path | None, samples: list[dict],
-               failed: bool = False) -> None:
+    def finish(
+        self, results: dict[str, Any], loss_curve: Path | None, samples: list[dict], failed: bool = False
+    ) -> None:
         """End every run (`failed`: the run stopped on an error, so the trackers mark theirs failed)."""
         self._each(lambda t: t.finish(results, loss_curve, samples, failed), "finishing")
         self._open = []

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -47,15 +48,31 @@ OPEN_UNIT = Bounds(0, 1, above=True, below=True, hint="a fraction of the tokens"
 
 
 # Flags several objectives share.
-MAX_SEQ_LENGTH = Flag("max_seq_length", int, None, "encoder length for RoBERTa/T5/BART (default: RoBERTa and BART "
-                      "the model's positions up to 512 and 1024, T5 512)", bounds=AT_LEAST_ONE)
-MLM_PROBABILITY = Flag("mlm_probability", float, None, "MLM masking rate / T5 noise density (default 0.15); BART: "
-                       "the HF script's name for --mask_ratio", bounds=OPEN_UNIT)
-DOCUMENT_ATTENTION = Flag("document_attention", str, "joined", "records cut from the document stream: 'joined' lets "
-                          "every token attend across the documents a record holds (GPT-2's practice, the default); "
-                          "'isolated' makes each document a segment of its own: attention, positions and (T5, BART) "
-                          "the corruption stay within it", lambda value: value in DOCUMENT_ATTENTION_MODES,
-                          "must be joined or isolated")
+MAX_SEQ_LENGTH = Flag(
+    "max_seq_length",
+    int,
+    None,
+    "encoder length for RoBERTa/T5/BART (default: RoBERTa and BART the model's positions up to 512 and 1024, T5 512)",
+    bounds=AT_LEAST_ONE,
+)
+MLM_PROBABILITY = Flag(
+    "mlm_probability",
+    float,
+    None,
+    "MLM masking rate / T5 noise density (default 0.15); BART: the HF script's name for --mask_ratio",
+    bounds=OPEN_UNIT,
+)
+DOCUMENT_ATTENTION = Flag(
+    "document_attention",
+    str,
+    "joined",
+    "records cut from the document stream: 'joined' lets "
+    "every token attend across the documents a record holds (GPT-2's practice, the default); "
+    "'isolated' makes each document a segment of its own: attention, positions and (T5, BART) "
+    "the corruption stay within it",
+    lambda value: value in DOCUMENT_ATTENTION_MODES,
+    "must be joined or isolated",
+)
 DOCUMENT_ATTENTION_MODES = ("joined", "isolated")
 
 # The batch fields of segmented (packed or isolated) examples: segment ids count from 1 per row and 0 marks padding;

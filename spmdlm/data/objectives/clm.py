@@ -12,11 +12,17 @@ import dataclasses
 
 import numpy as np
 
-from spmdlm.data.objectives import (DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_MODES, SEGMENT_FIELDS, Flag, Objective,
-                                    AT_LEAST_ONE, segments)
+from spmdlm.data.objectives import (
+    AT_LEAST_ONE,
+    DOCUMENT_ATTENTION,
+    DOCUMENT_ATTENTION_MODES,
+    SEGMENT_FIELDS,
+    Flag,
+    Objective,
+    segments,
+)
 
-BLOCK_SIZE = Flag("block_size", int, None, "CLM example length (default: min(1024, n_positions))",
-                  bounds=AT_LEAST_ONE)
+BLOCK_SIZE = Flag("block_size", int, None, "CLM example length (default: min(1024, n_positions))", bounds=AT_LEAST_ONE)
 
 
 @dataclasses.dataclass(frozen=True)

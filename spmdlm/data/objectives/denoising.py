@@ -48,22 +48,41 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from spmdlm.bounds import Bounds
-from spmdlm.data.objectives import (DECODER_SEGMENT_FIELDS, DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_MODES, IGNORE_INDEX,
-                                    MAX_SEQ_LENGTH, MLM_PROBABILITY, SEGMENT_FIELDS, Flag, Framed, after, OPEN_UNIT,
-                                    row_rngs, segments)
+from spmdlm.data.objectives import (
+    DECODER_SEGMENT_FIELDS,
+    DOCUMENT_ATTENTION,
+    DOCUMENT_ATTENTION_MODES,
+    IGNORE_INDEX,
+    MAX_SEQ_LENGTH,
+    MLM_PROBABILITY,
+    OPEN_UNIT,
+    SEGMENT_FIELDS,
+    Flag,
+    Framed,
+    after,
+    row_rngs,
+    segments,
+)
 from spmdlm.data.sentences import SENTENCE_END
 
-MASK_RATIO = Flag("mask_ratio", float, None, "BART text infilling: fraction of tokens masked (default 0.3)",
-                  bounds=OPEN_UNIT)
-POISSON_LAMBDA = Flag("poisson_lambda", float, 3.0, "BART text infilling: mean span length (Poisson)",
-                      bounds=Bounds(0, above=True, hint="tokens"))
-PERMUTE_SENTENCE_RATIO = Flag("permute_sentence_ratio", float, 1.0, "BART: fraction of sentences permuted",
-                              bounds=Bounds(0, 1))
+MASK_RATIO = Flag(
+    "mask_ratio", float, None, "BART text infilling: fraction of tokens masked (default 0.3)", bounds=OPEN_UNIT
+)
+POISSON_LAMBDA = Flag(
+    "poisson_lambda",
+    float,
+    3.0,
+    "BART text infilling: mean span length (Poisson)",
+    bounds=Bounds(0, above=True, hint="tokens"),
+)
+PERMUTE_SENTENCE_RATIO = Flag(
+    "permute_sentence_ratio", float, 1.0, "BART: fraction of sentences permuted", bounds=Bounds(0, 1)
+)
 
 _ID_BITS = SENTENCE_END - 1
 _NO_LENGTHS = np.zeros(0, dtype=np.int64)
@@ -145,8 +164,9 @@ class Denoising(Framed):
             lengths = np.concatenate((lengths, rng.poisson(self.poisson_lambda, budget)))
         return lengths, rng.random(2 * len(lengths) + n - budget + self._sentence_keys)
 
-    def _layout_spans(self, n: np.ndarray, lengths: np.ndarray, drawn: np.ndarray, uniforms: np.ndarray,
-                      first_uniform: np.ndarray):
+    def _layout_spans(
+        self, n: np.ndarray, lengths: np.ndarray, drawn: np.ndarray, uniforms: np.ndarray, first_uniform: np.ndarray
+    ):
         """(row, start, length) of every infilling span of rows with n[row] maskable tokens, sorted by (row,
         start), from the rows' `_draw`s concatenated: `lengths` (drawn[row] a row), `uniforms` (the row's from
         first_uniform[row]). All rows are laid out at once.
@@ -200,8 +220,7 @@ class Denoising(Framed):
         _, starts, lengths = self._layout_spans(np.array([n]), *_concatenated([self._draw(rng, n)]))
         return starts, lengths
 
-    def _permute_sentences(self, ids: np.ndarray, ends: np.ndarray, pinned: np.ndarray,
-                           keys: np.ndarray) -> np.ndarray:
+    def _permute_sentences(self, ids: np.ndarray, ends: np.ndarray, pinned: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """ids (rows, N) with each row's sentences shuffled by its uniform `keys` (rows, N), read at each sentence's
         first token: the sentences of the smallest keys are chosen and take each other's places in the order of
         those keys (a uniform choice, a uniform order), each within its own document."""
@@ -351,5 +370,9 @@ def _concatenated(draws: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     """Rows' `_draw`s as flat arrays: (lengths, lengths per row, uniforms, each row's first uniform)."""
     drawn = np.array([len(lengths) for lengths, _ in draws])
     sizes = np.array([len(uniforms) for _, uniforms in draws])
-    return (np.concatenate([lengths for lengths, _ in draws]), drawn,
-            np.concatenate([uniforms for _, uniforms in draws]), np.cumsum(sizes) - sizes)
+    return (
+        np.concatenate([lengths for lengths, _ in draws]),
+        drawn,
+        np.concatenate([uniforms for _, uniforms in draws]),
+        np.cumsum(sizes) - sizes,
+    )

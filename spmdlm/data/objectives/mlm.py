@@ -31,16 +31,34 @@ import math
 
 import numpy as np
 
-from spmdlm.data.objectives import (DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_MODES, IGNORE_INDEX, MAX_SEQ_LENGTH,
-                                    MLM_PROBABILITY, SEGMENT_FIELDS, Flag, Framed, Vectorised, after, segments)
+from spmdlm.data.objectives import (
+    DOCUMENT_ATTENTION,
+    DOCUMENT_ATTENTION_MODES,
+    IGNORE_INDEX,
+    MAX_SEQ_LENGTH,
+    MLM_PROBABILITY,
+    SEGMENT_FIELDS,
+    Flag,
+    Framed,
+    Vectorised,
+    after,
+    segments,
+)
 
-LINE_BY_LINE = Flag("line_by_line", bool, False, "MLM: one example per non-empty line (truncated, padded) instead of "
-                    "blocks")
-PAD_TO_MAX_LENGTH = Flag("pad_to_max_length", bool, False, "accepted for compatibility (examples always have fixed "
-                         "shapes)", resume=False)
-PACKING = Flag("packing", bool, False, "MLM with --line_by_line: pack several lines into each example of "
-               "--max_seq_length tokens (best-fit decreasing at preparation), each line its own segment (attention "
-               "and positions stay within it), instead of padding every line to full length")
+LINE_BY_LINE = Flag(
+    "line_by_line", bool, False, "MLM: one example per non-empty line (truncated, padded) instead of blocks"
+)
+PAD_TO_MAX_LENGTH = Flag(
+    "pad_to_max_length", bool, False, "accepted for compatibility (examples always have fixed shapes)", resume=False
+)
+PACKING = Flag(
+    "packing",
+    bool,
+    False,
+    "MLM with --line_by_line: pack several lines into each example of "
+    "--max_seq_length tokens (best-fit decreasing at preparation), each line its own segment (attention "
+    "and positions stay within it), instead of padding every line to full length",
+)
 
 MASK_FRACTION = 0.8  # of the chosen tokens: become <mask>
 RANDOM_FRACTION = 0.1  # become a random non-special id; the remaining 0.1 stay unchanged
@@ -51,11 +69,15 @@ def layout_problem(line_by_line: bool, packing: bool, document_attention: str) -
     if document_attention not in DOCUMENT_ATTENTION_MODES:
         return f"--document_attention {document_attention!r} must be one of {', '.join(DOCUMENT_ATTENTION_MODES)}"
     if packing and not line_by_line:
-        return ("--packing packs --line_by_line lines into full examples: add --line_by_line (grouped blocks are "
-                "full already; to keep their documents apart use --document_attention isolated)")
+        return (
+            "--packing packs --line_by_line lines into full examples: add --line_by_line (grouped blocks are "
+            "full already; to keep their documents apart use --document_attention isolated)"
+        )
     if line_by_line and not packing and document_attention == "isolated":  # packed lines are isolated already
-        return ("--document_attention isolated applies to grouped blocks; a --line_by_line example holds one line: "
-                "use --packing to put several lines, each its own segment, in one example")
+        return (
+            "--document_attention isolated applies to grouped blocks; a --line_by_line example holds one line: "
+            "use --packing to put several lines, each its own segment, in one example"
+        )
     return None
 
 

@@ -38,12 +38,27 @@ import functools
 import numpy as np
 
 from spmdlm.bounds import Bounds
-from spmdlm.data.objectives import (DECODER_SEGMENT_FIELDS, DOCUMENT_ATTENTION, DOCUMENT_ATTENTION_MODES, IGNORE_INDEX,
-                                    MAX_SEQ_LENGTH, MLM_PROBABILITY, SEGMENT_FIELDS, Flag, Vectorised, after,
-                                    segments)
+from spmdlm.data.objectives import (
+    DECODER_SEGMENT_FIELDS,
+    DOCUMENT_ATTENTION,
+    DOCUMENT_ATTENTION_MODES,
+    IGNORE_INDEX,
+    MAX_SEQ_LENGTH,
+    MLM_PROBABILITY,
+    SEGMENT_FIELDS,
+    Flag,
+    Vectorised,
+    after,
+    segments,
+)
 
-MEAN_NOISE_SPAN_LENGTH = Flag("mean_noise_span_length", float, 3.0, "T5 span corruption: mean length of a corrupted "
-                              "span", bounds=Bounds(1, hint="tokens per span, 3 in T5"))
+MEAN_NOISE_SPAN_LENGTH = Flag(
+    "mean_noise_span_length",
+    float,
+    3.0,
+    "T5 span corruption: mean length of a corrupted span",
+    bounds=Bounds(1, hint="tokens per span, 3 in T5"),
+)
 
 
 def compute_input_and_target_lengths(
@@ -88,8 +103,7 @@ def num_noise_spans(length: int, noise_density: float, mean_noise_span_length: f
 
 def _span_counts(length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
     """(noise tokens, noise spans) of every record of `length` tokens."""
-    return (_num_noise_tokens(length, noise_density),
-            num_noise_spans(length, noise_density, mean_noise_span_length))
+    return (_num_noise_tokens(length, noise_density), num_noise_spans(length, noise_density, mean_noise_span_length))
 
 
 def _corrupted_lengths(length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
@@ -112,8 +126,9 @@ def noise_mask_draws(length: int, noise_density: float, mean_noise_span_length: 
     return (length - n_noise - 1) + (n_noise - 1)
 
 
-def random_spans_noise_masks(length: int, noise_density: float, mean_noise_span_length: float,
-                             draws: np.ndarray) -> np.ndarray:
+def random_spans_noise_masks(
+    length: int, noise_density: float, mean_noise_span_length: float, draws: np.ndarray
+) -> np.ndarray:
     """bool[rows, length], True at noise tokens, from `draws` (rows, noise_mask_draws(...)) uniforms: spans
     alternate keep/noise, starting with keep and ending with noise."""
     n_noise, n_spans = _span_counts(length, noise_density, mean_noise_span_length)
@@ -359,14 +374,19 @@ class SpanCorruption(Vectorised):
 
         # Right-padded with T5's <pad> (0) in segment 0, which no query sees; the decoder restarts per segment.
         input_ids, segment_ids, positions = _compact(input_emit, inputs, grid_segment, self.inputs_length, 0)
-        labels, decoder_segment_ids, decoder_positions = _compact(target_emit, targets, grid_segment,
-                                                                  self.targets_length, IGNORE_INDEX)
+        labels, decoder_segment_ids, decoder_positions = _compact(
+            target_emit, targets, grid_segment, self.targets_length, IGNORE_INDEX
+        )
         shifted = np.pad(labels, ((0, 0), (1, 0)))[:, :-1]
         restart = (decoder_positions == 0) & (decoder_segment_ids > 0)
         decoder_input_ids = np.where(restart, self.decoder_start_id, np.where(decoder_segment_ids > 0, shifted, 0))
-        return {"input_ids": input_ids, "labels": labels, "decoder_input_ids": decoder_input_ids.astype(np.int32),
-                **dict(zip(SEGMENT_FIELDS, (segment_ids, positions))),
-                **dict(zip(DECODER_SEGMENT_FIELDS, (decoder_segment_ids, decoder_positions)))}
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "decoder_input_ids": decoder_input_ids.astype(np.int32),
+            **dict(zip(SEGMENT_FIELDS, (segment_ids, positions))),
+            **dict(zip(DECODER_SEGMENT_FIELDS, (decoder_segment_ids, decoder_positions))),
+        }
 
     def example_spec(self):
         encoder, decoder = ((self.inputs_length,), np.int32), ((self.targets_length,), np.int32)

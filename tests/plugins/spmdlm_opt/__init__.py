@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmdlm.errors import ConfigError
 from spmdlm.families.base import LINEAR, SAME, Table
 from spmdlm.flops import attention_matmuls, dense
 from spmdlm.mesh import constrain
-from spmdlm.errors import ConfigError
-from spmdlm.models.config import HFConfig
 from spmdlm.models.attention import make_attention_mask, segment_positions
+from spmdlm.models.config import HFConfig
 from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, LayerStack, dropout
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of embed_positions (a fairseq legacy, as BART's)
@@ -63,20 +63,28 @@ class OPTConfig(HFConfig):
         if self.word_embed_proj_dim is None:
             object.__setattr__(self, "word_embed_proj_dim", self.hidden_size)
         refusals = (
-            (self.hidden_size % self.num_attention_heads != 0,
-             f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"),
+            (
+                self.hidden_size % self.num_attention_heads != 0,
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}",
+            ),
             (not self.do_layer_norm_before, "do_layer_norm_before false (opt-350m's post-LayerNorm) is not supported"),
-            (self.word_embed_proj_dim != self.hidden_size,
-             f"word_embed_proj_dim {self.word_embed_proj_dim} != hidden_size {self.hidden_size} (project_in/out) "
-             "is not supported"),
-            (self.activation_function != "relu",
-             f"activation_function {self.activation_function!r} is not supported; OPT here is relu only"),
+            (
+                self.word_embed_proj_dim != self.hidden_size,
+                f"word_embed_proj_dim {self.word_embed_proj_dim} != hidden_size {self.hidden_size} (project_in/out) "
+                "is not supported",
+            ),
+            (
+                self.activation_function != "relu",
+                f"activation_function {self.activation_function!r} is not supported; OPT here is relu only",
+            ),
             (not self.enable_bias, "enable_bias false is not supported"),
             (not self.layer_norm_elementwise_affine, "layer_norm_elementwise_affine false is not supported"),
             (not self.tie_word_embeddings, "an LM head untied from embed_tokens is not supported"),
             (self.layerdrop != 0, f"layerdrop {self.layerdrop} is not supported; set it to 0"),
-            (self.max_position_embeddings < 1,
-             f"max_position_embeddings {self.max_position_embeddings} must be at least 1"),
+            (
+                self.max_position_embeddings < 1,
+                f"max_position_embeddings {self.max_position_embeddings} must be at least 1",
+            ),
         )
         for refused, message in refusals:
             if refused:
@@ -102,11 +110,17 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: OPTConfig, *, dtype, rngs: nnx.Rngs):
         d, std = config.hidden_size, config.init_std
         self.self_attn_layer_norm = LayerNorm(d, eps=LAYER_NORM_EPS, rngs=rngs)
-        self.self_attn = Attention(d, config.num_attention_heads, d // config.num_attention_heads,
-                                   dropout_rate=config.attention_dropout, init_std=std, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(
+            d,
+            config.num_attention_heads,
+            d // config.num_attention_heads,
+            dropout_rate=config.attention_dropout,
+            init_std=std,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.final_layer_norm = LayerNorm(d, eps=LAYER_NORM_EPS, rngs=rngs)
-        self.mlp = MLP(d, config.ffn_dim, activation=config.activation_function, init_std=std, dtype=dtype,
-                       rngs=rngs)
+        self.mlp = MLP(d, config.ffn_dim, activation=config.activation_function, init_std=std, dtype=dtype, rngs=rngs)
         self.dropout_rate = config.dropout
 
     def __call__(self, x, mask, *, rngs=None, cache=None):
@@ -124,33 +138,57 @@ class OPTForCausalLM(nnx.Module):
 
     config_class = OPTConfig
 
-    def __init__(self, config: OPTConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots",
-                 scan_unroll: int | bool = 1):
+    def __init__(
+        self, config: OPTConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "dots", scan_unroll: int | bool = 1
+    ):
         self.config = config
         d, std = config.hidden_size, config.init_std
         self.embed_tokens = Embed(config.vocab_size, d, init_std=std, dtype=dtype, rngs=rngs)
-        self.embed_positions = Embed(config.max_position_embeddings + POSITION_OFFSET, d, init_std=std, dtype=dtype,
-                                     axes=("positions", "embed"), rngs=rngs)
-        self.layers = LayerStack(lambda r: DecoderLayer(config, dtype=dtype, rngs=r), config.num_hidden_layers,
-                                 rngs=rngs, remat=remat, unroll=scan_unroll)
+        self.embed_positions = Embed(
+            config.max_position_embeddings + POSITION_OFFSET,
+            d,
+            init_std=std,
+            dtype=dtype,
+            axes=("positions", "embed"),
+            rngs=rngs,
+        )
+        self.layers = LayerStack(
+            lambda r: DecoderLayer(config, dtype=dtype, rngs=r),
+            config.num_hidden_layers,
+            rngs=rngs,
+            remat=remat,
+            unroll=scan_unroll,
+        )
         self.final_layer_norm = LayerNorm(d, eps=LAYER_NORM_EPS, rngs=rngs)
 
     @property
     def max_length(self) -> int:
         return self.config.max_length
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                 rngs: nnx.Rngs | None = None, features_only: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+        features_only: bool = False,
+    ) -> jax.Array:
         """Packed rows (`--document_attention isolated`) pass `segment_ids` and `positions` within each segment."""
         length = input_ids.shape[1]
         if length > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {length} exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
+            raise ValueError(
+                f"sequence length {length} exceeds max_position_embeddings {self.config.max_position_embeddings}"
+            )
         if positions is None:
             positions = jnp.arange(length)[None] if segment_ids is None else segment_positions(segment_ids)
-        x = constrain(self.embed_tokens(input_ids) + self.embed_positions(positions + POSITION_OFFSET),
-                      "batch", "length", "act_embed")
+        x = constrain(
+            self.embed_tokens(input_ids) + self.embed_positions(positions + POSITION_OFFSET),
+            "batch",
+            "length",
+            "act_embed",
+        )
         mask = make_attention_mask(attention_mask, causal=True, q_segments=segment_ids, kv_segments=segment_ids)
         x = self.final_layer_norm(self.layers(x, mask, rngs=rngs))
         return x if features_only else self.head(x)
@@ -176,8 +214,11 @@ TABLE = Table(
     rules=(
         ("model.decoder.embed_tokens.weight", "embed_tokens.embedding", SAME),
         ("model.decoder.embed_positions.weight", "embed_positions.embedding", SAME),
-        *(rule for hf, ours in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("out_proj", "out"))
-          for rule in _linear(f"{_HF_LAYER}.self_attn.{hf}", f"{_OUR_LAYER}.self_attn.{ours}")),
+        *(
+            rule
+            for hf, ours in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("out_proj", "out"))
+            for rule in _linear(f"{_HF_LAYER}.self_attn.{hf}", f"{_OUR_LAYER}.self_attn.{ours}")
+        ),
         *_norm(f"{_HF_LAYER}.self_attn_layer_norm", f"{_OUR_LAYER}.self_attn_layer_norm"),
         *_linear(f"{_HF_LAYER}.fc1", f"{_OUR_LAYER}.mlp.wi"),
         *_linear(f"{_HF_LAYER}.fc2", f"{_OUR_LAYER}.mlp.wo"),
@@ -217,5 +258,8 @@ def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = Fa
     seq, d, n_layer = lengths["input"], config.hidden_size, config.num_hidden_layers
     per_layer_dense = 4 * dense(d, d) + dense(d, config.ffn_dim) + dense(config.ffn_dim, d)  # q, k, v, out; fc1, fc2
     per_layer_attention = attention_matmuls(seq, d) / (1 if full_causal_square else 2)  # causal: half
-    return {"dense": seq * n_layer * per_layer_dense, "attention": seq * n_layer * per_layer_attention,
-            "lm_head": seq * dense(d, config.vocab_size)}
+    return {
+        "dense": seq * n_layer * per_layer_dense,
+        "attention": seq * n_layer * per_layer_attention,
+        "lm_head": seq * dense(d, config.vocab_size),
+    }

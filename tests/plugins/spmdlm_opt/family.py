@@ -9,14 +9,16 @@ from spmdlm.data.objectives.clm import BLOCK_SIZE, CausalLM
 from spmdlm.data.tokenizer import TokenizerSpec, special_token_ids
 from spmdlm.errors import ArgumentError
 from spmdlm.families.base import Family, Generation, forward_single_stack
-
 from spmdlm_opt import TABLE, TINY, OPTConfig, OPTForCausalLM, check_hf_config, forward_flops
 
 
 def build_objective(args, config, tokenizer) -> CausalLM:
     # </s> starts documents, as GPT-2's <|endoftext|>: with --document_attention isolated a segment begins at each
-    return CausalLM(block_size(args, config), eos_id=special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
-                    document_attention=DOCUMENT_ATTENTION.of(args))
+    return CausalLM(
+        block_size(args, config),
+        eos_id=special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
+        document_attention=DOCUMENT_ATTENTION.of(args),
+    )
 
 
 def block_size(args, config) -> int:
@@ -25,8 +27,10 @@ def block_size(args, config) -> int:
 
 def check_lengths(args, config) -> None:
     if block_size(args, config) > config.max_position_embeddings:
-        raise ArgumentError(f"--block_size {block_size(args, config)} is longer than the model's "
-                            f"max_position_embeddings {config.max_position_embeddings}; lower --block_size")
+        raise ArgumentError(
+            f"--block_size {block_size(args, config)} is longer than the model's "
+            f"max_position_embeddings {config.max_position_embeddings}; lower --block_size"
+        )
 
 
 FAMILY = Family(
@@ -36,14 +40,22 @@ FAMILY = Family(
     hf_auto_class="AutoModelForCausalLM",
     table=TABLE,
     # OPT's byte-level BPE: </s> starts and ends documents, <pad> pads; no <s> framing
-    tokenizer=TokenizerSpec(kind="bpe", specials={"bos": "</s>", "eos": "</s>", "unk": "<unk>", "pad": "<pad>",
-                                                  "mask": None},
-                            trained_order=("<pad>", "</s>", "<unk>")),
+    tokenizer=TokenizerSpec(
+        kind="bpe",
+        specials={"bos": "</s>", "eos": "</s>", "unk": "<unk>", "pad": "<pad>", "mask": None},
+        trained_order=("<pad>", "</s>", "<unk>"),
+    ),
     objective_class=CausalLM,
     default_preset="opt-tiny",
     presets={"opt-tiny": TINY},
-    quickstart=dict(output_dir="runs/opt-tiny-stdlib", config_name="opt-tiny", block_size=64,
-                    per_device_train_batch_size=4, learning_rate=2e-3, max_steps=100),
+    quickstart=dict(
+        output_dir="runs/opt-tiny-stdlib",
+        config_name="opt-tiny",
+        block_size=64,
+        per_device_train_batch_size=4,
+        learning_rate=2e-3,
+        max_steps=100,
+    ),
     check_lengths=check_lengths,
     build_objective=build_objective,
     forward_flops=forward_flops,
