@@ -33,7 +33,7 @@ from typing import Any
 from spmdlm.models.attention import IMPLEMENTATIONS as ATTENTIONS
 
 # Importing jax starts no backend: the device flags (prepare_devices) are read when the first one starts.
-from spmdlm.models.layers import REMAT_POLICIES
+from spmdlm.models.stack import REMAT_POLICIES
 
 
 def _families():

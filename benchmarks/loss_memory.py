@@ -17,7 +17,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spmdlm.models.layers import REMAT_POLICIES  # noqa: E402
+from spmdlm.models.stack import REMAT_POLICIES
 
 
 def main() -> None:

@@ -37,14 +37,13 @@ from spmdlm.generate.harness import harness_lm, run_tasks, task_manager
 from spmdlm.launch import setup_devices
 from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
+from spmdlm.train.corpora import read_corpora, read_sources
 from spmdlm.train.loop import evaluate
 from spmdlm.train.report import strict_json
 from spmdlm.train.setup import (
     RunContext,
     byte_lengths,
     check_flags_apply,
-    read_corpora,
-    read_sources,
     setup_data,
     setup_mixture_data,
     use_tokenizer,

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from spmdlm.families import families, load_config
-from spmdlm.models.layers import REMAT_POLICIES
+from spmdlm.models.stack import REMAT_POLICIES
 from spmdlm.train.plan import REMAT_MEMORY_SHARE, dots_bytes_per_token, plan_layers
 
 

@@ -20,7 +20,7 @@ from spmdlm.export import export_complete, save_hf
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
 from spmdlm.launch import main, parse_args
-from spmdlm.train import publish, setup
+from spmdlm.train import corpora, publish, setup
 
 TOKEN = "hf_emulated_token"
 CARD_FLAGS = ("--card_license", "apache-2.0", "--card_tags", "tiny,code", "--card_datasets", "someone/stdlib-json")
@@ -77,8 +77,8 @@ def run_context(argv: list[str]) -> setup.RunContext:
     args, _ = parse_args(argv)
     ctx = setup.resolve(args, 0.0)
     ctx.hub = None
-    setup.setup_tokenizer(ctx, (corpora := setup.read_corpora(args))[0])
-    setup.setup_data(ctx, *corpora)
+    setup.setup_tokenizer(ctx, (documents := corpora.read_corpora(args))[0])
+    setup.setup_data(ctx, *documents)
     return ctx
 
 

@@ -20,7 +20,7 @@ from conftest import FIXTURES, final_params, read_metrics
 import spmdlm.launch
 from spmdlm import checkpoint, devices
 from spmdlm.launch import main
-from spmdlm.train import setup
+from spmdlm.train import corpora, setup
 from spmdlm.train.guard import RunLock
 from spmdlm.train.step import Stepper
 
@@ -147,7 +147,7 @@ def restore_target(base_run, cache_dir, tiny_gpt2_config):
 
     args, _ = parse_args(flags(base_run, cache_dir, tiny_gpt2_config))
     ctx = setup.resolve(args, 0.0)
-    train_docs, val_docs = setup.read_corpora(args)
+    train_docs, val_docs = corpora.read_corpora(args)
     setup.setup_tokenizer(ctx, train_docs)
     setup.setup_data(ctx, train_docs, val_docs)
     _, state, _ = setup.setup_state(ctx, abstract=True)

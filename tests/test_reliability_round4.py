@@ -103,7 +103,7 @@ def test_prepared_sources_of_two_tokenizers_get_advice_that_works(tmp_path):
     from spmdlm.data.mixture import read_mixture_file
     from spmdlm.errors import DataError
     from spmdlm.launch import parse_args
-    from spmdlm.train.setup import read_sources
+    from spmdlm.train.corpora import read_sources
 
     for name, sha in (("a", "1" * 64), ("b", "2" * 64), ("c", "1" * 64)):
         fake_dataset(tmp_path / name, sha)

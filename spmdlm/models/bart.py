@@ -25,17 +25,8 @@ from flax import nnx
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import make_attention_mask, segment_positions
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import (
-    ACTIVATIONS,
-    Bias,
-    Cache,
-    Embed,
-    LayerNorm,
-    LayerStack,
-    PostNormBlock,
-    dropout,
-    make_param,
-)
+from spmdlm.models.layers import ACTIVATIONS, Bias, Cache, Embed, LayerNorm, PostNormBlock, dropout, make_param
+from spmdlm.models.stack import LayerStack
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of the table
 LAYER_NORM_EPS = 1e-5  # torch nn.LayerNorm's default, which BART uses everywhere

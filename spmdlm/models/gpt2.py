@@ -19,7 +19,8 @@ from flax import nnx
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import make_attention_mask, segment_positions
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import MLP, Attention, Cache, Embed, LayerNorm, LayerStack, dropout
+from spmdlm.models.layers import MLP, Attention, Cache, Embed, LayerNorm, dropout
+from spmdlm.models.stack import LayerStack
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,8 @@ from flax import nnx
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import make_attention_mask
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import ACTIVATIONS, MLP, Attention, Cache, Dense, Embed, LayerStack, RMSNorm, dropout
+from spmdlm.models.layers import ACTIVATIONS, MLP, Attention, Cache, Dense, Embed, RMSNorm, dropout
+from spmdlm.models.stack import LayerStack
 
 
 def hf_scales_decoder_outputs(values: dict[str, Any]) -> bool:

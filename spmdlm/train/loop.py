@@ -30,6 +30,7 @@ from spmdlm.generate import fill_mask, generate
 from spmdlm.generate.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
 from spmdlm.train import publish
+from spmdlm.train.corpora import read_corpora, read_sources
 from spmdlm.train.guard import RunLock, StopOnSignal
 from spmdlm.train.optim import optim_config_from_args
 from spmdlm.train.outputs import (
@@ -47,8 +48,6 @@ from spmdlm.train.setup import (
     RunContext,
     check_memory,
     is_main,
-    read_corpora,
-    read_sources,
     resolve,
     setup_data,
     setup_mixture_data,

@@ -239,11 +239,12 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
 def outputs_undone_on_failure(ctx: RunContext):
     """A fresh run's outputs of ours that appear in the block are removed if it fails (e.g. a tracker's folder when
     the tracker cannot start), so the same or the advised command runs next time instead of being refused."""
-    before = {p.name for p in ctx.out.iterdir()} if is_main() else set()
+    ours = is_main() and ctx.out.is_dir()  # a dry run makes no output dir
+    before = {p.name for p in ctx.out.iterdir()} if ours else set()
     try:
         yield
     except Exception:
-        if is_main() and not ctx.resuming:
+        if ours and not ctx.resuming:
             for name in ({p.name for p in ctx.out.iterdir()} - before) & set(OUR_OUTPUTS):
                 storage.remove(ctx.out / name)
         raise

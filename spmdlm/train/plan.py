@@ -24,7 +24,8 @@ import dataclasses
 from flax import nnx
 
 from spmdlm.config import parse_scan_unroll
-from spmdlm.models.layers import Dense, LayerStack
+from spmdlm.models.layers import Dense
+from spmdlm.models.stack import LayerStack
 
 REMAT_MEMORY_SHARE = 0.5
 UNROLL_MAX_LAYERS = 12

@@ -28,7 +28,8 @@ from spmdlm.flops import attention_matmuls, dense
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import make_attention_mask, segment_positions
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, LayerStack, dropout
+from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, dropout
+from spmdlm.models.stack import LayerStack
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of embed_positions (a fairseq legacy, as BART's)
 LAYER_NORM_EPS = 1e-5  # torch nn.LayerNorm's default, which OPT uses everywhere

@@ -1,0 +1,112 @@
+"""Identical layers as one: stacked parameters applied with one scan, and what each layer keeps for its backward
+pass (the launcher's --remat policies over the activations' names). Used by every model's encoder/decoder stacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spmdlm.models.layers import Cache
+
+# What each layer keeps for its backward pass (the launcher's --remat), as jax.checkpoint policies over the names the
+# layers give their matmul outputs (Dense's saved_as) and attention probabilities (checkpoint_name). "dots" keeps
+# the weight matmuls' outputs (PROJECTIONS) and recomputes the rest from them (norms, activations, attention scores
+# and probabilities): less memory than "none" and, through the layer scan, faster, because fewer saved activations
+# are stacked per layer and sliced back out (benchmarks/README.md). "dots_with_attention" keeps the attention
+# probabilities too (no recomputed score matmul and softmax; [batch, heads, length, length] more per layer); "qkv"
+# keeps only the query, key and value projections; "full" keeps only the layer's input.
+QKV = ("qkv", "query", "key", "value")  # GPT-2's fused projection, or the three
+PROJECTIONS = (*QKV, "attention_out", "mlp_hidden", "mlp_out")
+_keep = jax.checkpoint_policies.save_only_these_names
+REMAT_POLICIES = {
+    "none": None,
+    "dots": _keep(*PROJECTIONS),
+    "dots_with_attention": _keep(*PROJECTIONS, "attention_weights"),
+    "qkv": _keep(*QKV),
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+class LayerStack(nnx.Module):
+    """`count` identical layers with stacked parameters (leading `layers` axis), applied with one scan.
+
+    One traced layer instead of `count`: compile time stays nearly flat with depth. `make_layer(rngs)` builds one
+    layer; every call of the stack passes `x` through the layers as the scan carry, with the other arguments the
+    same for each layer. `remat` names what each layer keeps for the backward pass (REMAT_POLICIES). Dropout gets
+    one key per layer. `unroll` is jax.lax.scan's (True = fully unrolled, same parameters; for benchmarks).
+    """
+
+    def __init__(
+        self,
+        make_layer: Callable[[nnx.Rngs], nnx.Module],
+        count: int,
+        *,
+        rngs: nnx.Rngs,
+        remat: str = "dots",
+        unroll: int | bool = 1,
+    ):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
+        self.count, self.remat, self.unroll = count, remat, unroll
+
+        # The layers axis is never sharded (PARTITION_NAME None); the logical name is added for the rule table.
+        @nnx.split_rngs(splits=count)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def create(rngs):
+            return make_layer(rngs)
+
+        self.layers = create(rngs)
+        for _, var in nnx.iter_graph(self.layers):
+            if isinstance(var, nnx.Param):
+                var.set_metadata(logical_axes=("layers", *var.get_metadata()["logical_axes"]))
+
+    def __call__(self, x: jax.Array, *args, rngs: nnx.Rngs | None = None) -> jax.Array:
+        keys = None if rngs is None else jax.random.split(rngs.dropout(), self.count)
+
+        def apply(layer, x, key):
+            return layer(x, *args, rngs=None if key is None else nnx.Rngs(dropout=key))
+
+        if self.remat != "none":
+            apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
+
+        @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry, unroll=self.unroll)
+        def body(layer, x, key):
+            return apply(layer, x, key)
+
+        return body(self.layers, x, keys)
+
+    def scan_with_cache(self, x: jax.Array, cache: Cache, *args) -> tuple[jax.Array, Cache]:
+        """Generation's pass over the layers (no dropout): as __call__, with each layer also given `cache=` the
+        cache, `layer` set to its index, and its slice of the cross-attention keys and values; it writes x's keys
+        and values into the cache. Returns x and the cache with its index moved past x's tokens.
+
+        The self-attention cache is part of the scan's carry, not a scanned input: XLA then updates it in place,
+        where scanning slices in and out copied the whole cache every step.
+        """
+
+        @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry, unroll=self.unroll)
+        def body(layer, carry, i, cross):
+            x, cache = carry
+            mine = dataclasses.replace(cache, layer=i, cross_key=cross[0], cross_value=cross[1])
+            x = layer(x, *args, cache=mine)
+            return x, dataclasses.replace(mine, layer=None, cross_key=None, cross_value=None)
+
+        carried = dataclasses.replace(cache, cross_key=None, cross_value=None)
+        x, carried = body(self.layers, (x, carried), jnp.arange(self.count), (cache.cross_key, cache.cross_value))
+        return x, dataclasses.replace(
+            carried, cross_key=cache.cross_key, cross_value=cache.cross_value, index=cache.index + x.shape[1]
+        )
+
+    def map(self, fn: Callable[[nnx.Module], tuple[jax.Array, ...]]) -> tuple[jax.Array, ...]:
+        """`fn(layer)` for every layer, stacked on a leading layers axis (e.g. cross-attention keys and values)."""
+
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
+        def body(layer, carry):
+            return carry, fn(layer)
+
+        return body(self.layers, None)[1]
