@@ -391,8 +391,9 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
     model, step = _evaluation_model(
         ckpt.make_manager(run_dir, read_only=True), step, family, config, mesh, optim_config_of_run(run_config)
     )
-    # Where training found its tokenizer: --tokenizer_name, the --model_name_or_path it started from, or the run's.
-    given = [run_config.get("tokenizer_name"), run_config.get("model_name_or_path"), run_dir]
+    # The tokenizer the run trained with: saved beside its checkpoints (an older run's: --tokenizer_name, else the
+    # --model_name_or_path it started from).
+    given = [run_dir, run_config.get("tokenizer_name"), run_config.get("model_name_or_path")]
     tokenizer_dir = next(
         (p for p in given if p and (storage.path(p).is_file() or tokenizer_layout(storage.path(p)))), None
     )
@@ -431,7 +432,7 @@ def export_checkpoint(
     unfinished = not storage.is_remote(out) and _only_an_export(Path(out)) and not export_complete(out)
     if out.exists() and any(out.iterdir()) and not overwrite and not unfinished:
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
-    model, config, tokenizer_dir, _ = load_run(checkpoint, step, make_mesh(mesh_spec))
+    model, config, tokenizer_dir, step = load_run(checkpoint, step, make_mesh(mesh_spec))
     tokenizer = load_tokenizer(tokenizer_dir, get_family(config.model_type)) if tokenizer_dir else None
     save_hf(model, config, out, tokenizer=tokenizer, release=True)
     if jax.process_index() == 0:

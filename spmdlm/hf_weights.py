@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,8 @@ def _torch_load(file: str) -> dict:
             "save_pretrained"
         ) from None
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        # mmap only for the zip format (torch >= 1.6); older files are read whole
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
     except Exception as e:  # noqa: BLE001 - pickle's UnpicklingError, zipfile's and torch's RuntimeError
         first = str(e).strip().partition("\n")[0]
         raise ExportError(f"cannot read {file} as plain tensors (torch.load weights_only=True): {first}") from None

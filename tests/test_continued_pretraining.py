@@ -21,7 +21,7 @@ from family_fixtures import FIXTURES
 from safetensors.numpy import load_file
 
 from spmdlm import export
-from spmdlm.data import pipeline
+from spmdlm.data import datasets, pipeline
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.families import get_family
 from spmdlm.launch import main, parse_args
@@ -210,6 +210,13 @@ def test_a_tokenizer_that_moves_the_checkpoints_ids_is_refused(tmp_path, corpus,
     save_tokenizer(other, tmp_path / "other", get_family("gpt2"), model_max_length=64)
     err = refused(capsys, "--model_name_or_path", str(folder), "--tokenizer_name", str(tmp_path / "other"))
     assert "does not extend the tokenizer of --model_name_or_path" in err and "add_tokens" in err
+    # a prepared dataset's tokenizer the same: its ids must mean what they meant to the checkpoint
+    save_tokenizer(other, tmp_path / "data" / datasets.TOKENIZER_DIR, get_family("gpt2"), model_max_length=64)
+    capsys.readouterr()
+    argv = ["--model_name_or_path", str(folder), "--dataset_dir", str(tmp_path / "data"), "--output_dir", "/absent/o"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"the tokenizer of --dataset_dir {tmp_path / 'data'} does not extend" in err and "\n" not in err
 
 
 # -- a run from each family's checkpoint: its tokenizer, its weights, its loss --------------------------------------

@@ -31,7 +31,7 @@ from spmdlm.train.optim import (
     optim_config_from_args,
 )
 from spmdlm.train.state import build_train_state
-from spmdlm.train.step import Stepper
+from spmdlm.train.step import Stepper, model_for_evaluation
 
 GPT2 = get_family("gpt2")
 TINY_GPT2 = load_config("gpt2-tiny", "gpt2").replace(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
@@ -163,6 +163,13 @@ def test_schedule_free_evaluates_the_average_as_optax_does(runs):
 
     for key, value in flat(jax.jit(jitted)(state)).items():
         np.testing.assert_allclose(value, got[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    # model_for_evaluation's averaged model leaves the train state it was given as it was (sampling, task evaluation
+    # and hub pushes call it mid-run, and training goes on from that state)
+    before = {k: np.asarray(v) for k, v in flat_leaves(state).items()}
+    evaluated, _ = model_for_evaluation(graphdef, state, cfg)
+    np.testing.assert_array_equal(np.asarray(evaluated.wte.embedding[...]), got["['wte']['embedding']"])
+    for key, value in flat_leaves(state).items():
+        np.testing.assert_array_equal(np.asarray(value), before[key], err_msg=key)
     nnx.update(model, x)
     np.testing.assert_array_equal(np.asarray(model.wte.embedding[...]), got["['wte']['embedding']"])
     # the other optimizers' parameters pass through

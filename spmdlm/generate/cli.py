@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from spmdlm import checkpoint as ckpt
 from spmdlm import export, storage
-from spmdlm.data.tokenizer import SPIECE_NAME, TokenizerError, load_tokenizer
+from spmdlm.data.tokenizer import TOKENIZER_LAYOUTS, TokenizerError, load_tokenizer, tokenizer_layout
 from spmdlm.export import ExportError, load_hf
 from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
 from spmdlm.mesh import MeshError, make_mesh, requested_device_count, simulate_cpu_devices
@@ -115,10 +115,11 @@ def load_export(path: str | Path, mesh):
     folder = storage.path(path, "--model_name_or_path")
     if not folder.is_dir():
         raise ConfigError(f"--model_name_or_path {path}: no such directory")
-    if not any((folder / name).is_file() for name in ("tokenizer.json", SPIECE_NAME)):  # before the weights load
+    if not tokenizer_layout(folder):  # before the weights load; every layout transformers writes
+        layouts = " or ".join(" + ".join(layout) for layout in TOKENIZER_LAYOUTS)
         raise GenerateError(
-            f"--model_name_or_path {path} has no tokenizer (tokenizer.json or spiece.model): copy "
-            "the tokenizer the model was trained with into it (a run's is OUTPUT_DIR/tokenizer.json)"
+            f"--model_name_or_path {path} has no tokenizer ({layouts}): copy the tokenizer the model was trained "
+            "with into it (a run's is OUTPUT_DIR/tokenizer.json)"
         )
     tokenizer = load_tokenizer(folder)
     model, config = load_hf(folder, mesh=mesh)

@@ -159,6 +159,13 @@ def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = N
         results = run_tasks(lm, args.eval_tasks, manager=ctx.tasks, limit=args.eval_tasks_limit, seed=args.seed)
     except TasksAbandoned:
         return None
+    except Exception as e:  # noqa: BLE001 - lm-eval's own (a task's dataset, a metric): never the run's outputs
+        log.warning(
+            "--eval_tasks failed at this step (%s: %s); training, evaluation and the export go on",
+            type(e).__name__,
+            str(e).strip().partition("\n")[0],
+        )
+        return {}
     return flat_metrics(results)
 
 
@@ -170,7 +177,8 @@ def final_task_metrics(
     if keep_previous and before:
         return before
     metrics = task_metrics(ctx, graphdef, state)
-    reporter.log_tasks(step, metrics)
+    if metrics:
+        reporter.log_tasks(step, metrics)
     return metrics
 
 
@@ -383,7 +391,7 @@ def train_loop(
                 and step < total_steps
             ):
                 metrics = task_metrics(ctx, stepper.graphdef, state, stop)
-                if metrics is not None:
+                if metrics:
                     reporter.log_tasks(step, metrics)
             if args.sample_prompts and (step % args.sample_every == 0 or step == total_steps):
                 reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))

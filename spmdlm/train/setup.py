@@ -161,9 +161,13 @@ def check_pretrained(ctx: RunContext) -> None:
     if args.tokenizer_name:
         ctx.tokenizer = load_tokenizer(args.tokenizer_name, family)
         if own is not None:
-            extend_vocabulary(ctx, own)
+            extend_vocabulary(ctx, own, f"--tokenizer_name {args.tokenizer_name}", "leave --tokenizer_name out")
     elif dataset_dir_of(ctx):
         ctx.tokenizer = load_tokenizer(storage.path(dataset_dir_of(ctx)) / datasets.TOKENIZER_DIR, family)
+        if own is not None:  # the dataset's ids must mean what they meant to the checkpoint
+            extend_vocabulary(
+                ctx, own, f"the tokenizer of --dataset_dir {dataset_dir_of(ctx)}", "prepare the dataset with it"
+            )
     elif own is not None:
         ctx.tokenizer = own
     else:
@@ -180,23 +184,24 @@ def dataset_dir_of(ctx: RunContext) -> str | None:
     return ctx.args.dataset_dir or next((s.dataset_dir for s in ctx.sources if s.dataset_dir), None)
 
 
-def extend_vocabulary(ctx: RunContext, own) -> None:
-    """--tokenizer_name over a checkpoint with its own tokenizer: it must keep every id of the checkpoint's (new
-    tokens appended, as tokenizer.add_tokens does); the embedding grows to hold them (export.grown)."""
+def extend_vocabulary(ctx: RunContext, own, given: str, fix: str) -> None:
+    """The run's tokenizer (`given`: --tokenizer_name's, or a prepared dataset's) over a checkpoint with its own: it
+    must keep every id of the checkpoint's (new tokens appended, as tokenizer.add_tokens does); the embedding grows
+    to hold them (export.grown). `fix` ends the refusal."""
     old, new = own.get_vocab(), ctx.tokenizer.get_vocab()
     moved = sorted((i, token) for token, i in old.items() if new.get(token) != i)
     if moved:
         i, token = moved[0]
         raise ArgumentError(
-            f"--tokenizer_name {ctx.args.tokenizer_name} does not extend the tokenizer of "
-            f"--model_name_or_path: {len(moved)} of its tokens have other ids (e.g. {token!r}: {i} -> "
-            f"{new.get(token)}); give a tokenizer that keeps every old id and appends new tokens "
-            "(transformers' add_tokens), or leave --tokenizer_name out"
+            f"{given} does not extend the tokenizer of --model_name_or_path: {len(moved)} of its tokens have "
+            f"other ids (e.g. {token!r}: {i} -> {new.get(token)}); give a tokenizer that keeps every old id and "
+            f"appends new tokens (transformers' add_tokens), or {fix}"
         )
     if len(new) > ctx.config.vocab_size:
         log.info(
-            "--tokenizer_name extends the checkpoint's %d tokens by %d: the embedding grows from %d to %d rows, "
-            "the new ones the mean of the old",
+            "%s extends the checkpoint's %d tokens by %d: the embedding grows from %d to %d rows, the new ones "
+            "the mean of the old",
+            given,
             len(old),
             len(new) - len(old),
             ctx.config.vocab_size,

@@ -180,7 +180,8 @@ def model_for_evaluation(graphdef, state, optim: OptimConfig | None = None):
     """(model, optimizer) of the train state, the model holding the parameters to evaluate, sample from and export:
     schedule-free AdamW's averaged sequence (optim.evaluation_params); for other optimizers the trained ones. The
     state of a model alone (spmdlm.evaluate) gives (model, None)."""
-    merged = nnx.merge(graphdef, state)
+    merged = nnx.merge(graphdef, state, copy=True)  # its own Variables: the averaged parameters must not land in
+    # `state`, the train state sampling, task evaluation and hub pushes hand in mid-run (training goes on from it)
     if isinstance(merged, nnx.Module):
         return merged, None
     model, optimizer = merged
