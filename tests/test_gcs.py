@@ -130,7 +130,7 @@ def test_t5_reads_its_corpus_and_keeps_its_token_cache_in_a_bucket(gcs_bucket, t
     monkeypatch.setenv("SPMDLM_LOCAL_CACHE", str(tmp_path / "local"))  # this host's copy of the bucket's cache
     assert main([*flags, "--output_dir", str(tmp_path / "t5")]) == 0
     cached = storage.files_under(f"{gcs_bucket}/cache")
-    assert sorted(p.name for p in cached) == ["train.json", "train.tokens"]
+    assert sorted(p.name for p in cached) == ["dataset.json", "tokenizer.json", "train-00000.tokens"]
     assert [m["step"] for m in read_metrics(tmp_path / "t5") if "loss" in m] == [1, 2]
 
 

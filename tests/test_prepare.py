@@ -292,8 +292,12 @@ def test_open_dataset_refuses_another_tokenizer_length_or_mode(corpus, tokenizer
     card_path.write_text(json.dumps({**json.loads(card_text), "version": 1}))  # an earlier version's
     with pytest.raises(
         DataError,
-        match=f"^--dataset_dir {out}: dataset format version 1, this spmdlm reads 2 .*"
-        r"python -m spmdlm.prepare \.\.\. --overwrite$",
+        match=re.escape(
+            f"--dataset_dir {out}: dataset format version 1, this spmdlm reads 2 (flat token shards, read in "
+            f"batches); prepare it again: python -m spmdlm.prepare --tokenizer {out / 'tokenizer'} --for_model gpt2 "
+            f"--block_size 32 --out {out} --overwrite {corpus / 'a.txt'} {corpus / 'b.jsonl'}"
+        )
+        + "$",
     ):
         open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
     packed = {"line_by_line": True, "packing": True, "max_seq_length": 33, "mlm_probability": None}
