@@ -194,7 +194,9 @@ def _data_lines(ctx: RunContext) -> list[str]:
     if args.dataset_dir:
         card = ctx.dataset_cards.get(args.dataset_dir) or datasets.read_card(args.dataset_dir)  # as trained on
         files = card["read"].get("files")  # none: a launcher run's token cache
-        counts = [f"{files:,} files"] * bool(files) + [f"{card['splits']['train']['documents']:,} training documents"]
+        counts = ([f"{files:,} files"] if files else []) + [
+            f"{card['splits']['train']['documents']:,} training documents"
+        ]
         source = f"the prepared dataset `{args.dataset_dir}` ({', '.join(counts)})"
     elif args.dataset_name:
         source = f"the datasets dataset `{args.dataset_name}`" + (
