@@ -11,8 +11,8 @@ INPUTS are files, globs or directories of txt / json / jsonl / csv / parquet, pl
     DATASET_DIR/validation-00000.tokens ...   the documents held out by hash (or the dataset's own split)
     DATASET_DIR/tokenizer/                    the tokenizer (for --tokenizer_name; AutoTokenizer loads it)
 
-The records are those of the launcher's `--train_file` cache (the same code, `spmdlm.data.records.tokenize_into`),
-the same bytes whatever `--workers`. A second run with unchanged inputs (path, size, mtime and a hash of samples of
+The records are those of the launcher's `--train_file` cache, which is a dataset directory of the same format
+(`spmdlm.data.token_cache`), the same bytes whatever `--workers`. A second run with unchanged inputs (path, size, mtime and a hash of samples of
 each file) and settings does nothing. Everything is written to a temp dir next to DATASET_DIR and renamed at the
 end: an interrupted or failed run (a full disk) leaves no dataset that looks complete. Training:
 `python -m spmdlm.launch --dataset_dir DATASET_DIR ...` (see `spmdlm.data.datasets.open_dataset`). This module is
