@@ -12,12 +12,12 @@ INPUTS are files, globs or directories of txt / json / jsonl / csv / parquet, pl
     DATASET_DIR/tokenizer/                    the tokenizer (for --tokenizer_name; AutoTokenizer loads it)
 
 The records are those of the launcher's `--train_file` cache, which is a dataset directory of the same format
-(`spmdlm.data.token_cache`), the same bytes whatever `--workers`. A second run with unchanged inputs (path, size, mtime and a hash of samples of
-each file) and settings does nothing. Everything is written to a temp dir next to DATASET_DIR and renamed at the
-end: an interrupted or failed run (a full disk) leaves no dataset that looks complete. Training:
-`python -m spmdlm.launch --dataset_dir DATASET_DIR ...` (see `spmdlm.data.datasets.open_dataset`). This module is
-the command line (`python -m spmdlm.prepare` runs it); the dataset directory is written by
-`spmdlm.data.datasets.prepare_dataset`, the format the launcher's token cache writes too.
+(`spmdlm.data.token_cache`), the same bytes whatever `--workers`. A second run with unchanged inputs (path, size,
+mtime and a hash of samples of each file) and settings does nothing. Everything is written to a temp dir next to
+DATASET_DIR and renamed at the end: an interrupted or failed run (a full disk) leaves no dataset that looks
+complete. Training: `python -m spmdlm.launch --dataset_dir DATASET_DIR ...` (see
+`spmdlm.data.datasets.open_dataset`). This module is the command line (`python -m spmdlm.prepare` runs it); the
+dataset directory is written by `spmdlm.data.datasets.prepare_dataset`.
 """
 
 from __future__ import annotations
