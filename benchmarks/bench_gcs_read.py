@@ -69,10 +69,11 @@ def bench(
     from bench_read import memmap_rate
 
     from spmdlm import storage
+    from spmdlm.cli.prepare import resolve_objective
     from spmdlm.data import datasets, pipeline, readers
+    from spmdlm.data.records import Cut
     from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
     from spmdlm.families import get_family
-    from spmdlm.prepare import resolve_objective
 
     family = get_family(model)
     docs = [line for line in corpus.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -88,13 +89,9 @@ def bench(
         readers.open_corpus([str(corpus)]),
         tok,
         remote,
+        Cut(objective.record_length, ids["eos"], mode, ids.get("pad")),
         family=family,
         objective=flags,
-        record_length=objective.record_length,
-        mode=mode,
-        separator_id=ids["eos"],
-        pad_id=ids.get("pad"),
-        validation_percentage=0,
         workers=1,
         progress=False,
         shard_bytes=4 << 20,

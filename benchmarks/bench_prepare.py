@@ -120,16 +120,16 @@ threading.Thread(target=sample, daemon=True).start()
 from spmdlm.data.datasets import prepare_dataset
 from spmdlm.data.readers import open_corpus
 from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
-from spmdlm.prepare import resolve_objective
+from spmdlm.cli.prepare import resolve_objective
+from spmdlm.data.records import Cut
 corpus_path, tok_dir, out, workers, block = sys.argv[1:6]
 tok = load_tokenizer(tok_dir)
 family, objective, flags, config = resolve_objective("gpt2", tok, {"block_size": int(block)})
 ids = special_token_ids(tok, family)
 corpus = open_corpus([corpus_path])
 start = time.perf_counter()
-card = prepare_dataset(corpus, tok, out, family=family, objective=flags, record_length=objective.record_length,
-                       mode=objective.preparation,
-                       separator_id=ids["eos"], pad_id=ids.get("pad"), workers=int(workers), progress=False)
+cut = Cut(objective.record_length, ids["eos"], objective.preparation, ids.get("pad"), 5.0)
+card = prepare_dataset(corpus, tok, out, cut, family=family, objective=flags, workers=int(workers), progress=False)
 seconds = time.perf_counter() - start
 tokens = sum(s["tokens"] for s in card["splits"].values() if s)
 print(json.dumps({"seconds": seconds, "tokens": tokens, "documents": card["read"]["documents"],
@@ -186,10 +186,11 @@ def bench_read(
     import grain
     from bench_read import memmap_rate
 
+    from spmdlm.cli.prepare import resolve_objective
     from spmdlm.data import datasets, pipeline, readers
+    from spmdlm.data.records import Cut
     from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
     from spmdlm.families import get_family
-    from spmdlm.prepare import resolve_objective
 
     family = get_family(model)
     small = folder / f"read-{megabytes:g}mb.txt"
@@ -208,13 +209,9 @@ def bench_read(
         readers.open_corpus([str(small)]),
         tok,
         out,
+        Cut(objective.record_length, ids["eos"], mode, ids.get("pad")),
         family=family,
         objective=flags,
-        record_length=objective.record_length,
-        mode=mode,
-        separator_id=ids["eos"],
-        pad_id=ids.get("pad"),
-        validation_percentage=0,
         workers=2,
         progress=False,
     )

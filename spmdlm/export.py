@@ -36,7 +36,6 @@ from safetensors.numpy import save_file
 
 from spmdlm import checkpoint as ckpt
 from spmdlm import storage
-from spmdlm.data.records import no_space, remove_stale_temps
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_layout
 from spmdlm.errors import ExportError, UserError
 from spmdlm.families import checked_config, get_family, load_pretrained_config
@@ -44,6 +43,7 @@ from spmdlm.families.base import Family, Generation
 from spmdlm.hf_weights import CheckpointTensors
 from spmdlm.mesh import make_mesh
 from spmdlm.models.config import HFConfig
+from spmdlm.storage import no_space, remove_stale_temps
 from spmdlm.train.optim import evaluation_needs_optimizer, optim_config_of_run
 from spmdlm.train.state import build_train_state
 from spmdlm.train.step import model_for_evaluation
@@ -161,27 +161,11 @@ def _only_an_export(out: Path) -> bool:
 
 
 def _publish(tmp: Path, out: Path, whole: bool) -> None:
-    """Put the finished files of `tmp` at `out`. `whole`: by renaming the directory (a previous export is moved
-    aside first, removed after); else (`out` holds other files too) file by file, the old marker removed first and
-    the new one moved last. Either way `out` has a marker only over a whole export."""
-    if whole:
-        aside = None
-        if out.exists() and any(out.iterdir()):
-            aside = out.with_name(f".{out.name}.old.tmp-{socket.gethostname()}-{os.getpid()}")
-            os.rename(out, aside)
-        try:
-            os.replace(tmp, out)  # over an empty directory, or where nothing is
-        except OSError:
-            if aside is not None:
-                os.rename(aside, out)
-            raise
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-        return
-    (out / MARKER).unlink(missing_ok=True)
-    for file in sorted(tmp.iterdir(), key=lambda p: p.name == MARKER):
-        os.replace(file, out / file.name)
-    tmp.rmdir()
+    """Put the finished files of `tmp` at `out` (storage.swap_in): `whole`, by renaming the directory (a previous
+    export moved aside first, removed after); else (`out` holds other files too) file by file, the old marker removed
+    first and the new one moved last. Either way `out` has a marker only over a whole export."""
+    if not storage.swap_in(tmp, out, last=MARKER, whole=whole):
+        raise ExportError(f"--out {out} got another export while this one was written; export again to replace it")
 
 
 def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=None, *, release: bool = False) -> Path:

@@ -18,16 +18,22 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import functools
+import glob as globlib
 import hashlib
 import importlib
+import logging
 import os
 import shutil
+import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from spmdlm.errors import StorageError
+
+log = logging.getLogger(__name__)
 
 GCS_HINT = "pip install 'spmdlm[gcs]'"
 EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
@@ -205,8 +211,6 @@ def glob(pattern: str) -> list:
     if is_remote(pattern):
         path(pattern)  # checks the bucket
         return [path(SCHEME + m) for m in sorted(filesystem().glob(pattern))]
-    import glob as globlib
-
     return [Path(m) for m in sorted(globlib.glob(pattern, recursive=True))]
 
 
@@ -312,6 +316,121 @@ def local_cache_root() -> Path:
 def local_mirror(p) -> Path:
     """The local folder that mirrors the gs:// folder `p` on this host (gs://b/x -> LOCAL_CACHE/b/x)."""
     return local_cache_root() / str(p)[len(SCHEME) :]
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a local file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def no_space(e: BaseException) -> bool:
+    """Whether a write failed on a full disk: an OSError's errno, or the words of the errors that carry none
+    (safetensors' SafetensorError)."""
+    text = str(e).lower()
+    return getattr(e, "errno", None) == errno.ENOSPC or "no space left" in text or "os error 28" in text
+
+
+# -- writing a directory whole: into a temporary sibling, then swapped in ---------------------------------------------
+
+
+def remove_stale_temps(folder: Path, pattern: str, host: str) -> None:
+    """Remove what killed writers on this host left in `folder`: the temp files and dirs named `pattern` (a glob) +
+    ".tmp-HOST-PID" whose process is gone; a running writer keeps its own."""
+    for stale in folder.glob(f"{pattern}.tmp-{globlib.escape(host)}-*"):
+        pid = stale.name.rpartition("-")[2]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            log.info("removing %s, left by an interrupted write", stale)
+            rmtree(stale)
+
+
+def _sibling(out: Path, kind: str) -> Path:
+    """A hidden sibling of `out` only this process of this host uses: `.NAME.KIND-HOST-PID`."""
+    return out.with_name(f".{out.name}.{kind}-{socket.gethostname()}-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def staging(out, unwritable: Callable[[str], Exception]) -> Iterator[Path]:
+    """A fresh local directory to write `out`'s new content into, for `swap_in`, removed when the block ends: for a
+    local `out` the hidden sibling `.NAME.tmp-HOST-PID` (the same filesystem, so the swap is one rename; what killed
+    writers of this host left beside `out` is removed first), for a gs:// `out` a local temporary directory.
+    Making it fails, or the block fails on a full disk: `unwritable(reason)` is raised ("no space left on device",
+    or the OS's words)."""
+    remote = is_remote(out)
+    try:
+        if remote:
+            tmp = Path(tempfile.mkdtemp(prefix="spmdlm-staging-")) / path(out).name
+        else:
+            out = Path(out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            for kind in ("", ".old"):
+                remove_stale_temps(out.parent, f".{globlib.escape(out.name)}{kind}", socket.gethostname())
+            tmp = _sibling(out, "tmp")
+            rmtree(tmp)  # an earlier process of this pid's
+        tmp.mkdir()
+    except OSError as e:
+        raise unwritable(e.strerror or str(e)) from None
+    try:
+        yield tmp
+    except OSError as e:
+        if not no_space(e):
+            raise
+        raise unwritable("no space left on device") from None
+    finally:
+        shutil.rmtree(tmp.parent if remote else tmp, ignore_errors=True)
+
+
+def swap_in(tmp: Path, out, *, last: str, whole: bool = True, replaces: Callable[[Path], bool] | None = None) -> bool:
+    """Put the finished directory `tmp` at `out` so that `out` holds its `last` file (a card, a marker) only over
+    whole content. A local `out`, `whole`: one rename; what `out` held is moved aside first and removed after, or put
+    back when `replaces(aside)` says it is not what the caller meant to replace (another writer's, put there
+    meanwhile). Of two writers racing for one `out`, one rename wins. Otherwise (gs://, which has no rename; a local
+    `out` that holds other files too: not `whole`) file by file: the old `last` first, with `whole` all the rest of
+    `out` too, then the new files, `last` last. -> False when `out` keeps another writer's content."""
+    if is_remote(out) or not whole:
+        _put_files(tmp, out, last, clear=whole)
+        return True
+    out, aside = Path(out), None
+    if out.is_dir() and any(out.iterdir()):
+        aside = _sibling(out, "old.tmp")
+        try:
+            os.rename(out, aside)
+        except FileNotFoundError:  # removed meanwhile
+            aside = None
+        if aside is not None and replaces is not None and not replaces(aside):
+            os.rename(aside, out)
+            return False
+    try:
+        os.rename(tmp, out)  # over an empty directory or nothing; fails over another writer's content
+    except OSError as e:
+        raced = e.errno in (errno.ENOTEMPTY, errno.EEXIST)
+        if aside is not None and not raced:
+            os.rename(aside, out)
+            aside = None
+        if not raced:
+            raise
+        return False
+    finally:
+        if aside is not None:  # what this writer replaced (or, after a race, what was to go anyway)
+            shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
+def _put_files(tmp: Path, out, last: str, clear: bool) -> None:
+    remote = is_remote(out)
+    remove(path(out) / last)
+    if clear:
+        remove(out)
+    for file in sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: (p.relative_to(tmp) == Path(last), p)):
+        target = path(out) / file.relative_to(tmp).as_posix()
+        if remote:
+            upload(file, target)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, target)
 
 
 def pid_alive(pid: int) -> bool:

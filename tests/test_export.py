@@ -64,17 +64,18 @@ def test_trained_export_gives_the_same_eval_loss_in_transformers(trained):
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     ours = json.loads((trained / "eval_results.json").read_text())["eval_loss"]
     # Rebuild the held-out examples exactly as the run did and score them with PyTorch.
-    from spmdlm.data import pipeline, records
+    from spmdlm.data import datasets, pipeline
     from spmdlm.data.objectives.clm import CausalLM
+    from spmdlm.data.tokenizer import load_tokenizer
 
-    cache = next(
-        p
-        for p in Path(json.loads((trained / "run_config.json").read_text())["cache_dir"] or Path.home()).rglob(
-            "validation.json"
-        )
+    cache = Path(json.loads((trained / "run_config.json").read_text())["cache_dir"] or Path.home())
+    ours_tokenizer = datasets.tokenizer_hash(load_tokenizer(trained / "tokenizer.json"))
+    split = next(  # the run's held-out records: the validation cache of its tokenizer and length
+        datasets.open_split(card_path.parent, card, "validation", verify=False)
+        for card_path in cache.glob("*-validation/dataset.json")
+        if (card := json.loads(card_path.read_text()))["tokenizer"]["sha256"] == ours_tokenizer
+        and card["record_length"] == 32 + 1
     )
-    meta = json.loads(cache.read_text())
-    split = records.PreparedSplit(cache.with_suffix(".tokens"), meta["num_records"], meta["num_tokens"], 32 + 1)
     batches = list(pipeline.eval_batches(split, CausalLM(32), seed=42, global_batch=16, max_examples=32))
     total, count = 0.0, 0
     for batch in batches:

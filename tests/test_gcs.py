@@ -130,7 +130,7 @@ def test_t5_reads_its_corpus_and_keeps_its_token_cache_in_a_bucket(gcs_bucket, t
     monkeypatch.setenv("SPMDLM_LOCAL_CACHE", str(tmp_path / "local"))  # this host's copy of the bucket's cache
     assert main([*flags, "--output_dir", str(tmp_path / "t5")]) == 0
     cached = storage.files_under(f"{gcs_bucket}/cache")
-    assert sorted(p.name for p in cached) == ["train.json", "train.tokens"]
+    assert sorted(p.name for p in cached) == ["dataset.json", "tokenizer.json", "train-00000.tokens"]
     assert [m["step"] for m in read_metrics(tmp_path / "t5") if "loss" in m] == [1, 2]
 
 
@@ -217,3 +217,36 @@ def test_a_tokenizer_and_a_prepared_dataset_in_a_bucket(gcs_bucket, tmp_path, mo
         )
         == 0
     )  # up to date: nothing to do
+
+
+def test_a_token_cache_in_a_bucket_is_reused_by_another_host_and_opens_as_a_dataset(gcs_bucket, tmp_path, monkeypatch):
+    from spmdlm.data import datasets, records, token_cache
+    from spmdlm.data.tokenizer import load_tokenizer, train_tokenizer
+    from spmdlm.families import get_family
+
+    docs = [f"line {i}: " + " ".join(f"w{(i * j) % 89}" for j in range(25)) for i in range(80)]
+    tokenizer = train_tokenizer(get_family("gpt2"), docs, 300)
+    cache = storage.path(f"{gcs_bucket}/shared-cache")
+    prepare = lambda tok: token_cache.prepare_split(
+        docs, tok, record_length=17, separator_id=0, cache_dir=cache, name="train"
+    )
+    monkeypatch.setenv("SPMDLM_LOCAL_CACHE", str(tmp_path / "host0"))
+    built = prepare(tokenizer)  # tokenized here, uploaded from this host's copy
+    rows = records.record_source(built).read(np.arange(built.num_records))
+
+    class NoTokenizing:
+        def to_str(self):
+            return tokenizer.to_str()
+
+        def encode_batch(self, *args, **kwargs):
+            raise AssertionError("the bucket's cache should have been reused")
+
+    monkeypatch.setenv("SPMDLM_LOCAL_CACHE", str(tmp_path / "host1"))  # another host: its own disk
+    again = prepare(NoTokenizing())
+    assert all(str(p).startswith(str(tmp_path / "host1")) for p in again.paths)
+    np.testing.assert_array_equal(records.record_source(again).read(np.arange(again.num_records)), rows)
+    folder = f"{cache}/{built.fingerprint}"  # the bucket's cache folder, given as --dataset_dir
+    train, _, _ = datasets.open_dataset(
+        folder, tokenizer=load_tokenizer(f"{folder}/tokenizer"), record_length=17, mode="stream"
+    )
+    assert train.fingerprint == built.fingerprint and train.num_records == built.num_records

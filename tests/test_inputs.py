@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from spmdlm.data.readers import expand_files, read_documents
-from spmdlm.data.records import file_sha256, record_source
+from spmdlm.data.records import record_source
 from spmdlm.data.token_cache import prepare_split
 from spmdlm.data.tokenizer import train_tokenizer
 from spmdlm.errors import DataError
 from spmdlm.families import get_family
+from spmdlm.storage import file_sha256
 
 LINES = ["café crème brûlée", "naïve Ærøskøbing straße", "Привет 東京 🙂"]
 _WORDS = np.random.default_rng(0).integers(0, 200, (60, 30))
@@ -144,6 +145,10 @@ def records(split) -> list[np.ndarray]:
     return list(source.read(np.arange(len(source))))
 
 
+def card_path(split):
+    return split.path.parent / "dataset.json"
+
+
 def truncate(split):
     data = split.path.read_bytes()
     split.path.write_bytes(data[: len(data) // 2])
@@ -155,20 +160,14 @@ def zero_the_middle(split):
     split.path.write_bytes(bytes(data))
 
 
-def garble_the_metadata(split):
-    split.path.with_suffix(".json").write_text("{not json")
+def garble_the_card(split):
+    card_path(split).write_text("{not json")
 
 
-def drop_the_hash(split):  # as caches written before the hash was recorded
-    meta_path = split.path.with_suffix(".json")
-    meta = json.loads(meta_path.read_text())
-    del meta["sha256"], meta["bytes"]
-    meta_path.write_text(json.dumps(meta))
-
-
-def rewrite_the_metadata(split, **changes):
-    meta_path = split.path.with_suffix(".json")
-    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), **changes}))
+def rewrite_the_shard_entry(split, **changes):
+    card = json.loads(card_path(split).read_text())
+    card["splits"]["train"]["shards"][0].update(changes)
+    card_path(split).write_text(json.dumps(card))
 
 
 def remove_the_data(split):
@@ -176,31 +175,39 @@ def remove_the_data(split):
 
 
 def miscount_the_records(split):
-    rewrite_the_metadata(split, num_records=split.num_records + 1)
+    card = json.loads(card_path(split).read_text())
+    card["splits"]["train"]["examples"] += 1
+    card_path(split).write_text(json.dumps(card))
 
 
-def truncate_and_forge_the_metadata(split):  # size and hash agree: only the record count finds the damage
+def truncate_and_forge_the_card(split):  # size and hash agree: only the record count finds the damage
     truncate(split)
-    rewrite_the_metadata(split, bytes=split.path.stat().st_size, sha256=file_sha256(split.path))
+    rewrite_the_shard_entry(split, bytes=split.path.stat().st_size, sha256=file_sha256(split.path))
 
 
-def test_the_metadata_records_the_size_and_hash_of_the_data(tokenizer, tmp_path):
+def test_the_card_records_the_size_and_hash_of_the_data(tokenizer, tmp_path):
     split = prepare(tokenizer, tmp_path)
-    meta = json.loads(split.path.with_suffix(".json").read_text())
-    assert meta["bytes"] == split.path.stat().st_size
-    assert meta["sha256"] == file_sha256(split.path)
-    assert meta["num_records"] == split.num_records == len(records(split))
+    train = json.loads(card_path(split).read_text())["splits"]["train"]
+    assert train["shards"] == [
+        {
+            "file": split.path.name,
+            "records": split.num_records,
+            "bytes": split.path.stat().st_size,
+            "sha256": file_sha256(split.path),
+        }
+    ]
+    assert train["examples"] == split.num_records == len(records(split))
+    assert train["documents"] == split.documents == len(DOCS)
 
 
 @pytest.mark.parametrize(
     "damage, reason",
     [
         (truncate, "bytes, .* expected"),
-        (remove_the_data, "train.tokens is missing"),
+        (remove_the_data, "train-00000.tokens is missing"),
         (zero_the_middle, "does not match its sha256"),
-        (garble_the_metadata, "train.json is unreadable"),
-        (drop_the_hash, "train.json lacks bytes, sha256"),
-        (truncate_and_forge_the_metadata, "train.tokens holds .* records, .* expected"),
+        (garble_the_card, "dataset.json is unreadable"),
+        (truncate_and_forge_the_card, "train-00000.tokens holds .* records, .* expected"),
         (miscount_the_records, "records, .* expected"),
     ],
 )
@@ -220,16 +227,17 @@ def test_a_damaged_cache_is_rebuilt(tokenizer, tmp_path, caplog, damage, reason)
     assert not warnings_of(caplog)
 
 
-def test_temp_files_of_dead_preparations_on_this_host_are_removed(tokenizer, tmp_path):
-    folder = prepare(tokenizer, tmp_path).path.parent
+def test_temp_dirs_of_dead_preparations_on_this_host_are_removed(tokenizer, tmp_path):
+    key = prepare(tokenizer, tmp_path).path.parent.name
     child = subprocess.Popen(["true"])
     child.wait()  # reaped: its pid belongs to no process
     host = socket.gethostname()
-    dead = folder / f"train.tokens.tmp-{host}-{child.pid}"
-    alive = folder / f"train.tokens.tmp-{host}-{os.getppid()}"
-    elsewhere = folder / "train.tokens.tmp-otherhost-1"
+    dead = tmp_path / f".{key}.tmp-{host}-{child.pid}"
+    alive = tmp_path / f".{key}.tmp-{host}-{os.getppid()}"
+    elsewhere = tmp_path / f".{key}.tmp-otherhost-1"
     for path in (dead, alive, elsewhere):
-        path.write_bytes(b"partial")
+        path.mkdir()
+        (path / "train-00000.tokens").write_bytes(b"partial")
     prepare(tokenizer, tmp_path, overwrite_cache=True)
     assert not dead.exists() and alive.exists() and elsewhere.exists()
 

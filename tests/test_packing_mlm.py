@@ -161,8 +161,10 @@ def test_the_cache_key_tells_packed_from_unpacked_and_keeps_the_old_keys(tokeniz
         bos_id=BOS,
     )
     assert split.path.parent.name == keys["packed_lines"]
-    meta = json.loads(split.path.with_suffix(".json").read_text())
-    assert meta["pad_tokens"] == int((records.record_source(split).read(np.arange(split.num_records)) == PAD).sum())
+    card = json.loads((split.path.parent / "dataset.json").read_text())
+    assert card["splits"]["train"]["pad_tokens"] == int(
+        (records.record_source(split).read(np.arange(split.num_records)) == PAD).sum()
+    )
 
 
 # -- the objective ----------------------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from spmdlm.data import pipeline, readers, records, token_cache
+from spmdlm.data import datasets, pipeline, readers, records, token_cache
 from spmdlm.data.objectives.clm import CausalLM
-from spmdlm.data.tokenizer import train_tokenizer
+from spmdlm.data.tokenizer import load_tokenizer, train_tokenizer
 from spmdlm.errors import DataError
 from spmdlm.families import get_family
 
@@ -55,6 +55,9 @@ def test_second_preparation_reuses_the_cache(split, tokenizer):
         def to_str(self):
             return tokenizer.to_str()
 
+        def get_vocab_size(self):
+            return tokenizer.get_vocab_size()
+
         def encode_batch(self, *args, **kwargs):
             raise AssertionError("the cache should have been reused")
 
@@ -71,6 +74,23 @@ def test_second_preparation_reuses_the_cache(split, tokenizer):
             cache_dir=split.path.parent.parent,
             name="train",
         )
+
+
+def test_a_launcher_cache_given_as_dataset_dir_gives_the_same_batches(split, tokenizer):
+    """The cache folder is a dataset directory: opened as a run given --dataset_dir opens it (its own copy of the
+    tokenizer, the run's lengths and mode), it has the cache's records, key and counts, and the same batches."""
+    folder = split.path.parent
+    copy = load_tokenizer(folder / datasets.TOKENIZER_DIR)  # what a run given --dataset_dir alone loads
+    assert copy.to_str() == tokenizer.to_str()
+    train, validation, card = datasets.open_dataset(
+        folder, tokenizer=copy, record_length=17, mode="stream", verify=True
+    )
+    assert validation is None and train == split and train.fingerprint == folder.name == card["key"]
+    assert card["splits"]["train"]["documents"] == train.documents == len(DOCS)
+    for ours, theirs in zip(batches(split, n=8), batches(train, n=8), strict=True):
+        assert ours.keys() == theirs.keys()
+        for field in ours:
+            np.testing.assert_array_equal(ours[field], theirs[field])
 
 
 def test_same_seed_same_batches_and_different_seed_differs(split):

@@ -292,8 +292,12 @@ def test_open_dataset_refuses_another_tokenizer_length_or_mode(corpus, tokenizer
     card_path.write_text(json.dumps({**json.loads(card_text), "version": 1}))  # an earlier version's
     with pytest.raises(
         DataError,
-        match=f"^--dataset_dir {out}: dataset format version 1, this spmdlm reads 2 .*"
-        r"python -m spmdlm.prepare \.\.\. --overwrite$",
+        match=re.escape(
+            f"--dataset_dir {out}: dataset format version 1, this spmdlm reads 2 (flat token shards, read in "
+            f"batches); prepare it again: python -m spmdlm.prepare --tokenizer {out / 'tokenizer'} --for_model gpt2 "
+            f"--block_size 32 --out {out} --overwrite {corpus / 'a.txt'} {corpus / 'b.jsonl'}"
+        )
+        + "$",
     ):
         open_dataset(out, tokenizer=tok, record_length=33, mode="stream")
     packed = {"line_by_line": True, "packing": True, "max_seq_length": 33, "mlm_probability": None}
@@ -401,7 +405,7 @@ def test_workers_read_documents_in_order_with_bounded_chunks(tokenizers, monkeyp
 
 
 @needs_datasets
-def test_the_launcher_trains_from_a_dataset_dir_and_a_dataset_name(
+def test_the_launcher_trains_from_a_dataset_dir_a_dataset_name_and_a_cache_folder(
     corpus, tokenizers, tmp_path, tiny_gpt2_config, cache_dir, monkeypatch
 ):
     import datasets
@@ -444,8 +448,12 @@ def test_the_launcher_trains_from_a_dataset_dir_and_a_dataset_name(
         == 0
     )
     # the same documents, tokenizer and held-out split: the same batches, so the same losses
-    losses = [[m["loss"] for m in read_metrics(tmp_path / run) if "loss" in m] for run in ("a", "b")]
-    assert losses[0] == losses[1] and len(losses[0]) == 2
+    # ... and run b's token cache of its training records, given to another run as --dataset_dir (its tokenizer the
+    # cache's copy): one format, so the same records and batches again
+    key = json.loads((tmp_path / "b" / "run_config.json").read_text())["fingerprints"]["train_data"]
+    assert launch([*common, "--dataset_dir", str(cache_dir / key), "--output_dir", str(tmp_path / "d")]) == 0
+    losses = [[m["loss"] for m in read_metrics(tmp_path / run) if "loss" in m] for run in ("a", "b", "d")]
+    assert losses[0] == losses[1] == losses[2] and len(losses[0]) == 2
     # a dataset of another length is refused in one line
     assert (
         launch(

@@ -1,4 +1,4 @@
-"""The read path: token files and their record boundaries, old caches rebuilt once, objectives applied to whole
+"""The read path: token files and their record boundaries, old caches rebuilt, objectives applied to whole
 batches exactly as to single examples, host slices and mid-epoch resume of the training iterator."""
 
 import json
@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 
+from spmdlm import storage
 from spmdlm.data import pipeline, records, token_cache
 from spmdlm.data.objectives import example_rng
 from spmdlm.data.objectives.clm import CausalLM
@@ -121,52 +122,31 @@ def test_a_restored_iterator_resumes_mid_epoch(tmp_path):
             np.testing.assert_array_equal(got[field], want[field])
 
 
-def test_an_array_record_cache_of_earlier_versions_is_rebuilt_once(tmp_path, caplog):
-    from array_record.python.array_record_module import ArrayRecordWriter
-
+def test_a_cache_in_the_previous_layout_is_a_miss_and_rebuilt(tmp_path, caplog):
     from spmdlm.data.tokenizer import train_tokenizer
     from spmdlm.families import get_family
 
     docs = [f"document {i} " + " ".join(f"w{(i * j) % 97}" for j in range(30)) for i in range(60)]
     tokenizer = train_tokenizer(get_family("gpt2"), docs, 300)
-    split = token_cache.prepare_split(
+    prepare = lambda: token_cache.prepare_split(
         docs, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path, name="train"
     )
+    split = prepare()
     rows = records.record_source(split).read(np.arange(split.num_records))
     folder = split.path.parent
-    old = folder / "train.array_record"  # what earlier versions wrote: one ArrayRecord entry per record
-    writer = ArrayRecordWriter(str(old), "group_size:1")
-    for row in rows:
-        writer.write(row.tobytes())
-    writer.close()
-    (folder / "train.json").write_text(
-        json.dumps(
-            {
-                "num_records": len(rows),
-                "num_tokens": split.num_tokens,
-                "record_length": 17,
-                "documents": 60,
-                "bytes": old.stat().st_size,
-                "sha256": records.file_sha256(old),
-            }
-        )
-    )
-    split.path.unlink()
+    for path in folder.iterdir():  # what the previous version wrote under the same key: NAME.tokens + NAME.json
+        storage.rmtree(path)
+    rows.astype("<i4").tofile(folder / "train.tokens")
+    (folder / "train.json").write_text(json.dumps({"format": "int32 records back to back", "num_records": len(rows)}))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="spmdlm.data.token_cache"):
-        assert (
-            token_cache.prepare_split(
-                docs, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path, name="train"
-            )
-            == split
-        )
+        assert prepare() == split
     assert caplog.messages == [
-        f"the tokenized train cache {folder} is in the ArrayRecord format of earlier "
-        "versions; rebuilding it once as flat tokens (fast batched reads)"
+        f"the tokenized train cache {folder} is in an earlier version's layout or incomplete; rebuilding it"
     ]
-    assert sorted(p.name for p in folder.iterdir()) == ["train.json", "train.tokens"]
+    assert sorted(p.name for p in folder.iterdir()) == ["dataset.json", "tokenizer", "train-00000.tokens"]
     np.testing.assert_array_equal(records.record_source(split).read(np.arange(split.num_records)), rows)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="spmdlm.data.token_cache"):
-        token_cache.prepare_split(docs, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path, name="train")
+        prepare()
     assert not caplog.messages

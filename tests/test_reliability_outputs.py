@@ -17,7 +17,7 @@ import pytest
 from conftest import FIXTURES
 from test_reliability import flags, launch
 
-from spmdlm import export
+from spmdlm import export, storage
 from spmdlm.data import datasets
 from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.families import get_family
@@ -167,16 +167,19 @@ def test_a_dataset_that_appears_in_out_during_preparation_is_kept_and_refused(
 
 
 def test_two_preparations_into_an_empty_out_cannot_both_swap_in(tmp_path):
-    """The swap is one rename, which fails when --out is not empty: the second gets the refusal."""
+    """A dataset found in --out that this preparation did not decide to replace (another one's, swapped in meanwhile) is
+    put back: the second gets the refusal."""
     out, first, second = tmp_path / "ds", tmp_path / "a", tmp_path / "b"
     out.mkdir()
     for folder, key in ((first, "a" * 64), (second, "b" * 64)):
         folder.mkdir()
         (folder / datasets.CARD_NAME).write_text(json.dumps({"key": key, "for_model": "gpt2", "record_length": 8}))
-    datasets._swap_in(first, out, None, {"key": "a" * 64})
+    assert storage.swap_in(first, out, last=datasets.CARD_NAME, replaces=lambda old: False)
+    assert not storage.swap_in(second, out, last=datasets.CARD_NAME, replaces=lambda old: False)
     with pytest.raises(datasets.DataError, match="got another dataset"):
-        datasets._swap_in(second, out, None, {"key": "b" * 64, "for_model": "gpt2", "record_length": 8})
+        datasets._same_or_refuse(out, {"key": "b" * 64, "for_model": "gpt2", "record_length": 8})
     assert json.loads((out / datasets.CARD_NAME).read_text())["key"] == "a" * 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "ds"]  # the loser's files are its caller's to remove
 
 
 # -- 3. full disks ---------------------------------------------------------------------------------------------------

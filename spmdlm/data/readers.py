@@ -2,7 +2,7 @@
 
 Files: text (one document per line, per blank-line-separated paragraph or per file: --text_documents),
 json/jsonl/csv/tsv (a text field), parquet (pyarrow), each plain or compressed (.gz, .zst, .xz, .bz2; decoded by
-spmdlm.data.decoding). The format is the suffix's (.json/.jsonl, .csv/.tsv, .parquet), or --text_format's; any other
+spmdlm.data.compression). The format is the suffix's (.json/.jsonl, .csv/.tsv, .parquet), or --text_format's; any other
 file is text, whatever its name, and one whose bytes are not text is refused. Also Hugging Face `datasets` (local
 `save_to_disk` dirs, parquet dirs,
 Hub names); `ReadStats` counts what was skipped or repaired. Also the embedded corpus (this Python's standard
@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from spmdlm import storage
-from spmdlm.data.decoding import DATASETS_HINT, formats, text_lines
+from spmdlm.data.compression import DATASETS_HINT, formats, text_lines
 from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class ReadStats:
     empty_lines: int = 0  # blank lines, and records whose text is empty or only whitespace
     empty_files: int = 0  # files that held no document
     bytes_done: int = 0  # input bytes of the files read to the end (for progress)
-    reading: object = dataclasses.field(default=None, repr=False)  # the raw file being read (decoding.py)
+    reading: object = dataclasses.field(default=None, repr=False)  # the raw file being read (compression.py)
 
     @property
     def bytes_read(self) -> int:

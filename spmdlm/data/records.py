@@ -1,6 +1,6 @@
 """Tokenizing documents into fixed-length int32 records written as flat token files (docs/data.md): the one
 preparation path of the launcher's token cache (spmdlm.data.token_cache) and of dataset directories
-(spmdlm.data.datasets), with the record types, the memory-mapped reader and small file helpers both use.
+(spmdlm.data.datasets), with the record types and the memory-mapped reader.
 
 A token file (TOKENS_SUFFIX) is the records back to back, little-endian int32, nothing else: record i is tokens
 [i·L, (i+1)·L) of a file of records of L tokens, so the record boundaries need no index, the file's size is its
@@ -23,13 +23,9 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import errno
-import glob
-import hashlib
 import logging
 import multiprocessing
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -261,7 +257,6 @@ def _chunks(documents: Iterable[str]) -> Iterator[list[str]]:
 
 
 TOKENS_SUFFIX = ".tokens"
-TOKEN_FORMAT = "int32 records back to back"  # the token files' format, named in the cache's metadata
 TOKEN_DTYPE = np.dtype("<i4")
 
 
@@ -301,7 +296,7 @@ class RecordShards:
         if self._writer is not None:
             self._close_shard()
         for shard in self.shards:
-            shard.update(bytes=shard["path"].stat().st_size, sha256=file_sha256(shard["path"]))
+            shard.update(bytes=shard["path"].stat().st_size, sha256=storage.file_sha256(shard["path"]))
         return self.shards
 
     def abort(self) -> None:
@@ -424,7 +419,7 @@ def _tokenize_in_workers(documents, tokenizer, cut: Cut, workers: int, consume) 
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-# -- the records on disk, and helpers of the token cache and dataset directories -------------------------------------
+# -- the records on disk ----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,6 +431,7 @@ class PreparedSplit:
     num_tokens: int
     record_length: int
     fingerprint: str = ""  # what the records were made from: the token cache's key, a dataset card's key
+    documents: int | None = None  # the documents the records hold (a dataset card's count; None: not known)
 
     def __post_init__(self):
         paths = (self.paths,) if isinstance(self.paths, (str, os.PathLike)) else self.paths
@@ -493,35 +489,6 @@ def token_file_problem(path: Path, size: int, records: int, record_length: int) 
     """What is wrong with a token file of `size` bytes that should hold `records` records (None: nothing)."""
     held = size / (record_length * TOKEN_DTYPE.itemsize)
     return None if held == records else f"{path.name} holds {held:g} records, {records} expected"
-
-
-def file_sha256(path: Path) -> str:
-    """The hex sha256 of a local file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def remove_stale_temps(folder: Path, pattern: str, host: str) -> None:
-    """Remove what killed preparations on this host left in `folder`: the temp files and dirs named `pattern` (a
-    glob) + ".tmp-HOST-PID" whose process is gone; a running preparation keeps its own."""
-    for path in folder.glob(f"{pattern}.tmp-{glob.escape(host)}-*"):
-        pid = path.name.rpartition("-")[2]
-        if pid.isdigit() and not storage.pid_alive(int(pid)):
-            log.info("removing %s, left by an interrupted preparation", path)
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
-
-def no_space(e: BaseException) -> bool:
-    """Whether a write failed on a full disk: an OSError's errno, or the words of the errors that carry none
-    (safetensors' SafetensorError)."""
-    text = str(e).lower()
-    return getattr(e, "errno", None) == errno.ENOSPC or "no space left" in text or "os error 28" in text
 
 
 def progress_bar(total: int | None, desc: str, unit: str = "doc", disable: bool | None = None):

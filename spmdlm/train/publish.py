@@ -193,16 +193,17 @@ def _data_lines(ctx: RunContext) -> list[str]:
         return lines
     if args.dataset_dir:
         card = ctx.dataset_cards.get(args.dataset_dir) or datasets.read_card(args.dataset_dir)  # as trained on
-        source = (
-            f"the prepared dataset `{args.dataset_dir}` ({card['read']['files']:,} files, "
-            f"{card['splits']['train']['documents']:,} training documents)"
-        )
+        files = card["read"].get("files")  # none: a launcher run's token cache
+        counts = ([f"{files:,} files"] if files else []) + [
+            f"{card['splits']['train']['documents']:,} training documents"
+        ]
+        source = f"the prepared dataset `{args.dataset_dir}` ({', '.join(counts)})"
     elif args.dataset_name:
         source = f"the datasets dataset `{args.dataset_name}`" + (
             f" ({args.dataset_config_name})" if args.dataset_config_name else ""
         )
     elif args.train_file:
-        documents = _cached_documents(train)
+        documents = train.documents
         source = f"`{args.train_file}` ({len(readers.expand_files(args.train_file)):,} files" + (
             f", {documents:,} training documents)" if documents else ")"
         )
@@ -218,14 +219,6 @@ def _data_lines(ctx: RunContext) -> list[str]:
         f"- training records: {train.num_records:,} of {train.record_length} tokens ({train.num_tokens:,} tokens)",
         f"- evaluation: {held_out}",
     ]
-
-
-def _cached_documents(split) -> int | None:
-    """The documents of a token-cache split, as the cache's metadata beside its token file records them."""
-    try:
-        return json.loads(split.path.with_suffix(".json").read_text())["documents"]
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def _training_lines(ctx: RunContext) -> list[str]:

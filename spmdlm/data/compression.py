@@ -1,5 +1,4 @@
-"""Decoding one input file into text lines, for spmdlm.data.readers: .gz, .zst, .xz and .bz2 decompressed as they
-stream, the
+"""One input file as text lines, for spmdlm.data.readers: .gz, .zst, .xz and .bz2 decompressed as they stream, the
 encoding from a BOM (else UTF-8), a file that looks binary refused, bytes that are not UTF-8 replaced by U+FFFD and
 counted.
 """
