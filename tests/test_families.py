@@ -20,8 +20,8 @@ from spmdlm import checkpoint, export
 from spmdlm.families import families, get_family, load_config
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
+from spmdlm.models.attention import resolve_attention, set_attention
 from spmdlm.models.config import preset_names
-from spmdlm.models.layers import resolve_attention, set_attention
 from spmdlm.train.state import build_train_state
 
 GOLDEN = Path(__file__).parent / "golden"

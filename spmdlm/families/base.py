@@ -23,8 +23,9 @@ from spmdlm.config import RunArgs
 from spmdlm.data.objectives import DECODER_SEGMENT_FIELDS, SEGMENT_FIELDS, Flag, Objective
 from spmdlm.data.tokenizer import TokenizerSpec
 from spmdlm.errors import ArgumentError
+from spmdlm.models.attention import set_attention
 from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import Cache, set_attention
+from spmdlm.models.kv_cache import Cache
 
 # -- transformers rename tables ------------------------------------------------------------------------------------
 # A layout change is (ours -> HF, HF -> ours given our per-layer shape).
@@ -205,7 +206,7 @@ class Family:
         scan_unroll: int | bool = 1,
         attention: str = "xla",
     ):
-        """The model; `attention` chooses how its shared attention layers compute (layers.set_attention)."""
+        """The model; `attention` chooses how its shared attention layers compute (attention.set_attention)."""
         model = self.model_class(config, rngs=rngs, dtype=dtype, remat=remat, scan_unroll=scan_unroll)
         return set_attention(model, attention)
 

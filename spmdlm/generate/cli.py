@@ -23,8 +23,8 @@ from spmdlm.export import ExportError, load_hf
 from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
 from spmdlm.mesh import MeshError, make_mesh, requested_device_count, simulate_cpu_devices
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
+from spmdlm.models.attention import resolve_attention, set_attention
 from spmdlm.models.config import ConfigError
-from spmdlm.models.layers import resolve_attention, set_attention
 
 
 def parser() -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ from spmdlm.families.base import Family, Generation
 from spmdlm.generate.harness import task_manager
 from spmdlm.generate.scoring import check_likelihood
 from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
-from spmdlm.models.layers import resolve_attention
+from spmdlm.models.attention import resolve_attention
 from spmdlm.train.corpora import SourceDocuments, naming
 from spmdlm.train.optim import learning_rate_schedule, optim_config_from_args
 from spmdlm.train.plan import LayerPlan, plan_layers
