@@ -70,7 +70,7 @@ def bench(
 
     from spmdlm import storage
     from spmdlm.data import datasets, pipeline, readers
-    from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
+    from spmdlm.data.tokenization import special_token_ids, train_tokenizer
     from spmdlm.families import get_family
     from spmdlm.prepare import resolve_objective
 

@@ -29,7 +29,7 @@ import sys
 from spmdlm.config import RunArgs, check_objective_flags
 from spmdlm.data.datasets import DEFAULT_SHARD_BYTES, prepare_dataset
 from spmdlm.data.readers import add_corpus_arguments, corpus_of
-from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
+from spmdlm.data.tokenization import load_tokenizer, special_token_ids
 from spmdlm.errors import ArgumentError, UserError
 from spmdlm.families import families, get_family, load_config, objective_flags
 

@@ -124,7 +124,7 @@ def test_a_restored_iterator_resumes_mid_epoch(tmp_path):
 def test_an_array_record_cache_of_earlier_versions_is_rebuilt_once(tmp_path, caplog):
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.data.tokenization import train_tokenizer
     from spmdlm.families import get_family
 
     docs = [f"document {i} " + " ".join(f"w{(i * j) % 97}" for j in range(30)) for i in range(60)]

@@ -25,7 +25,7 @@ from flax import nnx
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import AttentionMask, make_attention_mask, segment_positions
 from spmdlm.models.blocks import PostNormBlock
-from spmdlm.models.config import HFConfig
+from spmdlm.models.hf_config import HFConfig
 from spmdlm.models.kv_cache import Cache
 from spmdlm.models.layers import ACTIVATIONS, Bias, Embed, LayerNorm, dropout, make_param
 from spmdlm.models.stack import LayerStack

@@ -18,7 +18,7 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import Attention, AttentionMask, make_attention_mask, segment_positions
-from spmdlm.models.config import HFConfig
+from spmdlm.models.hf_config import HFConfig
 from spmdlm.models.kv_cache import Cache
 from spmdlm.models.layers import MLP, Embed, LayerNorm, dropout
 from spmdlm.models.stack import LayerStack

@@ -27,7 +27,7 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import Attention, AttentionMask, make_attention_mask
-from spmdlm.models.config import HFConfig
+from spmdlm.models.hf_config import HFConfig
 from spmdlm.models.kv_cache import Cache
 from spmdlm.models.layers import ACTIVATIONS, MLP, Dense, Embed, RMSNorm, dropout
 from spmdlm.models.stack import LayerStack

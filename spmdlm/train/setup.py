@@ -22,7 +22,7 @@ from spmdlm import devices, export, storage
 from spmdlm.config import DEFAULT_MODEL_TYPE, RunArgs
 from spmdlm.data import datasets, mixture, pipeline, records, token_cache
 from spmdlm.data.objectives import Objective
-from spmdlm.data.tokenizer import (
+from spmdlm.data.tokenization import (
     TOKENIZER_LAYOUTS,
     load_tokenizer,
     special_token_ids,

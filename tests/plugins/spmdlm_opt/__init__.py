@@ -27,7 +27,7 @@ from spmdlm.families.base import LINEAR, SAME, Table
 from spmdlm.flops import attention_matmuls, dense
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import Attention, make_attention_mask, segment_positions
-from spmdlm.models.config import HFConfig
+from spmdlm.models.hf_config import HFConfig
 from spmdlm.models.layers import MLP, Embed, LayerNorm, dropout
 from spmdlm.models.stack import LayerStack
 
