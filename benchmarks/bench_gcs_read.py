@@ -72,7 +72,7 @@ def bench(
     from spmdlm.cli.prepare import resolve_objective
     from spmdlm.data import datasets, pipeline, readers
     from spmdlm.data.records import Cut
-    from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
+    from spmdlm.data.tokenization import special_token_ids, train_tokenizer
     from spmdlm.families import get_family
 
     family = get_family(model)

@@ -52,7 +52,7 @@ def bench_config(name: str, args) -> list[dict]:
     import transformers
     from flax import nnx
 
-    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.data.tokenization import train_tokenizer
     from spmdlm.export import save_hf
     from spmdlm.families import get_family, load_config
     from spmdlm.generate import decoding, generate_ids

@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     )
 
     from spmdlm.data import records
-    from spmdlm.data.tokenizer import load_tokenizer
+    from spmdlm.data.tokenization import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     lengths = np.array([len(e.ids) for e in tok.encode_batch(lines, add_special_tokens=False)])

@@ -72,7 +72,7 @@ def make_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
 
 
 def train_tokenizers(corpus: Path, folder: Path, models: list[str], vocab: int) -> dict[str, Path]:
-    from spmdlm.data.tokenizer import save_tokenizer, train_tokenizer
+    from spmdlm.data.tokenization import save_tokenizer, train_tokenizer
     from spmdlm.families import get_family
 
     with open(corpus, encoding="utf-8") as f:
@@ -119,7 +119,7 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 from spmdlm.data.datasets import prepare_dataset
 from spmdlm.data.readers import open_corpus
-from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
+from spmdlm.data.tokenization import load_tokenizer, special_token_ids
 from spmdlm.cli.prepare import resolve_objective
 from spmdlm.data.records import Cut
 corpus_path, tok_dir, out, workers, block = sys.argv[1:6]
@@ -189,7 +189,7 @@ def bench_read(
     from spmdlm.cli.prepare import resolve_objective
     from spmdlm.data import datasets, pipeline, readers
     from spmdlm.data.records import Cut
-    from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
+    from spmdlm.data.tokenization import load_tokenizer, special_token_ids
     from spmdlm.families import get_family
 
     family = get_family(model)

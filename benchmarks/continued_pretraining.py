@@ -105,7 +105,7 @@ def base_checkpoint(family: str, folder: Path, corpus_a: Path) -> None:
     import torch
     import transformers
 
-    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.data.tokenization import train_tokenizer
     from spmdlm.families import get_family
 
     folder.mkdir(parents=True)

@@ -19,12 +19,12 @@ from jax.sharding import Mesh
 
 from spmdlm import storage
 from spmdlm.checkpoint import checkpoint_dir
-from spmdlm.data.tokenizer import load_tokenizer
+from spmdlm.data.tokenization import load_tokenizer
 from spmdlm.errors import ArgumentError, ConfigError
 from spmdlm.export import MARKER, load_hf, load_run
 from spmdlm.families import get_family
 from spmdlm.families.base import Family
-from spmdlm.models.config import HFConfig
+from spmdlm.models.hf_config import HFConfig
 
 RUN_CONFIG = "run_config.json"
 

@@ -12,7 +12,7 @@ from typing import Any
 from spmdlm.data.readers import TEXT_DOCUMENTS_HELP, TEXT_FORMAT_HELP
 from spmdlm.models.stack import REMAT_POLICIES
 
-# --remat: what each scanned layer keeps for its backward pass (the policies: models/layers.py REMAT_POLICIES); auto
+# --remat: what each scanned layer keeps for its backward pass (the policies: models/stack.py REMAT_POLICIES); auto
 # chooses one (spmdlm/train/plan.py).
 REMAT_CHOICES = ("auto", *REMAT_POLICIES)
 DEFAULT_MODEL_TYPE = "gpt2"  # the family of a run that names none (and of the embedded quick start)

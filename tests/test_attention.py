@@ -12,7 +12,7 @@ from jax._src import hardware_utils
 
 from spmdlm import devices
 from spmdlm.launch import main
-from spmdlm.models import attention
+from spmdlm.models import attention, kernels
 from spmdlm.models.attention import AttentionMask, make_attention_mask
 from spmdlm.models.layers import add_broadcast
 
@@ -101,12 +101,12 @@ def qkv(length=128, dtype=F32):
     ],
 )
 def test_a_call_a_kernel_cannot_take_falls_back_to_the_einsums_once_said(implementation, call, reason, caplog):
-    attention._say_once.cache_clear()
+    kernels._say_once.cache_clear()
     q, k, v = qkv(call.get("length", 128))
-    with caplog.at_level(logging.INFO, logger="spmdlm.models.attention"):
+    with caplog.at_level(logging.INFO, logger="spmdlm.models.kernels"):
         for _ in range(2):
             assert (
-                attention.fused(
+                kernels.fused(
                     implementation, q, k, v, call.get("mask", make_attention_mask(causal=True)), call.get("bias"), 1.0
                 )
                 is None

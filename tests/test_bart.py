@@ -11,7 +11,7 @@ from conftest import COMPILE_FLAGS, REPO, read_metrics
 
 from spmdlm.data import records, token_cache
 from spmdlm.data.sentences import SENTENCE_END
-from spmdlm.data.tokenizer import train_tokenizer
+from spmdlm.data.tokenization import train_tokenizer
 from spmdlm.families import get_family
 
 TINY = {

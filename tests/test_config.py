@@ -158,7 +158,7 @@ def test_remat_defaults_to_auto_and_gradient_checkpointing_means_full():
 
 def test_help_is_grouped_with_each_default_once_and_the_presets_listed():
     from spmdlm.config import HELP_GROUPS, build_parser
-    from spmdlm.models.config import preset_names
+    from spmdlm.models.hf_config import preset_names
 
     text = build_parser(family_choices()).format_help()
     assert text.startswith("usage: python -m spmdlm.launch [ARGS_FILE.json|.yaml] [--flag VALUE ...]\n")

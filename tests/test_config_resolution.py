@@ -9,6 +9,7 @@ import pytest
 from conftest import FIXTURES
 
 from spmdlm import export, launch
+from spmdlm.cli.export import main as export_main
 from spmdlm.errors import ConfigError
 from spmdlm.families import checked_config, families, load_config, load_pretrained_config
 
@@ -65,7 +66,7 @@ def test_export_refuses_it_from_a_checkpoint_and_from_a_transformers_dir(layerdr
     run = tmp_path / "run"
     run.mkdir()
     (run / "run_config.json").write_text(json.dumps({"checkpoint_format": 2, "model_config": LAYERDROP}))
-    code = export.main(["--checkpoint", str(run), "--out", str(tmp_path / "hf")])
+    code = export_main(["--checkpoint", str(run), "--out", str(tmp_path / "hf")])
     assert "encoder_layerdrop 0.2 is not supported" in one_line_error(capsys, code)
     assert not (tmp_path / "hf").exists()
     with pytest.raises(ConfigError, match="encoder_layerdrop"):

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 from spmdlm import export
 from spmdlm.data import datasets, pipeline
-from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.families import get_family
 from spmdlm.launch import main, parse_args
 from spmdlm.train.setup import resolve

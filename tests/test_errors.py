@@ -139,7 +139,7 @@ def test_resuming_with_other_settings_is_refused(capsys, tmp_path, tiny_gpt2_con
     (out / "run_config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "checkpoint_format"}))
     assert main(common) == 2
     assert "format 1 (spmdlm 0.1" in capsys.readouterr().err
-    from spmdlm.export import main as export_main
+    from spmdlm.cli.export import main as export_main
 
     assert export_main(["--checkpoint", str(out), "--out", str(tmp_path / "export")]) == 2
     assert "format 1 (spmdlm 0.1" in capsys.readouterr().err and not (tmp_path / "export").exists()
@@ -218,7 +218,7 @@ def run_failing_keeping(capsys, out, name, *argv) -> str:
 
 
 def test_export_to_a_file(capsys, out):
-    from spmdlm.export import main as export_main
+    from spmdlm.cli.export import main as export_main
 
     (out / "run_config.json").write_text("{}")
     assert export_main(["--checkpoint", str(out), "--out", str(out / "keep.txt")]) == 2

@@ -17,9 +17,9 @@ import torch
 import transformers
 from family_fixtures import FIXTURES
 
-from spmdlm import evaluate
+from spmdlm.cli import evaluate
 from spmdlm.data.objectives import IGNORE_INDEX
-from spmdlm.data.tokenizer import (
+from spmdlm.data.tokenization import (
     all_special_ids,
     save_tokenizer,
     special_token_ids,

@@ -13,6 +13,7 @@ from family_fixtures import STDLIB_JSON
 from safetensors.numpy import load_file
 
 from spmdlm import export
+from spmdlm.cli.export import main as export_main
 from spmdlm.launch import main
 
 
@@ -66,7 +67,7 @@ def test_trained_export_gives_the_same_eval_loss_in_transformers(trained):
     # Rebuild the held-out examples exactly as the run did and score them with PyTorch.
     from spmdlm.data import datasets, pipeline
     from spmdlm.data.objectives.clm import CausalLM
-    from spmdlm.data.tokenizer import load_tokenizer
+    from spmdlm.data.tokenization import load_tokenizer
 
     cache = Path(json.loads((trained / "run_config.json").read_text())["cache_dir"] or Path.home())
     ours_tokenizer = datasets.tokenizer_hash(load_tokenizer(trained / "tokenizer.json"))
@@ -97,7 +98,7 @@ def test_trained_export_gives_the_same_eval_loss_in_transformers(trained):
 
 
 def export_ids(run_dir: Path, text: str) -> list[int]:
-    from spmdlm.data.tokenizer import load_tokenizer
+    from spmdlm.data.tokenization import load_tokenizer
 
     return load_tokenizer(run_dir).encode(text, add_special_tokens=False).ids
 
@@ -105,10 +106,10 @@ def export_ids(run_dir: Path, text: str) -> list[int]:
 def test_export_cli_and_sharded_checkpoint_match(trained, tmp_path, tiny_gpt2_config, cache_dir, capsys):
     sharded = tmp_path / "sharded"
     train(sharded, "data=2,fsdp=2,tensor=2", tiny_gpt2_config, cache_dir, "--export_hf", "false")
-    assert export.main(["--checkpoint", str(sharded), "--out", str(tmp_path / "a")]) == 0
+    assert export_main(["--checkpoint", str(sharded), "--out", str(tmp_path / "a")]) == 0
     capsys.readouterr()
     assert (
-        export.main(["--checkpoint", str(trained), "--out", str(tmp_path / "b"), "--step", "6", "--mesh", "fsdp=8"])
+        export_main(["--checkpoint", str(trained), "--out", str(tmp_path / "b"), "--step", "6", "--mesh", "fsdp=8"])
         == 0
     )
     # the card, the usage snippet on the local path, and what the transformers side needs (also in the output)
@@ -173,9 +174,9 @@ def test_continued_pretraining_from_a_transformers_checkpoint(trained, tmp_path,
 def test_export_errors_write_nothing(tmp_path, trained, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert export.main(["--checkpoint", str(empty), "--out", str(tmp_path / "x")]) == 2
+    assert export_main(["--checkpoint", str(empty), "--out", str(tmp_path / "x")]) == 2
     assert "no run_config.json" in capsys.readouterr().err
-    assert export.main(["--checkpoint", str(trained), "--out", str(tmp_path / "x"), "--step", "5"]) == 2
+    assert export_main(["--checkpoint", str(trained), "--out", str(tmp_path / "x"), "--step", "5"]) == 2
     err = capsys.readouterr().err
     assert "no checkpoint at step 5" in err and "available: 6" in err
     assert not (tmp_path / "x").exists()
@@ -222,12 +223,12 @@ def test_export_of_a_schedule_free_run_is_the_model_it_evaluated_and_exported(
         "--do_eval",
         "false",
     )
-    assert export.main(["--checkpoint", str(run), "--out", str(tmp_path / "export")]) == 0
+    assert export_main(["--checkpoint", str(run), "--out", str(tmp_path / "export")]) == 0
     own, exported = (load_file(path / "model.safetensors") for path in (run / "hf", tmp_path / "export"))
     assert own.keys() == exported.keys()
     for key in own:
         np.testing.assert_array_equal(exported[key], own[key], err_msg=key)
     monkeypatch.setattr(export, "evaluation_needs_optimizer", lambda optim: False)  # the interpolated parameters
-    assert export.main(["--checkpoint", str(run), "--out", str(tmp_path / "interpolated")]) == 0
+    assert export_main(["--checkpoint", str(run), "--out", str(tmp_path / "interpolated")]) == 0
     interpolated = load_file(tmp_path / "interpolated" / "model.safetensors")
     assert max(float(np.max(np.abs(interpolated[k] - own[k]))) for k in own) > 1e-4

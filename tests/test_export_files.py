@@ -15,7 +15,7 @@ import transformers
 from conftest import FIXTURES, REPO
 from flax import nnx
 
-from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
+from spmdlm.data.tokenization import special_token_ids, train_tokenizer
 from spmdlm.export import hf_config_dict, save_hf
 from spmdlm.families import get_family, load_config
 from spmdlm.models.t5 import T5ForConditionalGeneration

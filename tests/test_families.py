@@ -20,8 +20,8 @@ from spmdlm import checkpoint, export
 from spmdlm.families import families, get_family, load_config
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
-from spmdlm.models.config import preset_names
-from spmdlm.models.layers import resolve_attention, set_attention
+from spmdlm.models.attention import resolve_attention, set_attention
+from spmdlm.models.hf_config import preset_names
 from spmdlm.train.state import build_train_state
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -246,7 +246,7 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4
     from conftest import FIXTURES as DATA
 
     from spmdlm.data.pipeline import batch_spec, to_global
-    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.data.tokenization import train_tokenizer
     from spmdlm.launch import parse_args
     from spmdlm.train.optim import OptimConfig
     from spmdlm.train.state import build_train_state

@@ -86,7 +86,7 @@ def test_a_run_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path, tin
     assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").iterdir())
 
     # python -m spmdlm.export from the bucket to the bucket; both exports load in transformers once downloaded
-    from spmdlm.export import main as export_main
+    from spmdlm.cli.export import main as export_main
 
     assert export_main(["--checkpoint", moved, "--out", f"{gcs_bucket}/export"]) == 0
     from transformers import AutoModelForCausalLM
@@ -160,10 +160,10 @@ def test_bad_gs_paths_are_one_line_exit_2(gcs_bucket, tmp_path, capsys, monkeypa
 
 
 def test_a_tokenizer_and_a_prepared_dataset_in_a_bucket(gcs_bucket, tmp_path, monkeypatch):
+    from spmdlm.cli.tokenizer import main as tokenizer_main
     from spmdlm.data import datasets, records
-    from spmdlm.data.tokenizer import load_tokenizer
+    from spmdlm.data.tokenization import load_tokenizer
     from spmdlm.prepare import main as prepare_main
-    from spmdlm.tokenizer import main as tokenizer_main
 
     monkeypatch.setenv("SPMDLM_LOCAL_CACHE", str(tmp_path / "local"))
     inputs = f"{gcs_bucket}/stdlib-json/"  # a bucket folder as the input: every file under it
@@ -221,7 +221,7 @@ def test_a_tokenizer_and_a_prepared_dataset_in_a_bucket(gcs_bucket, tmp_path, mo
 
 def test_a_token_cache_in_a_bucket_is_reused_by_another_host_and_opens_as_a_dataset(gcs_bucket, tmp_path, monkeypatch):
     from spmdlm.data import datasets, records, token_cache
-    from spmdlm.data.tokenizer import load_tokenizer, train_tokenizer
+    from spmdlm.data.tokenization import load_tokenizer, train_tokenizer
     from spmdlm.families import get_family
 
     docs = [f"line {i}: " + " ".join(f"w{(i * j) % 89}" for j in range(25)) for i in range(80)]

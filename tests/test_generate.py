@@ -20,11 +20,11 @@ from conftest import FIXTURES as DATA
 from flax import nnx
 
 from spmdlm import export
-from spmdlm.data.tokenizer import special_token_ids, train_tokenizer
+from spmdlm.cli.generate import main
+from spmdlm.data.tokenization import special_token_ids, train_tokenizer
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
 from spmdlm.generate import GenerateError, decoding, fill_mask, generate, generate_ids
-from spmdlm.generate.cli import main
 from spmdlm.generate.sampling import Sampling, choose, filter_logits
 from spmdlm.mesh import make_mesh
 from spmdlm.models.layers import Scale

@@ -19,8 +19,9 @@ from lm_eval.models.huggingface import HFLM
 from test_generate import WORDS, corpus, random_model
 from test_train import launch
 
-from spmdlm import evaluate, export
-from spmdlm.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
+from spmdlm import export
+from spmdlm.cli import evaluate
+from spmdlm.data.tokenization import load_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.errors import TasksError
 from spmdlm.families import get_family
 from spmdlm.generate.harness import harness_lm, run_tasks, task_manager

@@ -15,7 +15,7 @@ import pytest
 from spmdlm.data.readers import expand_files, read_documents
 from spmdlm.data.records import record_source
 from spmdlm.data.token_cache import prepare_split
-from spmdlm.data.tokenizer import train_tokenizer
+from spmdlm.data.tokenization import train_tokenizer
 from spmdlm.errors import DataError
 from spmdlm.families import get_family
 from spmdlm.storage import file_sha256

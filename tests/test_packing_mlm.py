@@ -12,7 +12,7 @@ from spmdlm.data import records, token_cache
 from spmdlm.data.datasets import open_dataset
 from spmdlm.data.objectives import IGNORE_INDEX, SEGMENT_FIELDS, example_rng, padding_example
 from spmdlm.data.objectives.mlm import MaskedLM
-from spmdlm.data.tokenizer import save_tokenizer, special_token_ids, train_tokenizer
+from spmdlm.data.tokenization import save_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.errors import DataError
 from spmdlm.families import get_family
 from spmdlm.prepare import main

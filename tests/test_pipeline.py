@@ -7,7 +7,7 @@ import pytest
 
 from spmdlm.data import datasets, pipeline, readers, records, token_cache
 from spmdlm.data.objectives.clm import CausalLM
-from spmdlm.data.tokenizer import load_tokenizer, train_tokenizer
+from spmdlm.data.tokenization import load_tokenizer, train_tokenizer
 from spmdlm.errors import DataError
 from spmdlm.families import get_family
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent / "plugins"))  # the plugin package
 from spmdlm_opt import TABLE, TINY, OPTConfig, OPTForCausalLM, forward_flops  # noqa: E402
 
 from spmdlm.mesh import make_mesh  # noqa: E402
-from spmdlm.models.config import ConfigError  # noqa: E402
+from spmdlm.models.hf_config import ConfigError  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,7 @@ from spmdlm.data.objectives.clm import CausalLM
 from spmdlm.data.readers import open_corpus, read_documents
 from spmdlm.data.records import _chunks, _writer, default_workers, record_source
 from spmdlm.data.token_cache import prepare_split
-from spmdlm.data.tokenizer import save_tokenizer, train_tokenizer
+from spmdlm.data.tokenization import save_tokenizer, train_tokenizer
 from spmdlm.errors import DataError
 from spmdlm.families import get_family
 from spmdlm.prepare import main
@@ -275,7 +275,7 @@ def test_open_dataset_refuses_another_tokenizer_length_or_mode(corpus, tokenizer
     for kwargs, message in refusals:
         with pytest.raises(DataError, match=f"^{message}"):
             open_dataset(out, **kwargs)
-    from spmdlm.data.tokenizer import load_tokenizer
+    from spmdlm.data.tokenization import load_tokenizer
 
     assert (
         open_dataset(out, tokenizer=load_tokenizer(out / "tokenizer"), record_length=33, mode="stream")[0] == train

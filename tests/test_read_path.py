@@ -123,7 +123,7 @@ def test_a_restored_iterator_resumes_mid_epoch(tmp_path):
 
 
 def test_a_cache_in_the_previous_layout_is_a_miss_and_rebuilt(tmp_path, caplog):
-    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.data.tokenization import train_tokenizer
     from spmdlm.families import get_family
 
     docs = [f"document {i} " + " ".join(f"w{(i * j) % 97}" for j in range(30)) for i in range(60)]

@@ -18,8 +18,9 @@ from conftest import FIXTURES
 from test_reliability import flags, launch
 
 from spmdlm import export, storage
+from spmdlm.cli.export import main as export_main
 from spmdlm.data import datasets
-from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, special_token_ids, train_tokenizer
+from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.families import get_family
 from spmdlm.launch import main
 from spmdlm.prepare import main as prepare_main
@@ -119,15 +120,15 @@ def test_an_export_killed_while_writing_the_tokenizer_is_redone_by_the_rerun(
 
 def test_an_interrupted_export_cli_out_can_be_written_again_without_overwrite(capsys, tmp_path, trained):
     out = tmp_path / "hf"
-    assert export.main(["--checkpoint", str(trained), "--out", str(out)]) == 0
+    assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 0
     assert export.export_complete(out)
     (out / export.MARKER).unlink()  # what an export of older spmdlm killed before its tokenizer left
     (out / "tokenizer_config.json").unlink()
     capsys.readouterr()
-    assert export.main(["--checkpoint", str(trained), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 0, capsys.readouterr().err
     assert export.export_complete(out) and (out / "tokenizer_config.json").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
-    assert export.main(["--checkpoint", str(trained), "--out", str(out)]) == 2  # a whole export is kept
+    assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 2  # a whole export is kept
     assert "exists and is not empty" in capsys.readouterr().err
 
 
@@ -223,13 +224,13 @@ def test_a_full_disk_while_preparing_a_dataset_is_one_line(capsys, full_disk, co
 def test_a_full_disk_while_exporting_is_one_line_and_a_rerun_recovers(capsys, full_disk, trained):
     disk = full_disk(128)  # the model's tensors are about 0.5 MB
     out = disk / "hf"
-    code = export.main(["--checkpoint", str(trained), "--out", str(out)])
+    code = export_main(["--checkpoint", str(trained), "--out", str(out)])
     assert code == 2
     line = one_line(capsys.readouterr().err)
     assert "no space left" in line and str(out) in line, line
     assert sorted(p.name for p in disk.iterdir()) == ["filler"]  # nothing partial, no temp dir
     (disk / "filler").unlink()
-    assert export.main(["--checkpoint", str(trained), "--out", str(out)]) == 0
+    assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 0
     assert export.export_complete(out) and (out / "tokenizer.json").is_file()
 
 

@@ -159,7 +159,7 @@ def test_the_tokenizer_trainer_reads_long_documents_in_pieces(monkeypatch, model
     import numpy as np
 
     from spmdlm.data import records
-    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.data.tokenization import train_tokenizer
     from spmdlm.families import get_family
 
     rng = np.random.default_rng(0)
@@ -176,7 +176,7 @@ def test_the_tokenizer_trainer_reads_long_documents_in_pieces(monkeypatch, model
 # -- logs and prompts --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt2_tokenizer():
-    from spmdlm.data.tokenizer import train_tokenizer
+    from spmdlm.data.tokenization import train_tokenizer
     from spmdlm.families import get_family
 
     return train_tokenizer(get_family("gpt2"), FIXTURES.joinpath("overfit.txt").read_text().splitlines(), 300)
@@ -223,7 +223,7 @@ def test_one_document_that_leaves_no_held_out_text_says_so(caplog):
 
 
 def test_generate_from_a_folder_without_a_tokenizer_says_what_to_copy(capsys, tmp_path, tiny_gpt2_config):
-    from spmdlm.generate.cli import main as generate
+    from spmdlm.cli.generate import main as generate
 
     (tmp_path / "config.json").write_text(tiny_gpt2_config.read_text())
     assert generate(["--model_name_or_path", str(tmp_path), "--prompt", "hi"]) == 2
@@ -256,7 +256,7 @@ def test_a_tracker_that_cannot_start_leaves_the_output_dir_as_it_was(
 # -- prepared datasets: ids beyond the vocabulary refused at start; the card describes the dataset trained on --------
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, gpt2_tokenizer):
-    from spmdlm.data.tokenizer import save_tokenizer
+    from spmdlm.data.tokenization import save_tokenizer
     from spmdlm.families import get_family
     from spmdlm.prepare import main as prepare
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, read_metrics
 
-from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.families import get_family
 from spmdlm.launch import main
 

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from spmdlm.export import load_hf, save_hf  # noqa: E402
 from spmdlm.families import load_config, load_pretrained_config  # noqa: E402
-from spmdlm.models.config import ConfigError  # noqa: E402
+from spmdlm.models.hf_config import ConfigError  # noqa: E402
 from spmdlm.models.t5 import T5Config, T5ForConditionalGeneration, relative_position_buckets  # noqa: E402
 
 # Odd head sizes and counts, vocabularies that are not multiples of 8, unequal encoder/decoder depths, bucket

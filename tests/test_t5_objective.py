@@ -197,7 +197,7 @@ def test_wrong_record_length_is_rejected():
 
 
 def test_with_a_trained_tokenizer():
-    from spmdlm.data.tokenizer import sentinel_ids, special_token_ids, train_tokenizer
+    from spmdlm.data.tokenization import sentinel_ids, special_token_ids, train_tokenizer
 
     texts = [f"sentence {i} about apples, pears and {i * 7} plums." for i in range(200)]
     tok = train_tokenizer(get_family("t5"), texts, vocab_size=200)

@@ -6,10 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from spmdlm import prepare, tokenizer
+from spmdlm import prepare
+from spmdlm.cli import tokenizer
 from spmdlm.config import RunArgs
 from spmdlm.data import readers, token_cache
-from spmdlm.data.tokenizer import load_tokenizer
+from spmdlm.data.tokenization import load_tokenizer
 from spmdlm.train import corpora
 
 # Three paragraphs, hard-wrapped, separated by one or more blank lines (one of them holding spaces).

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import transformers
 
-from spmdlm.data.tokenizer import (
+from spmdlm.data.tokenization import (
     TokenizerError,
     load_tokenizer,
     save_tokenizer,

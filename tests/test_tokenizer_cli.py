@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import transformers
 
-from spmdlm.data.tokenizer import (
+from spmdlm.cli.tokenizer import main
+from spmdlm.data.tokenization import (
     load_tokenizer,
     save_tokenizer,
     sentinel_ids,
@@ -16,7 +17,6 @@ from spmdlm.data.tokenizer import (
     train_tokenizer,
 )
 from spmdlm.families import get_family
-from spmdlm.tokenizer import main
 
 _RNG = np.random.default_rng(0)
 _WORDS = ["".join(_RNG.choice(list("abcdefghijklmnoprstuvyæøåé"), _RNG.integers(2, 8))) for _ in range(300)]
@@ -157,7 +157,7 @@ def test_a_spiece_model_gives_the_ids_of_t5_tokenizer_fast(spiece_dir, tmp_path)
 
 
 def test_a_broken_spiece_model_is_one_line(tmp_path):
-    from spmdlm.data.tokenizer import TokenizerError
+    from spmdlm.data.tokenization import TokenizerError
 
     (tmp_path / "spiece.model").write_bytes(b"not a model")
     with pytest.raises(TokenizerError, match=r"^cannot read SentencePiece model .*spiece.model: [^\n]*$"):

@@ -1,1 +1,1 @@
-"""The command lines: python -m spmdlm.<verb> runs spmdlm/cli/<verb>.py"""
+"""The command lines: python -m spmdlm.<verb> runs spmdlm/cli/<verb>.py."""

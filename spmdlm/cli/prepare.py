@@ -31,7 +31,7 @@ from spmdlm.config import RunArgs, check_objective_flags
 from spmdlm.data.datasets import DEFAULT_SHARD_BYTES, prepare_dataset
 from spmdlm.data.readers import add_corpus_arguments, corpus_of
 from spmdlm.data.records import Cut
-from spmdlm.data.tokenizer import load_tokenizer, special_token_ids
+from spmdlm.data.tokenization import load_tokenizer, special_token_ids
 from spmdlm.errors import ArgumentError, UserError
 from spmdlm.families import families, get_family, load_config, objective_flags
 

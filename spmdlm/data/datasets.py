@@ -41,7 +41,7 @@ from spmdlm.data.records import (
     tokenize_into,
 )
 from spmdlm.data.sentences import SENTENCE_END
-from spmdlm.data.tokenizer import save_tokenizer
+from spmdlm.data.tokenization import save_tokenizer
 from spmdlm.errors import DataError
 
 log = logging.getLogger(__name__)

@@ -578,13 +578,13 @@ def add_corpus_arguments(parser) -> None:
     parser.add_argument("--text_format", choices=TEXT_FORMATS, default=None, help=TEXT_FORMAT_HELP)
 
 
-def corpus_of(args) -> Corpus:
+def corpus_of(flags) -> Corpus:
     """The corpus that `add_corpus_arguments`' flags name."""
     return open_corpus(
-        args.inputs,
-        dataset_name=args.dataset_name,
-        dataset_config_name=args.dataset_config_name,
-        text_column=args.text_column,
-        text_documents=args.text_documents,
-        text_format=args.text_format,
+        flags.inputs,
+        dataset_name=flags.dataset_name,
+        dataset_config_name=flags.dataset_config_name,
+        text_column=flags.text_column,
+        text_documents=flags.text_documents,
+        text_format=flags.text_format,
     )

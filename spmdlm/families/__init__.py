@@ -19,10 +19,10 @@ import pkgutil
 
 from spmdlm.config import DEFAULT_MODEL_TYPE, QUICKSTART_COMMON, FamilyChoices, RunArgs
 from spmdlm.data.objectives import Flag, Objective
-from spmdlm.data.tokenizer import train_tokenizer
+from spmdlm.data.tokenization import train_tokenizer
 from spmdlm.errors import ConfigError
 from spmdlm.families.base import Family
-from spmdlm.models.config import HFConfig, preset_names, read_config_source, read_pretrained_config
+from spmdlm.models.hf_config import HFConfig, preset_names, read_config_source, read_pretrained_config
 
 ENTRY_POINT_GROUP = "spmdlm.families"
 
@@ -80,7 +80,7 @@ def objective_flags() -> tuple[Flag, ...]:
 
 
 def all_presets() -> dict[str, dict]:
-    """The families' own presets (shipped presets are files: spmdlm.models.config.preset_names)."""
+    """The families' own presets (shipped presets are files: spmdlm.models.hf_config.preset_names)."""
     return {name: values for family in families().values() for name, values in family.presets.items()}
 
 

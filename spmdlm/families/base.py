@@ -21,10 +21,11 @@ from flax import nnx
 
 from spmdlm.config import RunArgs
 from spmdlm.data.objectives import DECODER_SEGMENT_FIELDS, SEGMENT_FIELDS, Flag, Objective
-from spmdlm.data.tokenizer import TokenizerSpec
+from spmdlm.data.tokenization import TokenizerSpec
 from spmdlm.errors import ArgumentError
-from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import Cache, set_attention
+from spmdlm.models.attention import set_attention
+from spmdlm.models.hf_config import HFConfig
+from spmdlm.models.kv_cache import Cache
 
 # -- transformers rename tables ------------------------------------------------------------------------------------
 # A layout change is (ours -> HF, HF -> ours given our per-layer shape).
@@ -165,7 +166,7 @@ class EncoderDecoderGenerator(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str  # = the HF model_type
-    config_class: type  # a frozen dataclass with HF config names (spmdlm.models.config.HFConfig)
+    config_class: type  # a frozen dataclass with HF config names (spmdlm.models.hf_config.HFConfig)
     model_class: type  # the NNX module: (config, *, rngs, dtype, remat, scan_unroll)
     hf_auto_class: str  # the transformers Auto class that loads the export (named in docs and the model card)
     table: Table  # the rename table onto the transformers model (export and --model_name_or_path)
@@ -205,7 +206,7 @@ class Family:
         scan_unroll: int | bool = 1,
         attention: str = "xla",
     ):
-        """The model; `attention` chooses how its shared attention layers compute (layers.set_attention)."""
+        """The model; `attention` chooses how its shared attention layers compute (attention.set_attention)."""
         model = self.model_class(config, rngs=rngs, dtype=dtype, remat=remat, scan_unroll=scan_unroll)
         return set_attention(model, attention)
 

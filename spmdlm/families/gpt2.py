@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from spmdlm.data.objectives import DOCUMENT_ATTENTION
 from spmdlm.data.objectives.clm import BLOCK_SIZE, CausalLM
-from spmdlm.data.tokenizer import TokenizerSpec, special_token_ids
+from spmdlm.data.tokenization import TokenizerSpec, special_token_ids
 from spmdlm.errors import ArgumentError, ConfigError
 from spmdlm.families.base import FLAT, FLAT_OUT, SAME, Family, Generation, Table, forward_single_stack
 from spmdlm.flops import attention_matmuls, dense

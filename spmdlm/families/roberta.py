@@ -6,7 +6,7 @@ import dataclasses
 
 from spmdlm.data.objectives import DOCUMENT_ATTENTION, MAX_SEQ_LENGTH, MLM_PROBABILITY
 from spmdlm.data.objectives.mlm import LINE_BY_LINE, PACKING, MaskedLM, layout_problem
-from spmdlm.data.tokenizer import all_special_ids, special_token_ids
+from spmdlm.data.tokenization import all_special_ids, special_token_ids
 from spmdlm.errors import ArgumentError, ConfigError
 from spmdlm.families.base import (
     FRAMED_BPE_TOKENIZER,

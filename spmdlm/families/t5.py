@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from spmdlm.data.objectives import DOCUMENT_ATTENTION, MAX_SEQ_LENGTH, MLM_PROBABILITY
 from spmdlm.data.objectives.t5 import MEAN_NOISE_SPAN_LENGTH, SpanCorruption
-from spmdlm.data.tokenizer import TokenizerSpec, sentinel_ids, special_token_ids
+from spmdlm.data.tokenization import TokenizerSpec, sentinel_ids, special_token_ids
 from spmdlm.errors import ArgumentError, ConfigError
 from spmdlm.families.base import LINEAR, SAME, Family, Generation, Table, forward_encoder_decoder
 from spmdlm.flops import attention_matmuls, dense

@@ -1,5 +1,3 @@
-import sys
+from spmdlm.cli.generate import main
 
-from spmdlm.generate.cli import main
-
-sys.exit(main())
+raise SystemExit(main())

@@ -8,7 +8,7 @@ steps inside one jitted call: no per-token dispatch, and it stops as soon as eve
 emit padding meanwhile, as transformers' generate does.
 
 Decoder-only prompts are left-padded (every row then writes its next token to the same slot; positions come from
-the attention mask, `layers.Cache.advance`); encoder inputs are right-padded. The jitted functions take the model's
+the attention mask, `kv_cache.Cache.advance`); encoder inputs are right-padded. The jitted functions take the model's
 parameters as arguments (its graph definition is static), so calling `generate` again on an updated model, e.g.
 during training, reuses the compiled code.
 """
@@ -30,7 +30,7 @@ from spmdlm.families import get_family
 from spmdlm.families.base import Generation
 from spmdlm.generate.sampling import Sampling, choose
 from spmdlm.mesh import constrain
-from spmdlm.models.layers import Cache
+from spmdlm.models.kv_cache import Cache
 
 PROMPT_BUCKET = 16  # prompt lengths are rounded up to a multiple of this (left padding), ...
 SLOT_BUCKET = 64  # ... and cache lengths to a multiple of this: fewer shapes to compile

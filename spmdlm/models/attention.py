@@ -1,42 +1,30 @@
-"""How attention's core (scores, mask, softmax, weighted values) is computed: the einsums or a fused kernel.
+"""Multi-head attention (`Attention`), the masks it takes (`AttentionMask`) and how its core is computed.
 
-A model option (`layers.set_attention`), so it holds for training, evaluation and generation alike:
-- `xla`: our einsums (layers.Attention), which materialise the [B, heads, T, S] scores; the CPU default;
-- `dot_product`: `jax.nn.dot_product_attention`'s XLA path (the same math; here for the numerics tests);
-- `cudnn`: its cuDNN flash-attention kernel (NVIDIA GPUs, bf16/fp16; takes T5's bias, with its gradient);
-- `splash`: the Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu), packed segments and padding as
-  its segment ids, sharded by shard_map over the mesh's batch and head axes; off a TPU it runs in Pallas' interpret
-  mode (tests).
-Packed rows (docs/packing.md) carry segment ids: a query sees only keys of its own segment, in every implementation
-(the einsums and `dot_product` as a boolean mask, cuDNN as its mask input, splash as its segment ids).
-No kernel has attention dropout or the generation cache's layout, and splash takes no bias: such a call computes
-with the einsums (`fused` returns None and says why once). `resolve` picks `auto`'s choice for a run.
+The core (scores, mask, softmax, weighted values) is a model option (`set_attention`), so it holds for training,
+evaluation and generation alike: `xla`, our einsums (`Attention._einsums`), which materialise the [B, heads, T, S]
+scores and are the CPU default, or one of the fused kernels of `spmdlm.models.kernels` (`dot_product`, `cudnn`,
+`splash`). A call a kernel cannot take (attention dropout, the generation cache, a bias splash cannot add) uses the
+einsums. `resolve` picks a run's implementation for `--attention` (`auto`: the platform's kernel where it applies).
+Packed rows (docs/packing.md) carry segment ids: a query sees only keys of its own segment, in every implementation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
+import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
-from jax.sharding import PartitionSpec
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from spmdlm.mesh import resolve_spec
+from spmdlm.mesh import constrain
+from spmdlm.models import kernels
+from spmdlm.models.kv_cache import Cache
+from spmdlm.models.layers import Dense, add_broadcast, dropout, einsum_float32
 
-log = logging.getLogger(__name__)
-
-IMPLEMENTATIONS = ("xla", "dot_product", "cudnn", "splash")
+IMPLEMENTATIONS = ("xla", *kernels.KERNELS)
 CHOICES = ("auto", *IMPLEMENTATIONS)  # --attention
-SPLASH_BLOCK = 128  # the splash kernel's tiles are multiples of the TPU's 128 lanes: lengths must be too
-CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-# TPU generations (device_kind prefixes) whose Mosaic compiler cannot lower the splash kernel's bfloat16 matmuls
-# (libtpu 0.0.42: "CompileTimeMosaicUnsupportedRhsType: Unsupported matmul RHS type on target:
-# vector<128x128xbf16>"); float32 compiles there. tests/test_compile_for.py compiles both.
-SPLASH_FLOAT32_ONLY = ("tpu v2", "tpu v3")
 
 
 @jax.tree_util.register_dataclass
@@ -47,7 +35,7 @@ class AttentionMask:
 
     `key_valid` [B, S] (False = padding), `causal` (query t sees keys <= t), packed segments (`q_segments` [B, T],
     `kv_segments` [B, S] int32: a query sees only keys of its own segment; 0 = padding, which real queries never
-    see), or `dense`: an explicit boolean [B, 1, T, S] mask (the generation cache's, `layers.Cache.advance`), which
+    see), or `dense`: an explicit boolean [B, 1, T, S] mask (the generation cache's, `kv_cache.Cache.advance`), which
     only the einsums read. Padded queries are not masked: their outputs are never read (transformers does the same).
     """
 
@@ -107,127 +95,146 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
-@functools.cache
-def _say_once(implementation: str, reason: str) -> None:
-    log.info("attention %s: %s; these calls use the xla einsums", implementation, reason)
+class Attention(nnx.Module):
+    """Multi-head attention (self or cross). Separate q/k/v/o projections, or GPT-2's fused qkv kernel.
 
+    `scale=None` divides scores by sqrt(head_dim); T5 passes scale=1.0 (its init absorbs the scaling).
+    `cross` marks a decoder's attention over the encoder output, whose keys and values generation projects once;
+    `biased` an attention that is given an additive bias (T5's relative positions), which not every kernel takes.
+    """
 
-def fused(
-    implementation: str,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    mask: AttentionMask | None,
-    bias: jax.Array | None,
-    scale: float,
-) -> jax.Array | None:
-    """q [B, T, heads, head_dim], k and v [B, S, heads, head_dim] -> [B, T, heads, head_dim] by `implementation`,
-    or None where it cannot take this call (the caller then uses the einsums)."""
-    mask = mask or AttentionMask()
-    reason = _unsupported(implementation, q, k, mask, bias)
-    if reason:
-        _say_once(implementation, reason)
-        return None
-    if implementation == "splash":
-        return _splash(q, k, v, mask, scale)
-    if mask.segmented:  # as a boolean mask (cuDNN takes it as its mask input)
-        return jax.nn.dot_product_attention(
-            q,
-            k,
-            v,
-            bias=None if bias is None else bias.astype(q.dtype),
-            mask=mask.array(q.shape[1], k.shape[1]),
-            scale=scale,
-            implementation="cudnn" if implementation == "cudnn" else "xla",
+    implementation = "xla"  # IMPLEMENTATIONS; set per model by set_attention
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        use_bias: bool = True,
+        fused_qkv: bool = False,
+        scale: float | None = None,
+        dropout_rate: float = 0.0,
+        init_std: float = 0.02,
+        q_init_std: float | None = None,
+        kv_init_std: float | None = None,
+        out_init_std: float | None = None,
+        cross: bool = False,
+        biased: bool = False,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.cross, self.biased = cross, biased
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        self.dropout_rate = dropout_rate
+        inner = num_heads * head_dim
+        std = lambda s: init_std if s is None else s
+        if fused_qkv:
+            self.qkv = Dense(
+                d_model,
+                (3, inner),
+                ("embed", "qkv", "heads"),
+                rngs=rngs,
+                use_bias=use_bias,
+                init_std=init_std,
+                dtype=dtype,
+                saved_as="qkv",
+            )
+            self.query = self.key = self.value = None
+        else:
+            self.qkv = None
+            proj = lambda s, name: Dense(
+                d_model, inner, ("embed", "heads"), rngs=rngs, use_bias=use_bias, init_std=s, dtype=dtype, saved_as=name
+            )
+            self.query = proj(std(q_init_std), "query")
+            self.key, self.value = proj(std(kv_init_std), "key"), proj(std(kv_init_std), "value")
+        self.out = Dense(
+            inner,
+            d_model,
+            ("heads", "embed"),
+            rngs=rngs,
+            use_bias=use_bias,
+            init_std=std(out_init_std),
+            dtype=dtype,
+            saved_as="attention_out",
         )
-    kv_lengths = None
-    if mask.key_valid is not None and implementation == "cudnn":
-        # cuDNN's padding mask is a length per row: keys are right-padded in every call without a cache (training,
-        # evaluation, the encoders in generation); left-padded prompts only ever go through the cache.
-        kv_lengths = mask.key_valid.sum(-1, dtype=jnp.int32)
-    dense_padding = None if mask.key_valid is None or kv_lengths is not None else mask.key_valid[:, None, None, :]
-    return jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        bias=None if bias is None else bias.astype(q.dtype),
-        mask=dense_padding,
-        scale=scale,
-        is_causal=mask.causal,
-        key_value_seq_lengths=kv_lengths,
-        implementation="cudnn" if implementation == "cudnn" else "xla",
-    )
 
+    def heads(self, t: jax.Array) -> jax.Array:
+        """[..., heads * head_dim] -> [..., heads, head_dim], heads sharded over `tensor`."""
+        return constrain(t.reshape(*t.shape[:-1], self.num_heads, self.head_dim), "batch", "length", "act_heads", None)
 
-def _unsupported(implementation: str, q, k, mask: AttentionMask, bias) -> str | None:
-    if mask.dense is not None:
-        return "an explicit mask (the generation cache)"
-    if implementation == "cudnn" and q.dtype not in CUDNN_DTYPES:
-        return f"cuDNN's flash attention takes bfloat16/float16, not {q.dtype}"
-    if implementation == "splash":
+    def keys_values(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.heads(self.key(context)), self.heads(self.value(context))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        context: jax.Array | None = None,
+        *,
+        mask: AttentionMask | None = None,
+        bias: jax.Array | None = None,
+        rngs: nnx.Rngs | None = None,
+        cache: Cache | None = None,
+    ) -> jax.Array:
+        """With a `cache` (generation), self-attention adds x's keys and values to it and attends over all its
+        slots; cross-attention reads the keys and values projected once from the encoder output, not `context`."""
+        layout = "bshd" if cache is None else "bhsd"  # keys and values: [B, S, heads, head_dim], or as cached
+        if cache is not None and self.cross:
+            q, k, v = self.heads(self.query(x)), cache.cross_key, cache.cross_value
+        else:
+            if self.qkv is not None:
+                q, k, v = (self.heads(t) for t in jnp.moveaxis(self.qkv(x), -2, 0))
+            else:
+                q, (k, v) = self.heads(self.query(x)), self.keys_values(x if context is None else context)
+            if cache is not None:
+                k, v = cache.write(k, v)
+        dropping = rngs is not None and self.dropout_rate > 0.0  # no kernel has attention dropout
+        out = None
+        if self.implementation != "xla" and cache is None and not dropping:
+            out = kernels.fused(self.implementation, q, k, v, mask or AttentionMask(), bias, self.scale)
+        if out is None:
+            out = self._einsums(q, k, v, mask, bias, rngs, layout)
+        return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
+
+    def _einsums(self, q, k, v, mask, bias, rngs, layout):
+        scores = einsum_float32(f"bthd,{layout}->bhts", q, k) * self.scale
         if bias is not None:
-            return "the splash kernel takes no additive bias (T5's relative positions)"
-        if q.shape[1] % SPLASH_BLOCK or k.shape[1] % SPLASH_BLOCK:
-            return f"lengths {q.shape[1]}x{k.shape[1]} are not multiples of the kernel's {SPLASH_BLOCK}-wide blocks"
-    return None
+            scores = add_broadcast(scores, bias.astype(jnp.float32))
+        dense = None if mask is None else mask.array(*scores.shape[-2:])
+        if dense is not None:
+            scores = jnp.where(dense, scores, jnp.finfo(jnp.float32).min)
+        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q.dtype), "attention_weights")
+        probs = dropout(probs, self.dropout_rate, rngs)
+        return jnp.einsum(f"bhts,{layout}->bthd", probs, v)
 
 
-def _splash(q, k, v, mask: AttentionMask, scale: float) -> jax.Array:
-    batch, length, heads, _ = q.shape
-    key_length = k.shape[1]
-    if mask.segmented:  # packed rows: padding is segment 0, which only padded queries share
-        q_segments, kv_segments = mask.q_segments, mask.kv_segments
-    else:
-        # Padding as segment ids: queries are segment 1, real keys 1, padded keys 0. A row without any real key (a
-        # filler example of an evaluation's last batch) sees all its keys, as the einsums' uniform softmax does,
-        # rather than none (which would divide by zero).
-        valid = jnp.ones((batch, key_length), bool) if mask.key_valid is None else mask.key_valid
-        valid = valid | ~valid.any(-1, keepdims=True)
-        q_segments, kv_segments = jnp.ones((batch, length), jnp.int32), valid.astype(jnp.int32)
-    to_heads_first = lambda t: jnp.swapaxes(t, 1, 2)  # the kernel's [heads, length, head_dim] per example
-    q, k, v = to_heads_first(q * jnp.asarray(scale, q.dtype)), to_heads_first(k), to_heads_first(v)
-    mesh = jax.sharding.get_abstract_mesh()
-    platform = jax.default_backend() if mesh.empty or mesh.abstract_device is None else mesh.abstract_device.platform
-
-    def attend(q, k, v, q_segments, kv_segments):
-        local_heads, local_length = q.shape[1], q.shape[2]
-        head_mask = (splash_mask.CausalMask if mask.causal else splash_mask.FullMask)((local_length, key_length))
-        block = max(b for b in (512, 256, SPLASH_BLOCK) if local_length % b == 0 and key_length % b == 0)
-        kernel = splash.make_splash_mha(
-            splash_mask.MultiHeadMask([head_mask] * local_heads),
-            head_shards=1,
-            q_seq_shards=1,
-            block_sizes=splash.BlockSizes(
-                block_q=block,
-                block_kv=block,
-                block_kv_compute=block,
-                block_q_dkv=block,
-                block_kv_dkv=block,
-                block_kv_dkv_compute=block,
-                block_q_dq=block,
-                block_kv_dq=block,
-            ),
-            interpret=platform != "tpu",
-        )
-        return jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(q_segments, kv_segments))
-
-    if not mesh.empty:  # a Pallas kernel is not partitioned by XLA: each device runs it on its own rows and heads
-        spec = resolve_spec(q.shape, ("batch", "act_heads", None, None), dict(mesh.shape))
-        rows = PartitionSpec(spec[0], None)
-        attend = jax.shard_map(
-            attend, mesh=mesh, in_specs=(spec, spec, spec, rows, rows), out_specs=spec, check_vma=False
-        )
-    return to_heads_first(attend(q, k, v, q_segments, kv_segments))
+def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
+    """Compute every attention layer of `model` with `implementation` (IMPLEMENTATIONS): part of the
+    model's graph, so it holds for training, evaluation and generation alike."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention {implementation!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, Attention):
+            module.implementation = implementation
+    return model
 
 
-def _splash_uncompilable(device_kind: str, dtype) -> str | None:
-    """Why this TPU generation's compiler rejects the splash kernel at `dtype`, or None."""
-    if jnp.dtype(dtype) != jnp.float32 and device_kind.lower().startswith(SPLASH_FLOAT32_ONLY):
-        return (
-            f"the TPU compiler (Mosaic) cannot build the splash kernel's {jnp.dtype(dtype).name} matmuls for "
-            f"{device_kind}"
-        )
-    return None
+def resolve_attention(
+    model: nnx.Module, requested: str, *, platform: str, dtype, training: bool, device_kind: str = ""
+) -> tuple[str, str | None]:
+    """`resolve` for `model` (an abstract one will do): weighs its largest attention dropout and whether some
+    attention takes a bias."""
+    layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, Attention)]
+    return resolve(
+        requested,
+        platform=platform,
+        dtype=dtype,
+        training=training,
+        device_kind=device_kind,
+        dropout=max((m.dropout_rate for m in layers), default=0.0),
+        biased=any(m.biased for m in layers),
+    )
 
 
 def resolve(
@@ -240,8 +247,8 @@ def resolve(
     if requested not in CHOICES:
         raise ValueError(f"choose one of {', '.join(CHOICES)}")
     dropping = training and dropout > 0.0
-    kernel = {"gpu": "cudnn", "tpu": "splash"}.get(platform)
-    uncompilable = _splash_uncompilable(device_kind, dtype) if platform == "tpu" else None
+    kernel = kernels.PLATFORM_KERNEL.get(platform)
+    uncompilable = kernels.splash_uncompilable(device_kind, dtype) if platform == "tpu" else None
     if requested == "auto":
         if kernel is None:
             return "xla", None
@@ -250,7 +257,7 @@ def resolve(
                 f"auto = xla, not {kernel}: the model's attention dropout is {dropout} and the fused "
                 "kernels have none (a config with attention dropout 0 uses the kernel)"
             )
-        if kernel == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES:
+        if kernel == "cudnn" and jnp.dtype(dtype) not in kernels.CUDNN_DTYPES:
             return "xla", "auto = xla, not cudnn: cuDNN's flash attention needs --dtype bfloat16"
         if kernel == "splash" and uncompilable:
             return "xla", f"auto = xla, not splash: {uncompilable} (--dtype float32 would take the kernel)"
@@ -269,7 +276,7 @@ def resolve(
         )
     if requested == "splash" and uncompilable:
         raise ValueError(f"{uncompilable}: use --attention auto or xla, or --dtype float32")
-    if requested == "cudnn" and jnp.dtype(dtype) not in CUDNN_DTYPES:
+    if requested == "cudnn" and jnp.dtype(dtype) not in kernels.CUDNN_DTYPES:
         raise ValueError("cuDNN's flash attention takes bfloat16/float16: add --dtype bfloat16, or use --attention xla")
     if requested != "xla" and dropping:
         raise ValueError(

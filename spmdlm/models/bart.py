@@ -9,7 +9,7 @@ keeps as a (1, vocab) buffer and never trains (nor do we). Layers are stacked an
 `decoder.layers.layers`).
 
 Generation: `encode` once, `init_cache` (the encoder output's cross-attention keys and values, projected once), then
-`extend` one decoder token at a time through a preallocated KV cache (`layers.Cache`).
+`extend` one decoder token at a time through a preallocated KV cache (`kv_cache.Cache`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import make_attention_mask, segment_positions
-from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import ACTIVATIONS, Bias, Cache, Embed, LayerNorm, PostNormBlock, dropout, make_param
+from spmdlm.models.attention import AttentionMask, make_attention_mask, segment_positions
+from spmdlm.models.blocks import PostNormBlock
+from spmdlm.models.hf_config import HFConfig
+from spmdlm.models.kv_cache import Cache
+from spmdlm.models.layers import ACTIVATIONS, Bias, Embed, LayerNorm, dropout, make_param
 from spmdlm.models.stack import LayerStack
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of the table
@@ -150,9 +152,13 @@ class BartStack(nnx.Module):
 
     def extend(self, embedded, cache: Cache) -> tuple[jax.Array, Cache]:
         """The decoder during generation: the next tokens' embeddings [B, T, d] through the cache (no padding)."""
-        positions, mask, cache = cache.advance(embedded.shape[1])
+        positions, visible, cache = cache.advance(embedded.shape[1])
         return self.layers.scan_with_cache(
-            self.with_positions(embedded, positions), cache, mask, None, make_attention_mask(cache.cross_valid)
+            self.with_positions(embedded, positions),
+            cache,
+            AttentionMask(dense=visible),
+            None,
+            make_attention_mask(cache.cross_valid),
         )
 
 

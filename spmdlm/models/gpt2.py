@@ -4,7 +4,7 @@ Mirrors transformers' `GPT2LMHeadModel` (attribute names follow it where our sha
 `spmdlm/families/gpt2.py` holds the rename table). The blocks are stacked and scanned (`h.layers`). Dropout uses HF's
 pdrop names and defaults (0.1, what transformers reads from a config.json without them); the presets set 0, the
 pretraining recipe's setting.
-Generation (`init_cache`, `extend`) feeds tokens through a preallocated KV cache (`layers.Cache`).
+Generation (`init_cache`, `extend`) feeds tokens through a preallocated KV cache (`kv_cache.Cache`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import make_attention_mask, segment_positions
-from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import MLP, Attention, Cache, Embed, LayerNorm, dropout
+from spmdlm.models.attention import Attention, AttentionMask, make_attention_mask, segment_positions
+from spmdlm.models.hf_config import HFConfig
+from spmdlm.models.kv_cache import Cache
+from spmdlm.models.layers import MLP, Embed, LayerNorm, dropout
 from spmdlm.models.stack import LayerStack
 
 
@@ -147,7 +148,7 @@ class GPT2LMHeadModel(nnx.Module):
     ) -> tuple[jax.Array, Cache]:
         """Generation: the next tokens `input_ids` [B, T] of every row (a left-padded prompt, then one token at a
         time) attend to the cached ones; -> their logits [B, T, V] and the cache holding their keys and values."""
-        positions, mask, cache = cache.advance(input_ids.shape[1], attention_mask)
+        positions, visible, cache = cache.advance(input_ids.shape[1], attention_mask)
         x = constrain(self.wte(input_ids) + self.wpe(positions), "batch", "length", "act_embed")
-        x, cache = self.h.scan_with_cache(x, cache, mask)
+        x, cache = self.h.scan_with_cache(x, cache, AttentionMask(dense=visible))
         return self.head(self.ln_f(x)), cache

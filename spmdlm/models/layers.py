@@ -1,16 +1,13 @@
-"""The layers all four models share: dense, embedding, norms, attention, MLP, dropout, and the scanned layer stack.
+"""The layers all four models share: dense, embedding, norms, MLP, dropout. Attention is `attention.Attention`, the
+transformer layer two models share `blocks.PostNormBlock`, the scanned layer stack `stack.LayerStack`.
 
 Parameters are float32 and carry a PartitionSpec resolved from logical axis names through `mesh.LOGICAL_RULES`
 when they are created under a mesh (`jax.set_mesh`), so they are born sharded; without a mesh they are plain arrays.
 Matmuls run in the compute `dtype` (bfloat16 on accelerators); norms and softmax run in float32.
-
-Generation (spmdlm.generate) runs the same layers with a `Cache` of keys and values: see `Cache` and
-`LayerStack.scan_with_cache`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -21,8 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdlm.flops import SUM_AS_MATMUL
-from spmdlm.mesh import constrain, resolve_spec
-from spmdlm.models.attention import IMPLEMENTATIONS, AttentionMask, fused, resolve
+from spmdlm.mesh import resolve_spec
 
 
 def einsum_float32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -125,7 +121,7 @@ _add_broadcast.defvjp(_add_broadcast_fwd, _add_broadcast_bwd)
 
 class Dense(nnx.Module):
     """y = x @ kernel (+ bias). `out_features` may be a tuple to keep structure (e.g. GPT-2's fused 3×heads).
-    `saved_as`: the name (checkpoint_name) of x @ kernel that the remat policies keep or drop (REMAT_POLICIES)."""
+    `saved_as`: the name (checkpoint_name) of x @ kernel that the remat policies keep or drop (stack.REMAT_POLICIES)."""
 
     def __init__(
         self,
@@ -270,282 +266,3 @@ class MLP(nnx.Module):
         h = act(self.wi_0(x)) * self.wi_1(x) if self.wi is None else act(self.wi(x))
         h = dropout(h, self.dropout_rate, rngs)  # T5's dropout_rate, BART's activation_dropout; 0 for GPT-2
         return self.wo(h)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Cache:
-    """A decoder stack's state during generation, preallocated for the whole generation so that every decode step
-    has the same shapes (one compilation).
-
-    Slots are the positions of the cache: every row writes its next token to the same slot `index`; rows differ only
-    in which slots hold real tokens (`valid`: a left-padded prompt's padding never does). Per-layer arrays are
-    stacked on a leading layers axis. `LayerStack.scan_with_cache` carries the whole cache through the layer scan
-    with `layer` set to the running layer, whose attention writes its new keys and values into it (updating this
-    record while it is traced) and reads its own slice. Heads come before slots: the layout attention's matmuls
-    read without a transpose.
-    """
-
-    key: jax.Array  # [layers, batch, heads, slots, head_dim]: self-attention keys of the tokens so far
-    value: jax.Array
-    valid: jax.Array  # [batch, slots] bool: the slot holds a real token
-    index: jax.Array  # int32 scalar: the next token's slot
-    cross_key: jax.Array | None = None  # [layers, batch, heads, source, head_dim]: the encoder output's, projected once
-    cross_value: jax.Array | None = None
-    cross_valid: jax.Array | None = None  # [batch, source] bool: the encoder input's non-padding tokens
-    layer: jax.Array | None = None  # inside the layer scan: the index of the layer being run
-
-    @classmethod
-    def empty(
-        cls,
-        layers: int,
-        batch: int,
-        slots: int,
-        heads: int,
-        head_dim: int,
-        dtype,
-        cross: tuple[jax.Array, jax.Array] | None = None,
-        cross_valid: jax.Array | None = None,
-    ) -> Cache:
-        """`cross`: the stacked cross-attention keys and values [layers, batch, source, heads, head_dim]."""
-        shape = (layers, batch, heads, slots, head_dim)
-        zeros = lambda: constrain(jnp.zeros(shape, dtype), "layers", "batch", "act_heads", "length", None)
-        cross_key, cross_value = (jnp.swapaxes(a, 2, 3) for a in cross) if cross else (None, None)
-        return cls(
-            zeros(),
-            zeros(),
-            jnp.zeros((batch, slots), bool),
-            jnp.zeros((), jnp.int32),
-            cross_key,
-            cross_value,
-            None if cross_valid is None else cross_valid.astype(bool),
-        )
-
-    def advance(self, length: int, attention_mask: jax.Array | None = None):
-        """For the next `length` tokens, about to go to slots index..index+length-1 (`attention_mask` [B, length]:
-        0 marks padding): their positions [B, length], the attention mask ([B, 1, length, slots]: each sees the real
-        tokens up to itself), and the cache with their slots marked valid.
-
-        A position counts the row's real tokens before it, so left padding shifts nothing (transformers' generate
-        derives position_ids from the attention mask the same way; padding gets position 0).
-        """
-        real = jnp.ones((self.valid.shape[0], length), bool) if attention_mask is None else attention_mask.astype(bool)
-        positions = self.valid.sum(-1, keepdims=True) + jnp.cumsum(real, axis=1) - 1
-        valid = jax.lax.dynamic_update_slice_in_dim(self.valid, real, self.index, axis=1)
-        slots = jnp.arange(valid.shape[1])
-        causal = slots[None, :] <= self.index + jnp.arange(length)[:, None]
-        mask = AttentionMask(dense=valid[:, None, None, :] & causal[None, None])
-        return jnp.maximum(positions, 0), mask, dataclasses.replace(self, valid=valid)
-
-    def write(self, key: jax.Array, value: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The running layer's new keys and values [B, T, heads, head_dim] go to slots index..; returns all its
-        slots' [B, heads, slots, head_dim]."""
-
-        def put(stacked, new):
-            new = jnp.swapaxes(new, 1, 2)[None].astype(stacked.dtype)
-            return jax.lax.dynamic_update_slice(stacked, new, (self.layer, 0, 0, self.index, 0))
-
-        self.key, self.value = put(self.key, key), put(self.value, value)
-        return self.key[self.layer], self.value[self.layer]
-
-
-class Attention(nnx.Module):
-    """Multi-head attention (self or cross). Separate q/k/v/o projections, or GPT-2's fused qkv kernel.
-
-    `scale=None` divides scores by sqrt(head_dim); T5 passes scale=1.0 (its init absorbs the scaling).
-    `cross` marks a decoder's attention over the encoder output, whose keys and values generation projects once;
-    `biased` an attention that is given an additive bias (T5's relative positions), which not every kernel takes.
-    """
-
-    implementation = "xla"  # attention.IMPLEMENTATIONS; set per model by set_attention
-
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        head_dim: int,
-        *,
-        use_bias: bool = True,
-        fused_qkv: bool = False,
-        scale: float | None = None,
-        dropout_rate: float = 0.0,
-        init_std: float = 0.02,
-        q_init_std: float | None = None,
-        kv_init_std: float | None = None,
-        out_init_std: float | None = None,
-        cross: bool = False,
-        biased: bool = False,
-        dtype=jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        self.num_heads, self.head_dim = num_heads, head_dim
-        self.cross, self.biased = cross, biased
-        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        self.dropout_rate = dropout_rate
-        inner = num_heads * head_dim
-        std = lambda s: init_std if s is None else s
-        if fused_qkv:
-            self.qkv = Dense(
-                d_model,
-                (3, inner),
-                ("embed", "qkv", "heads"),
-                rngs=rngs,
-                use_bias=use_bias,
-                init_std=init_std,
-                dtype=dtype,
-                saved_as="qkv",
-            )
-            self.query = self.key = self.value = None
-        else:
-            self.qkv = None
-            proj = lambda s, name: Dense(
-                d_model, inner, ("embed", "heads"), rngs=rngs, use_bias=use_bias, init_std=s, dtype=dtype, saved_as=name
-            )
-            self.query = proj(std(q_init_std), "query")
-            self.key, self.value = proj(std(kv_init_std), "key"), proj(std(kv_init_std), "value")
-        self.out = Dense(
-            inner,
-            d_model,
-            ("heads", "embed"),
-            rngs=rngs,
-            use_bias=use_bias,
-            init_std=std(out_init_std),
-            dtype=dtype,
-            saved_as="attention_out",
-        )
-
-    def heads(self, t: jax.Array) -> jax.Array:
-        """[..., heads * head_dim] -> [..., heads, head_dim], heads sharded over `tensor`."""
-        return constrain(t.reshape(*t.shape[:-1], self.num_heads, self.head_dim), "batch", "length", "act_heads", None)
-
-    def keys_values(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self.heads(self.key(context)), self.heads(self.value(context))
-
-    def __call__(
-        self,
-        x: jax.Array,
-        context: jax.Array | None = None,
-        *,
-        mask: AttentionMask | None = None,
-        bias: jax.Array | None = None,
-        rngs: nnx.Rngs | None = None,
-        cache: Cache | None = None,
-    ) -> jax.Array:
-        """With a `cache` (generation), self-attention adds x's keys and values to it and attends over all its
-        slots; cross-attention reads the keys and values projected once from the encoder output, not `context`."""
-        layout = "bshd" if cache is None else "bhsd"  # keys and values: [B, S, heads, head_dim], or as cached
-        if cache is not None and self.cross:
-            q, k, v = self.heads(self.query(x)), cache.cross_key, cache.cross_value
-        else:
-            if self.qkv is not None:
-                q, k, v = (self.heads(t) for t in jnp.moveaxis(self.qkv(x), -2, 0))
-            else:
-                q, (k, v) = self.heads(self.query(x)), self.keys_values(x if context is None else context)
-            if cache is not None:
-                k, v = cache.write(k, v)
-        dropping = rngs is not None and self.dropout_rate > 0.0  # no kernel has attention dropout
-        out = None
-        if self.implementation != "xla" and cache is None and not dropping:
-            out = fused(self.implementation, q, k, v, mask, bias, self.scale)
-        if out is None:
-            out = self._einsums(q, k, v, mask, bias, rngs, layout)
-        return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
-
-    def _einsums(self, q, k, v, mask, bias, rngs, layout):
-        scores = einsum_float32(f"bthd,{layout}->bhts", q, k) * self.scale
-        if bias is not None:
-            scores = add_broadcast(scores, bias.astype(jnp.float32))
-        dense = None if mask is None else mask.array(*scores.shape[-2:])
-        if dense is not None:
-            scores = jnp.where(dense, scores, jnp.finfo(jnp.float32).min)
-        probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q.dtype), "attention_weights")
-        probs = dropout(probs, self.dropout_rate, rngs)
-        return jnp.einsum(f"bhts,{layout}->bthd", probs, v)
-
-
-def set_attention(model: nnx.Module, implementation: str) -> nnx.Module:
-    """Compute every attention layer of `model` with `implementation` (attention.IMPLEMENTATIONS): part of the
-    model's graph, so it holds for training, evaluation and generation alike."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"attention {implementation!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
-    for _, module in nnx.iter_graph(model):
-        if isinstance(module, Attention):
-            module.implementation = implementation
-    return model
-
-
-def resolve_attention(
-    model: nnx.Module, requested: str, *, platform: str, dtype, training: bool, device_kind: str = ""
-) -> tuple[str, str | None]:
-    """attention.resolve for `model` (an abstract one will do): weighs its largest attention dropout and whether some
-    attention takes a bias."""
-    layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, Attention)]
-    return resolve(
-        requested,
-        platform=platform,
-        dtype=dtype,
-        training=training,
-        device_kind=device_kind,
-        dropout=max((m.dropout_rate for m in layers), default=0.0),
-        biased=any(m.biased for m in layers),
-    )
-
-
-class PostNormBlock(nnx.Module):
-    """A post-LayerNorm transformer layer (BERT/RoBERTa, BART encoder and decoder): each sublayer's output is
-    dropped out, added to its input, then normalised. Exact-GELU MLP by default; cross-attention for decoders.
-
-    Names follow BART (`self_attn`, `self_attn_layer_norm`, `encoder_attn`, `final_layer_norm`); the families'
-    rename tables map RoBERTa's names onto them.
-    """
-
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        *,
-        activation: str,
-        eps: float,
-        dropout_rate: float,
-        attention_dropout: float,
-        activation_dropout: float,
-        cross_attention: bool,
-        init_std: float,
-        dtype,
-        rngs: nnx.Rngs,
-    ):
-        attention = lambda cross=False: Attention(
-            d_model,
-            num_heads,
-            d_model // num_heads,
-            cross=cross,
-            dropout_rate=attention_dropout,
-            init_std=init_std,
-            dtype=dtype,
-            rngs=rngs,
-        )
-        norm = lambda: LayerNorm(d_model, eps=eps, rngs=rngs)
-        self.self_attn, self.self_attn_layer_norm = attention(), norm()
-        self.encoder_attn = attention(cross=True) if cross_attention else None
-        self.encoder_attn_layer_norm = norm() if cross_attention else None
-        self.mlp = MLP(
-            d_model,
-            d_ff,
-            activation=activation,
-            dropout_rate=activation_dropout,
-            init_std=init_std,
-            dtype=dtype,
-            rngs=rngs,
-        )
-        self.final_layer_norm = norm()
-        self.dropout_rate = dropout_rate
-
-    def __call__(self, x, mask, context=None, context_mask=None, *, rngs=None, cache=None):
-        rate = self.dropout_rate
-        x = self.self_attn_layer_norm(x + dropout(self.self_attn(x, mask=mask, rngs=rngs, cache=cache), rate, rngs))
-        if self.encoder_attn is not None:
-            h = self.encoder_attn(x, context, mask=context_mask, rngs=rngs, cache=cache)
-            x = self.encoder_attn_layer_norm(x + dropout(h, rate, rngs))
-        x = self.final_layer_norm(x + dropout(self.mlp(x, rngs), rate, rngs))
-        return constrain(x, "batch", "length", "act_embed")

@@ -17,8 +17,9 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import make_attention_mask, segment_positions
-from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import ACTIVATIONS, Bias, Dense, Embed, LayerNorm, PostNormBlock, dropout, make_param
+from spmdlm.models.blocks import PostNormBlock
+from spmdlm.models.hf_config import HFConfig
+from spmdlm.models.layers import ACTIVATIONS, Bias, Dense, Embed, LayerNorm, dropout, make_param
 from spmdlm.models.stack import LayerStack
 
 

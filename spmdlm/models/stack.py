@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from spmdlm.models.layers import Cache
+from spmdlm.models.kv_cache import Cache
 
 # What each layer keeps for its backward pass (the launcher's --remat), as jax.checkpoint policies over the names the
 # layers give their matmul outputs (Dense's saved_as) and attention probabilities (checkpoint_name). "dots" keeps

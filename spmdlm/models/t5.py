@@ -11,7 +11,7 @@ the value found in config.json only as `scale_decoder_outputs`. Both `from_dict`
 dialect.
 
 Generation: `encode` once, `init_cache` (the encoder output's cross-attention keys and values, projected once), then
-`extend` one decoder token at a time through a preallocated KV cache (`layers.Cache`).
+`extend` one decoder token at a time through a preallocated KV cache (`kv_cache.Cache`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import numpy as np
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import make_attention_mask
-from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import ACTIVATIONS, MLP, Attention, Cache, Dense, Embed, RMSNorm, dropout
+from spmdlm.models.attention import Attention, AttentionMask, make_attention_mask
+from spmdlm.models.hf_config import HFConfig
+from spmdlm.models.kv_cache import Cache
+from spmdlm.models.layers import ACTIVATIONS, MLP, Dense, Embed, RMSNorm, dropout
 from spmdlm.models.stack import LayerStack
 
 
@@ -246,9 +247,11 @@ class Stack(nnx.Module):
 
     def extend(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """The decoder during generation: the next tokens' embeddings x [B, T, d] through the cache (no padding)."""
-        _, mask, cache = cache.advance(x.shape[1])
+        _, visible, cache = cache.advance(x.shape[1])
         bias = self.position_bias(cache.valid.shape[1], queries=(cache.index, x.shape[1]))  # slots are positions
-        x, cache = self.block.scan_with_cache(x, cache, mask, bias, None, make_attention_mask(cache.cross_valid))
+        x, cache = self.block.scan_with_cache(
+            x, cache, AttentionMask(dense=visible), bias, None, make_attention_mask(cache.cross_valid)
+        )
         return self.final_layer_norm(x), cache
 
 

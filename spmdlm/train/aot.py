@@ -161,7 +161,7 @@ def _compiled(compile_step) -> dict[str, Any]:
         compiled = compile_step()
     except jax.errors.JaxRuntimeError as e:
         text = str(e)
-        if "Mosaic failed to compile" in text:  # a generation the kernel table (models/attention.py) does not know
+        if "Mosaic failed to compile" in text:  # a generation the kernel table (models/kernels.py) does not know
             reason = text.split("\n", 1)[0].split("Mosaic failed to compile TPU kernel: ", 1)[-1]
             raise ArgumentError(
                 f"--compile_for: the TPU compiler rejected the fused attention kernel ({reason}); use --attention xla"

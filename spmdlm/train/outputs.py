@@ -14,7 +14,7 @@ from spmdlm import checkpoint, storage
 from spmdlm.data import pipeline
 from spmdlm.data.datasets import tokenizer_hash
 from spmdlm.data.mixture import describe_change
-from spmdlm.data.tokenizer import save_tokenizer
+from spmdlm.data.tokenization import save_tokenizer
 from spmdlm.errors import RunError
 from spmdlm.export import export_complete
 from spmdlm.generate.harness import TASK_METRICS

@@ -34,7 +34,7 @@ UNROLL_MAX_WIDTH = 256
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-    remat: str  # a policy of models/layers.py REMAT_POLICIES
+    remat: str  # a policy of models/stack.py REMAT_POLICIES
     scan_unroll: int  # layers per scan iteration; 0 = fully unrolled
     reasons: dict[str, str]  # flag -> why auto chose it ({} when both were given)
 

@@ -22,7 +22,7 @@ from spmdlm import devices, export, storage
 from spmdlm.config import DEFAULT_MODEL_TYPE, RunArgs
 from spmdlm.data import datasets, mixture, pipeline, records, token_cache
 from spmdlm.data.objectives import Objective
-from spmdlm.data.tokenizer import (
+from spmdlm.data.tokenization import (
     TOKENIZER_LAYOUTS,
     load_tokenizer,
     special_token_ids,
@@ -36,7 +36,7 @@ from spmdlm.families.base import Family, Generation
 from spmdlm.generate.harness import task_manager
 from spmdlm.generate.scoring import check_likelihood
 from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
-from spmdlm.models.layers import resolve_attention
+from spmdlm.models.attention import resolve_attention
 from spmdlm.train.corpora import SourceDocuments, naming
 from spmdlm.train.optim import learning_rate_schedule, optim_config_from_args
 from spmdlm.train.plan import LayerPlan, plan_layers

@@ -37,7 +37,7 @@ def cross_entropy_sums(
 
     With `unscored` label ids (BART's special tokens), the same sums over the other labels too (`scored_*`): the
     figures a run reports, as the HF script does, while it trains on every label. With `byte_lengths` (int32 [V],
-    data.tokenizer.token_byte_lengths), the UTF-8 bytes the counted labels stand for (`bytes`): bits per byte's
+    data.tokenization.token_byte_lengths), the UTF-8 bytes the counted labels stand for (`bytes`): bits per byte's
     denominator."""
     logits = logits.astype(jnp.float32)
     valid = labels != IGNORE_INDEX

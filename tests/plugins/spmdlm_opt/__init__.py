@@ -26,9 +26,9 @@ from spmdlm.errors import ConfigError
 from spmdlm.families.base import LINEAR, SAME, Table
 from spmdlm.flops import attention_matmuls, dense
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import make_attention_mask, segment_positions
-from spmdlm.models.config import HFConfig
-from spmdlm.models.layers import MLP, Attention, Embed, LayerNorm, dropout
+from spmdlm.models.attention import Attention, make_attention_mask, segment_positions
+from spmdlm.models.hf_config import HFConfig
+from spmdlm.models.layers import MLP, Embed, LayerNorm, dropout
 from spmdlm.models.stack import LayerStack
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of embed_positions (a fairseq legacy, as BART's)

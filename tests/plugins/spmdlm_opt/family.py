@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from spmdlm.data.objectives import DOCUMENT_ATTENTION
 from spmdlm.data.objectives.clm import BLOCK_SIZE, CausalLM
-from spmdlm.data.tokenizer import TokenizerSpec, special_token_ids
+from spmdlm.data.tokenization import TokenizerSpec, special_token_ids
 from spmdlm.errors import ArgumentError
 from spmdlm.families.base import Family, Generation, forward_single_stack
 from spmdlm_opt import TABLE, TINY, OPTConfig, OPTForCausalLM, check_hf_config, forward_flops

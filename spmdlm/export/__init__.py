@@ -5,14 +5,13 @@ expand over layers: our parameter is then stacked (scanned layers) and the rule 
 written once (transformers re-ties them on load). Tensors are moved one parameter at a time, so neither direction
 holds more than one extra copy of the parameters on the host.
 
-    python -m spmdlm.export --checkpoint OUTPUT_DIR [--step N] --out HF_DIR
+Its command line, `python -m spmdlm.export --checkpoint OUTPUT_DIR [--step N] --out HF_DIR`, is spmdlm/cli/export.py.
 
 Every directory may be a gs:// path (spmdlm/storage.py): an export to a bucket is written locally, then uploaded.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import importlib.metadata
 import json
@@ -20,7 +19,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,13 +34,13 @@ from safetensors.numpy import save_file
 
 from spmdlm import checkpoint as ckpt
 from spmdlm import storage
-from spmdlm.data.tokenizer import load_tokenizer, save_tokenizer, tokenizer_layout
-from spmdlm.errors import ExportError, UserError
+from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, tokenizer_layout
+from spmdlm.errors import ExportError
 from spmdlm.families import checked_config, get_family, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.hf_weights import CheckpointTensors
 from spmdlm.mesh import make_mesh
-from spmdlm.models.config import HFConfig
+from spmdlm.models.hf_config import HFConfig
 from spmdlm.storage import no_space, remove_stale_temps
 from spmdlm.train.optim import evaluation_needs_optimizer, optim_config_of_run
 from spmdlm.train.state import build_train_state
@@ -534,26 +532,3 @@ def write_export_card(out, config: HFConfig, checkpoint: str, step: int | None) 
         ]
     )
     storage.write_atomic(out / "README.md", str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m spmdlm.export", description="Export an spmdlm checkpoint to transformers format."
-    )
-    parser.add_argument("--checkpoint", required=True, help="the training run's --output_dir")
-    parser.add_argument("--out", required=True, help="directory to write config.json, model.safetensors, tokenizer")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    parser.add_argument("--mesh", default="data=-1", help="mesh to restore on (default: all devices, data axis)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
-    args = parser.parse_args(argv)
-    try:
-        out = export_checkpoint(args.checkpoint, args.out, args.step, args.mesh, args.overwrite)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"exported to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 
 from spmdlm import checkpoint as ckpt
 from spmdlm import export, storage
-from spmdlm.data.tokenizer import TOKENIZER_LAYOUTS, TokenizerError, load_tokenizer, tokenizer_layout
+from spmdlm.data.tokenization import TOKENIZER_LAYOUTS, TokenizerError, load_tokenizer, tokenizer_layout
 from spmdlm.export import ExportError, load_hf
 from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
 from spmdlm.mesh import MeshError, make_mesh, requested_device_count, simulate_cpu_devices
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
-from spmdlm.models.config import ConfigError
-from spmdlm.models.layers import resolve_attention, set_attention
+from spmdlm.models.attention import resolve_attention, set_attention
+from spmdlm.models.hf_config import ConfigError
 
 
 def parser() -> argparse.ArgumentParser:

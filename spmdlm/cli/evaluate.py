@@ -1,0 +1,257 @@
+"""`python -m spmdlm.evaluate`: one evaluation for any model spmdlm can load (a run's checkpoint, an export, a
+transformers directory of the four families) on held-out text, with its objective's own preprocessing, on any mesh.
+
+    python -m spmdlm.evaluate --model_name_or_path runs/gpt2-tiny --validation_file heldout.txt [--step 500]
+        [--mesh data=4] [--seed 42] [--max_eval_samples 1000] [--output_file results.json]
+    python -m spmdlm.evaluate --model_name_or_path runs/gpt2-tiny --tasks my_mc,my_ppl --tasks_dir tasks/
+
+--tasks runs LM-harness tasks (lm-eval; local task YAMLs with --tasks_dir) on the same model through our own JAX
+adapter (spmdlm/generate/harness.py; docs/harness.md), with or without held-out text.
+
+Everything but the model is the launcher's flags and code (spmdlm/train/setup.py: data and objective;
+spmdlm/train/step.py: the eval step; spmdlm/train/loop.py: evaluation): --validation_file, --dataset_dir or
+--data_mixture (each source's held-out text), the objective flags (as given, else the defaults, whatever the model),
+--seed (the masks and spans: two models with one tokenizer see the same ones), --per_device_eval_batch_size.
+Prints the results as JSON (and writes them to --output_file). docs/evaluation.md says what each figure counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from spmdlm import config as run_config
+from spmdlm import storage
+from spmdlm.config import RunArgs
+from spmdlm.data import mixture
+from spmdlm.errors import ArgumentError, DataError, UserError
+from spmdlm.families import family_choices
+from spmdlm.generate.harness import harness_lm, run_tasks, task_manager
+from spmdlm.launch import setup_devices
+from spmdlm.load import LoadedModel, load_model
+from spmdlm.mesh import batch_axis_size, make_mesh
+from spmdlm.train.corpora import read_corpora, read_sources
+from spmdlm.train.loop import evaluate
+from spmdlm.train.report import strict_json
+from spmdlm.train.setup import (
+    RunContext,
+    byte_lengths,
+    check_flags_apply,
+    setup_data,
+    setup_mixture_data,
+    use_tokenizer,
+)
+from spmdlm.train.step import Stepper
+
+log = logging.getLogger("spmdlm")
+
+# The launcher's flags the evaluator reads (and every objective flag); another given is refused, not ignored.
+FLAGS = frozenset(
+    {
+        "model_name_or_path",
+        "model_type",
+        "tokenizer_name",
+        "cache_dir",
+        "train_file",
+        "data_mixture",
+        "dataset_dir",
+        "dataset_name",
+        "dataset_config_name",
+        "preprocessing_num_workers",
+        "text_column",
+        "text_documents",
+        "validation_file",
+        "validation_split_percentage",
+        "max_eval_samples",
+        "overwrite_cache",
+        "per_device_eval_batch_size",
+        "seed",
+        "mesh",
+        "coordinator_address",
+        "num_processes",
+        "process_id",
+    }
+)
+NOTE = (
+    "bits_per_byte divides the summed loss by the UTF-8 bytes of the text the scored tokens stand for: it is "
+    "comparable between models with different tokenizers on the same text and preprocessing; loss, perplexity "
+    "and accuracy are per token of this model's tokenizer and are not"
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m spmdlm.evaluate",
+        allow_abbrev=False,
+        description="Evaluate a run's checkpoint, an export or a transformers directory on held-out text. Besides "
+        "these flags it takes the launcher's data, objective, batch and mesh flags (python -m "
+        "spmdlm.launch --help); --model_name_or_path names the model.",
+    )
+    p.add_argument("--step", type=int, default=None, help="a run's checkpoint at this step (default: the newest good)")
+    p.add_argument("--output_file", default=None, help="also write the results here (JSON); never over a file")
+    p.add_argument(
+        "--tasks",
+        default=None,
+        help="LM-harness tasks (lm-eval task names, or the `task:` of local YAMLs "
+        "in --tasks_dir), comma-separated; GPT-2, T5, BART (pip install 'spmdlm[eval]')",
+    )
+    p.add_argument("--tasks_dir", default=None, help="a directory of local task YAMLs for --tasks")
+    p.add_argument("--tasks_limit", type=int, default=None, help="at most N examples of each task")
+    p.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples per task (default: the task's)")
+    return p
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
+    own, rest = parser().parse_known_args(argv)
+    choices = family_choices()
+    args, given = run_config.parse_args([*rest, "--do_train", "false", "--do_eval", "true"], choices)
+    unused = sorted(given - FLAGS - {"do_train", "do_eval"} - {flag.name for flag in choices.objective_flags})
+    if unused:
+        raise ArgumentError(
+            f"--{unused[0]} does not apply to python -m spmdlm.evaluate (a float32 evaluation); it "
+            f"takes --step, --output_file and the launcher's {', '.join('--' + f for f in sorted(FLAGS))} "
+            "and objective flags"
+        )
+    if not args.model_name_or_path:
+        raise ArgumentError(
+            "give --model_name_or_path: a run's --output_dir, one of its checkpoints/<step>, an "
+            "export or a transformers directory"
+        )
+    if not (own.tasks or held_out_given(args)):
+        raise ArgumentError("nothing to evaluate on: give --validation_file, --dataset_dir, --data_mixture or --tasks")
+    if (own.tasks_dir or own.tasks_limit is not None or own.num_fewshot is not None) and not own.tasks:
+        raise ArgumentError("--tasks_dir, --tasks_limit and --num_fewshot apply to --tasks; give the tasks to run")
+    if own.tasks_dir and not storage.path(own.tasks_dir, "--tasks_dir").is_dir():
+        raise ArgumentError(f"--tasks_dir {own.tasks_dir}: no such directory; give the folder of your task YAMLs")
+    if own.output_file and storage.path(own.output_file, "--output_file").exists():
+        raise ArgumentError(
+            f"--output_file {own.output_file} exists; give a new path (results are never written over a file)"
+        )
+    return own, args
+
+
+def held_out_given(args: RunArgs) -> bool:
+    return bool(args.validation_file or args.dataset_dir or args.data_mixture or args.train_file or args.dataset_name)
+
+
+def context(args: RunArgs, loaded: LoadedModel) -> RunContext:
+    """The launcher's run context for this model. The objective flags are the command line's (defaults
+    included) whatever the model's kind: one command line gives every model the same preprocessing."""
+    family = loaded.family
+    args = args.replace(model_type=family.name)
+    check_flags_apply(args, family)
+    family.check_lengths(args, loaded.config)
+    ctx = RunContext(
+        args,
+        loaded.mesh,
+        Path("."),
+        family,
+        loaded.config,
+        0,
+        time.perf_counter(),
+        args.model_name_or_path,
+        "xla",
+        mixture.sources_of(args.train_file, args.data_mixture),
+    )
+    use_tokenizer(ctx, loaded.tokenizer)
+    return ctx
+
+
+def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
+    tasks = task_manager(own.tasks, [own.tasks_dir] if own.tasks_dir else ()) if own.tasks else None  # before loading
+    loaded = load_model(args.model_name_or_path, make_mesh(args.mesh), step=own.step, tokenizer=args.tokenizer_name)
+    found = held_out(args, loaded) if held_out_given(args) else header(args, loaded)
+    if tasks is not None:
+        lm = harness_lm(
+            loaded.family,
+            loaded.model,
+            loaded.tokenizer,
+            loaded.mesh,
+            seed=args.seed,
+            batch_size=args.per_device_eval_batch_size * batch_axis_size(loaded.mesh),
+        )
+        found["tasks"] = run_tasks(
+            lm, own.tasks, manager=tasks, limit=own.tasks_limit, num_fewshot=own.num_fewshot, seed=args.seed
+        )
+    return found
+
+
+def header(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
+    return {
+        "model": args.model_name_or_path,
+        "kind": loaded.kind,
+        "step": loaded.step,
+        "model_type": loaded.family.name,
+        "seed": args.seed,
+    }
+
+
+def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
+    """The objective's loss, perplexity, accuracy and bits per byte on the held-out text."""
+    ctx = context(args, loaded)
+    if ctx.sources:
+        setup_mixture_data(ctx, read_sources(args, ctx.sources, need_train=False))
+    else:
+        setup_data(ctx, *read_corpora(args, need_train=False))
+    if not ctx.data.validation_splits:
+        raise DataError("no held-out text to evaluate: give --validation_file (or each source's validation_file)")
+    graphdef, state = nnx.split(loaded.model)
+    stepper = Stepper(
+        graphdef,
+        state,
+        ctx.mesh,
+        loaded.family.forward,
+        label_capacity=ctx.objective.label_capacity,
+        unscored=ctx.objective.unscored_label_ids,
+        byte_lengths=byte_lengths(ctx),
+    )
+    return results(loaded, ctx, evaluate(stepper, state, ctx))
+
+
+def results(loaded: LoadedModel, ctx: RunContext, metrics: dict[str, float]) -> dict[str, Any]:
+    """The eval metrics without their eval_ prefix, each mixture source's under per_source."""
+    overall = {key.removeprefix("eval_"): value for key, value in metrics.items() if key.startswith("eval_")}
+    per_source: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        if key.startswith("eval/"):
+            _, source, name = key.split("/", 2)
+            per_source.setdefault(source, {})[name] = value
+    args = ctx.args
+    return {
+        **header(args, loaded),
+        "objective": {flag.name: flag.of(args) for flag in ctx.family.flags},
+        "max_eval_samples": args.max_eval_samples,
+        **overall,
+        **({"per_source": per_source} if per_source else {}),
+        "note": NOTE,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        own, args = parse(argv)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the results
+            setup_devices(args)
+        logging.basicConfig(
+            level=logging.INFO,
+            format="%(asctime)s %(levelname)s %(message)s",
+            datefmt="%H:%M:%S",
+            stream=sys.stderr,
+            force=True,
+        )
+        found = run(own, args)
+        text = strict_json(found, indent=2)
+        if own.output_file:
+            storage.write_atomic(storage.path(own.output_file, "--output_file"), text)
+    except (UserError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0

@@ -1,0 +1,3 @@
+from spmdlm.cli.export import main
+
+raise SystemExit(main())

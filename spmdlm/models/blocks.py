@@ -1,0 +1,69 @@
+"""The transformer layer more than one model is built of: `PostNormBlock` (RoBERTa, BART's encoder and decoder)."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from spmdlm.mesh import constrain
+from spmdlm.models.attention import Attention
+from spmdlm.models.layers import MLP, LayerNorm, dropout
+
+
+class PostNormBlock(nnx.Module):
+    """A post-LayerNorm transformer layer (BERT/RoBERTa, BART encoder and decoder): each sublayer's output is
+    dropped out, added to its input, then normalised. Exact-GELU MLP by default; cross-attention for decoders.
+
+    Names follow BART (`self_attn`, `self_attn_layer_norm`, `encoder_attn`, `final_layer_norm`); the families'
+    rename tables map RoBERTa's names onto them.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        *,
+        activation: str,
+        eps: float,
+        dropout_rate: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        cross_attention: bool,
+        init_std: float,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        attention = lambda cross=False: Attention(
+            d_model,
+            num_heads,
+            d_model // num_heads,
+            cross=cross,
+            dropout_rate=attention_dropout,
+            init_std=init_std,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        norm = lambda: LayerNorm(d_model, eps=eps, rngs=rngs)
+        self.self_attn, self.self_attn_layer_norm = attention(), norm()
+        self.encoder_attn = attention(cross=True) if cross_attention else None
+        self.encoder_attn_layer_norm = norm() if cross_attention else None
+        self.mlp = MLP(
+            d_model,
+            d_ff,
+            activation=activation,
+            dropout_rate=activation_dropout,
+            init_std=init_std,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.final_layer_norm = norm()
+        self.dropout_rate = dropout_rate
+
+    def __call__(self, x, mask, context=None, context_mask=None, *, rngs=None, cache=None):
+        rate = self.dropout_rate
+        x = self.self_attn_layer_norm(x + dropout(self.self_attn(x, mask=mask, rngs=rngs, cache=cache), rate, rngs))
+        if self.encoder_attn is not None:
+            h = self.encoder_attn(x, context, mask=context_mask, rngs=rngs, cache=cache)
+            x = self.encoder_attn_layer_norm(x + dropout(h, rate, rngs))
+        x = self.final_layer_norm(x + dropout(self.mlp(x, rngs), rate, rngs))
+        return constrain(x, "batch", "length", "act_embed")
