@@ -15,11 +15,11 @@ from hub_emulator import USER, HubEmulator
 from huggingface_hub import ModelCard
 
 from spmdlm import export, storage
+from spmdlm.cli.launch import main, parse_args
 from spmdlm.errors import ArgumentError
 from spmdlm.export import export_complete, save_hf
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
-from spmdlm.launch import main, parse_args
 from spmdlm.train import corpora, publish, setup
 
 TOKEN = "hf_emulated_token"

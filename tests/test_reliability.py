@@ -142,8 +142,8 @@ def _edit_fingerprint(path):
 @pytest.fixture(scope="module")
 def restore_target(base_run, cache_dir, tiny_gpt2_config):
     """The run's abstract (model, optimizer) state and data iterator, built by the loop's own stages."""
+    from spmdlm.cli.launch import parse_args
     from spmdlm.data import pipeline
-    from spmdlm.launch import parse_args
 
     args, _ = parse_args(flags(base_run, cache_dir, tiny_gpt2_config))
     ctx = setup.resolve(args, 0.0)
@@ -152,7 +152,11 @@ def restore_target(base_run, cache_dir, tiny_gpt2_config):
     setup.setup_data(ctx, train_docs, val_docs)
     _, state, _ = setup.setup_state(ctx, abstract=True)
     iterator = pipeline.train_batches(
-        ctx.data.train, ctx.objective, seed=args.seed, global_batch=ctx.global_batch, num_epochs=ctx.schedule.num_epochs
+        ctx.data.train,
+        ctx.objective,
+        seed=args.control.seed,
+        global_batch=ctx.global_batch,
+        num_epochs=ctx.schedule.num_epochs,
     )
     return state, iterator
 

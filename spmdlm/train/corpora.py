@@ -9,9 +9,9 @@ import dataclasses
 import logging
 
 from spmdlm import storage
-from spmdlm.config import RunArgs
 from spmdlm.data import datasets, mixture, readers
 from spmdlm.errors import DataError
+from spmdlm.run_args import RunArgs
 
 log = logging.getLogger("spmdlm")
 
@@ -31,34 +31,34 @@ def read_corpora(
     """Training and validation documents (of one mixture `source`, else of the run's corpus); without a
     validation file a hash split of the training documents (or the dataset's own validation split). None with
     --dataset_dir: it is tokenized already. `need_train` False (spmdlm.evaluate): a validation file is read alone."""
-    if args.dataset_dir:
+    if args.data.dataset_dir:
         return [], []
     train_file, validation_file = (
-        (source.train_file, source.validation_file) if source else (args.train_file, args.validation_file)
+        (source.train_file, source.validation_file) if source else (args.data.train_file, args.data.validation_file)
     )
     flag = source.origin if source else "--train_file"
     if validation_file and not need_train:
         return [], read_validation(args, validation_file, f"{flag} validation_file" if source else "--validation_file")
     held_out, train_files = None, ()
-    if train_file or args.dataset_name:
+    if train_file or args.data.dataset_name:
         # the string as given: expand_files splits its commas (--train_file a.txt,b.txt, as --validation_file)
         corpus = readers.open_corpus(
             train_file or (),
-            dataset_name=args.dataset_name,
-            dataset_config_name=args.dataset_config_name,
-            text_column=args.text_column,
-            text_documents=args.text_documents,
-            text_format=args.text_format,
+            dataset_name=args.data.dataset_name,
+            dataset_config_name=args.data.dataset_config_name,
+            text_column=args.data.text_column,
+            text_documents=args.data.text_documents,
+            text_format=args.data.text_format,
             flag=flag,
         )
         docs, train_files = corpus.documents("train"), corpus.files
-        if args.dataset_name and "validation" in corpus.splits and not validation_file:
+        if args.data.dataset_name and "validation" in corpus.splits and not validation_file:
             held_out = list(corpus.documents("validation"))
     else:
         log.info("no --train_file: using the embedded corpus (this Python's standard library sources)")
         docs = readers.read_embedded_corpus()
     train, split_off = [], []
-    split = args.validation_split_percentage if held_out is None and not validation_file else 0.0
+    split = args.data.validation_split_percentage if held_out is None and not validation_file else 0.0
     for doc in docs:
         (split_off if split and readers.in_validation_split(doc, split) else train).append(doc)
     if validation_file:
@@ -77,9 +77,9 @@ def read_validation(args: RunArgs, validation_file: str, flag: str, train_files=
     return list(
         readers.read_documents(
             validation_files,
-            text_column=args.text_column,
-            text_documents=args.text_documents,
-            text_format=args.text_format,
+            text_column=args.data.text_column,
+            text_documents=args.data.text_documents,
+            text_format=args.data.text_format,
         )
     )
 

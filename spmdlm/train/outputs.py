@@ -109,7 +109,7 @@ def check_output_dir(ctx: RunContext) -> str:
     args, out, saved = ctx.args, ctx.out, ctx.previous or None
     if not out.exists() or not any(out.iterdir()):
         return "fresh"
-    if args.overwrite_output_dir:
+    if args.control.overwrite_output_dir:
         return "clear"
     has_checkpoints = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
     if has_checkpoints and saved is not None:
@@ -154,9 +154,9 @@ def check_output_dir(ctx: RunContext) -> str:
                 f"{saved.get('global_batch')} (any mesh that divides it), or use another --output_dir"
             )
         logged = [
-            f"{k} {saved.get(k)} -> {getattr(args, k)}"
+            f"{k} {saved.get(k)} -> {current.get(k)}"
             for k in LOGGED_CHANGES
-            if k in saved and saved[k] != getattr(args, k)
+            if k in saved and saved[k] != current.get(k)
         ]
         if logged:
             log.info("resuming with changed settings: %s", ", ".join(logged))
@@ -205,7 +205,7 @@ def check_mixture(ctx: RunContext, saved: dict) -> None:
     if before == now:
         return
     change = describe_change(before, now)
-    if not ctx.args.allow_mixture_change:
+    if not ctx.args.control.allow_mixture_change:
         raise RunError(
             f"--output_dir {ctx.out} holds a run of another data mixture ({change}); resume with the "
             "same sources and weights, use another --output_dir, or pass --allow_mixture_change to "
@@ -219,7 +219,7 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
     config and tokenizer in the output dir (a tokenizer we trained ourselves goes too, or a new corpus would silently
     reuse it)."""
     ctx.resuming = verdict == "resume"
-    if ctx.args.dry_running:  # writes nothing: the run is set up as if the dir had been cleared
+    if ctx.args.control.dry_running:  # writes nothing: the run is set up as if the dir had been cleared
         if verdict == "clear":
             ctx.previous = {}
         return
@@ -316,7 +316,7 @@ def check_fingerprints(ctx: RunContext) -> None:
     if not changed:
         return
     what = " and ".join(changed)
-    if not ctx.args.allow_data_change:
+    if not ctx.args.control.allow_data_change:
         raise RunError(
             f"--output_dir {ctx.out} holds a run of other data: {what} changed since it started "
             "(fingerprints in run_config.json); restore them, use another --output_dir, or pass "
@@ -341,10 +341,10 @@ def export_done(out: Path) -> bool:
 def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:
     """What a finished run would still have to write: its evaluation or its export."""
     missing = []
-    if ctx.data.validation_splits and ctx.args.evaluating and "eval_loss" not in previous_results:
+    if ctx.data.validation_splits and ctx.args.control.evaluating and "eval_loss" not in previous_results:
         missing.append("evaluation")
     if ctx.tasks is not None and not any(key.startswith(TASK_METRICS + "/") for key in previous_results):
         missing.append("LM-harness tasks")
-    if ctx.args.export_hf and not export_done(ctx.out):
+    if ctx.args.output.export_hf and not export_done(ctx.out):
         missing.append("export")
     return missing

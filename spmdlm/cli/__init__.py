@@ -1,0 +1,1 @@
+"""The command lines: python -m spmdlm.<verb> runs spmdlm/cli/<verb>.py"""
