@@ -37,17 +37,10 @@ from spmdlm.generate.harness import harness_lm, run_tasks, task_manager
 from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.run_args import RunArgs
-from spmdlm.train.corpora import read_corpora, read_sources
+from spmdlm.train.corpora import read_corpora, read_sources, setup_data, setup_mixture_data
 from spmdlm.train.loop import evaluate
 from spmdlm.train.report import strict_json
-from spmdlm.train.setup import (
-    RunContext,
-    byte_lengths,
-    check_flags_apply,
-    setup_data,
-    setup_mixture_data,
-    use_tokenizer,
-)
+from spmdlm.train.setup import RunContext, byte_lengths, check_flags_apply, use_tokenizer
 from spmdlm.train.step import Stepper
 
 log = logging.getLogger("spmdlm")
@@ -199,9 +192,9 @@ def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
     """The objective's loss, perplexity, accuracy and bits per byte on the held-out text."""
     ctx = context(args, loaded)
     if ctx.sources:
-        setup_mixture_data(ctx, read_sources(args, ctx.sources, need_train=False))
+        setup_mixture_data(ctx, read_sources(args.data, ctx.sources, need_train=False))
     else:
-        setup_data(ctx, *read_corpora(args, need_train=False))
+        setup_data(ctx, *read_corpora(args.data, need_train=False))
     if not ctx.data.validation_splits:
         raise DataError("no held-out text to evaluate: give --validation_file (or each source's validation_file)")
     graphdef, state = nnx.split(loaded.model)

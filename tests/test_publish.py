@@ -77,8 +77,8 @@ def run_context(argv: list[str]) -> setup.RunContext:
     args, _ = parse_args(argv)
     ctx = setup.resolve(args, 0.0)
     ctx.hub = None
-    setup.setup_tokenizer(ctx, (documents := corpora.read_corpora(args))[0])
-    setup.setup_data(ctx, *documents)
+    setup.setup_tokenizer(ctx, (documents := corpora.read_corpora(args.data))[0])
+    corpora.setup_data(ctx, *documents)
     return ctx
 
 

@@ -147,9 +147,9 @@ def restore_target(base_run, cache_dir, tiny_gpt2_config):
 
     args, _ = parse_args(flags(base_run, cache_dir, tiny_gpt2_config))
     ctx = setup.resolve(args, 0.0)
-    train_docs, val_docs = corpora.read_corpora(args)
+    train_docs, val_docs = corpora.read_corpora(args.data)
     setup.setup_tokenizer(ctx, train_docs)
-    setup.setup_data(ctx, train_docs, val_docs)
+    corpora.setup_data(ctx, train_docs, val_docs)
     _, state, _ = setup.setup_state(ctx, abstract=True)
     iterator = pipeline.train_batches(
         ctx.data.train,

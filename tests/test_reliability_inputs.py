@@ -182,7 +182,7 @@ def test_validation_file_among_the_train_files_warns(caplog, tmp_path, cache_dir
     )
     args, _ = parse_args(argv)
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
-        corpora.read_corpora(args)
+        corpora.read_corpora(args.data)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "the evaluation measures training data" in warnings[0] and str(link) in warnings[0]
 
@@ -190,7 +190,7 @@ def test_validation_file_among_the_train_files_warns(caplog, tmp_path, cache_dir
     args, _ = parse_args([*argv[:-1], str(other.with_name("held_out.txt"))])
     other.with_name("held_out.txt").write_text("held out text\n")
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
-        corpora.read_corpora(args)
+        corpora.read_corpora(args.data)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 

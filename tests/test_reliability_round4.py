@@ -120,7 +120,7 @@ def test_prepared_sources_of_two_tokenizers_get_advice_that_works(tmp_path):
     )
     args, _ = parse_args(["--data_mixture", str(path)])
     with pytest.raises(DataError) as refusal:
-        read_sources(args, read_mixture_file(str(path)))
+        read_sources(args.data, read_mixture_file(str(path)))
     assert str(refusal.value) == (
         f"--data_mixture {path} source b: {tmp_path / 'b'} was tokenized with another "
         f"tokenizer than source a's {tmp_path / 'a'}; a mixture's sources share one "
@@ -220,7 +220,7 @@ def test_one_document_that_leaves_no_held_out_text_says_so(caplog):
     import types
 
     from spmdlm.cli.launch import parse_args
-    from spmdlm.train.setup import tokenize_validation
+    from spmdlm.train.corpora import tokenize_validation
 
     args, _ = parse_args(["--train_file", "x.txt", "--text_documents", "file"])
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
@@ -343,7 +343,7 @@ def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2
 
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.datasets import CARD_NAME
-    from spmdlm.train import publish, setup
+    from spmdlm.train import corpora, publish
 
     out = shutil.copytree(prepared, tmp_path / "ds")
     args, _ = parse_args(["--dataset_dir", str(out)])
@@ -354,7 +354,7 @@ def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2
         sources=(),
         objective=types.SimpleNamespace(record_length=17, preparation="stream"),
     )
-    train, _ = setup.open_prepared(ctx, str(out))
+    train, _ = corpora.open_prepared(ctx, str(out))
     card = json.loads((out / CARD_NAME).read_text())
     card["read"]["files"], card["splits"]["train"]["documents"] = 99, 12345  # prepared anew while training
     (out / CARD_NAME).write_text(json.dumps(card))

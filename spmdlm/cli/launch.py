@@ -48,8 +48,8 @@ from spmdlm.run_args.choices import (
 )
 from spmdlm.run_args.sections import DevicesArgs
 from spmdlm.train.aot import run_compile_for, use_cpu_backend
-from spmdlm.train.loop import run
 from spmdlm.train.network import env_seconds
+from spmdlm.train.run import run
 
 log = logging.getLogger("spmdlm")
 

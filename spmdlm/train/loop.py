@@ -1,6 +1,6 @@
-"""One training loop for every family: set up (spmdlm/train/setup.py), check and prepare the output dir
-(spmdlm/train/outputs.py), then train (or restore) -> evaluate -> finish (results, export). See
-docs/architecture.md.
+"""The training loop of every family (steps, logging, evaluation and samples on their cadence, checkpoints, loss
+spikes and divergence, stop signals) and the evaluation it runs: the train and evaluate stages of a run
+(spmdlm/train/run.py lists the stages).
 """
 
 from __future__ import annotations
@@ -9,58 +9,34 @@ import functools
 import logging
 import math
 import re
-import tempfile
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
 
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
 from spmdlm.data.mixture import MixedSplit
-from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted, RunError
-from spmdlm.export import export_state, what_it_needs
+from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted
 from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
-from spmdlm.generate.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
+from spmdlm.generate.harness import flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
 from spmdlm.run_args import RunArgs
 from spmdlm.train import publish
-from spmdlm.train.corpora import read_corpora, read_sources
-from spmdlm.train.guard import RunLock, StopOnSignal
-from spmdlm.train.outputs import (
-    check_fingerprints,
-    check_output_dir,
-    export_done,
-    missing_outputs,
-    outputs_undone_on_failure,
-    prepare_output_dir,
-    read_results,
-    write_run_files,
-)
-from spmdlm.train.report import Reporter, write_json
+from spmdlm.train.guard import StopOnSignal
+from spmdlm.train.report import Reporter
 from spmdlm.train.setup import (
     RunContext,
-    check_memory,
-    is_main,
-    resolve,
-    setup_data,
-    setup_mixture_data,
-    setup_state,
-    setup_tokenizer,
 )
-from spmdlm.train.state import count_parameters
 from spmdlm.train.step import Stepper, model_for_evaluation
-from spmdlm.train.trackers import is_eval_key
 
 log = logging.getLogger("spmdlm")
 
 
-# -- stage 7: evaluation --------------------------------------------------------------------------------------------
 def abandoned(stop: StopOnSignal | None) -> bool:
     if stop is not None and stop.requested and jax.process_count() == 1:
         log.warning("evaluation abandoned: saving first")
@@ -172,191 +148,6 @@ def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = N
         )
         return {}
     return flat_metrics(results)
-
-
-def final_task_metrics(
-    ctx: RunContext, graphdef, state, reporter: Reporter, step: int, previous: dict[str, Any], keep_previous: bool
-) -> dict[str, float]:
-    """--eval_tasks at the end of a run (a finished run's own results when it only redoes what is missing)."""
-    before = {k: v for k, v in previous.items() if k.startswith(TASK_METRICS + "/")}
-    if keep_previous and before:
-        return before
-    metrics = task_metrics(ctx, graphdef, state)
-    if metrics:
-        reporter.log_tasks(step, metrics)
-    return metrics
-
-
-def run(args: RunArgs) -> dict[str, Any]:
-    if args.control.dry_running:  # writes nothing: the records go to a scratch cache, removed at the end
-        with tempfile.TemporaryDirectory(prefix="spmdlm-dry-run-") as scratch:
-            return run_in_output_dir(args.replace(cache_dir=scratch))
-    return run_in_output_dir(args)
-
-
-def run_in_output_dir(args: RunArgs) -> dict[str, Any]:
-    ctx = resolve(args, time.perf_counter())
-    ctx.hub = publish.hub_for(ctx)  # a bad repository id or no token: refused before anything is written
-    corpora = read_sources(args, ctx.sources) if ctx.sources else read_corpora(args)
-    # the lock before anything is written or removed in the output dir (a dry run does neither)
-    with RunLock(ctx.out, enabled=is_main() and not args.control.dry_running):
-        prepare_output_dir(ctx, check_output_dir(ctx))
-        return run_locked(ctx, corpora)
-
-
-def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
-    """`corpora`: (train, validation) documents of one corpus, or each mixture source's SourceDocuments."""
-    args = ctx.args
-    if ctx.sources:  # one tokenizer for all sources, trained on all their documents unless given
-        setup_tokenizer(ctx, [doc for corpus in corpora for doc in corpus.train])
-        setup_mixture_data(ctx, corpora)
-    else:
-        setup_tokenizer(ctx, corpora[0])
-        setup_data(ctx, *corpora)
-    check_fingerprints(ctx)
-    if ctx.data.train is not None and ctx.latest_step > ctx.total_steps:  # it would report and export a later model
-        raise RunError(
-            f"--output_dir {ctx.out} holds a checkpoint at step {ctx.latest_step}, past this run's "
-            f"{ctx.total_steps} steps; give --max_steps {ctx.latest_step} or more to continue it, or use "
-            "another --output_dir"
-        )
-    reporter = Reporter(
-        ctx.out,
-        enabled=is_main(),
-        family=ctx.family,
-        config=ctx.config,
-        objective=ctx.objective,
-        global_batch=ctx.global_batch,
-        mesh=ctx.mesh,
-        dtype=args.model.dtype,
-        run_start=ctx.run_start,
-        args=args,
-    )
-    training = ctx.data.train is not None
-    with outputs_undone_on_failure(ctx):  # a tracker that cannot start, a step that does not fit: nothing left
-        if training and ctx.latest_step < ctx.total_steps and not args.control.dry_run:
-            reporter.start_trackers(ctx.latest_step)  # first: a login or a server that fails costs no setup
-        graphdef, state, stepper = setup_state(ctx, abstract=ctx.resuming)
-        n_params = count_parameters(graphdef, state)
-        log_setup(ctx, n_params)
-        previous_results = read_results(ctx.out) if ctx.resuming else {}
-        results: dict[str, Any] = {"total_steps": ctx.total_steps, "parameters": n_params}
-        if training and ctx.latest_step >= ctx.total_steps and not missing_outputs(ctx, previous_results):
-            log.info(
-                "the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing "
-                "to do (--overwrite_output_dir starts afresh)",
-                ctx.out,
-                ctx.latest_step,
-                ctx.total_steps,
-            )
-            if args.output.push_to_hub:  # re-running a finished run retries its upload
-                publish.publish_export(ctx, {**results, **previous_results})
-            return {**results, **previous_results}
-
-        def compile_train() -> dict[str, Any]:
-            stats = stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
-            check_memory(stats, ctx)  # before anything is written: a refused run leaves the output dir as it was
-            reporter.compile_stats(stats)
-            return stats
-
-        stats = compile_train() if training and ctx.latest_step < ctx.total_steps else None
-    if args.control.dry_running:  # reported in the log only: nothing is written
-        return {**results, **(stats or {})}
-    run_config = write_run_files(ctx)
-
-    # -- stage 6: train (or restore for evaluation only) ---------------------------------------------------------
-    step, trained = 0, False
-    if training:
-        manager = checkpoint.make_manager(
-            ctx.out,
-            save_interval_steps=1,
-            max_to_keep=args.control.save_total_limit,
-            keep_every_n_steps=args.control.keep_every_n_steps,
-        )
-        iterator = pipeline.train_batches(
-            ctx.data.train,
-            ctx.objective,
-            seed=args.control.seed,
-            global_batch=ctx.global_batch,
-            num_epochs=ctx.schedule.num_epochs,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
-        try:
-            if ctx.resuming:
-                state, step = checkpoint.restore_newest_good(manager, state, iterator)
-                log.info("resumed from the checkpoint at step %d", step)
-                reporter.truncate_after(step)
-            if step < ctx.total_steps:
-                if stats is None:  # the finished run's last checkpoint was damaged: train again from an older one
-                    compile_train()
-                results.update(train_loop(ctx, stepper, state, iterator, manager, reporter, step, run_config))
-                state, trained = results.pop("state"), True
-                results.update(source_epochs(ctx))
-            else:  # finished before: keep its training results, redo only what is missing
-                results.update({k: v for k, v in previous_results.items() if k.startswith("train_")})
-            checkpoint.check_saved(manager, wait=True)
-        finally:
-            checkpoint.close(manager)
-    elif ctx.resuming:  # evaluation only: of the latest checkpoint
-        manager = checkpoint.make_manager(ctx.out, read_only=True)
-        state, step = checkpoint.restore_newest_good(manager, state, move_aside=False)
-        log.info("evaluating the checkpoint at step %d", step)
-
-    # -- stage 7 and 8: evaluate, report, export ----------------------------------------------------------------
-    if ctx.data.validation_splits and args.control.evaluating:
-        if training and not trained and "eval_loss" in previous_results:
-            results.update({k: v for k, v in previous_results.items() if is_eval_key(k)})
-        else:
-            metrics = evaluate(stepper, state, ctx)
-            reporter.log_eval(step if not training else ctx.total_steps, metrics)
-            results.update(metrics)
-    if ctx.tasks is not None:
-        results.update(
-            final_task_metrics(
-                ctx,
-                graphdef,
-                state,
-                reporter,
-                step if not training else ctx.total_steps,
-                previous_results,
-                keep_previous=training and not trained,
-            )
-        )
-    export = args.output.export_hf and training and (trained or not export_done(ctx.out))
-    finish(ctx, graphdef, state, reporter, {**previous_results, **results}, export)
-    return results
-
-
-def log_setup(ctx: RunContext, n_params: int) -> None:
-    args, mesh = ctx.args, ctx.mesh
-    log.info(
-        "model %s (config %s): %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices "
-        "x %d accumulation) | %d steps",
-        ctx.family.name,
-        ctx.config_source,
-        n_params / 1e6,
-        dict(mesh.shape),
-        ctx.global_batch,
-        ctx.global_batch // (batch_axis_size(mesh) * args.control.gradient_accumulation_steps),
-        batch_axis_size(mesh),
-        args.control.gradient_accumulation_steps,
-        ctx.total_steps,
-    )
-
-
-def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[str, Any], export: bool) -> None:
-    if is_main():
-        write_json(
-            ctx.out / "eval_results.json",
-            {k: v for k, v in results.items() if is_eval_key(k) or k.startswith("train_")},
-        )
-        reporter.finish(results)
-    if export:
-        evaluated = nnx.state(model_for_evaluation(graphdef, state, ctx.args.optimization))
-        export_state(graphdef, evaluated, ctx.config, ctx.out / "hf", tokenizer=ctx.tokenizer)
-        log.info("exported to %s: %s", ctx.out / "hf", what_it_needs(ctx.family, ctx.out / "hf"))
-    publish.publish_export(ctx, results)  # the model card, and the upload with --push_to_hub
 
 
 def train_loop(

@@ -57,35 +57,12 @@ def write_model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: 
 
 
 def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | None = None):
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
 
-    args, family = ctx.args, ctx.family
-    task = TASKS[family.generation]
-    datasets_given = _split(args.output.card_datasets)
+    family = ctx.family
     model_id = repo_id_of(ctx)
     where = _where(folder)  # the snippet loads the local export unless it is on the Hub
-    data = ModelCardData(
-        library_name="transformers",
-        license=args.output.card_license,
-        pipeline_tag=task,
-        tags=[family.name, "spmdlm", task, *_split(args.output.card_tags)],
-        datasets=datasets_given or None,
-        model_name=model_id,
-        eval_results=[
-            EvalResult(
-                task_type=task,
-                dataset_type=datasets_given[0] if datasets_given else "text",
-                dataset_name=datasets_given[0] if datasets_given else "held-out text",
-                dataset_split="validation",
-                metric_type=metric,
-                metric_name=name,
-                metric_value=results[key],
-            )
-            for key, (metric, name) in METRICS.items()
-            if key in results
-        ]
-        or None,
-    )
+    data = card_data(ctx, results, model_id)
     body = "\n".join(
         [
             f"# {model_id}",
@@ -117,6 +94,37 @@ def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | 
         ]
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def card_data(ctx: RunContext, results: dict[str, Any], model_id: str):
+    """The card's YAML header: the Hub's metadata and `model-index` of the held-out metrics."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    output, family = ctx.args.output, ctx.family
+    task = TASKS[family.generation]
+    datasets_given = _split(output.card_datasets)
+    return ModelCardData(
+        library_name="transformers",
+        license=output.card_license,
+        pipeline_tag=task,
+        tags=[family.name, "spmdlm", task, *_split(output.card_tags)],
+        datasets=datasets_given or None,
+        model_name=model_id,
+        eval_results=[
+            EvalResult(
+                task_type=task,
+                dataset_type=datasets_given[0] if datasets_given else "text",
+                dataset_name=datasets_given[0] if datasets_given else "held-out text",
+                dataset_split="validation",
+                metric_type=metric,
+                metric_name=name,
+                metric_value=results[key],
+            )
+            for key, (metric, name) in METRICS.items()
+            if key in results
+        ]
+        or None,
+    )
 
 
 def _where(folder) -> str:

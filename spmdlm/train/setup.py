@@ -1,8 +1,8 @@
-"""A run's set-up, stage by stage, filling one RunContext: resolve (config, mesh, lengths: everything that can be
-refused before a file is written) -> tokenizer -> objective and data -> the sharded state -> the memory gate.
+"""The run's context (RunContext: what the stages share) and three of its stages: resolve (config, mesh, lengths:
+everything that can be refused before a file is written), the tokenizer, and the sharded state with the memory gate.
 
-The train loop (spmdlm/train/loop.py) runs these in order; `--compile_for` (spmdlm/train/aot.py) runs resolve and an
-abstract state only. The output dir's policy is spmdlm/train/outputs.py.
+spmdlm/train/run.py runs the stages in order; `--compile_for` (spmdlm/train/aot.py) runs resolve and an abstract
+state only. The data stage is spmdlm/train/corpora.py, the output dir's policy spmdlm/train/outputs.py.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from spmdlm import devices, export, storage
-from spmdlm.data import datasets, mixture, pipeline, records, token_cache
+from spmdlm.data import datasets, mixture, pipeline, records
 from spmdlm.data.objectives import Objective
 from spmdlm.data.tokenizer import (
     TOKENIZER_LAYOUTS,
@@ -29,7 +28,7 @@ from spmdlm.data.tokenizer import (
     tokenizer_layout,
     train_tokenizer,
 )
-from spmdlm.errors import ArgumentError, DataError, RunError, TasksError
+from spmdlm.errors import ArgumentError, RunError, TasksError
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.generate.harness import task_manager
@@ -39,7 +38,6 @@ from spmdlm.models.layers import resolve_attention
 from spmdlm.run_args import RunArgs
 from spmdlm.run_args.choices import DEFAULT_MODEL_TYPE
 from spmdlm.run_args.sections import ControlArgs
-from spmdlm.train.corpora import SourceDocuments, naming
 from spmdlm.train.optim import learning_rate_schedule
 from spmdlm.train.plan import LayerPlan, plan_layers
 from spmdlm.train.state import DTYPES, build_train_state
@@ -69,7 +67,7 @@ def is_main() -> bool:
 
 @dataclasses.dataclass
 class RunContext:
-    """What the stages of a run share; filled in stage by stage."""
+    """What the stages of a run share: the run as resolved, filled in by the later stages (spmdlm/train/run.py)."""
 
     args: RunArgs
     mesh: Mesh
@@ -100,8 +98,18 @@ class RunContext:
     def total_steps(self) -> int:
         return self.schedule.total_steps if self.schedule else 0
 
+    @property
+    def training(self) -> bool:
+        """Whether the run trains (it has training data once the data stage ran)."""
+        return self.data is not None and self.data.train is not None
 
-# -- stage 1: resolve the run's config (everything that can be refused is checked before any file is written) -------
+    @property
+    def steps_left(self) -> bool:
+        """Whether steps remain to train (not so for a finished run, or one that only evaluates)."""
+        return self.training and self.latest_step < self.total_steps
+
+
+# -- resolve: the run's config, mesh and lengths (everything that can be refused, before any file is written) ---
 def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     """`mesh_devices`: the devices to build the mesh of (default: this process's JAX devices)."""
     mesh = make_mesh(args.devices.mesh, mesh_devices, dcn_spec=args.devices.dcn_mesh)
@@ -287,7 +295,7 @@ def batch_sizes(control: ControlArgs, mesh) -> tuple[int, int]:
     return control.global_batch_size, control.global_batch_size // per_step
 
 
-# -- stage 3: tokenizer -----------------------------------------------------------------------------------------------
+# -- the tokenizer ---------------------------------------------------------------------------------------------------
 def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
     """Given (--tokenizer_name), a checkpoint's (chosen by check_pretrained), one found in the output dir, or one
     trained here on the corpus."""
@@ -327,124 +335,7 @@ def use_tokenizer(ctx: RunContext, tok) -> None:
     ctx.tokenizer = tok
 
 
-# -- stage 4: objective and data ------------------------------------------------------------------------------------
-def setup_data(ctx: RunContext, train_docs, val_docs) -> None:
-    args = ctx.args
-    ctx.objective = ctx.family.build_objective(args.objective, ctx.config, ctx.tokenizer)
-    if args.data.dataset_dir:  # prepared by python -m spmdlm.prepare: checked against this run's tokenizer and lengths
-        finish_data(ctx, *open_prepared(ctx, args.data.dataset_dir))
-        return
-    train = tokenize(ctx, train_docs, "train") if args.control.training else None
-    finish_data(ctx, train, tokenize_validation(ctx, val_docs, bool(args.data.validation_file)))
-
-
-def setup_mixture_data(ctx: RunContext, corpora: list[SourceDocuments]) -> None:
-    """Each source tokenized (or opened) on its own: its own cache entry or dataset, shared by every mixture."""
-    args = ctx.args
-    ctx.objective = ctx.family.build_objective(args.objective, ctx.config, ctx.tokenizer)
-    train, validation = [], {}
-    for corpus in corpora:
-        source = corpus.source
-        with naming(source):
-            if source.dataset_dir:
-                source_train, held_out = open_prepared(ctx, source.dataset_dir)
-            else:
-                source_train = tokenize(ctx, corpus.train, "train") if args.control.training else None
-                held_out = tokenize_validation(ctx, corpus.validation, bool(source.validation_file), source.name)
-        train.append(cap_train_samples(args, source_train))
-        if held_out is not None:
-            validation[source.name] = held_out
-    mixed = mixture.MixedSplit(ctx.sources, tuple(train)) if args.control.training else None
-    finish_data(ctx, mixed, None, validation)
-
-
-def open_prepared(ctx: RunContext, dataset_dir: str):
-    """(train, validation) of a dataset prepared by python -m spmdlm.prepare, checked against this run's tokenizer
-    and lengths; each only when the run trains or evaluates."""
-    train, validation, card = datasets.open_dataset(
-        dataset_dir, tokenizer=ctx.tokenizer, record_length=ctx.objective.record_length, mode=ctx.objective.preparation
-    )
-    ctx.dataset_cards[dataset_dir] = card  # what the model card describes, even if the dataset is prepared anew
-    return train if ctx.args.control.training else None, validation if ctx.args.control.evaluating else None
-
-
-def tokenize(ctx: RunContext, docs, name: str) -> records.PreparedSplit:
-    """Documents into the token cache (keyed by their content): process 0 writes it, the others then read it."""
-    args = ctx.args
-    ids = special_token_ids(ctx.tokenizer, ctx.family)
-    cache = storage.path(args.data.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
-    common = dict(
-        record_length=ctx.objective.record_length,
-        separator_id=ids["eos"],
-        cache_dir=cache,
-        mode=ctx.objective.preparation,
-        pad_id=ids.get("pad"),
-        bos_id=ids.get("bos"),
-        workers=args.data.preprocessing_num_workers or 1,
-    )
-    split = (
-        token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=args.data.overwrite_cache, **common)
-        if is_main()
-        else None
-    )
-    if jax.process_count() > 1:  # the others wait for process 0's file, then read the same cache
-        multihost_utils.sync_global_devices(f"prepared {name}")
-        if not is_main():
-            split = token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=False, **common)
-    return split
-
-
-def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None = None):
-    """The held-out documents tokenized, or None: not evaluating, none held out, or a hash split too small for one
-    example (a warning; a given validation file that small is an error)."""
-    args = ctx.args
-    if not args.control.evaluating:
-        return None
-    of = f" of source {source}" if source else ""
-    if not docs:  # e.g. one document (--text_documents file) falls on the training side of the hash split
-        if args.data.validation_split_percentage and not given:
-            log.warning(
-                "no evaluation%s: the held-out %.1f%% of the documents is none of them (the split is per "
-                "document); give a validation file, or more documents",
-                of,
-                args.data.validation_split_percentage,
-            )
-        return None
-    try:
-        return tokenize(ctx, docs, "validation")
-    except DataError as e:
-        if given:
-            raise
-        fix = "give it a validation_file" if source else "pass --validation_file"
-        log.warning(
-            "no evaluation%s: the held-out %.1f%% of the documents is too small (%s); raise "
-            "--validation_split_percentage or %s",
-            of,
-            args.data.validation_split_percentage,
-            e,
-            fix,
-        )
-        return None
-
-
-def cap_train_samples(args: RunArgs, train):
-    """--max_train_samples: the first records of a split (of each source's, in a mixture)."""
-    if train is not None and args.data.max_train_samples:
-        return dataclasses.replace(train, num_records=min(train.num_records, args.data.max_train_samples))
-    return train
-
-
-def finish_data(ctx: RunContext, train, validation, source_validation=None) -> None:
-    args = ctx.args
-    train = train if isinstance(train, mixture.MixedSplit) else cap_train_samples(args, train)
-    ctx.data = Data(train, validation, source_validation or {})
-    if train is not None:
-        ctx.schedule = pipeline.make_schedule(
-            train.num_records, ctx.global_batch, args.control.num_train_epochs, args.control.max_steps
-        )
-
-
-# -- stage 5: the sharded train state -------------------------------------------------------------------------------
+# -- the sharded train state -------------------------------------------------------------------------------
 def setup_state(ctx: RunContext, *, abstract: bool):
     """-> (graphdef, state, stepper). `abstract`: shapes and shardings only, nothing allocated — the target a resume
     restores into (a fresh init would be a second copy) and all that compiling for another machine needs. A fresh
