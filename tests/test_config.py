@@ -11,6 +11,7 @@ from spmdlm.cli.launch import parse_args
 from spmdlm.errors import ArgumentError
 from spmdlm.families import family_choices, quickstart
 from spmdlm.run_args import RunArgs
+from spmdlm.run_args.sections import ControlArgs, DataArgs, OptimizationArgs, OutputArgs, ReportingArgs
 
 GPT2_RECIPE = """--output_dir=./norwegian-gpt2 --model_type=gpt2 --config_name=./norwegian-gpt2
 --tokenizer_name=./norwegian-gpt2 --train_file=corpus.txt --do_train --do_eval --block_size=512
@@ -213,3 +214,20 @@ def test_a_run_config_written_before_the_sections_reads_back_whole():
     now = RunArgs.of_run(saved).to_json()
     assert set(now) <= set(saved)
     assert now == {k: saved[k] for k in now}
+
+
+@pytest.mark.parametrize(
+    "section, values, message",
+    [
+        (DataArgs, dict(train_file="a.txt", dataset_dir="d"), "give one of --train_file, --data_mixture"),
+        (ControlArgs, dict(seed=-1), "--seed must be in"),
+        (ReportingArgs, dict(eval_tasks_steps=5), "--eval_tasks_steps apply to --eval_tasks"),
+        (OptimizationArgs, dict(lr_scheduler_type="constant", min_lr_ratio=0.1), "--min_lr_ratio applies to"),
+        (OutputArgs, dict(push_to_hub=True, export_hf=False), "--push_to_hub uploads the export"),
+    ],
+)
+def test_each_section_refuses_its_own_bad_values_when_made(section, values, message):
+    with pytest.raises(ArgumentError, match=message):
+        section(**values)
+    with pytest.raises(ArgumentError, match=message):  # and so does a run's arguments given them by flag name
+        RunArgs.of(values)
