@@ -30,7 +30,6 @@ from flax import nnx
 from spmdlm import storage
 from spmdlm.cli.launch import parse_args as parse_run_args
 from spmdlm.cli.launch import setup_devices
-from spmdlm.data import mixture
 from spmdlm.errors import ArgumentError, DataError, UserError
 from spmdlm.families import family_choices
 from spmdlm.generate.harness import harness_lm, run_tasks, task_manager
@@ -40,7 +39,7 @@ from spmdlm.run_args import RunArgs
 from spmdlm.train.corpora import read_corpora, read_sources, setup_data, setup_mixture_data
 from spmdlm.train.loop import evaluate
 from spmdlm.train.report import strict_json
-from spmdlm.train.setup import RunContext, byte_lengths, check_flags_apply, use_tokenizer
+from spmdlm.train.setup import Run, RunContext, byte_lengths, check_flags_apply, use_tokenizer
 from spmdlm.train.step import Stepper
 
 log = logging.getLogger("spmdlm")
@@ -141,18 +140,19 @@ def context(args: RunArgs, loaded: LoadedModel) -> RunContext:
     args = args.replace(model_type=family.name)
     check_flags_apply(args, family)
     family.check_lengths(args.objective, loaded.config)
-    ctx = RunContext(
+    run = Run(
         args,
         loaded.mesh,
         Path("."),
         family,
-        loaded.config,
+        0,
         0,
         time.perf_counter(),
         args.model.model_name_or_path,
         "xla",
-        mixture.sources_of(args.data.train_file, args.data.data_mixture),
+        args.data.sources(),
     )
+    ctx = RunContext(run, loaded.config)
     use_tokenizer(ctx, loaded.tokenizer)
     return ctx
 

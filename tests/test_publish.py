@@ -240,7 +240,7 @@ def test_the_run_refuses_a_bad_repository_id_or_no_token_before_it_starts(tmp_pa
         publish.hub_for(ctx)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    ctx.args = args.replace(hub_model_id="user/fine", hub_token=None)
+    ctx.run = dataclasses.replace(ctx.run, args=args.replace(hub_model_id="user/fine", hub_token=None))
     with pytest.raises(ArgumentError, match="needs a Hub token"):
         publish.hub_for(ctx)
 

@@ -65,20 +65,30 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
-@dataclasses.dataclass
-class RunContext:
-    """What the stages of a run share: the run as resolved, filled in by the later stages (spmdlm/train/run.py)."""
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The run as resolved (before any file is written), which no later stage changes."""
 
     args: RunArgs
     mesh: Mesh
     out: Path
     family: Family
-    config: Any
     global_batch: int
+    per_device_batch: int  # examples per batch device in one micro-step (batch_sizes)
     run_start: float
     config_source: str  # the preset, file or directory the model config came from
     attention: str  # the implementation --attention resolved to (models/attention.py)
     sources: tuple[mixture.Source, ...] = ()  # a weighted mixture's (spmdlm.data.mixture); () for one corpus
+    tasks: Any = None  # --eval_tasks: lm_eval's TaskManager that holds them (resolve_tasks), or None
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What the stages of a run share: the run description (`run`, frozen) and the pieces the stages fill in
+    (spmdlm/train/run.py). The description's fields read through (ctx.args, ctx.mesh, ...)."""
+
+    run: Run
+    config: Any  # the model config: the tokenizer stage sets its special token ids
     previous: dict = dataclasses.field(default_factory=dict)  # the output dir's run_config.json (outputs.py)
     resuming: bool = False
     latest_step: int = 0  # of the checkpoints found when resuming
@@ -91,8 +101,18 @@ class RunContext:
     schedule: pipeline.Schedule | None = None
     hub: Any = None  # spmdlm.train.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
     layer_plan: LayerPlan | None = None  # --remat and --scan_unroll as resolved (setup_state; train/plan.py)
-    tasks: Any = None  # --eval_tasks: lm_eval's TaskManager that holds them (resolve_tasks), or None
-    per_device_batch: int = 0  # examples per batch device in one micro-step (batch_sizes)
+
+    args = property(lambda self: self.run.args)
+    mesh = property(lambda self: self.run.mesh)
+    out = property(lambda self: self.run.out)
+    family = property(lambda self: self.run.family)
+    global_batch = property(lambda self: self.run.global_batch)
+    per_device_batch = property(lambda self: self.run.per_device_batch)
+    run_start = property(lambda self: self.run.run_start)
+    config_source = property(lambda self: self.run.config_source)
+    attention = property(lambda self: self.run.attention)
+    sources = property(lambda self: self.run.sources)
+    tasks = property(lambda self: self.run.tasks)
 
     @property
     def total_steps(self) -> int:
@@ -144,20 +164,20 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     if args.control.training and args.optimization.learning_rate == 0:
         log.warning("--learning_rate 0: training will not change the weights (give a positive rate to train)")
     attention = choose_attention(args, family, config, mesh)
-    ctx = RunContext(
+    run = Run(
         args,
         mesh,
         out,
         family,
-        config,
         global_batch,
+        per_device_batch,
         run_start,
         config_name,
         attention,
         args.data.sources(),
-        tasks=tasks,
-        per_device_batch=per_device_batch,
+        tasks,
     )
+    ctx = RunContext(run, config)
     if args.model.model_name_or_path:
         check_pretrained(ctx)
     return ctx
