@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, final_params, read_metrics
 
-import spmdlm.launch
+import spmdlm.cli.launch
 from spmdlm import checkpoint, devices
 from spmdlm.launch import main
 from spmdlm.train import corpora, setup
@@ -305,7 +305,7 @@ def test_ctrl_c_outside_training_is_one_line(capsys, monkeypatch, tmp_path):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(spmdlm.launch, "run", interrupted)
+    monkeypatch.setattr(spmdlm.cli.launch, "run", interrupted)
     code, _, err = launch(capsys, "--output_dir", str(tmp_path / "x"), "--train_file", str(FIXTURES / "overfit.txt"))
     assert code == 130 and len(err.strip().splitlines()) == 1
 
