@@ -434,7 +434,8 @@ def run_benchmark(args) -> dict[str, Any]:
     from spmdlm import devices, flops
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.mesh import MeshError, batch_axis_size, make_mesh
-    from spmdlm.train.optim import OptimConfig, learning_rate_schedule
+    from spmdlm.run_args.sections import OptimizationArgs
+    from spmdlm.train.optim import learning_rate_schedule
     from spmdlm.train.plan import LayerPlan, plan_layers
     from spmdlm.train.state import DTYPES, build_train_state
 
@@ -454,7 +455,7 @@ def run_benchmark(args) -> dict[str, Any]:
     host_batch = synthetic_batch(objective, global_batch, config.vocab_size, args.seed)
     batch = to_global(host_batch, mesh)
     total_steps = args.warmup + args.steps
-    optim = OptimConfig(
+    optim = OptimizationArgs(
         learning_rate=args.learning_rate, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm
     )
     schedule = learning_rate_schedule(optim, total_steps)

@@ -1,6 +1,6 @@
 """The one rule every numeric flag obeys: a finite number within its declared bounds, refused before any output.
 
-Each numeric flag of the launcher (spmdlm/config.py's `FLAG_BOUNDS`) and of the objectives
+Each numeric flag of the launcher (spmdlm/run_args/choices.py's `FLAG_BOUNDS`) and of the objectives
 (`Flag(bounds=...)`) declares a `Bounds`; `check` is the one place that judges a value against it, and its message
 names the flag, the valid values, the value given and what the value means (the fix).
 """

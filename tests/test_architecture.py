@@ -175,24 +175,7 @@ def long_files(root, floors=None):
 # ---- the rooms: what a module may receive, how long a function is, which names say which one ------------------------
 LOW_PACKAGES = ("data", "models", "families")  # below train/: they take the section of the arguments they use
 RUN_ARGUMENTS = ("spmdlm.config", "spmdlm.run_args")  # the modules of the whole run's arguments
-# Modules that still receive the whole run arguments, each on its way out. The lead empties this at merge.
-RUN_ARGUMENTS_PENDING = {
-    "spmdlm/families/__init__.py": "removed by i37-args",
-    "spmdlm/families/base.py": "removed by i37-args",
-    "spmdlm/families/bart.py": "removed by i37-args",
-    "spmdlm/families/gpt2.py": "removed by i37-args",
-    "spmdlm/families/roberta.py": "removed by i37-args",
-    "spmdlm/families/t5.py": "removed by i37-args",
-    "spmdlm/data/objectives/__init__.py": "removed by i37-args (Flag.of reads args.objective)",
-}
 MAX_FUNCTION_LINES = 60
-# Functions over MAX_FUNCTION_LINES, as module stem.qualified name, each being split by the helper who owns it.
-# The lead empties this at merge.
-LONG_FUNCTIONS_PENDING = {
-    "loop.run_locked": "i37-args",
-    "outputs.check_output_dir": "i37-args",
-    "publish.model_card": "i37-args",
-}
 # Module names (stems) that more than one package may use, and why. Besides these, spmdlm.<verb> may share its stem
 # with spmdlm.cli.<verb>, its command line: the `python -m spmdlm.<verb>` shim or the library the verb runs.
 SHARED_STEMS = {
@@ -202,6 +185,12 @@ SHARED_STEMS = {
     },
 }
 SHARED_STEM_PACKAGES = {name: ("models", "families", "data.objectives") for name in FAMILY_NAMES}
+# What a shim may do before it imports its command line: the launcher picks its allocator before JAX loads.
+SHIM_PREAMBLE = (
+    "import sys",
+    "from spmdlm import host",
+    "if __name__ == '__main__':\n    host.restart_with_huge_page_malloc()",
+)
 SHIM_MAINS = ("raise SystemExit(main())", "sys.exit(main())")  # main's exit status reaches the shell
 
 
@@ -215,7 +204,7 @@ def run_arguments_below_train(root, floors=None):
     spmdlm.config/spmdlm.run_args, a parameter annotated RunArgs or named `args`); pass the section it uses instead"""
     found = []
     for rel, (_, _, tree) in sources(root).items():
-        if rel.split("/")[1] not in LOW_PACKAGES or rel in RUN_ARGUMENTS_PENDING:
+        if rel.split("/")[1] not in LOW_PACKAGES:
             continue
         found += [
             f"{rel}:{i.line}: imports {i.target}" for i in scan(root) if i.path == rel and i.target in RUN_ARGUMENTS
@@ -233,8 +222,7 @@ def run_arguments_below_train(root, floors=None):
 def long_functions(root, floors=None):
     """Functions longer than MAX_FUNCTION_LINES (60) lines, decorators aside; split them"""
     found = []
-    for rel, (name, _, tree) in sources(root).items():
-        stem = name.rpartition(".")[2]
+    for rel, (_, _, tree) in sources(root).items():
 
         def visit(node, prefix):
             for child in ast.iter_child_nodes(node):
@@ -242,8 +230,7 @@ def long_functions(root, floors=None):
                     qualified = f"{prefix}{child.name}"
                     lines = child.end_lineno - child.lineno + 1
                     if not isinstance(child, ast.ClassDef) and lines > MAX_FUNCTION_LINES:
-                        if f"{stem}.{qualified}" not in LONG_FUNCTIONS_PENDING:
-                            found.append(f"{rel}:{child.lineno}: {qualified}: {lines} lines")
+                        found.append(f"{rel}:{child.lineno}: {qualified}: {lines} lines")
                     visit(child, qualified + ".")
                 else:
                     visit(child, prefix)
@@ -288,7 +275,7 @@ def shims(root, floors=None):
                     ast.unparse(node)
                     for node in sources(root)[entry][2].body
                     if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))  # the docstring
-                    and ast.unparse(node) != "import sys"
+                    and ast.unparse(node) not in SHIM_PREAMBLE
                 ]
                 runs = [f"if __name__ == '__main__':\n    {run}" if guarded else run for run in SHIM_MAINS]
                 if len(body) != 2 or body[0] != f"from {PKG}.cli.{verb} import main" or body[1] not in runs:

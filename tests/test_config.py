@@ -3,12 +3,15 @@
 import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
+from spmdlm.cli.launch import parse_args
 from spmdlm.errors import ArgumentError
 from spmdlm.families import family_choices, quickstart
-from spmdlm.launch import parse_args
+from spmdlm.run_args import RunArgs
+from spmdlm.run_args.sections import ControlArgs, DataArgs, OptimizationArgs, OutputArgs, ReportingArgs
 
 GPT2_RECIPE = """--output_dir=./norwegian-gpt2 --model_type=gpt2 --config_name=./norwegian-gpt2
 --tokenizer_name=./norwegian-gpt2 --train_file=corpus.txt --do_train --do_eval --block_size=512
@@ -36,29 +39,53 @@ BART_RECIPE = """--output_dir=./norwegian-bart-base --config_name=./norwegian-ba
 
 def test_roberta_and_bart_recipes_are_accepted_unchanged():
     args, _ = parse_args(shlex.split(ROBERTA_RECIPE))
-    assert args.model_type == "roberta" and args.objective["max_seq_length"] == 128 and args.num_train_epochs == 18
+    assert (
+        args.model.model_type == "roberta"
+        and args.objective["max_seq_length"] == 128
+        and args.control.num_train_epochs == 18
+    )
     args, _ = parse_args(shlex.split(BART_RECIPE))
     # no --model_type: the config's model_type decides (the recipe's config says bart)
-    assert args.model_type is None and args.objective["max_seq_length"] == 1024 and args.learning_rate == 1e-4
+    assert (
+        args.model.model_type is None
+        and args.objective["max_seq_length"] == 1024
+        and args.optimization.learning_rate == 1e-4
+    )
 
 
 def test_gpt2_recipe_is_accepted_unchanged():
     args, given = parse_args(shlex.split(GPT2_RECIPE))
-    assert args.model_type == "gpt2" and args.objective["block_size"] == 512 and args.learning_rate == 5e-3
-    assert args.do_train and args.do_eval and args.overwrite_output_dir and args.push_to_hub
-    assert args.num_train_epochs == 20 and args.adam_beta2 == 0.98 and args.eval_steps == 2500
-    assert "max_steps" not in given and args.max_steps == -1  # quick-start defaults only for the embedded corpus
+    assert (
+        args.model.model_type == "gpt2"
+        and args.objective["block_size"] == 512
+        and args.optimization.learning_rate == 5e-3
+    )
+    assert (
+        args.control.do_train and args.control.do_eval and args.control.overwrite_output_dir and args.output.push_to_hub
+    )
+    assert (
+        args.control.num_train_epochs == 20
+        and args.optimization.adam_beta2 == 0.98
+        and args.reporting.eval_steps == 2500
+    )
+    assert (
+        "max_steps" not in given and args.control.max_steps == -1
+    )  # quick-start defaults only for the embedded corpus
 
 
 def test_t5_recipe_is_accepted_unchanged():
     args, _ = parse_args(shlex.split(T5_RECIPE))
-    assert args.model_type == "t5" and args.adafactor and args.objective["max_seq_length"] == 512
-    assert args.training and args.evaluating  # the recipe gives neither --do_train nor --do_eval: both run
+    assert args.model.model_type == "t5" and args.optimization.adafactor and args.objective["max_seq_length"] == 512
+    assert (
+        args.control.training and args.control.evaluating
+    )  # the recipe gives neither --do_train nor --do_eval: both run
 
 
 def test_defaults_never_crash():
     args, _ = parse_args(["--train_file", "x.txt"])
-    assert args.eval_steps == args.logging_steps == 500  # HF's eval_steps=None crashed on `step % None`
+    assert (
+        args.reporting.eval_steps == args.reporting.logging_steps == 500
+    )  # HF's eval_steps=None crashed on `step % None`
     assert (
         args.objective["block_size"] is None and args.objective["max_seq_length"] is None
     )  # resolved from the model later
@@ -66,17 +93,21 @@ def test_defaults_never_crash():
 
 def test_embedded_corpus_uses_the_quickstart_unless_overridden():
     args, _ = parse_args(["--max_steps", "7"])
-    assert args.config_name == quickstart("gpt2")["config_name"] == "gpt2-tiny" and args.max_steps == 7
+    assert args.model.config_name == quickstart("gpt2")["config_name"] == "gpt2-tiny" and args.control.max_steps == 7
     args, _ = parse_args(["--model_type", "t5"])
-    assert args.config_name == "t5-v1_1-tiny" and args.adafactor and args.objective["max_seq_length"] == 128
-    assert args.output_dir == "runs/t5-v1_1-tiny-stdlib"
+    assert (
+        args.model.config_name == "t5-v1_1-tiny"
+        and args.optimization.adafactor
+        and args.objective["max_seq_length"] == 128
+    )
+    assert args.control.output_dir == "runs/t5-v1_1-tiny-stdlib"
     for family in ("roberta", "bart"):
         args, _ = parse_args(["--model_type", family])
-        assert args.config_name == f"{family}-tiny" and args.output_dir == f"runs/{family}-tiny-stdlib"
+        assert args.model.config_name == f"{family}-tiny" and args.control.output_dir == f"runs/{family}-tiny-stdlib"
 
 
 def test_the_default_output_dir_is_named_after_the_model_and_the_data():
-    output_dir = lambda *argv: parse_args(list(argv))[0].output_dir
+    output_dir = lambda *argv: parse_args(list(argv))[0].control.output_dir
     assert output_dir() == "runs/gpt2-tiny-stdlib"  # the README's first command: as before
     assert (
         output_dir(
@@ -114,9 +145,9 @@ def test_argument_file(tmp_path, suffix):
     path.write_text(json.dumps(values))  # JSON is valid YAML
     args, _ = parse_args([str(path)])
     assert (
-        args.learning_rate == 0.1
-        and args.do_train
-        and args.mesh == "data=2,fsdp=-1"
+        args.optimization.learning_rate == 0.1
+        and args.control.do_train
+        and args.devices.mesh == "data=2,fsdp=-1"
         and args.objective["block_size"] == 16
     )
     path.write_text(json.dumps({**values, "learning_rte": 1}))
@@ -147,22 +178,23 @@ def test_bad_values(argv, message):
 
 def test_boolean_flags_take_values_like_hf():
     args, _ = parse_args(["--train_file", "x", "--do_train", "false", "--export_hf=False", "--no_do_eval"])
-    assert args.do_train is False and args.export_hf is False and args.do_eval is False
+    assert args.control.do_train is False and args.output.export_hf is False and args.control.do_eval is False
 
 
 def test_remat_defaults_to_auto_and_gradient_checkpointing_means_full():
     args = parse_args(["--train_file", "x"])[0]
-    assert (args.remat, args.scan_unroll) == ("auto", "auto")
-    assert parse_args(["--train_file", "x", "--gradient_checkpointing"])[0].remat == "full"
+    assert (args.optimization.remat, args.optimization.scan_unroll) == ("auto", "auto")
+    assert parse_args(["--train_file", "x", "--gradient_checkpointing"])[0].optimization.remat == "full"
 
 
 def test_help_is_grouped_with_each_default_once_and_the_presets_listed():
-    from spmdlm.config import HELP_GROUPS, build_parser
+    from spmdlm.cli.launch import build_parser
     from spmdlm.models.hf_config import preset_names
+    from spmdlm.run_args import SECTIONS
 
     text = build_parser(family_choices()).format_help()
     assert text.startswith("usage: python -m spmdlm.launch [ARGS_FILE.json|.yaml] [--flag VALUE ...]\n")
-    for title, _ in HELP_GROUPS:
+    for title in ["objective", *(section.TITLE for section in SECTIONS.values())]:
         assert f"\n{title}:\n" in text
     flat = " ".join(text.split())
     assert "(default: None)" not in flat and not re.search(r"default[^()]*\) \(default:", flat)  # one per flag
@@ -173,3 +205,29 @@ def test_help_is_grouped_with_each_default_once_and_the_presets_listed():
 def test_an_unknown_model_type_names_the_families():
     with pytest.raises(ArgumentError, match="'robertaa' is not a model family; use one of bart, gpt2, roberta, t5"):
         parse_args(["--model_type", "robertaa"])
+
+
+def test_a_run_config_written_before_the_sections_reads_back_whole():
+    """run_config.json as the flat RunArgs wrote it (the default run's): every flag and objective flag reads back
+    into its section with the value recorded, and is written again as it was (a resume compares them)."""
+    saved = json.loads((Path(__file__).parent / "golden" / "run_config_before_sections.json").read_text())
+    now = RunArgs.of_run(saved).to_json()
+    assert set(now) <= set(saved)
+    assert now == {k: saved[k] for k in now}
+
+
+@pytest.mark.parametrize(
+    "section, values, message",
+    [
+        (DataArgs, dict(train_file="a.txt", dataset_dir="d"), "give one of --train_file, --data_mixture"),
+        (ControlArgs, dict(seed=-1), "--seed must be in"),
+        (ReportingArgs, dict(eval_tasks_steps=5), "--eval_tasks_steps apply to --eval_tasks"),
+        (OptimizationArgs, dict(lr_scheduler_type="constant", min_lr_ratio=0.1), "--min_lr_ratio applies to"),
+        (OutputArgs, dict(push_to_hub=True, export_hf=False), "--push_to_hub uploads the export"),
+    ],
+)
+def test_each_section_refuses_its_own_bad_values_when_made(section, values, message):
+    with pytest.raises(ArgumentError, match=message):
+        section(**values)
+    with pytest.raises(ArgumentError, match=message):  # and so does a run's arguments given them by flag name
+        RunArgs.of(values)

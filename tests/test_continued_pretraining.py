@@ -21,10 +21,10 @@ from family_fixtures import FIXTURES
 from safetensors.numpy import load_file
 
 from spmdlm import export
+from spmdlm.cli.launch import main, parse_args
 from spmdlm.data import datasets, pipeline
 from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.families import get_family
-from spmdlm.launch import main, parse_args
 from spmdlm.train.setup import resolve
 
 WORDS = "lamp keeper harbour boat sail letter apples tide wind north grey cape bay rowed smiled failed".split()

@@ -226,12 +226,12 @@ def test_export_to_a_file(capsys, out):
 
 
 def test_an_args_file_and_flags_combine_and_flags_win(tmp_path):
-    from spmdlm.launch import parse_args
+    from spmdlm.cli.launch import parse_args
 
     args_file = tmp_path / "args.json"
     args_file.write_text(json.dumps({"learning_rate": 1e-3, "max_steps": 10, "train_file": "a.txt"}))
     args, given = parse_args([str(args_file), "--learning_rate", "5e-4"])
-    assert (args.learning_rate, args.max_steps, args.train_file) == (5e-4, 10, "a.txt")
+    assert (args.optimization.learning_rate, args.control.max_steps, args.data.train_file) == (5e-4, 10, "a.txt")
 
 
 def test_urls_other_than_gs_are_refused_in_one_line(capsys, out):  # gs:// itself: tests/test_gcs.py

@@ -245,23 +245,22 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4
     objective (tokenizer trained on a small text), on the given mesh."""
     from conftest import FIXTURES as DATA
 
+    from spmdlm.cli.launch import parse_args
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.data.tokenization import train_tokenizer
-    from spmdlm.launch import parse_args
-    from spmdlm.train.optim import OptimConfig
     from spmdlm.train.state import build_train_state
     from spmdlm.train.step import Stepper
 
     args, _ = parse_args(["--train_file", "x", *FIXTURES[family].run_flags])
     config = load_config(str(config_path))
     tok = train_tokenizer(get_family(family), (DATA / "overfit.txt").read_text().splitlines(), config.vocab_size)
-    objective = families()[family].build_objective(args, config, tok)
+    objective = families()[family].build_objective(args.objective, config, tok)
     rng = np.random.default_rng(0)
     records = rng.integers(5, tok.get_vocab_size() - 100, (16, objective.record_length)).astype(np.int32)
     examples = [objective(r, np.random.default_rng(i)) for i, r in enumerate(records)]
     batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
     mesh = make_mesh(mesh_spec)
-    optim = OptimConfig(learning_rate=args.learning_rate, adafactor=args.adafactor, warmup_steps=1)
+    optim = args.optimization.replace(warmup_steps=1)
 
     graphdef, state = build_train_state(get_family(family), config, mesh, optim=optim, total_steps=steps)
     stepper = Stepper(graphdef, state, mesh, get_family(family).forward)

@@ -473,7 +473,7 @@ def test_cli_errors_without_a_model(capsys, exports, tmp_path):
 def test_cli_on_a_training_run(capsys, tmp_path, cache_dir):
     """Two steps of a tiny run: its checkpoints (the newest, or --step) and its export give the same text. The model
     has the GPT-2 export's shapes and four prompts are asked, so generation reuses the code compiled above."""
-    from spmdlm.launch import main as launch
+    from spmdlm.cli.launch import main as launch
 
     config, out = tmp_path / "gpt2.json", tmp_path / "run"
     config.write_text(json.dumps({"model_type": "gpt2", **CONFIGS["gpt2"]}))

@@ -393,9 +393,9 @@ def test_a_batch_is_its_rows_one_by_one(name):
 
 @pytest.mark.parametrize("family_name, preset", [("gpt2", "gpt2-tiny"), ("t5", "t5-v1_1-tiny"), ("bart", "bart-tiny")])
 def test_families_build_the_isolated_objective(family_name, preset):
+    from spmdlm.cli.launch import parse_args
     from spmdlm.data.tokenization import special_token_ids, train_tokenizer
     from spmdlm.families import get_family, load_config
-    from spmdlm.launch import parse_args
 
     family = get_family(family_name)
     assert "document_attention" in family.resume_keys  # recorded, and a resume must keep it

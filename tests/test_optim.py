@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from spmdlm.models.layers import Dense, LayerNorm
-from spmdlm.train.optim import OptimConfig, learning_rate_schedule, make_optimizer
+from spmdlm.run_args.sections import OptimizationArgs
+from spmdlm.train.optim import learning_rate_schedule, make_optimizer
 from spmdlm.train.step import cross_entropy_sums
 
 
@@ -26,7 +27,7 @@ def test_weight_decay_applies_to_matrices_only(adafactor):
     model = Tiny(nnx.Rngs(0))
     model.dense.bias[...] = jnp.ones(6)
     before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    cfg = OptimConfig(learning_rate=0.1, weight_decay=0.5, adafactor=adafactor, lr_scheduler_type="constant")
+    cfg = OptimizationArgs(learning_rate=0.1, weight_decay=0.5, adafactor=adafactor, lr_scheduler_type="constant")
     optimizer = nnx.Optimizer(model, make_optimizer(cfg, model, total_steps=10), wrt=nnx.Param)
     zero_grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
     optimizer.update(model, zero_grads)  # no gradient: only weight decay can move a parameter
@@ -44,7 +45,7 @@ def test_adam_epsilon_is_honoured():
         m = Tiny(nnx.Rngs(0))
         opt = nnx.Optimizer(
             m,
-            make_optimizer(OptimConfig(learning_rate=0.1, adam_epsilon=eps, lr_scheduler_type="constant"), m, 10),
+            make_optimizer(OptimizationArgs(learning_rate=0.1, adam_epsilon=eps, lr_scheduler_type="constant"), m, 10),
             wrt=nnx.Param,
         )
         # small gradients (~1e-3): eps 1 swamps them, eps 1e-8 does not
@@ -56,7 +57,7 @@ def test_adam_epsilon_is_honoured():
 
 @pytest.mark.parametrize("kind", ["linear", "cosine", "constant"])
 def test_schedules_warm_up_then_decay(kind):
-    schedule = learning_rate_schedule(OptimConfig(learning_rate=1.0, warmup_steps=10, lr_scheduler_type=kind), 110)
+    schedule = learning_rate_schedule(OptimizationArgs(learning_rate=1.0, warmup_steps=10, lr_scheduler_type=kind), 110)
     assert float(schedule(0)) == 0.0 and float(schedule(5)) == pytest.approx(0.5)
     assert float(schedule(10)) == pytest.approx(1.0)
     end = float(schedule(110))

@@ -2,7 +2,6 @@
 resumes bitwise from a checkpoint, Muon's split by parameter, the decay masks, the schedules against optax's, the
 schedule-free evaluation parameters, and the flags' errors."""
 
-import dataclasses
 import functools
 import math
 
@@ -15,20 +14,19 @@ import pytest
 from flax import nnx
 
 from spmdlm import checkpoint
-from spmdlm.config import RunArgs
+from spmdlm.cli.launch import parse_args
 from spmdlm.errors import ArgumentError
 from spmdlm.families import get_family, load_config
-from spmdlm.launch import parse_args
 from spmdlm.mesh import make_mesh
 from spmdlm.models.layers import Bias, Dense, Embed, LayerNorm, Scale
+from spmdlm.run_args import RunArgs
+from spmdlm.run_args.sections import OptimizationArgs
 from spmdlm.train.optim import (
     MUON_CONSISTENT_RMS,
-    OptimConfig,
     evaluation_params,
     learning_rate_schedule,
     make_optimizer,
     muon_dimension_numbers,
-    optim_config_from_args,
 )
 from spmdlm.train.state import build_train_state
 from spmdlm.train.step import Stepper, model_for_evaluation
@@ -75,7 +73,7 @@ def run(name: str, tmp_dir: str):
     """One uninterrupted run of STEPS steps, and one saved at SPLIT and restored (orbax, into an abstract target as
     a resume does) before the rest: (losses, final state) of each. One device: compiling is most of the time
     (sharded optimizer states: test_muon_states_are_sharded_like_their_parameters)."""
-    cfg = OptimConfig(
+    cfg = OptimizationArgs(
         learning_rate=RATES[name], optim=name, warmup_steps=2, weight_decay=0.01, lr_scheduler_type="constant"
     )
     mesh = make_mesh("data=1", jax.devices()[:1])
@@ -125,7 +123,7 @@ def test_muon_states_are_sharded_like_their_parameters():
     """Under fsdp each of Muon's and its AdamW's moments is sharded as its parameter, not replicated on every device
     (optax's partition leaves placeholders that must not sit in nnx Variables: optim._plain_masked_nodes)."""
     mesh = make_mesh("data=2,fsdp=2", jax.devices()[:4])
-    _, state = build_train_state(GPT2, TINY_GPT2, mesh, optim=OptimConfig(optim="muon"), abstract=True)
+    _, state = build_train_state(GPT2, TINY_GPT2, mesh, optim=OptimizationArgs(optim="muon"), abstract=True)
     params = {k: v for k, v in flat_leaves(state[0]).items() if v.ndim > 1}
     assert any("fsdp" in str(v.sharding.spec) for v in params.values())
     matched = set()
@@ -173,14 +171,16 @@ def test_schedule_free_evaluates_the_average_as_optax_does(runs):
     nnx.update(model, x)
     np.testing.assert_array_equal(np.asarray(model.wte.embedding[...]), got["['wte']['embedding']"])
     # the other optimizers' parameters pass through
-    adamw = OptimConfig(optim="adamw")
+    adamw = OptimizationArgs(optim="adamw")
     assert evaluation_params(adamw, optimizer.opt_state, params) is params
 
 
 def test_our_schedule_free_adamw_is_optax_s_with_a_decay_mask():
     """Decayed parameters follow optax.contrib.schedule_free_adamw(weight_decay=wd), masked ones its wd=0."""
     model = Toy(nnx.Rngs(0))
-    cfg = OptimConfig(learning_rate=0.1, weight_decay=0.3, optim="schedule_free_adamw", warmup_steps=2, max_grad_norm=0)
+    cfg = OptimizationArgs(
+        learning_rate=0.1, weight_decay=0.3, optim="schedule_free_adamw", warmup_steps=2, max_grad_norm=0
+    )
     schedule = learning_rate_schedule(cfg, 10)
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     ours = make_optimizer(cfg, model, 10)
@@ -277,7 +277,7 @@ def test_weight_decay_masks(name):
     model = Toy(nnx.Rngs(0))
     kinds = by_name(nnx.state(model, nnx.Param))
     before = by_name(nnx.as_pure(nnx.state(model, nnx.Param)))
-    cfg = OptimConfig(learning_rate=0.1, weight_decay=0.5, optim=name, lr_scheduler_type="constant")
+    cfg = OptimizationArgs(learning_rate=0.1, weight_decay=0.5, optim=name, lr_scheduler_type="constant")
     optimizer = nnx.Optimizer(model, make_optimizer(cfg, model, 10), wrt=nnx.Param)
     optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
     after = by_name(nnx.as_pure(nnx.state(model, nnx.Param)))
@@ -302,7 +302,7 @@ def values(schedule) -> np.ndarray:
 def ours(kind, warmup=WARMUP, **kw):
     return values(
         learning_rate_schedule(
-            OptimConfig(learning_rate=PEAK, warmup_steps=warmup, lr_scheduler_type=kind, **kw), TOTAL
+            OptimizationArgs(learning_rate=PEAK, warmup_steps=warmup, lr_scheduler_type=kind, **kw), TOTAL
         )
     )
 
@@ -384,7 +384,7 @@ def test_optimizer_flags_reach_the_optimizer_config():
             "0.95",
         ]
     )
-    cfg = optim_config_from_args(args)
+    cfg = args.optimization
     assert (
         cfg.optimizer,
         cfg.lr_scheduler_type,
@@ -394,20 +394,23 @@ def test_optimizer_flags_reach_the_optimizer_config():
         cfg.adam_beta2,
     ) == ("muon", "wsd", 0.1, 50, None, 0.95)
     assert args.to_json()["optim"] == "muon"  # run_config.json records the choice
-    shared = {f.name for f in dataclasses.fields(OptimConfig)}
-    assert all(getattr(cfg, name) == getattr(args, name) for name in shared)
+    assert RunArgs.of_run(args.to_json()).optimization == cfg  # and reads it back as it was
 
 
 def test_adafactor_is_the_old_spelling_of_optim_adafactor():
     for argv in (["--adafactor"], ["--optim", "adafactor"], ["--optim", "adafactor", "--adafactor"]):
         args, _ = parse_args(["--train_file", "x.txt", *argv])
-        assert args.optim == "adafactor" and args.adafactor and optim_config_from_args(args).optimizer == "adafactor"
+        assert (
+            args.optimization.optim == "adafactor"
+            and args.optimization.adafactor
+            and args.optimization.optimizer == "adafactor"
+        )
     args, _ = parse_args(["--train_file", "x.txt"])
-    assert args.optim == "adamw" and not args.adafactor
+    assert args.optimization.optim == "adamw" and not args.optimization.adafactor
     # the T5 quick start's Adafactor gives way to a given --optim
     args, _ = parse_args(["--model_type", "t5", "--optim", "lion"])
-    assert args.optim == "lion" and not args.adafactor
-    assert parse_args(["--model_type", "t5"])[0].optim == "adafactor"
+    assert args.optimization.optim == "lion" and not args.optimization.adafactor
+    assert parse_args(["--model_type", "t5"])[0].optimization.optim == "adafactor"
 
 
 @pytest.mark.parametrize(
@@ -435,9 +438,9 @@ def test_bad_optimizer_flags(argv, message):
         parse_args(["--train_file", "x.txt", *argv])
 
 
-def test_optim_config_refuses_what_it_cannot_build():
-    with pytest.raises(ValueError, match="--optim 'sgd'"):
-        OptimConfig(optim="sgd")
-    with pytest.raises(ValueError, match="--adafactor means --optim adafactor"):
-        OptimConfig(optim="muon", adafactor=True)
-    assert optim_config_from_args(RunArgs()).optimizer == "adamw"  # unvalidated args: the defaults
+def test_the_optimisation_section_refuses_what_it_cannot_build():
+    with pytest.raises(ArgumentError, match="--optim 'sgd'"):
+        OptimizationArgs(optim="sgd")
+    with pytest.raises(ArgumentError, match="--adafactor means --optim adafactor"):
+        OptimizationArgs(optim="muon", adafactor=True)
+    assert RunArgs().optimization.optimizer == "adamw"  # unresolved: the defaults

@@ -411,7 +411,7 @@ def test_the_launcher_trains_from_a_dataset_dir_a_dataset_name_and_a_cache_folde
     import datasets
     from conftest import read_metrics
 
-    from spmdlm.launch import main as launch
+    from spmdlm.cli.launch import main as launch
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     assert prepare(tmp_path / "prepared", tokenizers, corpus) == 0

@@ -15,11 +15,11 @@ from hub_emulator import USER, HubEmulator
 from huggingface_hub import ModelCard
 
 from spmdlm import export, storage
+from spmdlm.cli.launch import main, parse_args
 from spmdlm.errors import ArgumentError
 from spmdlm.export import export_complete, save_hf
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
-from spmdlm.launch import main, parse_args
 from spmdlm.train import corpora, publish, setup
 
 TOKEN = "hf_emulated_token"
@@ -77,8 +77,8 @@ def run_context(argv: list[str]) -> setup.RunContext:
     args, _ = parse_args(argv)
     ctx = setup.resolve(args, 0.0)
     ctx.hub = None
-    setup.setup_tokenizer(ctx, (documents := corpora.read_corpora(args))[0])
-    setup.setup_data(ctx, *documents)
+    setup.setup_tokenizer(ctx, (documents := corpora.read_corpora(args.data))[0])
+    corpora.setup_data(ctx, *documents)
     return ctx
 
 
@@ -240,7 +240,7 @@ def test_the_run_refuses_a_bad_repository_id_or_no_token_before_it_starts(tmp_pa
         publish.hub_for(ctx)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    ctx.args = args.replace(hub_model_id="user/fine", hub_token=None)
+    ctx.run = dataclasses.replace(ctx.run, args=args.replace(hub_model_id="user/fine", hub_token=None))
     with pytest.raises(ArgumentError, match="needs a Hub token"):
         publish.hub_for(ctx)
 

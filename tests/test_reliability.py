@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, final_params, read_metrics
 
-import spmdlm.launch
+import spmdlm.cli.launch
 from spmdlm import checkpoint, devices
 from spmdlm.launch import main
 from spmdlm.train import corpora, setup
@@ -142,17 +142,21 @@ def _edit_fingerprint(path):
 @pytest.fixture(scope="module")
 def restore_target(base_run, cache_dir, tiny_gpt2_config):
     """The run's abstract (model, optimizer) state and data iterator, built by the loop's own stages."""
+    from spmdlm.cli.launch import parse_args
     from spmdlm.data import pipeline
-    from spmdlm.launch import parse_args
 
     args, _ = parse_args(flags(base_run, cache_dir, tiny_gpt2_config))
     ctx = setup.resolve(args, 0.0)
-    train_docs, val_docs = corpora.read_corpora(args)
+    train_docs, val_docs = corpora.read_corpora(args.data)
     setup.setup_tokenizer(ctx, train_docs)
-    setup.setup_data(ctx, train_docs, val_docs)
+    corpora.setup_data(ctx, train_docs, val_docs)
     _, state, _ = setup.setup_state(ctx, abstract=True)
     iterator = pipeline.train_batches(
-        ctx.data.train, ctx.objective, seed=args.seed, global_batch=ctx.global_batch, num_epochs=ctx.schedule.num_epochs
+        ctx.data.train,
+        ctx.objective,
+        seed=args.control.seed,
+        global_batch=ctx.global_batch,
+        num_epochs=ctx.schedule.num_epochs,
     )
     return state, iterator
 
@@ -301,7 +305,7 @@ def test_ctrl_c_outside_training_is_one_line(capsys, monkeypatch, tmp_path):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(spmdlm.launch, "run", interrupted)
+    monkeypatch.setattr(spmdlm.cli.launch, "run", interrupted)
     code, _, err = launch(capsys, "--output_dir", str(tmp_path / "x"), "--train_file", str(FIXTURES / "overfit.txt"))
     assert code == 130 and len(err.strip().splitlines()) == 1
 

@@ -105,9 +105,9 @@ def test_seed_out_of_range(capsys, tmp_path, cache_dir, tiny_gpt2_config, seed):
 
 
 def test_largest_seed_is_accepted():
-    from spmdlm.launch import parse_args
+    from spmdlm.cli.launch import parse_args
 
-    assert parse_args(["--seed", str(2**32 - 1)])[0].seed == 2**32 - 1
+    assert parse_args(["--seed", str(2**32 - 1)])[0].control.seed == 2**32 - 1
 
 
 @pytest.mark.parametrize(
@@ -153,7 +153,7 @@ def test_negative_optimiser_values(capsys, tmp_path, cache_dir, tiny_gpt2_config
 
 
 def test_zero_learning_rate_is_allowed_with_a_warning(caplog, tmp_path, cache_dir, tiny_gpt2_config):
-    from spmdlm.launch import parse_args
+    from spmdlm.cli.launch import parse_args
     from spmdlm.train import setup
 
     args, _ = parse_args(small_run(tmp_path / "run", cache_dir, tiny_gpt2_config, "--learning_rate", "0"))
@@ -164,7 +164,7 @@ def test_zero_learning_rate_is_allowed_with_a_warning(caplog, tmp_path, cache_di
 
 # -- 4: a validation file that is a training file ---------------------------------------------------------------------
 def test_validation_file_among_the_train_files_warns(caplog, tmp_path, cache_dir, tiny_gpt2_config):
-    from spmdlm.launch import parse_args
+    from spmdlm.cli.launch import parse_args
     from spmdlm.train import corpora
 
     other = tmp_path / "other.txt"
@@ -182,7 +182,7 @@ def test_validation_file_among_the_train_files_warns(caplog, tmp_path, cache_dir
     )
     args, _ = parse_args(argv)
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
-        corpora.read_corpora(args)
+        corpora.read_corpora(args.data)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "the evaluation measures training data" in warnings[0] and str(link) in warnings[0]
 
@@ -190,7 +190,7 @@ def test_validation_file_among_the_train_files_warns(caplog, tmp_path, cache_dir
     args, _ = parse_args([*argv[:-1], str(other.with_name("held_out.txt"))])
     other.with_name("held_out.txt").write_text("held out text\n")
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
-        corpora.read_corpora(args)
+        corpora.read_corpora(args.data)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -205,10 +205,10 @@ def test_eval_only_with_nothing_held_out(capsys, tmp_path, cache_dir, tiny_gpt2_
 
 
 def test_train_and_eval_with_nothing_held_out_still_trains():
-    from spmdlm.launch import parse_args
+    from spmdlm.cli.launch import parse_args
 
     args, _ = parse_args(["--do_train", "--do_eval", "--validation_split_percentage", "0"])
-    assert args.training and args.evaluating
+    assert args.control.training and args.control.evaluating
 
 
 # -- 6: a FIFO as an input file ----------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ import typing
 import pytest
 from test_reliability_inputs import FIXTURES, refused, small_run
 
-from spmdlm import config
+from spmdlm.cli.launch import _base_type
 from spmdlm.families import objective_flags
+from spmdlm.run_args import SECTIONS
+from spmdlm.run_args.choices import FLAG_BOUNDS
 
 
 # -- every numeric flag: finite, in range, refused before any output ---------------------------------------------
@@ -37,10 +39,14 @@ def test_numeric_flags_one_rule(capsys, tmp_path, cache_dir, tiny_gpt2_config, f
 
 def test_every_numeric_flag_is_bounded():
     """A numeric flag added without bounds would be judged only as finite: each must say its range."""
-    hints = typing.get_type_hints(config.RunArgs)
-    numeric = {f.name for f in dataclasses.fields(config.RunArgs) if config._base_type(hints[f.name]) in (int, float)}
-    assert numeric - set(config.FLAG_BOUNDS) == set()
-    assert set(config.FLAG_BOUNDS) <= numeric
+    numeric = {
+        f.name
+        for section in SECTIONS.values()
+        for f in dataclasses.fields(section)
+        if _base_type(typing.get_type_hints(section)[f.name]) in (int, float)
+    }
+    assert numeric - set(FLAG_BOUNDS) == set()
+    assert set(FLAG_BOUNDS) <= numeric
     unbounded = [flag.name for flag in objective_flags() if flag.type in (int, float) and flag.bounds is None]
     assert unbounded == []
 
@@ -100,9 +106,9 @@ def fake_dataset(folder, tokenizer_sha: str):
 
 
 def test_prepared_sources_of_two_tokenizers_get_advice_that_works(tmp_path):
+    from spmdlm.cli.launch import parse_args
     from spmdlm.data.mixture import read_mixture_file
     from spmdlm.errors import DataError
-    from spmdlm.launch import parse_args
     from spmdlm.train.corpora import read_sources
 
     for name, sha in (("a", "1" * 64), ("b", "2" * 64), ("c", "1" * 64)):
@@ -114,7 +120,7 @@ def test_prepared_sources_of_two_tokenizers_get_advice_that_works(tmp_path):
     )
     args, _ = parse_args(["--data_mixture", str(path)])
     with pytest.raises(DataError) as refusal:
-        read_sources(args, read_mixture_file(str(path)))
+        read_sources(args.data, read_mixture_file(str(path)))
     assert str(refusal.value) == (
         f"--data_mixture {path} source b: {tmp_path / 'b'} was tokenized with another "
         f"tokenizer than source a's {tmp_path / 'a'}; a mixture's sources share one "
@@ -213,8 +219,8 @@ def test_one_document_that_leaves_no_held_out_text_says_so(caplog):
     import logging
     import types
 
-    from spmdlm.launch import parse_args
-    from spmdlm.train.setup import tokenize_validation
+    from spmdlm.cli.launch import parse_args
+    from spmdlm.train.corpora import tokenize_validation
 
     args, _ = parse_args(["--train_file", "x.txt", "--text_documents", "file"])
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
@@ -335,9 +341,9 @@ def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2
     import shutil
     import types
 
+    from spmdlm.cli.launch import parse_args
     from spmdlm.data.datasets import CARD_NAME
-    from spmdlm.launch import parse_args
-    from spmdlm.train import publish, setup
+    from spmdlm.train import corpora, publish
 
     out = shutil.copytree(prepared, tmp_path / "ds")
     args, _ = parse_args(["--dataset_dir", str(out)])
@@ -348,7 +354,7 @@ def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2
         sources=(),
         objective=types.SimpleNamespace(record_length=17, preparation="stream"),
     )
-    train, _ = setup.open_prepared(ctx, str(out))
+    train, _ = corpora.open_prepared(ctx, str(out))
     card = json.loads((out / CARD_NAME).read_text())
     card["read"]["files"], card["splits"]["train"]["documents"] = 99, 12345  # prepared anew while training
     (out / CARD_NAME).write_text(json.dumps(card))

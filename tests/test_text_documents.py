@@ -8,9 +8,9 @@ import pytest
 
 from spmdlm import prepare
 from spmdlm.cli import tokenizer
-from spmdlm.config import RunArgs
 from spmdlm.data import readers, token_cache
 from spmdlm.data.tokenization import load_tokenizer
+from spmdlm.run_args import RunArgs
 from spmdlm.train import corpora
 
 # Three paragraphs, hard-wrapped, separated by one or more blank lines (one of them holding spaces).
@@ -52,15 +52,15 @@ def test_file_documents_are_whole_files_and_line_stays_the_default(corpus):
 
 
 def test_the_launcher_reads_blank_line_documents_and_caches_them_apart(corpus, tmp_path, cache_dir):
-    args = lambda mode: RunArgs(train_file=str(corpus), text_documents=mode, validation_split_percentage=0.0)
-    train, _ = corpora.read_corpora(args("blank_line"))
+    args = lambda mode: RunArgs.of(dict(train_file=str(corpus), text_documents=mode, validation_split_percentage=0.0))
+    train, _ = corpora.read_corpora(args("blank_line").data)
     assert train == PARAGRAPHS * 20 + ["A second file\nof two lines."]
     tok = tokenizer_for(corpus, tmp_path)
     eos = tok.token_to_id("<|endoftext|>")
     # record length 1: no partial record is dropped, so every token of the stream is in the cache
     cached = {
         mode: token_cache.prepare_split(
-            corpora.read_corpora(args(mode))[0],
+            corpora.read_corpora(args(mode).data)[0],
             tok,
             record_length=1,
             separator_id=eos,

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from conftest import COMPILE_FLAGS, FIXTURES, REPO, read_metrics, run_killed_after_first_checkpoint
 
-from spmdlm.config import RunArgs, masked
+from spmdlm.cli.launch import masked
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.launch import main
+from spmdlm.run_args import RunArgs
 from spmdlm.train import report as report_module
 from spmdlm.train import trackers
 from spmdlm.train.report import Reporter
@@ -219,7 +220,7 @@ def reporter(out: Path, report_to: str) -> Reporter:
         global_batch=2,
         mesh=types.SimpleNamespace(size=1, shape={"data": 1}),
         dtype="float32",
-        args=RunArgs(output_dir=str(out), report_to=report_to),
+        args=RunArgs.of(dict(output_dir=str(out), report_to=report_to)),
     )
 
 

@@ -27,27 +27,19 @@ from typing import Any
 
 from flax import nnx
 
-from spmdlm import config as run_config
 from spmdlm import storage
-from spmdlm.config import RunArgs
-from spmdlm.data import mixture
+from spmdlm.cli.launch import parse_args as parse_run_args
+from spmdlm.cli.launch import setup_devices
 from spmdlm.errors import ArgumentError, DataError, UserError
 from spmdlm.families import family_choices
 from spmdlm.generate.harness import harness_lm, run_tasks, task_manager
-from spmdlm.launch import setup_devices
 from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
-from spmdlm.train.corpora import read_corpora, read_sources
+from spmdlm.run_args import RunArgs
+from spmdlm.train.corpora import read_corpora, read_sources, setup_data, setup_mixture_data
 from spmdlm.train.loop import evaluate
 from spmdlm.train.report import strict_json
-from spmdlm.train.setup import (
-    RunContext,
-    byte_lengths,
-    check_flags_apply,
-    setup_data,
-    setup_mixture_data,
-    use_tokenizer,
-)
+from spmdlm.train.setup import Run, RunContext, byte_lengths, check_flags_apply, use_tokenizer
 from spmdlm.train.step import Stepper
 
 log = logging.getLogger("spmdlm")
@@ -111,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
     own, rest = parser().parse_known_args(argv)
     choices = family_choices()
-    args, given = run_config.parse_args([*rest, "--do_train", "false", "--do_eval", "true"], choices)
+    args, given = parse_run_args([*rest, "--do_train", "false", "--do_eval", "true"], choices)
     unused = sorted(given - FLAGS - {"do_train", "do_eval"} - {flag.name for flag in choices.objective_flags})
     if unused:
         raise ArgumentError(
@@ -119,7 +111,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
             f"takes --step, --output_file and the launcher's {', '.join('--' + f for f in sorted(FLAGS))} "
             "and objective flags"
         )
-    if not args.model_name_or_path:
+    if not args.model.model_name_or_path:
         raise ArgumentError(
             "give --model_name_or_path: a run's --output_dir, one of its checkpoints/<step>, an "
             "export or a transformers directory"
@@ -138,7 +130,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
 
 
 def held_out_given(args: RunArgs) -> bool:
-    return bool(args.validation_file or args.dataset_dir or args.data_mixture or args.train_file or args.dataset_name)
+    return args.data.given or bool(args.data.validation_file)
 
 
 def context(args: RunArgs, loaded: LoadedModel) -> RunContext:
@@ -147,26 +139,29 @@ def context(args: RunArgs, loaded: LoadedModel) -> RunContext:
     family = loaded.family
     args = args.replace(model_type=family.name)
     check_flags_apply(args, family)
-    family.check_lengths(args, loaded.config)
-    ctx = RunContext(
+    family.check_lengths(args.objective, loaded.config)
+    run = Run(
         args,
         loaded.mesh,
         Path("."),
         family,
-        loaded.config,
+        0,
         0,
         time.perf_counter(),
-        args.model_name_or_path,
+        args.model.model_name_or_path,
         "xla",
-        mixture.sources_of(args.train_file, args.data_mixture),
+        args.data.sources(),
     )
+    ctx = RunContext(run, loaded.config)
     use_tokenizer(ctx, loaded.tokenizer)
     return ctx
 
 
 def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
     tasks = task_manager(own.tasks, [own.tasks_dir] if own.tasks_dir else ()) if own.tasks else None  # before loading
-    loaded = load_model(args.model_name_or_path, make_mesh(args.mesh), step=own.step, tokenizer=args.tokenizer_name)
+    loaded = load_model(
+        args.model.model_name_or_path, make_mesh(args.devices.mesh), step=own.step, tokenizer=args.model.tokenizer_name
+    )
     found = held_out(args, loaded) if held_out_given(args) else header(args, loaded)
     if tasks is not None:
         lm = harness_lm(
@@ -174,22 +169,22 @@ def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
             loaded.model,
             loaded.tokenizer,
             loaded.mesh,
-            seed=args.seed,
-            batch_size=args.per_device_eval_batch_size * batch_axis_size(loaded.mesh),
+            seed=args.control.seed,
+            batch_size=args.control.per_device_eval_batch_size * batch_axis_size(loaded.mesh),
         )
         found["tasks"] = run_tasks(
-            lm, own.tasks, manager=tasks, limit=own.tasks_limit, num_fewshot=own.num_fewshot, seed=args.seed
+            lm, own.tasks, manager=tasks, limit=own.tasks_limit, num_fewshot=own.num_fewshot, seed=args.control.seed
         )
     return found
 
 
 def header(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
     return {
-        "model": args.model_name_or_path,
+        "model": args.model.model_name_or_path,
         "kind": loaded.kind,
         "step": loaded.step,
         "model_type": loaded.family.name,
-        "seed": args.seed,
+        "seed": args.control.seed,
     }
 
 
@@ -197,9 +192,9 @@ def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
     """The objective's loss, perplexity, accuracy and bits per byte on the held-out text."""
     ctx = context(args, loaded)
     if ctx.sources:
-        setup_mixture_data(ctx, read_sources(args, ctx.sources, need_train=False))
+        setup_mixture_data(ctx, read_sources(args.data, ctx.sources, need_train=False))
     else:
-        setup_data(ctx, *read_corpora(args, need_train=False))
+        setup_data(ctx, *read_corpora(args.data, need_train=False))
     if not ctx.data.validation_splits:
         raise DataError("no held-out text to evaluate: give --validation_file (or each source's validation_file)")
     graphdef, state = nnx.split(loaded.model)
@@ -226,8 +221,8 @@ def results(loaded: LoadedModel, ctx: RunContext, metrics: dict[str, float]) -> 
     args = ctx.args
     return {
         **header(args, loaded),
-        "objective": {flag.name: flag.of(args) for flag in ctx.family.flags},
-        "max_eval_samples": args.max_eval_samples,
+        "objective": {flag.name: flag.of(args.objective) for flag in ctx.family.flags},
+        "max_eval_samples": args.data.max_eval_samples,
         **overall,
         **({"per_source": per_source} if per_source else {}),
         "note": NOTE,
@@ -238,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         own, args = parse(argv)
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the results
-            setup_devices(args)
+            setup_devices(args.devices)
         logging.basicConfig(
             level=logging.INFO,
             format="%(asctime)s %(levelname)s %(message)s",

@@ -27,13 +27,13 @@ import logging
 import re
 import sys
 
-from spmdlm.config import RunArgs, check_objective_flags
 from spmdlm.data.datasets import DEFAULT_SHARD_BYTES, prepare_dataset
 from spmdlm.data.readers import add_corpus_arguments, corpus_of
 from spmdlm.data.records import Cut
 from spmdlm.data.tokenization import load_tokenizer, special_token_ids
 from spmdlm.errors import ArgumentError, UserError
 from spmdlm.families import families, get_family, load_config, objective_flags
+from spmdlm.run_args.choices import check_objective_flags
 
 
 def parse_size(text: str) -> int:
@@ -50,7 +50,8 @@ def parse_size(text: str) -> int:
 
 def resolve_objective(for_model: str, tokenizer, flags: dict, config_name: str | None = None):
     """(family, objective, applicable flags) for the flags given, exactly as the launcher builds them: the same
-    RunArgs, the family's check_lengths and build_objective (the record length and preparation mode come from it)."""
+    objective flags, the family's check_lengths and build_objective (the record length and preparation mode come from
+    it)."""
     family = get_family(for_model)
     given = {k: v for k, v in flags.items() if v is not None and v is not False}
     own = [flag.name for flag in family.flags]
@@ -61,10 +62,9 @@ def resolve_objective(for_model: str, tokenizer, flags: dict, config_name: str |
         )
     check_objective_flags(given, family.flags)
     config = load_config(config_name or family.default_preset, family.name)
-    args = RunArgs(model_type=family.name, objective=given)
-    family.check_lengths(args, config)
-    objective = family.build_objective(args, config, tokenizer)
-    applicable = {flag.name: flag.of(args) for flag in family.flags}
+    family.check_lengths(given, config)
+    objective = family.build_objective(given, config, tokenizer)
+    applicable = {flag.name: flag.of(given) for flag in family.flags}
     return family, objective, applicable, config
 
 

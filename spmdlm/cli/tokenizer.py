@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 
 from spmdlm import storage
-from spmdlm.config import DEFAULT_MODEL_TYPE
 from spmdlm.data.readers import ReadStats, add_corpus_arguments, corpus_of
 from spmdlm.data.records import progress_bar
 from spmdlm.data.tokenization import save_tokenizer, train_tokenizer
 from spmdlm.errors import ArgumentError, UserError
 from spmdlm.families import families, get_family, load_config
+from spmdlm.run_args.choices import DEFAULT_MODEL_TYPE
 
 KINDS = ("bpe", "unigram")  # spmdlm.data.tokenization.train_tokenizer's
 OUTPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

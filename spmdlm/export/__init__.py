@@ -42,7 +42,7 @@ from spmdlm.hf_weights import CheckpointTensors
 from spmdlm.mesh import make_mesh
 from spmdlm.models.hf_config import HFConfig
 from spmdlm.storage import no_space, remove_stale_temps
-from spmdlm.train.optim import evaluation_needs_optimizer, optim_config_of_run
+from spmdlm.train.optim import evaluation_needs_optimizer, optimization_of_run
 from spmdlm.train.state import build_train_state
 from spmdlm.train.step import model_for_evaluation
 
@@ -371,7 +371,7 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
     config = checked_config(run_config.get("model_config") or {}, None, str(run_config_path))
     family = get_family(config.model_type)
     model, step = _evaluation_model(
-        ckpt.make_manager(run_dir, read_only=True), step, family, config, mesh, optim_config_of_run(run_config)
+        ckpt.make_manager(run_dir, read_only=True), step, family, config, mesh, optimization_of_run(run_config)
     )
     # The tokenizer the run trained with: saved beside its checkpoints (an older run's: --tokenizer_name, else the
     # --model_name_or_path it started from).

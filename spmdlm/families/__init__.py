@@ -16,13 +16,15 @@ import functools
 import importlib
 import importlib.metadata
 import pkgutil
+from collections.abc import Mapping
+from typing import Any
 
-from spmdlm.config import DEFAULT_MODEL_TYPE, QUICKSTART_COMMON, FamilyChoices, RunArgs
 from spmdlm.data.objectives import Flag, Objective
 from spmdlm.data.tokenization import train_tokenizer
 from spmdlm.errors import ConfigError
 from spmdlm.families.base import Family
 from spmdlm.models.hf_config import HFConfig, preset_names, read_config_source, read_pretrained_config
+from spmdlm.run_args.choices import DEFAULT_MODEL_TYPE, QUICKSTART_COMMON, FamilyChoices
 
 ENTRY_POINT_GROUP = "spmdlm.families"
 
@@ -127,16 +129,16 @@ def checked_config(values: dict, model_type: str | None, source: str, overrides:
 
 
 def objective_for_shapes(
-    family: Family, config: HFConfig, seq_len: int | None = None, *, args: RunArgs | None = None
+    family: Family, config: HFConfig, seq_len: int | None = None, *, flags: Mapping[str, Any] | None = None
 ) -> Objective:
     """The family's objective at the run's shapes, for synthetic batches (benchmarks, compile checks).
 
-    Built from a small tokenizer trained on a few words: only lengths and special ids matter for shapes. `args`: the
-    run's flags (all of its objective flags); without them, the defaults with `seq_len` as the family's first
+    Built from a small tokenizer trained on a few words: only lengths and special ids matter for shapes. `flags`: the
+    run's objective flags (all of them); without them, the defaults with `seq_len` as the family's first
     objective flag (the one that sets the example length).
     """
     words = [" ".join(f"w{i}{j}" for j in range(50)) for i in range(20)]
     tokenizer = train_tokenizer(family, words, min(config.vocab_size, 512))
-    if args is None:
-        args = RunArgs(objective={family.flags[0].name: seq_len} if seq_len else {})
-    return family.build_objective(args, config, tokenizer)
+    if flags is None:
+        flags = {family.flags[0].name: seq_len} if seq_len else {}
+    return family.build_objective(flags, config, tokenizer)

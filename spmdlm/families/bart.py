@@ -97,13 +97,13 @@ def check_hf_config(values: dict) -> None:
             raise ConfigError(f"BART {key} {values[key]} is not supported; set it to 0")
 
 
-def max_seq_length(args, config) -> int:
-    return MAX_SEQ_LENGTH.of(args) or min(1024, config.max_position_embeddings)
+def max_seq_length(flags, config) -> int:
+    return MAX_SEQ_LENGTH.of(flags) or min(1024, config.max_position_embeddings)
 
 
-def mask_ratio(args) -> float:
+def mask_ratio(flags) -> float:
     # --mlm_probability is the HF script's name for it; both given and different is a mistake.
-    given, mlm_probability = MASK_RATIO.of(args), MLM_PROBABILITY.of(args)
+    given, mlm_probability = MASK_RATIO.of(flags), MLM_PROBABILITY.of(flags)
     if given is not None and mlm_probability is not None and given != mlm_probability:
         raise ArgumentError(
             f"--mask_ratio {given} and --mlm_probability {mlm_probability} disagree; "
@@ -112,30 +112,30 @@ def mask_ratio(args) -> float:
     return next((r for r in (given, mlm_probability) if r is not None), 0.3)
 
 
-def check_lengths(args, config) -> None:
+def check_lengths(flags, config) -> None:
     check_framed_length(
-        max_seq_length(args, config),
+        max_seq_length(flags, config),
         config.max_position_embeddings,
         f"max_position_embeddings {config.max_position_embeddings}",
     )
-    mask_ratio(args)
+    mask_ratio(flags)
 
 
-def build_objective(args, config, tokenizer):
+def build_objective(flags, config, tokenizer):
     ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
     try:
         return Denoising(
-            max_seq_length(args, config),
+            max_seq_length(flags, config),
             bos_id=ids["bos"],
             eos_id=ids["eos"],
             pad_id=ids["pad"],
             mask_id=ids["mask"],
             decoder_start_id=config.decoder_start_token_id,
             special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
-            permute_sentence_ratio=PERMUTE_SENTENCE_RATIO.of(args),
-            mask_ratio=mask_ratio(args),
-            poisson_lambda=POISSON_LAMBDA.of(args),
-            document_attention=DOCUMENT_ATTENTION.of(args),
+            permute_sentence_ratio=PERMUTE_SENTENCE_RATIO.of(flags),
+            mask_ratio=mask_ratio(flags),
+            poisson_lambda=POISSON_LAMBDA.of(flags),
+            document_attention=DOCUMENT_ATTENTION.of(flags),
         )
     except ValueError as e:
         raise ArgumentError(str(e)) from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spmdlm.config import RunArgs
 from spmdlm.data.objectives import DECODER_SEGMENT_FIELDS, SEGMENT_FIELDS, Flag, Objective
 from spmdlm.data.tokenization import TokenizerSpec
 from spmdlm.errors import ArgumentError
@@ -174,8 +173,9 @@ class Family:
     objective_class: type[Objective]  # its objective: the flags (FLAGS) the launcher and prepare take for it
     default_preset: str  # --config_name when none is given with --train_file
     quickstart: dict[str, Any]  # flags of the embedded quick start (python -m spmdlm.launch --model_type NAME)
-    check_lengths: Callable[[RunArgs, HFConfig], None]  # before any data is read; raises ArgumentError
-    build_objective: Callable[[RunArgs, HFConfig, Any], Objective]  # (args, config, tokenizer)
+    # (objective flags by name, config): before any data is read; raises ArgumentError
+    check_lengths: Callable[[Mapping[str, Any], HFConfig], None]
+    build_objective: Callable[[Mapping[str, Any], HFConfig, Any], Objective]  # (objective flags, config, tokenizer)
     forward_flops: Callable[..., dict[str, float]]  # (config, sequence lengths, full_causal_square) -> by part
     forward: Forward  # how the shared train and eval step call the model on a batch
     generation: Generation  # what spmdlm.generate may ask of the model

@@ -46,23 +46,23 @@ def check_hf_config(values: dict) -> None:
             raise ConfigError(f"GPT-2 config with {key}={bad} is not supported")
 
 
-def block_size(args, config) -> int:
-    return BLOCK_SIZE.of(args) or min(1024, config.n_positions)
+def block_size(flags, config) -> int:
+    return BLOCK_SIZE.of(flags) or min(1024, config.n_positions)
 
 
-def check_lengths(args, config) -> None:
-    if block_size(args, config) > config.n_positions:
+def check_lengths(flags, config) -> None:
+    if block_size(flags, config) > config.n_positions:
         raise ArgumentError(
-            f"--block_size {block_size(args, config)} is longer than the model's n_positions "
+            f"--block_size {block_size(flags, config)} is longer than the model's n_positions "
             f"{config.n_positions}; lower --block_size or use a config with more positions"
         )
 
 
-def build_objective(args, config, tokenizer):
+def build_objective(flags, config, tokenizer):
     return CausalLM(
-        block_size(args, config),
+        block_size(flags, config),
         eos_id=special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
-        document_attention=DOCUMENT_ATTENTION.of(args),
+        document_attention=DOCUMENT_ATTENTION.of(flags),
     )
 
 

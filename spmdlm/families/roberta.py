@@ -67,38 +67,38 @@ def check_hf_config(values: dict) -> None:
         raise ConfigError("RoBERTa as a decoder (is_decoder/add_cross_attention) is not supported")
 
 
-def max_seq_length(args, config) -> int:
+def max_seq_length(flags, config) -> int:
     # The HF script crashed on None; its default is the tokenizer's maximum, i.e. the positions minus the offset.
-    return MAX_SEQ_LENGTH.of(args) or min(512, config.max_length)
+    return MAX_SEQ_LENGTH.of(flags) or min(512, config.max_length)
 
 
-def check_lengths(args, config) -> None:
+def check_lengths(flags, config) -> None:
     check_framed_length(
-        max_seq_length(args, config),
+        max_seq_length(flags, config),
         config.max_length,
         f"{config.max_length} positions (max_position_embeddings {config.max_position_embeddings} "
         "minus RoBERTa's padding offset)",
     )
     # before any data is read (build_objective checks the same again)
-    if problem := layout_problem(LINE_BY_LINE.of(args), PACKING.of(args), DOCUMENT_ATTENTION.of(args)):
+    if problem := layout_problem(LINE_BY_LINE.of(flags), PACKING.of(flags), DOCUMENT_ATTENTION.of(flags)):
         raise ArgumentError(problem)
 
 
-def build_objective(args, config, tokenizer):
+def build_objective(flags, config, tokenizer):
     ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
     try:
         return MaskedLM(
-            max_seq_length(args, config),
+            max_seq_length(flags, config),
             bos_id=ids["bos"],
             eos_id=ids["eos"],
             pad_id=ids["pad"],
             mask_id=ids["mask"],
             special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
             vocab_size=tokenizer.get_vocab_size(),
-            mlm_probability=MLM_PROBABILITY.of(args) or 0.15,
-            line_by_line=LINE_BY_LINE.of(args),
-            packing=PACKING.of(args),
-            document_attention=DOCUMENT_ATTENTION.of(args),
+            mlm_probability=MLM_PROBABILITY.of(flags) or 0.15,
+            line_by_line=LINE_BY_LINE.of(flags),
+            packing=PACKING.of(flags),
+            document_attention=DOCUMENT_ATTENTION.of(flags),
         )
     except ValueError as e:
         raise ArgumentError(str(e)) from None

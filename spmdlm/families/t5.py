@@ -86,29 +86,29 @@ def check_hf_config(values: dict) -> None:
         )
 
 
-def _span_corruption(args, sentinels, eos_id: int, decoder_start_id: int):
+def _span_corruption(flags, sentinels, eos_id: int, decoder_start_id: int):
     try:
         return SpanCorruption(
-            inputs_length=MAX_SEQ_LENGTH.of(args) or DEFAULT_LENGTH,
+            inputs_length=MAX_SEQ_LENGTH.of(flags) or DEFAULT_LENGTH,
             sentinel_ids=tuple(int(s) for s in sentinels),
             eos_id=eos_id,
-            noise_density=MLM_PROBABILITY.of(args) or 0.15,
-            mean_noise_span_length=MEAN_NOISE_SPAN_LENGTH.of(args),
+            noise_density=MLM_PROBABILITY.of(flags) or 0.15,
+            mean_noise_span_length=MEAN_NOISE_SPAN_LENGTH.of(flags),
             decoder_start_id=decoder_start_id,
-            document_attention=DOCUMENT_ATTENTION.of(args),
+            document_attention=DOCUMENT_ATTENTION.of(flags),
         )
     except ValueError as e:
         raise ArgumentError(str(e)) from None
 
 
-def check_lengths(args, config) -> None:
+def check_lengths(flags, config) -> None:
     # The lengths, and that the 100 sentinels cover every span, before any data is read (placeholder ids).
-    _span_corruption(args, range(NUM_SENTINELS), eos_id=1, decoder_start_id=0)
+    _span_corruption(flags, range(NUM_SENTINELS), eos_id=1, decoder_start_id=0)
 
 
-def build_objective(args, config, tokenizer):
+def build_objective(flags, config, tokenizer):
     return _span_corruption(
-        args,
+        flags,
         sentinel_ids(tokenizer),
         special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
         config.decoder_start_token_id,

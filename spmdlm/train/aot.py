@@ -24,11 +24,11 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from spmdlm import devices
-from spmdlm.config import RunArgs
 from spmdlm.data import pipeline
 from spmdlm.errors import ArgumentError, DoesNotFit
 from spmdlm.families import objective_for_shapes
 from spmdlm.mesh import MESH_AXES, batch_axis_size
+from spmdlm.run_args import RunArgs
 from spmdlm.train.setup import resolve, setup_state
 from spmdlm.train.state import count_parameters
 
@@ -95,39 +95,39 @@ def global_bytes(state) -> int:
 
 
 def estimate(args: RunArgs) -> dict[str, Any]:
-    """Compile the run's train and eval steps for args.compile_for x args.num_slices; -> the numbers (estimates)."""
-    slice_devices = tpu_devices(args.compile_for, args.num_slices)
+    """Compile the run's train and eval steps for --compile_for x --num_slices; -> the numbers (estimates)."""
+    slice_devices = tpu_devices(args.devices.compile_for, args.devices.num_slices)
     kind = slice_devices[0].device_kind
     chip = devices.chip(kind)
     ctx = resolve(args, time.perf_counter(), mesh_devices=slice_devices)
-    ctx.objective = objective_for_shapes(ctx.family, ctx.config, args=args)
+    ctx.objective = objective_for_shapes(ctx.family, ctx.config, flags=args.objective)
     start = time.perf_counter()
     graphdef, state, stepper = setup_state(ctx, abstract=True)  # shapes and shardings, no arrays
     init_seconds = time.perf_counter() - start
     mesh = ctx.mesh
     hosts = len({d.process_index for d in slice_devices})
-    eval_batch = args.per_device_eval_batch_size * batch_axis_size(mesh)
+    eval_batch = args.control.per_device_eval_batch_size * batch_axis_size(mesh)
     result: dict[str, Any] = {
-        "topology": args.compile_for,
-        "num_slices": args.num_slices,
+        "topology": args.devices.compile_for,
+        "num_slices": args.devices.num_slices,
         "device_kind": kind,
         "chip": chip.name if chip else kind,
         "devices": len(slice_devices),
         "hosts": hosts,
         "devices_per_host": len(slice_devices) // hosts,
         "mesh": dict(mesh.shape),
-        "mesh_spec": args.mesh,
-        "dcn_mesh": args.dcn_mesh,
+        "mesh_spec": args.devices.mesh,
+        "dcn_mesh": args.devices.dcn_mesh,
         "model_type": ctx.family.name,
         "config": ctx.config_source,
         "parameters": count_parameters(graphdef, state),
-        "dtype": args.dtype,
+        "dtype": args.model.dtype,
         "attention": ctx.attention,
         "remat": ctx.layer_plan.remat,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_accumulation_steps": args.control.gradient_accumulation_steps,
         "global_batch": ctx.global_batch,
         "per_host_batch": ctx.global_batch // hosts,
-        "per_device_batch": ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
+        "per_device_batch": ctx.per_device_batch,
         "sequence_lengths": ctx.objective.sequence_lengths(),
         "eval_batch": eval_batch,
         "state_bytes_per_device": per_device_bytes(state),
@@ -141,7 +141,7 @@ def estimate(args: RunArgs) -> dict[str, Any]:
     result["train"] = _compiled(lambda: stepper.lower_train(state, train_spec).compile())
     result["eval"] = (
         _compiled(lambda: stepper.lower_eval(state, eval_spec).compile())
-        if args.evaluating and "error" not in result["train"]
+        if args.control.evaluating and "error" not in result["train"]
         else None
     )
     result.update(roofline(result))
@@ -280,7 +280,7 @@ def refusal(r: dict[str, Any], args: RunArgs) -> str:
         )
     tries = []
     if name == "eval":
-        tries.append(f"a smaller --per_device_eval_batch_size (now {args.per_device_eval_batch_size})")
+        tries.append(f"a smaller --per_device_eval_batch_size (now {args.control.per_device_eval_batch_size})")
     else:
         if r["remat"] != "full":
             tries.append("--gradient_checkpointing")
@@ -293,7 +293,7 @@ def refusal(r: dict[str, Any], args: RunArgs) -> str:
             f"a smaller --per_device_train_batch_size (now {r['per_device_batch']}), with "
             "--gradient_accumulation_steps to keep the global batch"
         )
-        if args.dtype != "bfloat16":
+        if args.model.dtype != "bfloat16":
             tries.append("--dtype bfloat16")
     return (
         f"estimate: the {name} step does not fit in HBM on {r['topology']} (--mesh {r['mesh_spec']}): {numbers}; "

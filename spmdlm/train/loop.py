@@ -1,6 +1,6 @@
-"""One training loop for every family: set up (spmdlm/train/setup.py), check and prepare the output dir
-(spmdlm/train/outputs.py), then train (or restore) -> evaluate -> finish (results, export). See
-docs/architecture.md.
+"""The training loop of every family (steps, logging, evaluation and samples on their cadence, checkpoints, loss
+spikes and divergence, stop signals) and the evaluation it runs: the train and evaluate stages of a run
+(spmdlm/train/run.py lists the stages).
 """
 
 from __future__ import annotations
@@ -9,59 +9,34 @@ import functools
 import logging
 import math
 import re
-import tempfile
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
 
 from spmdlm import checkpoint
-from spmdlm.config import RunArgs
 from spmdlm.data import pipeline
 from spmdlm.data.mixture import MixedSplit
-from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted, RunError
-from spmdlm.export import export_state, what_it_needs
+from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted
 from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
-from spmdlm.generate.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
+from spmdlm.generate.harness import flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
+from spmdlm.run_args import RunArgs
 from spmdlm.train import publish
-from spmdlm.train.corpora import read_corpora, read_sources
-from spmdlm.train.guard import RunLock, StopOnSignal
-from spmdlm.train.optim import optim_config_from_args
-from spmdlm.train.outputs import (
-    check_fingerprints,
-    check_output_dir,
-    export_done,
-    missing_outputs,
-    outputs_undone_on_failure,
-    prepare_output_dir,
-    read_results,
-    write_run_files,
-)
-from spmdlm.train.report import Reporter, write_json
+from spmdlm.train.guard import StopOnSignal
+from spmdlm.train.report import Reporter
 from spmdlm.train.setup import (
     RunContext,
-    check_memory,
-    is_main,
-    resolve,
-    setup_data,
-    setup_mixture_data,
-    setup_state,
-    setup_tokenizer,
 )
-from spmdlm.train.state import count_parameters
 from spmdlm.train.step import Stepper, model_for_evaluation
-from spmdlm.train.trackers import is_eval_key
 
 log = logging.getLogger("spmdlm")
 
 
-# -- stage 7: evaluation --------------------------------------------------------------------------------------------
 def abandoned(stop: StopOnSignal | None) -> bool:
     if stop is not None and stop.requested and jax.process_count() == 1:
         log.warning("evaluation abandoned: saving first")
@@ -74,16 +49,16 @@ def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None
     token-weighted under the plain names); None when a stop signal arrived meanwhile (single process: the save comes
     first, as a preemption's grace period is short; several processes finish it, as every one must)."""
     args = ctx.args
-    global_batch = args.per_device_eval_batch_size * batch_axis_size(ctx.mesh)
+    global_batch = args.control.per_device_eval_batch_size * batch_axis_size(ctx.mesh)
     per_split: dict[str | None, Any] = {}
     for name, split in ctx.data.validation_splits.items():
         totals: dict[str, Any] = {}
         for batch in pipeline.eval_batches(
             split,
             ctx.objective,
-            seed=args.seed,
+            seed=args.control.seed,
             global_batch=global_batch,
-            max_examples=args.max_eval_samples,
+            max_examples=args.data.max_eval_samples,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         ):
@@ -140,7 +115,7 @@ def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = N
     """--eval_tasks on the parameters evaluation reads, as {eval_tasks/<task>/<metric>: value}; None when a stop
     signal arrived meanwhile (as `evaluate`). Every process takes part (the model is sharded); process 0 reports."""
     args = ctx.args
-    model, _ = model_for_evaluation(graphdef, state, optim_config_from_args(args))
+    model, _ = model_for_evaluation(graphdef, state, args.optimization)
 
     def interrupt() -> None:
         if abandoned(stop):
@@ -152,11 +127,17 @@ def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = N
         ctx.tokenizer,
         ctx.mesh,
         interrupt=interrupt,
-        seed=args.seed,
-        batch_size=args.per_device_eval_batch_size * batch_axis_size(ctx.mesh),
+        seed=args.control.seed,
+        batch_size=args.control.per_device_eval_batch_size * batch_axis_size(ctx.mesh),
     )
     try:
-        results = run_tasks(lm, args.eval_tasks, manager=ctx.tasks, limit=args.eval_tasks_limit, seed=args.seed)
+        results = run_tasks(
+            lm,
+            args.reporting.eval_tasks,
+            manager=ctx.tasks,
+            limit=args.reporting.eval_tasks_limit,
+            seed=args.control.seed,
+        )
     except TasksAbandoned:
         return None
     except Exception as e:  # noqa: BLE001 - lm-eval's own (a task's dataset, a metric): never the run's outputs
@@ -169,191 +150,6 @@ def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = N
     return flat_metrics(results)
 
 
-def final_task_metrics(
-    ctx: RunContext, graphdef, state, reporter: Reporter, step: int, previous: dict[str, Any], keep_previous: bool
-) -> dict[str, float]:
-    """--eval_tasks at the end of a run (a finished run's own results when it only redoes what is missing)."""
-    before = {k: v for k, v in previous.items() if k.startswith(TASK_METRICS + "/")}
-    if keep_previous and before:
-        return before
-    metrics = task_metrics(ctx, graphdef, state)
-    if metrics:
-        reporter.log_tasks(step, metrics)
-    return metrics
-
-
-def run(args: RunArgs) -> dict[str, Any]:
-    if args.dry_running:  # writes nothing: the records go to a scratch cache, removed at the end
-        with tempfile.TemporaryDirectory(prefix="spmdlm-dry-run-") as scratch:
-            return run_in_output_dir(args.replace(cache_dir=scratch))
-    return run_in_output_dir(args)
-
-
-def run_in_output_dir(args: RunArgs) -> dict[str, Any]:
-    ctx = resolve(args, time.perf_counter())
-    ctx.hub = publish.hub_for(ctx)  # a bad repository id or no token: refused before anything is written
-    corpora = read_sources(args, ctx.sources) if ctx.sources else read_corpora(args)
-    # the lock before anything is written or removed in the output dir (a dry run does neither)
-    with RunLock(ctx.out, enabled=is_main() and not args.dry_running):
-        prepare_output_dir(ctx, check_output_dir(ctx))
-        return run_locked(ctx, corpora)
-
-
-def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
-    """`corpora`: (train, validation) documents of one corpus, or each mixture source's SourceDocuments."""
-    args = ctx.args
-    if ctx.sources:  # one tokenizer for all sources, trained on all their documents unless given
-        setup_tokenizer(ctx, [doc for corpus in corpora for doc in corpus.train])
-        setup_mixture_data(ctx, corpora)
-    else:
-        setup_tokenizer(ctx, corpora[0])
-        setup_data(ctx, *corpora)
-    check_fingerprints(ctx)
-    if ctx.data.train is not None and ctx.latest_step > ctx.total_steps:  # it would report and export a later model
-        raise RunError(
-            f"--output_dir {ctx.out} holds a checkpoint at step {ctx.latest_step}, past this run's "
-            f"{ctx.total_steps} steps; give --max_steps {ctx.latest_step} or more to continue it, or use "
-            "another --output_dir"
-        )
-    reporter = Reporter(
-        ctx.out,
-        enabled=is_main(),
-        family=ctx.family,
-        config=ctx.config,
-        objective=ctx.objective,
-        global_batch=ctx.global_batch,
-        mesh=ctx.mesh,
-        dtype=args.dtype,
-        run_start=ctx.run_start,
-        args=args,
-    )
-    training = ctx.data.train is not None
-    with outputs_undone_on_failure(ctx):  # a tracker that cannot start, a step that does not fit: nothing left
-        if training and ctx.latest_step < ctx.total_steps and not args.dry_run:
-            reporter.start_trackers(ctx.latest_step)  # first: a login or a server that fails costs no setup
-        graphdef, state, stepper = setup_state(ctx, abstract=ctx.resuming)
-        n_params = count_parameters(graphdef, state)
-        log_setup(ctx, n_params)
-        previous_results = read_results(ctx.out) if ctx.resuming else {}
-        results: dict[str, Any] = {"total_steps": ctx.total_steps, "parameters": n_params}
-        if training and ctx.latest_step >= ctx.total_steps and not missing_outputs(ctx, previous_results):
-            log.info(
-                "the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing "
-                "to do (--overwrite_output_dir starts afresh)",
-                ctx.out,
-                ctx.latest_step,
-                ctx.total_steps,
-            )
-            if args.push_to_hub:  # re-running a finished run retries its upload
-                publish.publish_export(ctx, {**results, **previous_results})
-            return {**results, **previous_results}
-
-        def compile_train() -> dict[str, Any]:
-            stats = stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
-            check_memory(stats, ctx)  # before anything is written: a refused run leaves the output dir as it was
-            reporter.compile_stats(stats)
-            return stats
-
-        stats = compile_train() if training and ctx.latest_step < ctx.total_steps else None
-    if args.dry_running:  # reported in the log only: nothing is written
-        return {**results, **(stats or {})}
-    run_config = write_run_files(ctx)
-
-    # -- stage 6: train (or restore for evaluation only) ---------------------------------------------------------
-    step, trained = 0, False
-    if training:
-        manager = checkpoint.make_manager(
-            ctx.out,
-            save_interval_steps=1,
-            max_to_keep=args.save_total_limit,
-            keep_every_n_steps=args.keep_every_n_steps,
-        )
-        iterator = pipeline.train_batches(
-            ctx.data.train,
-            ctx.objective,
-            seed=args.seed,
-            global_batch=ctx.global_batch,
-            num_epochs=ctx.schedule.num_epochs,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
-        try:
-            if ctx.resuming:
-                state, step = checkpoint.restore_newest_good(manager, state, iterator)
-                log.info("resumed from the checkpoint at step %d", step)
-                reporter.truncate_after(step)
-            if step < ctx.total_steps:
-                if stats is None:  # the finished run's last checkpoint was damaged: train again from an older one
-                    compile_train()
-                results.update(train_loop(ctx, stepper, state, iterator, manager, reporter, step, run_config))
-                state, trained = results.pop("state"), True
-                results.update(source_epochs(ctx))
-            else:  # finished before: keep its training results, redo only what is missing
-                results.update({k: v for k, v in previous_results.items() if k.startswith("train_")})
-            checkpoint.check_saved(manager, wait=True)
-        finally:
-            checkpoint.close(manager)
-    elif ctx.resuming:  # evaluation only: of the latest checkpoint
-        manager = checkpoint.make_manager(ctx.out, read_only=True)
-        state, step = checkpoint.restore_newest_good(manager, state, move_aside=False)
-        log.info("evaluating the checkpoint at step %d", step)
-
-    # -- stage 7 and 8: evaluate, report, export ----------------------------------------------------------------
-    if ctx.data.validation_splits and args.evaluating:
-        if training and not trained and "eval_loss" in previous_results:
-            results.update({k: v for k, v in previous_results.items() if is_eval_key(k)})
-        else:
-            metrics = evaluate(stepper, state, ctx)
-            reporter.log_eval(step if not training else ctx.total_steps, metrics)
-            results.update(metrics)
-    if ctx.tasks is not None:
-        results.update(
-            final_task_metrics(
-                ctx,
-                graphdef,
-                state,
-                reporter,
-                step if not training else ctx.total_steps,
-                previous_results,
-                keep_previous=training and not trained,
-            )
-        )
-    export = args.export_hf and training and (trained or not export_done(ctx.out))
-    finish(ctx, graphdef, state, reporter, {**previous_results, **results}, export)
-    return results
-
-
-def log_setup(ctx: RunContext, n_params: int) -> None:
-    args, mesh = ctx.args, ctx.mesh
-    log.info(
-        "model %s (config %s): %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices "
-        "x %d accumulation) | %d steps",
-        ctx.family.name,
-        ctx.config_source,
-        n_params / 1e6,
-        dict(mesh.shape),
-        ctx.global_batch,
-        ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps),
-        batch_axis_size(mesh),
-        args.gradient_accumulation_steps,
-        ctx.total_steps,
-    )
-
-
-def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[str, Any], export: bool) -> None:
-    if is_main():
-        write_json(
-            ctx.out / "eval_results.json",
-            {k: v for k, v in results.items() if is_eval_key(k) or k.startswith("train_")},
-        )
-        reporter.finish(results)
-    if export:
-        evaluated = nnx.state(model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args)))
-        export_state(graphdef, evaluated, ctx.config, ctx.out / "hf", tokenizer=ctx.tokenizer)
-        log.info("exported to %s: %s", ctx.out / "hf", what_it_needs(ctx.family, ctx.out / "hf"))
-    publish.publish_export(ctx, results)  # the model card, and the upload with --push_to_hub
-
-
 def train_loop(
     ctx: RunContext, stepper: Stepper, state, iterator, manager, reporter: Reporter, start_step: int, run_config: dict
 ) -> dict[str, Any]:
@@ -363,7 +159,7 @@ def train_loop(
     step = start_step
     last_saved = start_step
     train_loss = float("nan")
-    clock = SaveClock(args.save_every_minutes)
+    clock = SaveClock(args.control.save_every_minutes)
     skipped = 0  # steps skipped as loss spikes so far (--skip_step_on_spike), as last logged
     with StopOnSignal() as stop, reporter:
         while step < total_steps:
@@ -371,7 +167,7 @@ def train_loop(
             state, metrics = stepper.train_step(state, batch, step)
             step += 1
             pending.append(metrics)
-            if step % args.logging_steps == 0 or step == total_steps:
+            if step % args.reporting.logging_steps == 0 or step == total_steps:
                 fetched = jax.device_get(pending)
                 check_finite(fetched, step, last_saved, args)  # no extra sync: these metrics are fetched anyway
                 skipped = say_skipped(fetched, step, skipped)
@@ -380,23 +176,28 @@ def train_loop(
             else:
                 reporter.tick(step)
             checkpoint.check_saved(manager, last_saved)  # a failed async save stops the run now, not at the next
-            if ctx.data.validation_splits and args.evaluating and step % args.eval_steps == 0 and step < total_steps:
+            if (
+                ctx.data.validation_splits
+                and args.control.evaluating
+                and step % args.reporting.eval_steps == 0
+                and step < total_steps
+            ):
                 metrics = evaluate(stepper, state, ctx, stop)
                 if metrics is not None:
                     reporter.log_eval(step, metrics)
             if (
                 ctx.tasks is not None
-                and args.eval_tasks_steps
-                and step % args.eval_tasks_steps == 0
+                and args.reporting.eval_tasks_steps
+                and step % args.reporting.eval_tasks_steps == 0
                 and step < total_steps
             ):
                 metrics = task_metrics(ctx, stepper.graphdef, state, stop)
                 if metrics:
                     reporter.log_tasks(step, metrics)
-            if args.sample_prompts and (step % args.sample_every == 0 or step == total_steps):
+            if args.reporting.sample_prompts and (step % args.reporting.sample_every == 0 or step == total_steps):
                 reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
             stopping = stop.should_stop(step)
-            if step % args.save_steps == 0 or step == total_steps or stopping or clock.due():
+            if step % args.control.save_steps == 0 or step == total_steps or stopping or clock.due():
                 save(manager, step, state, iterator, run_config, pending, last_saved, args)
                 last_saved = step
                 clock.saved()
@@ -414,7 +215,7 @@ def source_epochs(ctx: RunContext) -> dict[str, Any]:
     train = ctx.data.train
     if not isinstance(train, MixedSplit):
         return {}
-    epochs = train.epochs_reached(ctx.args.seed, ctx.total_steps * ctx.global_batch)
+    epochs = train.epochs_reached(ctx.args.control.seed, ctx.total_steps * ctx.global_batch)
     log.info("epochs reached per source: %s", ", ".join(f"{name} {value:.3g}" for name, value in epochs.items()))
     return {"train_source_epochs": epochs}
 
@@ -422,8 +223,8 @@ def source_epochs(ctx: RunContext) -> dict[str, Any]:
 def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]:
     """What the model makes of --sample_prompts now: a greedy and a sampled continuation of each (RoBERTa: its top
     candidates for each <mask>). Every process takes part (the model is sharded); process 0 reports."""
-    model, _ = model_for_evaluation(graphdef, state, optim_config_from_args(ctx.args))
-    prompts = split_prompts(ctx.args.sample_prompts, ctx.tokenizer)
+    model, _ = model_for_evaluation(graphdef, state, ctx.args.optimization)
+    prompts = split_prompts(ctx.args.reporting.sample_prompts, ctx.tokenizer)
     if ctx.family.generation is Generation.FILL_MASK:
         return [
             {
@@ -506,11 +307,11 @@ def check_finite(fetched: list[dict], step: int, last_saved: int, args: RunArgs)
     first = step - len(fetched) + 1
     for offset, metrics in enumerate(fetched):
         if "consecutive_skips" in metrics and int(metrics["consecutive_skips"]) > 0:
-            if int(metrics["consecutive_skips"]) >= args.max_consecutive_skips:
+            if int(metrics["consecutive_skips"]) >= args.optimization.max_consecutive_skips:
                 raise DivergenceError(
                     f"training diverged at step {first + offset}: {int(metrics['consecutive_skips'])} steps in a "
-                    f"row were skipped as loss spikes (--skip_step_on_spike {args.skip_step_on_spike:g}, "
-                    f"--max_consecutive_skips {args.max_consecutive_skips}); {_advice(last_saved, args)}"
+                    f"row were skipped as loss spikes (--skip_step_on_spike {args.optimization.skip_step_on_spike:g}, "
+                    f"--max_consecutive_skips {args.optimization.max_consecutive_skips}); {_advice(last_saved, args)}"
                 )
             continue
         loss = float(metrics["loss_sum"]) / max(float(metrics["tokens"]), 1.0)
@@ -524,10 +325,10 @@ def check_finite(fetched: list[dict], step: int, last_saved: int, args: RunArgs)
 
 def _advice(last_saved: int, args: RunArgs) -> str:
     kept = f"the last checkpoint (step {last_saved}) is kept" if last_saved else "no checkpoint was written"
-    tries = [f"a lower --learning_rate (now {args.learning_rate:g})"]
-    if not 0 < args.max_grad_norm <= 1.0:
-        tries.append(f"--max_grad_norm 1.0 (now {args.max_grad_norm:g})")
-    tries.append("--z_loss 1e-4" if not args.z_loss else "more --warmup_steps")
-    if args.dtype != "float32":
+    tries = [f"a lower --learning_rate (now {args.optimization.learning_rate:g})"]
+    if not 0 < args.optimization.max_grad_norm <= 1.0:
+        tries.append(f"--max_grad_norm 1.0 (now {args.optimization.max_grad_norm:g})")
+    tries.append("--z_loss 1e-4" if not args.optimization.z_loss else "more --warmup_steps")
+    if args.model.dtype != "float32":
         tries.append("--dtype float32")
     return f"{kept}, nothing after it is saved or exported; try {', '.join(tries)}"

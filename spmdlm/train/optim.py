@@ -11,7 +11,6 @@ decay, per optimizer:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -19,8 +18,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from spmdlm.config import LR_SCHEDULERS, OPTIMIZERS, WSD_DECAY_RATIO, RunArgs
 from spmdlm.models.layers import Bias, Dense, Scale
+from spmdlm.run_args import RunArgs
+from spmdlm.run_args.choices import WSD_DECAY_RATIO
+from spmdlm.run_args.sections import OptimizationArgs
 
 INVERSE_SQRT_TIMESCALE = 10_000  # inverse_sqrt without warmup (transformers' get_inverse_sqrt_schedule)
 # Muon's updates scaled to AdamW's typical RMS (Liu et al. 2025, "Muon is Scalable for LLM Training"), so one
@@ -29,69 +30,12 @@ MUON_CONSISTENT_RMS = 0.2
 MUON_BATCH_AXES = ("layers", "qkv")  # stacked copies of a matrix: each orthogonalised on its own
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    adafactor: bool = False  # the HF scripts' flag: = optim "adafactor"
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
-    lr_scheduler_type: str = "linear"  # one of LR_SCHEDULERS
-    optim: str = "adamw"  # one of OPTIMIZERS
-    min_lr_ratio: float = 0.0  # the decaying schedules' floor, a fraction of the peak
-    decay_steps: int | None = None  # wsd: the steps of the final decay (default: decay_ratio of all the steps)
-    decay_ratio: float | None = None  # wsd: the fraction of all the steps that decay (default WSD_DECAY_RATIO)
-    skip_step_on_spike: float = 0.0  # Z > 0: skip a step whose loss or grad norm is Z std above its window
-    spike_window: int = 100  # accepted steps the window holds
-
-    def __post_init__(self):
-        if self.lr_scheduler_type not in LR_SCHEDULERS:
-            raise ValueError(
-                f"--lr_scheduler_type {self.lr_scheduler_type!r} is not supported; use one of "
-                f"{', '.join(LR_SCHEDULERS)}"
-            )
-        if self.optim not in OPTIMIZERS:
-            raise ValueError(f"--optim {self.optim!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
-        if self.adafactor and self.optim not in ("adamw", "adafactor"):
-            raise ValueError(f"--adafactor means --optim adafactor, not {self.optim}; give one of them")
-
-    @property
-    def optimizer(self) -> str:
-        """The optimizer run: `adafactor=True` is the old spelling of optim 'adafactor'."""
-        return "adafactor" if self.adafactor else self.optim
+def optimization_of_run(run_config: dict) -> OptimizationArgs:
+    """The optimisation section of a run as its run_config.json records it (a flag it predates: that flag's default)."""
+    return RunArgs.of_run(run_config).optimization.resolved()
 
 
-def optim_config_from_args(args: RunArgs) -> OptimConfig:
-    """The run's OptimConfig: every optimisation flag (spmdlm.config.RunArgs), validated already."""
-    return OptimConfig(
-        learning_rate=args.learning_rate,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_epsilon=args.adam_epsilon,
-        adafactor=args.adafactor,
-        max_grad_norm=args.max_grad_norm,
-        warmup_steps=args.warmup_steps,
-        lr_scheduler_type=args.lr_scheduler_type,
-        optim=args.optim or "adamw",
-        min_lr_ratio=args.min_lr_ratio,
-        decay_steps=args.decay_steps,
-        decay_ratio=args.decay_ratio,
-        skip_step_on_spike=args.skip_step_on_spike,
-        spike_window=args.spike_window,
-    )
-
-
-def optim_config_of_run(run_config: dict) -> OptimConfig:
-    """The OptimConfig of a run as its run_config.json records it (a flag it predates: that flag's default)."""
-    known = {field.name for field in dataclasses.fields(RunArgs)} - {"objective"}
-    return optim_config_from_args(RunArgs(**{k: v for k, v in run_config.items() if k in known}))
-
-
-def wsd_decay_steps(cfg: OptimConfig, total_steps: int) -> int:
+def wsd_decay_steps(cfg: OptimizationArgs, total_steps: int) -> int:
     """The steps of WSD's final decay: --decay_steps, else --decay_ratio of all the steps (at least one)."""
     if cfg.decay_steps is not None:
         return cfg.decay_steps
@@ -99,7 +43,7 @@ def wsd_decay_steps(cfg: OptimConfig, total_steps: int) -> int:
     return max(1, round(ratio * total_steps))
 
 
-def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+def learning_rate_schedule(cfg: OptimizationArgs, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to the peak over --warmup_steps, then (s: the steps since the warmup ended):
     linear: from the peak to the floor (min_lr_ratio x peak) at step total_steps; cosine: the same along a half
     cosine; constant, constant_with_warmup: the peak; inverse_sqrt: peak x sqrt(T / (s + T)), T = the warmup steps
@@ -225,7 +169,7 @@ def decoupled_weight_decay(schedule: optax.Schedule, rate: float, mask) -> optax
     return optax.masked(optax.GradientTransformation(init, update), mask)
 
 
-def schedule_free_adamw(cfg: OptimConfig, schedule: optax.Schedule, mask) -> optax.GradientTransformation:
+def schedule_free_adamw(cfg: OptimizationArgs, schedule: optax.Schedule, mask) -> optax.GradientTransformation:
     """optax.contrib.schedule_free_adamw with its weight decay masked: the same chain (AdamW without momentum under
     optax.contrib.schedule_free), built here only because that function's decay takes no mask."""
     base = optax.chain(
@@ -252,7 +196,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def make_optimizer(cfg: OptimConfig, model: nnx.Module, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizationArgs, model: nnx.Module, total_steps: int) -> optax.GradientTransformation:
     """Gradient clipping (--max_grad_norm), then the optimizer cfg names; weight decay as the module docstring says.
 
     adamw: optax.adamw. adafactor: optax.adafactor per layer, plus lr-scaled decay (`decoupled_weight_decay`).
@@ -372,12 +316,12 @@ def spike_counts(opt_state) -> dict[str, jax.Array]:
     return {"skipped_steps": found[0].skipped, "consecutive_skips": found[0].consecutive} if found else {}
 
 
-def evaluation_needs_optimizer(cfg: OptimConfig) -> bool:
+def evaluation_needs_optimizer(cfg: OptimizationArgs) -> bool:
     """Whether `evaluation_params` reads the optimizer's state (so a checkpoint's model alone is not the model)."""
     return cfg.optimizer == "schedule_free_adamw"
 
 
-def evaluation_params(cfg: OptimConfig, opt_state, params):
+def evaluation_params(cfg: OptimizationArgs, opt_state, params):
     """The parameters to evaluate, export and sample from: for schedule_free_adamw the averaged sequence x
     (optax.contrib.schedule_free_eval_params) — the train state's parameters are the interpolation y where the
     gradients are taken; for every other optimizer `params` as they are.

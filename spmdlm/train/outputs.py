@@ -70,6 +70,15 @@ LOGGED_CHANGES = (
     "sample_every",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# What a run may find in its output dir besides its own outputs: the recipes' config and tokenizer, and the lock.
+RUN_INPUTS = {
+    "config.json",
+    *TOKENIZER_FILES,
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    LOCK_NAME,
+}
 OUR_OUTPUTS = (
     "checkpoints",
     checkpoint.DAMAGED_DIR,
@@ -101,83 +110,95 @@ def read_run_config(out: Path) -> dict:
     return saved
 
 
-# -- stage 2: the output dir: check (refuse or resume), then prepare (remove only our own outputs) ------------------
+# -- the output dir: check (refuse or resume), then prepare (remove only our own outputs) -----------------------------
 def check_output_dir(ctx: RunContext) -> str:
     """-> 'resume' (a run of these settings is there), 'fresh' (nothing to keep) or 'clear' (our outputs to remove).
     Refuses anything else unasked; deletes nothing. Reads the run_config.json found there into ctx.previous."""
     ctx.previous = read_run_config(ctx.out)
-    args, out, saved = ctx.args, ctx.out, ctx.previous or None
+    out, saved = ctx.out, ctx.previous or None
     if not out.exists() or not any(out.iterdir()):
         return "fresh"
-    if args.overwrite_output_dir:
+    if ctx.args.control.overwrite_output_dir:
         return "clear"
-    has_checkpoints = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
-    if has_checkpoints and saved is not None:
-        # only complete checkpoints count (an interrupted async save leaves a temporary folder)
+    if has_checkpoints(ctx, saved):
+        check_resume(ctx, saved)
+        return "resume"
+    refuse_what_is_not_ours(out)
+    return "clear"
+
+
+def has_checkpoints(ctx: RunContext, saved: dict | None) -> bool:
+    """Whether complete checkpoints are there (an interrupted async save leaves a temporary folder), their step in
+    ctx.latest_step; checkpoints without the run_config.json to check them against are refused."""
+    out = ctx.out
+    found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
+    if found and saved is not None:
         ctx.latest_step = max(checkpoint.make_manager(out, read_only=True).all_steps(), default=0)
-        has_checkpoints = ctx.latest_step > 0
-    if has_checkpoints and saved is None:
+        found = ctx.latest_step > 0
+    if found and saved is None:
         raise RunError(
             f"--output_dir {out} holds checkpoints but no run_config.json, so they cannot be checked "
             "against this run; restore the file, choose another --output_dir, or --overwrite_output_dir"
         )
-    if has_checkpoints:
-        checkpoint.check_format(saved, out)
-        check_data_format(saved, out)
-        keys, current = COMMON_RESUME_KEYS + ctx.family.resume_keys, args.to_json()
-        # run configs written before --optim: the optimizer was Adafactor or AdamW
-        saved = {"optim": "adafactor" if saved.get("adafactor") else "adamw", **saved}
-        if ctx.sources or saved.get("mixture"):
-            keys = tuple(k for k in keys if k not in MIXTURE_KEYS)
-        changed = [k for k in keys if saved.get(k) != current.get(k)]
-        # Spike skipping keeps its window in the optimizer state: on/off and the window's size must match; Z may change
-        spikes = lambda d: (
-            bool(d.get("skip_step_on_spike")),
-            d.get("spike_window", 100) if d.get("skip_step_on_spike") else None,
+    return found
+
+
+def check_resume(ctx: RunContext, saved: dict) -> None:
+    """A run to resume must have been started with these settings (those that may change are logged)."""
+    out = ctx.out
+    checkpoint.check_format(saved, out)
+    check_data_format(saved, out)
+    # run configs written before --optim: the optimizer was Adafactor or AdamW
+    saved = {"optim": "adafactor" if saved.get("adafactor") else "adamw", **saved}
+    current = ctx.args.to_json()
+    changed = changed_settings(ctx, saved, current)
+    if changed:
+        raise RunError(
+            f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
+            "use the same flags to resume, another --output_dir, or --overwrite_output_dir"
         )
-        if spikes(saved) != spikes(current):
-            changed.append("skip_step_on_spike/spike_window")
-        # Token ids are set from the tokenizer after this check, so they are not compared here.
-        shape_of = lambda d: {k: v for k, v in (d or {}).items() if not k.endswith("_token_id")}
-        if shape_of(saved.get("model_config")) != shape_of(ctx.config.to_hf_dict()):
-            changed.append("model config")
-        if changed:
-            raise RunError(
-                f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
-                "use the same flags to resume, another --output_dir, or --overwrite_output_dir"
-            )
-        check_mixture(ctx, saved)
-        if saved.get("global_batch") != ctx.global_batch:
-            raise RunError(
-                f"--output_dir {out} holds a run with a global batch of {saved.get('global_batch')} "
-                f"examples, this one has {ctx.global_batch}; resume with --global_batch_size "
-                f"{saved.get('global_batch')} (any mesh that divides it), or use another --output_dir"
-            )
-        logged = [
-            f"{k} {saved.get(k)} -> {getattr(args, k)}"
-            for k in LOGGED_CHANGES
-            if k in saved and saved[k] != getattr(args, k)
-        ]
-        if logged:
-            log.info("resuming with changed settings: %s", ", ".join(logged))
-        return "resume"
-    # A dir holding only a config/tokenizer (as the recipes prepare it) can be used as is. A run deletes only what
-    # it made itself, or what --overwrite_output_dir allows: the outputs of an earlier run that left no checkpoint
-    # (say, a finished run whose checkpoints were removed: its export) are refused, not replaced; anything else is
-    # someone's data.
-    inputs = {
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "vocab.json",
-        "merges.txt",
-        "spiece.model",
-        LOCK_NAME,
-    }
+    check_mixture(ctx, saved)
+    if saved.get("global_batch") != ctx.global_batch:
+        raise RunError(
+            f"--output_dir {out} holds a run with a global batch of {saved.get('global_batch')} "
+            f"examples, this one has {ctx.global_batch}; resume with --global_batch_size "
+            f"{saved.get('global_batch')} (any mesh that divides it), or use another --output_dir"
+        )
+    logged = [
+        f"{k} {saved[k]} -> {current.get(k)}" for k in LOGGED_CHANGES if k in saved and saved[k] != current.get(k)
+    ]
+    if logged:
+        log.info("resuming with changed settings: %s", ", ".join(logged))
+
+
+def changed_settings(ctx: RunContext, saved: dict, current: dict) -> list[str]:
+    """The settings a resume must keep that differ from the saved run's."""
+    keys = COMMON_RESUME_KEYS + ctx.family.resume_keys
+    if ctx.sources or saved.get("mixture"):
+        keys = tuple(k for k in keys if k not in MIXTURE_KEYS)
+    changed = [k for k in keys if saved.get(k) != current.get(k)]
+    # Spike skipping keeps its window in the optimizer state: on/off and the window's size must match; Z may change
+    spikes = lambda d: (
+        bool(d.get("skip_step_on_spike")),
+        d.get("spike_window", 100) if d.get("skip_step_on_spike") else None,
+    )
+    if spikes(saved) != spikes(current):
+        changed.append("skip_step_on_spike/spike_window")
+    # Token ids are set from the tokenizer after this check, so they are not compared here.
+    shape_of = lambda d: {k: v for k, v in (d or {}).items() if not k.endswith("_token_id")}
+    if shape_of(saved.get("model_config")) != shape_of(ctx.config.to_hf_dict()):
+        changed.append("model config")
+    return changed
+
+
+def refuse_what_is_not_ours(out) -> None:
+    """A dir holding only a config/tokenizer (as the recipes prepare it) can be used as is. A run deletes only what
+    it made itself, or what --overwrite_output_dir allows: the outputs of an earlier run that left no checkpoint
+    (say, a finished run whose checkpoints were removed: its export) are refused, not replaced; anything else is
+    someone's data."""
     # an interrupted export's temporary sibling of hf/ (spmdlm.export.save_hf) is ours too
     found = {p.name for p in out.iterdir() if not p.name.startswith((".hf.tmp-", ".hf.old.tmp-"))}
-    if found - inputs - set(OUR_OUTPUTS):
+    if found - RUN_INPUTS - set(OUR_OUTPUTS):
         raise RunError(
             f"--output_dir {out} is not empty and holds no run to resume; "
             "pass --overwrite_output_dir to use it anyway or choose another --output_dir"
@@ -190,7 +211,6 @@ def check_output_dir(ctx: RunContext) -> str:
             f"({', '.join(earlier)}); pass --overwrite_output_dir to replace them{kept}, or choose another "
             "--output_dir"
         )
-    return "clear"
 
 
 def mixture_record(ctx: RunContext) -> list[dict] | None:
@@ -205,7 +225,7 @@ def check_mixture(ctx: RunContext, saved: dict) -> None:
     if before == now:
         return
     change = describe_change(before, now)
-    if not ctx.args.allow_mixture_change:
+    if not ctx.args.control.allow_mixture_change:
         raise RunError(
             f"--output_dir {ctx.out} holds a run of another data mixture ({change}); resume with the "
             "same sources and weights, use another --output_dir, or pass --allow_mixture_change to "
@@ -219,7 +239,7 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
     config and tokenizer in the output dir (a tokenizer we trained ourselves goes too, or a new corpus would silently
     reuse it)."""
     ctx.resuming = verdict == "resume"
-    if ctx.args.dry_running:  # writes nothing: the run is set up as if the dir had been cleared
+    if ctx.args.control.dry_running:  # writes nothing: the run is set up as if the dir had been cleared
         if verdict == "clear":
             ctx.previous = {}
         return
@@ -316,7 +336,7 @@ def check_fingerprints(ctx: RunContext) -> None:
     if not changed:
         return
     what = " and ".join(changed)
-    if not ctx.args.allow_data_change:
+    if not ctx.args.control.allow_data_change:
         raise RunError(
             f"--output_dir {ctx.out} holds a run of other data: {what} changed since it started "
             "(fingerprints in run_config.json); restore them, use another --output_dir, or pass "
@@ -341,10 +361,10 @@ def export_done(out: Path) -> bool:
 def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:
     """What a finished run would still have to write: its evaluation or its export."""
     missing = []
-    if ctx.data.validation_splits and ctx.args.evaluating and "eval_loss" not in previous_results:
+    if ctx.data.validation_splits and ctx.args.control.evaluating and "eval_loss" not in previous_results:
         missing.append("evaluation")
     if ctx.tasks is not None and not any(key.startswith(TASK_METRICS + "/") for key in previous_results):
         missing.append("LM-harness tasks")
-    if ctx.args.export_hf and not export_done(ctx.out):
+    if ctx.args.output.export_hf and not export_done(ctx.out):
         missing.append("export")
     return missing

@@ -23,9 +23,9 @@ import dataclasses
 
 from flax import nnx
 
-from spmdlm.config import parse_scan_unroll
 from spmdlm.models.layers import Dense
 from spmdlm.models.stack import LayerStack
+from spmdlm.run_args.choices import parse_scan_unroll
 
 REMAT_MEMORY_SHARE = 0.5
 UNROLL_MAX_LAYERS = 12

@@ -31,7 +31,6 @@ from spmdlm.errors import ArgumentError
 from spmdlm.export import TASKS, card_usage_lines, export_complete, save_hf
 from spmdlm.mesh import batch_axis_size
 from spmdlm.train import network
-from spmdlm.train.optim import optim_config_from_args
 from spmdlm.train.setup import RunContext, is_main
 from spmdlm.train.step import model_for_evaluation
 
@@ -58,35 +57,12 @@ def write_model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: 
 
 
 def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | None = None):
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
 
-    args, family = ctx.args, ctx.family
-    task = TASKS[family.generation]
-    datasets_given = _split(args.card_datasets)
+    family = ctx.family
     model_id = repo_id_of(ctx)
     where = _where(folder)  # the snippet loads the local export unless it is on the Hub
-    data = ModelCardData(
-        library_name="transformers",
-        license=args.card_license,
-        pipeline_tag=task,
-        tags=[family.name, "spmdlm", task, *_split(args.card_tags)],
-        datasets=datasets_given or None,
-        model_name=model_id,
-        eval_results=[
-            EvalResult(
-                task_type=task,
-                dataset_type=datasets_given[0] if datasets_given else "text",
-                dataset_name=datasets_given[0] if datasets_given else "held-out text",
-                dataset_split="validation",
-                metric_type=metric,
-                metric_name=name,
-                metric_value=results[key],
-            )
-            for key, (metric, name) in METRICS.items()
-            if key in results
-        ]
-        or None,
-    )
+    data = card_data(ctx, results, model_id)
     body = "\n".join(
         [
             f"# {model_id}",
@@ -120,6 +96,37 @@ def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | 
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
 
 
+def card_data(ctx: RunContext, results: dict[str, Any], model_id: str):
+    """The card's YAML header: the Hub's metadata and `model-index` of the held-out metrics."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    output, family = ctx.args.output, ctx.family
+    task = TASKS[family.generation]
+    datasets_given = _split(output.card_datasets)
+    return ModelCardData(
+        library_name="transformers",
+        license=output.card_license,
+        pipeline_tag=task,
+        tags=[family.name, "spmdlm", task, *_split(output.card_tags)],
+        datasets=datasets_given or None,
+        model_name=model_id,
+        eval_results=[
+            EvalResult(
+                task_type=task,
+                dataset_type=datasets_given[0] if datasets_given else "text",
+                dataset_name=datasets_given[0] if datasets_given else "held-out text",
+                dataset_split="validation",
+                metric_type=metric,
+                metric_name=name,
+                metric_value=results[key],
+            )
+            for key, (metric, name) in METRICS.items()
+            if key in results
+        ]
+        or None,
+    )
+
+
 def _where(folder) -> str:
     """The export's path as its card names it: absolute (a bucket's URL as it is)."""
     return str(storage.absolute(folder))
@@ -132,7 +139,7 @@ def repo_id_of(ctx: RunContext) -> str:
 
 
 def default_repo_id(ctx: RunContext) -> str:
-    return ctx.args.hub_model_id or storage.absolute(ctx.out).name
+    return ctx.args.output.hub_model_id or storage.absolute(ctx.out).name
 
 
 def _summary(ctx: RunContext, folder, step: int | None) -> str:
@@ -141,7 +148,7 @@ def _summary(ctx: RunContext, folder, step: int | None) -> str:
         if step is not None
         else f"the model after {ctx.total_steps} steps"
     )
-    start = f"from `{ctx.args.model_name_or_path}`" if ctx.args.model_name_or_path else "from scratch"
+    start = f"from `{ctx.args.model.model_name_or_path}`" if ctx.args.model.model_name_or_path else "from scratch"
     return (
         f"A {ctx.family.name} model ({_count(parameter_count(folder))} parameters) pretrained {start} with "
         f"spmdlm: {what}, exported in transformers format for `{ctx.family.hf_auto_class}`."
@@ -191,28 +198,28 @@ def _data_lines(ctx: RunContext) -> list[str]:
             for s, split in zip(ctx.sources, train.splits)
         ]
         return lines
-    if args.dataset_dir:
-        card = ctx.dataset_cards.get(args.dataset_dir) or datasets.read_card(args.dataset_dir)  # as trained on
+    if args.data.dataset_dir:
+        card = ctx.dataset_cards.get(args.data.dataset_dir) or datasets.read_card(args.data.dataset_dir)  # trained on
         files = card["read"].get("files")  # none: a launcher run's token cache
         counts = ([f"{files:,} files"] if files else []) + [
             f"{card['splits']['train']['documents']:,} training documents"
         ]
-        source = f"the prepared dataset `{args.dataset_dir}` ({', '.join(counts)})"
-    elif args.dataset_name:
-        source = f"the datasets dataset `{args.dataset_name}`" + (
-            f" ({args.dataset_config_name})" if args.dataset_config_name else ""
+        source = f"the prepared dataset `{args.data.dataset_dir}` ({', '.join(counts)})"
+    elif args.data.dataset_name:
+        source = f"the datasets dataset `{args.data.dataset_name}`" + (
+            f" ({args.data.dataset_config_name})" if args.data.dataset_config_name else ""
         )
-    elif args.train_file:
+    elif args.data.train_file:
         documents = train.documents
-        source = f"`{args.train_file}` ({len(readers.expand_files(args.train_file)):,} files" + (
+        source = f"`{args.data.train_file}` ({len(readers.expand_files(args.data.train_file)):,} files" + (
             f", {documents:,} training documents)" if documents else ")"
         )
     else:
         source = "the embedded corpus (this Python's standard library sources)"
     held_out = (
-        f"`{args.validation_file}`"
-        if args.validation_file
-        else f"{args.validation_split_percentage:g}% of the documents, held out by content hash"
+        f"`{args.data.validation_file}`"
+        if args.data.validation_file
+        else f"{args.data.validation_split_percentage:g}% of the documents, held out by content hash"
     )
     return [
         f"- corpus: {source}",
@@ -222,27 +229,26 @@ def _data_lines(ctx: RunContext) -> list[str]:
 
 
 def _training_lines(ctx: RunContext) -> list[str]:
-    args, mesh = ctx.args, ctx.mesh
-    per_device = ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps)
+    args, mesh, optim = ctx.args, ctx.mesh, ctx.args.optimization
     lengths = ", ".join(f"{name} {length}" for name, length in ctx.objective.sequence_lengths().items())
-    optimizer = args.optim
-    if args.optim != "adafactor":
-        optimizer += f" (beta1 {args.adam_beta1:g}, beta2 {args.adam_beta2:g}" + (
-            f", epsilon {args.adam_epsilon:g})" if "adamw" in args.optim else ")"
+    optimizer = optim.optim
+    if optim.optim != "adafactor":
+        optimizer += f" (beta1 {optim.adam_beta1:g}, beta2 {optim.adam_beta2:g}" + (
+            f", epsilon {optim.adam_epsilon:g})" if "adamw" in optim.optim else ")"
         )
-    schedule = args.lr_scheduler_type + (f", floor {args.min_lr_ratio:g} of the peak" if args.min_lr_ratio else "")
+    schedule = optim.lr_scheduler_type + (f", floor {optim.min_lr_ratio:g} of the peak" if optim.min_lr_ratio else "")
     device = mesh.devices.flat[0]
-    flags = ", ".join(f"--{flag.name} {flag.of(args)}" for flag in ctx.family.flags)
+    flags = ", ".join(f"--{flag.name} {flag.of(args.objective)}" for flag in ctx.family.flags)
     axes = {axis: size for axis, size in mesh.shape.items() if size > 1} or dict(mesh.shape)
     kind = f" ({device.device_kind})" if device.device_kind.lower() != device.platform else ""
     return [
-        f"- steps: {ctx.total_steps:,}; global batch {ctx.global_batch} examples ({per_device} per device x "
-        f"{batch_axis_size(mesh)} batch devices x {args.gradient_accumulation_steps} accumulation)",
+        f"- steps: {ctx.total_steps:,}; global batch {ctx.global_batch} examples ({ctx.per_device_batch} per device x "
+        f"{batch_axis_size(mesh)} batch devices x {args.control.gradient_accumulation_steps} accumulation)",
         f"- sequence lengths: {lengths}; objective flags: {flags}",
-        f"- optimizer: {optimizer}; learning rate {args.learning_rate:g}, {schedule} schedule, "
-        f"{args.warmup_steps} warmup steps; weight decay {args.weight_decay:g}; gradient clipping "
-        f"{args.max_grad_norm:g}",
-        f"- dtype: {args.dtype}; seed {args.seed}",
+        f"- optimizer: {optimizer}; learning rate {optim.learning_rate:g}, {schedule} schedule, "
+        f"{optim.warmup_steps} warmup steps; weight decay {optim.weight_decay:g}; gradient clipping "
+        f"{optim.max_grad_norm:g}",
+        f"- dtype: {args.model.dtype}; seed {args.control.seed}",
         f"- mesh: {', '.join(f'{axis}={size}' for axis, size in axes.items())} over {mesh.size} {device.platform} "
         f"devices{kind}" + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""),
     ]
@@ -350,7 +356,7 @@ def hub_for(ctx: RunContext) -> Hub | None:
     """The run's Hub on process 0 with --push_to_hub, else None. Refuses (ArgumentError, before anything is written)
     a repository id the Hub would refuse and a missing token."""
     args = ctx.args
-    if not args.push_to_hub or not is_main():
+    if not args.output.push_to_hub or not is_main():
         return None
     from huggingface_hub import get_token
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -359,19 +365,19 @@ def hub_for(ctx: RunContext) -> Hub | None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
-        given = "--hub_model_id" if args.hub_model_id else f"the output dir's name ({args.output_dir})"
+        given = "--hub_model_id" if args.output.hub_model_id else f"the output dir's name ({args.control.output_dir})"
         reason = str(e).splitlines()[0]
         raise ArgumentError(
             f"--push_to_hub: {given} {repo_id!r} is not a Hub repository id ({reason}); give "
             "--hub_model_id NAME or USER/NAME"
         ) from None
     # --token: the HF scripts' name for it; get_token: HF_TOKEN, else the saved login
-    token = args.hub_token or args.token or get_token()
+    token = args.output.hub_token or args.compat.token or get_token()
     if not token:
         raise ArgumentError("--push_to_hub needs a Hub token: give --hub_token, set HF_TOKEN or run `hf auth login`")
     endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     network.timeout_s()  # a bad SPMDLM_NETWORK_TIMEOUT: refused now
-    return Hub(repo_id, endpoint=endpoint, token=token, private=args.hub_private_repo, export_dir=ctx.out / "hf")
+    return Hub(repo_id, endpoint=endpoint, token=token, private=args.output.hub_private_repo, export_dir=ctx.out / "hf")
 
 
 def publish_export(ctx: RunContext, results: dict[str, Any]) -> None:
@@ -396,16 +402,16 @@ def push_checkpoint(ctx: RunContext, graphdef, state, step: int, manager) -> Non
     checkpoint itself under last-checkpoint/ (replacing the one there), once its asynchronous save is complete. The
     final step's model is left to the end's upload (publish_export), which has the evaluation."""
     args = ctx.args
-    if not args.push_to_hub or args.hub_strategy == "end":
+    if not args.output.push_to_hub or args.output.hub_strategy == "end":
         return
-    if step < ctx.total_steps or not args.export_hf:
+    if step < ctx.total_steps or not args.output.export_hf:
         with tempfile.TemporaryDirectory(prefix="spmdlm-hub-") as tmp:
-            model, _ = model_for_evaluation(graphdef, state, optim_config_from_args(args))
+            model, _ = model_for_evaluation(graphdef, state, args.optimization)
             folder = save_hf(model, ctx.config, Path(tmp) / "hf", tokenizer=ctx.tokenizer)
             if ctx.hub is not None and ctx.hub.create():
                 write_model_card(folder, ctx, {}, step=step)
                 ctx.hub.upload(folder, f"{ctx.family.name} at step {step} of {ctx.total_steps}")
-    if args.hub_strategy == "checkpoint":
+    if args.output.hub_strategy == "checkpoint":
         checkpoint.check_saved(manager, step, wait=True)
         if ctx.hub is not None:
             ctx.hub.upload(

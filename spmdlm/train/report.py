@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from spmdlm import devices, storage
-from spmdlm.config import RunArgs, report_targets
 from spmdlm.data.objectives import Objective
 from spmdlm.errors import RunError
 from spmdlm.families.base import Family
+from spmdlm.run_args import RunArgs
 from spmdlm.train import trackers
 
 log = logging.getLogger("spmdlm")
@@ -141,11 +141,11 @@ class Reporter:
         args: RunArgs | None = None,
     ):
         """`args`: the run's, for --report_to and --run_name; None reports to TensorBoard only."""
-        targets = report_targets(args) if args is not None else ("tensorboard",)
+        targets = args.reporting.targets if args is not None else ("tensorboard",)
         trackers.check_targets(targets, out)  # on every process: all stop together, before anything is trained
         # self.out: where the report files are written; the output dir itself, or a local staging folder for a bucket
         self.target, self.enabled = out, enabled
-        self.dry_run = args is not None and args.dry_running
+        self.dry_run = args is not None and args.control.dry_running
         self.out = self._stage(out) if enabled and storage.is_remote(out) else out
         self._uploaded: dict[str, tuple[int, int]] = {}
         self._repaired: set[str] = set()  # the JSON-lines files whose torn tail (if any) was repaired (_append)
@@ -161,7 +161,7 @@ class Reporter:
             if args is not None
             else {}
         )
-        run_name = (args and args.run_name) or storage.absolute(out).name  # --output_dir . has a name too
+        run_name = (args and args.reporting.run_name) or storage.absolute(out).name  # --output_dir . has a name too
         self.run_name = run_name
         self._trackers = trackers.Trackers(trackers.build(targets, self.out, run_name, run_config))
         self._rates: list[float] = []

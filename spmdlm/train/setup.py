@@ -1,8 +1,8 @@
-"""A run's set-up, stage by stage, filling one RunContext: resolve (config, mesh, lengths: everything that can be
-refused before a file is written) -> tokenizer -> objective and data -> the sharded state -> the memory gate.
+"""The run's context (RunContext: what the stages share) and three of its stages: resolve (config, mesh, lengths:
+everything that can be refused before a file is written), the tokenizer, and the sharded state with the memory gate.
 
-The train loop (spmdlm/train/loop.py) runs these in order; `--compile_for` (spmdlm/train/aot.py) runs resolve and an
-abstract state only. The output dir's policy is spmdlm/train/outputs.py.
+spmdlm/train/run.py runs the stages in order; `--compile_for` (spmdlm/train/aot.py) runs resolve and an abstract
+state only. The data stage is spmdlm/train/corpora.py, the output dir's policy spmdlm/train/outputs.py.
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from spmdlm import devices, export, storage
-from spmdlm.config import DEFAULT_MODEL_TYPE, RunArgs
-from spmdlm.data import datasets, mixture, pipeline, records, token_cache
+from spmdlm.data import datasets, mixture, pipeline, records
 from spmdlm.data.objectives import Objective
 from spmdlm.data.tokenization import (
     TOKENIZER_LAYOUTS,
@@ -30,15 +28,17 @@ from spmdlm.data.tokenization import (
     tokenizer_layout,
     train_tokenizer,
 )
-from spmdlm.errors import ArgumentError, DataError, RunError, TasksError
+from spmdlm.errors import ArgumentError, RunError, TasksError
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.generate.harness import task_manager
 from spmdlm.generate.scoring import check_likelihood
 from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
 from spmdlm.models.attention import resolve_attention
-from spmdlm.train.corpora import SourceDocuments, naming
-from spmdlm.train.optim import learning_rate_schedule, optim_config_from_args
+from spmdlm.run_args import RunArgs
+from spmdlm.run_args.choices import DEFAULT_MODEL_TYPE
+from spmdlm.run_args.sections import ControlArgs
+from spmdlm.train.optim import learning_rate_schedule
 from spmdlm.train.plan import LayerPlan, plan_layers
 from spmdlm.train.state import DTYPES, build_train_state
 from spmdlm.train.step import Stepper
@@ -65,20 +65,30 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
-@dataclasses.dataclass
-class RunContext:
-    """What the stages of a run share; filled in stage by stage."""
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The run as resolved (before any file is written), which no later stage changes."""
 
     args: RunArgs
     mesh: Mesh
     out: Path
     family: Family
-    config: Any
     global_batch: int
+    per_device_batch: int  # examples per batch device in one micro-step (batch_sizes)
     run_start: float
     config_source: str  # the preset, file or directory the model config came from
     attention: str  # the implementation --attention resolved to (models/attention.py)
     sources: tuple[mixture.Source, ...] = ()  # a weighted mixture's (spmdlm.data.mixture); () for one corpus
+    tasks: Any = None  # --eval_tasks: lm_eval's TaskManager that holds them (resolve_tasks), or None
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What the stages of a run share: the run description (`run`, frozen) and the pieces the stages fill in
+    (spmdlm/train/run.py). The description's fields read through (ctx.args, ctx.mesh, ...)."""
+
+    run: Run
+    config: Any  # the model config: the tokenizer stage sets its special token ids
     previous: dict = dataclasses.field(default_factory=dict)  # the output dir's run_config.json (outputs.py)
     resuming: bool = False
     latest_step: int = 0  # of the checkpoints found when resuming
@@ -91,30 +101,51 @@ class RunContext:
     schedule: pipeline.Schedule | None = None
     hub: Any = None  # spmdlm.train.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
     layer_plan: LayerPlan | None = None  # --remat and --scan_unroll as resolved (setup_state; train/plan.py)
-    tasks: Any = None  # --eval_tasks: lm_eval's TaskManager that holds them (resolve_tasks), or None
+
+    args = property(lambda self: self.run.args)
+    mesh = property(lambda self: self.run.mesh)
+    out = property(lambda self: self.run.out)
+    family = property(lambda self: self.run.family)
+    global_batch = property(lambda self: self.run.global_batch)
+    per_device_batch = property(lambda self: self.run.per_device_batch)
+    run_start = property(lambda self: self.run.run_start)
+    config_source = property(lambda self: self.run.config_source)
+    attention = property(lambda self: self.run.attention)
+    sources = property(lambda self: self.run.sources)
+    tasks = property(lambda self: self.run.tasks)
 
     @property
     def total_steps(self) -> int:
         return self.schedule.total_steps if self.schedule else 0
 
+    @property
+    def training(self) -> bool:
+        """Whether the run trains (it has training data once the data stage ran)."""
+        return self.data is not None and self.data.train is not None
 
-# -- stage 1: resolve the run's config (everything that can be refused is checked before any file is written) -------
+    @property
+    def steps_left(self) -> bool:
+        """Whether steps remain to train (not so for a finished run, or one that only evaluates)."""
+        return self.training and self.latest_step < self.total_steps
+
+
+# -- resolve: the run's config, mesh and lengths (everything that can be refused, before any file is written) ---
 def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     """`mesh_devices`: the devices to build the mesh of (default: this process's JAX devices)."""
-    mesh = make_mesh(args.mesh, mesh_devices, dcn_spec=args.dcn_mesh)
-    global_batch = global_batch_size(args, mesh)
-    out = storage.path(args.output_dir, "--output_dir")  # a local dir or a bucket (gs://)
+    mesh = make_mesh(args.devices.mesh, mesh_devices, dcn_spec=args.devices.dcn_mesh)
+    global_batch, per_device_batch = batch_sizes(args.control, mesh)
+    out = storage.path(args.control.output_dir, "--output_dir")  # a local dir or a bucket (gs://)
     if out.exists() and not out.is_dir():
         raise RunError(f"--output_dir {out} is a file; give a directory")
-    if args.model_name_or_path:
-        config = load_pretrained_config(args.model_name_or_path)
-        config_name = args.model_name_or_path
+    if args.model.model_name_or_path:
+        config = load_pretrained_config(args.model.model_name_or_path)
+        config_name = args.model.model_name_or_path
     else:
-        model_type = args.model_type or DEFAULT_MODEL_TYPE
+        model_type = args.model.model_type or DEFAULT_MODEL_TYPE
         default = families()[model_type].default_preset if model_type in families() else model_type
-        config_name = args.config_name or (str(out) if (out / "config.json").exists() else default)
-        config = load_config(config_name, args.model_type)
-        if not args.config_name and not args.uses_embedded_corpus and config_name == default:
+        config_name = args.model.config_name or (str(out) if (out / "config.json").exists() else default)
+        config = load_config(config_name, args.model.model_type)
+        if not args.model.config_name and not args.uses_embedded_corpus and config_name == default:
             log.info(
                 "no --config_name: using the %s preset (%s); pass --config_name for another size",
                 default,
@@ -122,31 +153,32 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
                     f"{k}={v}" for k, v in config.to_hf_dict().items() if type(v) is int and not k.endswith("token_id")
                 ),
             )
-        if args.vocab_size:
-            config = config.replace(vocab_size=args.vocab_size)
+        if args.model.vocab_size:
+            config = config.replace(vocab_size=args.model.vocab_size)
     family = get_family(config.model_type)
     check_flags_apply(args, family)
-    if args.sample_prompts and family.generation is Generation.NONE:
+    if args.reporting.sample_prompts and family.generation is Generation.NONE:
         raise ArgumentError(f"--sample_prompts: a {family.name} model neither generates nor fills masks; leave it out")
     tasks = resolve_tasks(args, family)
-    family.check_lengths(args, config)
-    if args.training and args.learning_rate == 0:
+    family.check_lengths(args.objective, config)
+    if args.control.training and args.optimization.learning_rate == 0:
         log.warning("--learning_rate 0: training will not change the weights (give a positive rate to train)")
     attention = choose_attention(args, family, config, mesh)
-    ctx = RunContext(
+    run = Run(
         args,
         mesh,
         out,
         family,
-        config,
         global_batch,
+        per_device_batch,
         run_start,
         config_name,
         attention,
-        mixture.sources_of(args.train_file, args.data_mixture),
-        tasks=tasks,
+        args.data.sources(),
+        tasks,
     )
-    if args.model_name_or_path:
+    ctx = RunContext(run, config)
+    if args.model.model_name_or_path:
         check_pretrained(ctx)
     return ctx
 
@@ -156,12 +188,12 @@ def check_pretrained(ctx: RunContext) -> None:
     """The run's tokenizer is the checkpoint's own (or --tokenizer_name's, which may extend it: the vocabulary grows)
     or a prepared dataset's; never one trained here. Then the weights are checked against the config."""
     args, family = ctx.args, ctx.family
-    path = storage.path(args.model_name_or_path, "--model_name_or_path")
+    path = storage.path(args.model.model_name_or_path, "--model_name_or_path")
     own = load_tokenizer(path, family) if tokenizer_layout(path) else None
-    if args.tokenizer_name:
-        ctx.tokenizer = load_tokenizer(args.tokenizer_name, family)
+    if args.model.tokenizer_name:
+        ctx.tokenizer = load_tokenizer(args.model.tokenizer_name, family)
         if own is not None:
-            extend_vocabulary(ctx, own, f"--tokenizer_name {args.tokenizer_name}", "leave --tokenizer_name out")
+            extend_vocabulary(ctx, own, f"--tokenizer_name {args.model.tokenizer_name}", "leave --tokenizer_name out")
     elif dataset_dir_of(ctx):
         ctx.tokenizer = load_tokenizer(storage.path(dataset_dir_of(ctx)) / datasets.TOKENIZER_DIR, family)
         if own is not None:  # the dataset's ids must mean what they meant to the checkpoint
@@ -181,7 +213,7 @@ def check_pretrained(ctx: RunContext) -> None:
 
 
 def dataset_dir_of(ctx: RunContext) -> str | None:
-    return ctx.args.dataset_dir or next((s.dataset_dir for s in ctx.sources if s.dataset_dir), None)
+    return ctx.args.data.dataset_dir or next((s.dataset_dir for s in ctx.sources if s.dataset_dir), None)
 
 
 def extend_vocabulary(ctx: RunContext, own, given: str, fix: str) -> None:
@@ -221,11 +253,13 @@ def check_tokenizer_fits(tok, config) -> None:
 
 def resolve_tasks(args: RunArgs, family: Family):
     """--eval_tasks, before any work: the family scores continuations, lm-eval is installed, every task exists."""
-    if not args.eval_tasks:
+    if not args.reporting.eval_tasks:
         return None
     try:
         check_likelihood(family)
-        return task_manager(args.eval_tasks, [args.eval_tasks_dir] if args.eval_tasks_dir else ())
+        return task_manager(
+            args.reporting.eval_tasks, [args.reporting.eval_tasks_dir] if args.reporting.eval_tasks_dir else ()
+        )
     except TasksError as e:
         raise ArgumentError(f"--eval_tasks: {e}") from None
 
@@ -238,14 +272,14 @@ def choose_attention(args: RunArgs, family: Family, config, mesh: Mesh) -> str:
     try:
         chosen, note = resolve_attention(
             model,
-            args.attention,
+            args.model.attention,
             platform=platform,
-            dtype=DTYPES[args.dtype],
-            training=args.training,
+            dtype=DTYPES[args.model.dtype],
+            training=args.control.training,
             device_kind=device.device_kind,
         )
     except ValueError as e:
-        raise ArgumentError(f"--attention {args.attention}: {e}") from None
+        raise ArgumentError(f"--attention {args.model.attention}: {e}") from None
     if note:
         log.info("--attention %s", note)
     log.debug("attention: %s on %s", chosen, platform)
@@ -257,7 +291,7 @@ def check_flags_apply(args: RunArgs, family: Family) -> None:
     own = {flag.name for flag in family.flags}
     for other in families().values():
         for flag in other.flags:
-            if flag.name not in own and flag.of(args) != flag.default:
+            if flag.name not in own and flag.of(args.objective) != flag.default:
                 raise ArgumentError(
                     f"--{flag.name} does not apply to {family.name}; its flags are "
                     f"{', '.join('--' + f.name for f in family.flags)} (the first sets the "
@@ -265,20 +299,23 @@ def check_flags_apply(args: RunArgs, family: Family) -> None:
                 )
 
 
-def global_batch_size(args: RunArgs, mesh) -> int:
-    per_step = batch_axis_size(mesh) * args.gradient_accumulation_steps
-    if args.global_batch_size is not None:
-        if args.global_batch_size % per_step:
-            raise ArgumentError(
-                f"--global_batch_size {args.global_batch_size} is not divisible by the {batch_axis_size(mesh)} "
-                f"batch devices (data x fsdp of --mesh {args.mesh}) x {args.gradient_accumulation_steps} "
-                f"accumulation steps; use a multiple of {per_step}"
-            )
-        return args.global_batch_size
-    return args.per_device_train_batch_size * per_step
+def batch_sizes(control: ControlArgs, mesh) -> tuple[int, int]:
+    """-> (global batch, per-device batch): examples per optimizer step over all devices, and per batch device in one
+    micro-step."""
+    per_step = batch_axis_size(mesh) * control.gradient_accumulation_steps
+    if control.global_batch_size is None:
+        return control.per_device_train_batch_size * per_step, control.per_device_train_batch_size
+    if control.global_batch_size % per_step:
+        raise ArgumentError(
+            f"--global_batch_size {control.global_batch_size} is not divisible by the {batch_axis_size(mesh)} "
+            f"batch devices (data x fsdp of the mesh {dict(mesh.shape)}) x {control.gradient_accumulation_steps} "
+            "accumulation steps; "
+            f"use a multiple of {per_step}"
+        )
+    return control.global_batch_size, control.global_batch_size // per_step
 
 
-# -- stage 3: tokenizer -----------------------------------------------------------------------------------------------
+# -- the tokenizer ---------------------------------------------------------------------------------------------------
 def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
     """Given (--tokenizer_name), a checkpoint's (chosen by check_pretrained), one found in the output dir, or one
     trained here on the corpus."""
@@ -286,15 +323,15 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
     origin = "trained"
     if ctx.tokenizer is not None:  # --model_name_or_path's own, or the one given with it
         tok, origin = ctx.tokenizer, "model"
-    elif args.tokenizer_name:
-        tok, origin = load_tokenizer(args.tokenizer_name, ctx.family), "given"
+    elif args.model.tokenizer_name:
+        tok, origin = load_tokenizer(args.model.tokenizer_name, ctx.family), "given"
     elif dataset_dir := dataset_dir_of(ctx):
         tok, origin = load_tokenizer(storage.path(dataset_dir) / datasets.TOKENIZER_DIR), "given"
     elif (out / "tokenizer.json").exists():
         log.info("reusing the tokenizer in %s", out)
         tok, origin = load_tokenizer(out), "output_dir"
     else:
-        vocab = args.vocab_size or config.vocab_size
+        vocab = args.model.vocab_size or config.vocab_size
         log.info("training a %d-token tokenizer on %d documents", vocab, len(train_docs))
         tok = train_tokenizer(ctx.family, train_docs, vocab)  # saved with run_config.json (write_run_files)
     use_tokenizer(ctx, tok)
@@ -318,130 +355,13 @@ def use_tokenizer(ctx: RunContext, tok) -> None:
     ctx.tokenizer = tok
 
 
-# -- stage 4: objective and data ------------------------------------------------------------------------------------
-def setup_data(ctx: RunContext, train_docs, val_docs) -> None:
-    args = ctx.args
-    ctx.objective = ctx.family.build_objective(args, ctx.config, ctx.tokenizer)
-    if args.dataset_dir:  # prepared by python -m spmdlm.prepare: checked against this run's tokenizer and lengths
-        finish_data(ctx, *open_prepared(ctx, args.dataset_dir))
-        return
-    train = tokenize(ctx, train_docs, "train") if args.training else None
-    finish_data(ctx, train, tokenize_validation(ctx, val_docs, bool(args.validation_file)))
-
-
-def setup_mixture_data(ctx: RunContext, corpora: list[SourceDocuments]) -> None:
-    """Each source tokenized (or opened) on its own: its own cache entry or dataset, shared by every mixture."""
-    args = ctx.args
-    ctx.objective = ctx.family.build_objective(args, ctx.config, ctx.tokenizer)
-    train, validation = [], {}
-    for corpus in corpora:
-        source = corpus.source
-        with naming(source):
-            if source.dataset_dir:
-                source_train, held_out = open_prepared(ctx, source.dataset_dir)
-            else:
-                source_train = tokenize(ctx, corpus.train, "train") if args.training else None
-                held_out = tokenize_validation(ctx, corpus.validation, bool(source.validation_file), source.name)
-        train.append(cap_train_samples(args, source_train))
-        if held_out is not None:
-            validation[source.name] = held_out
-    mixed = mixture.MixedSplit(ctx.sources, tuple(train)) if args.training else None
-    finish_data(ctx, mixed, None, validation)
-
-
-def open_prepared(ctx: RunContext, dataset_dir: str):
-    """(train, validation) of a dataset prepared by python -m spmdlm.prepare, checked against this run's tokenizer
-    and lengths; each only when the run trains or evaluates."""
-    train, validation, card = datasets.open_dataset(
-        dataset_dir, tokenizer=ctx.tokenizer, record_length=ctx.objective.record_length, mode=ctx.objective.preparation
-    )
-    ctx.dataset_cards[dataset_dir] = card  # what the model card describes, even if the dataset is prepared anew
-    return train if ctx.args.training else None, validation if ctx.args.evaluating else None
-
-
-def tokenize(ctx: RunContext, docs, name: str) -> records.PreparedSplit:
-    """Documents into the token cache (keyed by their content): process 0 writes it, the others then read it."""
-    args = ctx.args
-    ids = special_token_ids(ctx.tokenizer, ctx.family)
-    cache = storage.path(args.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
-    common = dict(
-        record_length=ctx.objective.record_length,
-        separator_id=ids["eos"],
-        cache_dir=cache,
-        mode=ctx.objective.preparation,
-        pad_id=ids.get("pad"),
-        bos_id=ids.get("bos"),
-        workers=args.preprocessing_num_workers or 1,
-    )
-    split = (
-        token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=args.overwrite_cache, **common)
-        if is_main()
-        else None
-    )
-    if jax.process_count() > 1:  # the others wait for process 0's file, then read the same cache
-        multihost_utils.sync_global_devices(f"prepared {name}")
-        if not is_main():
-            split = token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=False, **common)
-    return split
-
-
-def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None = None):
-    """The held-out documents tokenized, or None: not evaluating, none held out, or a hash split too small for one
-    example (a warning; a given validation file that small is an error)."""
-    args = ctx.args
-    if not args.evaluating:
-        return None
-    of = f" of source {source}" if source else ""
-    if not docs:  # e.g. one document (--text_documents file) falls on the training side of the hash split
-        if args.validation_split_percentage and not given:
-            log.warning(
-                "no evaluation%s: the held-out %.1f%% of the documents is none of them (the split is per "
-                "document); give a validation file, or more documents",
-                of,
-                args.validation_split_percentage,
-            )
-        return None
-    try:
-        return tokenize(ctx, docs, "validation")
-    except DataError as e:
-        if given:
-            raise
-        fix = "give it a validation_file" if source else "pass --validation_file"
-        log.warning(
-            "no evaluation%s: the held-out %.1f%% of the documents is too small (%s); raise "
-            "--validation_split_percentage or %s",
-            of,
-            args.validation_split_percentage,
-            e,
-            fix,
-        )
-        return None
-
-
-def cap_train_samples(args: RunArgs, train):
-    """--max_train_samples: the first records of a split (of each source's, in a mixture)."""
-    if train is not None and args.max_train_samples:
-        return dataclasses.replace(train, num_records=min(train.num_records, args.max_train_samples))
-    return train
-
-
-def finish_data(ctx: RunContext, train, validation, source_validation=None) -> None:
-    args = ctx.args
-    train = train if isinstance(train, mixture.MixedSplit) else cap_train_samples(args, train)
-    ctx.data = Data(train, validation, source_validation or {})
-    if train is not None:
-        ctx.schedule = pipeline.make_schedule(
-            train.num_records, ctx.global_batch, args.num_train_epochs, args.max_steps
-        )
-
-
-# -- stage 5: the sharded train state -------------------------------------------------------------------------------
+# -- the sharded train state -------------------------------------------------------------------------------
 def setup_state(ctx: RunContext, *, abstract: bool):
     """-> (graphdef, state, stepper). `abstract`: shapes and shardings only, nothing allocated — the target a resume
     restores into (a fresh init would be a second copy) and all that compiling for another machine needs. A fresh
     state from --model_name_or_path gets that checkpoint's weights."""
     args = ctx.args
-    optim, steps = optim_config_from_args(args), max(ctx.total_steps, 1)
+    optim, steps = args.optimization, max(ctx.total_steps, 1)
     ctx.layer_plan = choose_layer_plan(ctx)
     graphdef, state = build_train_state(
         ctx.family,
@@ -449,26 +369,26 @@ def setup_state(ctx: RunContext, *, abstract: bool):
         ctx.mesh,
         optim=optim,
         total_steps=steps,
-        seed=args.seed,
-        dtype=args.dtype,
+        seed=args.control.seed,
+        dtype=args.model.dtype,
         remat=ctx.layer_plan.remat,
         scan_unroll=ctx.layer_plan.scan_unroll,
         attention=ctx.attention,
         abstract=abstract,
     )
     check_mesh_use(state, ctx)
-    if args.model_name_or_path and not abstract:
-        state = export.load_hf_into_state(args.model_name_or_path, graphdef, state, ctx.checkpoint_config)
+    if args.model.model_name_or_path and not abstract:
+        state = export.load_hf_into_state(args.model.model_name_or_path, graphdef, state, ctx.checkpoint_config)
     stepper = Stepper(
         graphdef,
         state,
         ctx.mesh,
         ctx.family.forward,
-        grad_accum=args.gradient_accumulation_steps,
-        z_loss=args.z_loss,
-        dropout_seed=args.seed,
+        grad_accum=args.control.gradient_accumulation_steps,
+        z_loss=args.optimization.z_loss,
+        dropout_seed=args.control.seed,
         schedule=learning_rate_schedule(optim, steps),
-        loss_chunk=args.loss_chunk_size,
+        loss_chunk=args.optimization.loss_chunk_size,
         label_capacity=ctx.objective.label_capacity,
         unscored=ctx.objective.unscored_label_ids,
         optim=optim,
@@ -488,7 +408,7 @@ def check_mesh_use(state, ctx: RunContext) -> None:
     idle = idle_axes(state, ctx.mesh)
     if "tensor" in idle:
         raise ArgumentError(
-            f"--mesh {ctx.args.mesh}: the tensor axis ({ctx.mesh.shape['tensor']}) divides none of the model's "
+            f"--mesh {ctx.args.devices.mesh}: the tensor axis ({ctx.mesh.shape['tensor']}) divides none of the model's "
             "sharded dimensions (heads x head size, MLP width, vocabulary), so it would only repeat the same work; "
             "use a tensor size that divides them, or give those devices to data/fsdp"
         )
@@ -496,7 +416,7 @@ def check_mesh_use(state, ctx: RunContext) -> None:
         log.warning(
             "--mesh %s: the fsdp axis (%d) divides no parameter dimension, so parameters are replicated "
             "(plain data parallelism)",
-            ctx.args.mesh,
+            ctx.args.devices.mesh,
             ctx.mesh.shape["fsdp"],
         )
 
@@ -506,15 +426,14 @@ def choose_layer_plan(ctx: RunContext) -> LayerPlan:
     args, mesh = ctx.args, ctx.mesh
     device = mesh.devices.flat[0]
     lengths = ctx.objective.sequence_lengths()
-    per_device = ctx.global_batch // (batch_axis_size(mesh) * args.gradient_accumulation_steps)
     model = nnx.eval_shape(lambda: ctx.family.make_model(ctx.config, rngs=nnx.Rngs(0)))
     plan = plan_layers(
-        args.remat,
-        args.scan_unroll,
+        args.optimization.remat,
+        args.optimization.scan_unroll,
         model,
         platform=device.platform,
-        itemsize=jnp.dtype(DTYPES[args.dtype]).itemsize,
-        tokens_per_device=per_device * sum(lengths.values()),
+        itemsize=jnp.dtype(DTYPES[args.model.dtype]).itemsize,
+        tokens_per_device=ctx.per_device_batch * sum(lengths.values()),
         memory_bytes=devices.memory_per_device(device),
     )
     for flag, why in plan.reasons.items():
@@ -536,10 +455,9 @@ def check_memory(stats: dict[str, Any], ctx: RunContext) -> None:
         if what == "host"
         else f"the device's {gib(capacity)}"
     )
-    args = ctx.args
     raise RunError(
         f"the train step needs {gib(need)} per device (arguments {gib(stats.get('argument_bytes', 0))}, temporaries "
         f"{gib(stats.get('temp_bytes', 0))}) but has {shared}; try a smaller --per_device_train_batch_size (now "
-        f"{ctx.global_batch // (batch_axis_size(ctx.mesh) * args.gradient_accumulation_steps)}) or sequence length, "
+        f"{ctx.per_device_batch}) or sequence length, "
         "--gradient_checkpointing, fsdp (--mesh fsdp=N), --dtype bfloat16, or a smaller --config_name"
     )

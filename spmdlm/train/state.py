@@ -13,7 +13,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from spmdlm.families.base import Family
-from spmdlm.train.optim import OptimConfig, make_optimizer
+from spmdlm.run_args.sections import OptimizationArgs
+from spmdlm.train.optim import make_optimizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # --dtype: the compute dtype
 
@@ -40,7 +41,7 @@ def build_train_state(
     config,
     mesh: Mesh,
     *,
-    optim: OptimConfig = OptimConfig(),
+    optim: OptimizationArgs = OptimizationArgs(),
     total_steps: int = 1,
     seed: int = 0,
     dtype: str = "float32",

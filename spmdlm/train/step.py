@@ -23,7 +23,8 @@ from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.devices import compiled_stats
 from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
-from spmdlm.train.optim import OptimConfig, evaluation_params, spike_counts
+from spmdlm.run_args.sections import OptimizationArgs
+from spmdlm.train.optim import evaluation_params, spike_counts
 
 
 def cross_entropy_sums(
@@ -176,7 +177,7 @@ def real_tokens(batch: Batch) -> jax.Array:
     return total
 
 
-def model_for_evaluation(graphdef, state, optim: OptimConfig | None = None):
+def model_for_evaluation(graphdef, state, optim: OptimizationArgs | None = None):
     """(model, optimizer) of the train state, the model holding the parameters to evaluate, sample from and export:
     schedule-free AdamW's averaged sequence (optim.evaluation_params); for other optimizers the trained ones. The
     state of a model alone (spmdlm.evaluate) gives (model, None)."""
@@ -211,7 +212,7 @@ class Stepper:
         loss_chunk: int = 0,
         label_capacity: int | None = None,
         unscored: tuple[int, ...] = (),
-        optim: OptimConfig | None = None,
+        optim: OptimizationArgs | None = None,
         byte_lengths: np.ndarray | None = None,
     ):
         """`state`: the train state, or the state of a model alone to evaluate (no train step then). `byte_lengths`:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -38,9 +38,9 @@ class Flag:
     resume: bool = True  # a run resumes only with the value it started with
     bounds: Bounds | None = None  # a numeric flag's valid values (spmdlm/bounds.py: finite, and within these)
 
-    def of(self, args) -> Any:
-        """The flag's value in run arguments (their `objective` mapping), or its default."""
-        return args.objective.get(self.name, self.default)
+    def of(self, values: Mapping[str, Any]) -> Any:
+        """The flag's value among the objective flags given (RunArgs.objective), or its default."""
+        return values.get(self.name, self.default)
 
 
 AT_LEAST_ONE = Bounds(1)

@@ -1,0 +1,113 @@
+"""The run's arguments, in sections: one frozen dataclass per `--help` group (model, data, run control, reporting,
+optimisation, mesh and hosts, output, the HF scripts' compatibility flags) plus the families' objective flags, each
+section checking its own values when it is made. The fields are the launcher's flags with the Hugging Face scripts'
+names; run_config.json records them flat, as before (`RunArgs.to_json` / `RunArgs.of`). The command line that fills
+them is spmdlm/cli/launch.py.
+
+Each stage of a run takes the section it uses: the optimizer the optimisation section, the families the objective
+flags, the data stage the data section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from spmdlm.errors import ArgumentError
+from spmdlm.run_args.choices import SECRET_FLAGS
+from spmdlm.run_args.sections import (
+    CompatArgs,
+    ControlArgs,
+    DataArgs,
+    DevicesArgs,
+    ModelArgs,
+    OptimizationArgs,
+    OutputArgs,
+    ReportingArgs,
+)
+
+SECTIONS = {
+    "model": ModelArgs,
+    "data": DataArgs,
+    "control": ControlArgs,
+    "reporting": ReportingArgs,
+    "optimization": OptimizationArgs,
+    "devices": DevicesArgs,
+    "output": OutputArgs,
+    "compat": CompatArgs,
+}
+# flag name -> the section that holds it
+FLAG_SECTION = {field.name: name for name, cls in SECTIONS.items() for field in dataclasses.fields(cls)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunArgs:
+    """A run's arguments: its sections, and the objective flags of the families by name (given or default)."""
+
+    model: ModelArgs = dataclasses.field(default_factory=ModelArgs)
+    data: DataArgs = dataclasses.field(default_factory=DataArgs)
+    control: ControlArgs = dataclasses.field(default_factory=ControlArgs)
+    reporting: ReportingArgs = dataclasses.field(default_factory=ReportingArgs)
+    optimization: OptimizationArgs = dataclasses.field(default_factory=OptimizationArgs)
+    devices: DevicesArgs = dataclasses.field(default_factory=DevicesArgs)
+    output: OutputArgs = dataclasses.field(default_factory=OutputArgs)
+    compat: CompatArgs = dataclasses.field(default_factory=CompatArgs)
+    objective: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, flags: Mapping[str, Any] = (), objective: Mapping[str, Any] | None = None) -> RunArgs:
+        """From flat flags (as the command line and run_config.json name them); names of no section are objective
+        flags unless `objective` is given."""
+        return cls().replace(**dict(flags), **({"objective": objective} if objective is not None else {}))
+
+    @classmethod
+    def of_run(cls, run_config: Mapping[str, Any]) -> RunArgs:
+        """The arguments a run_config.json records (a flag it predates: that flag's default; what is not a flag,
+        such as its model config or fingerprints, left out)."""
+        flags = {k: v for k, v in run_config.items() if k in FLAG_SECTION}
+        return cls.of(flags, objective=dict(run_config.get("objective") or {}))
+
+    def replace(self, **changes) -> RunArgs:
+        """A copy with `changes` by flag name (each goes to its section; other names are objective flags), or
+        whole sections / `objective` by their names."""
+        by_section: dict[str, dict[str, Any]] = {}
+        whole = {k: changes.pop(k) for k in list(changes) if k in SECTIONS or k == "objective"}
+        objective = {k: v for k, v in changes.items() if k not in FLAG_SECTION}
+        for name, value in changes.items():
+            if name in FLAG_SECTION:
+                by_section.setdefault(FLAG_SECTION[name], {})[name] = value
+        updated = {name: dataclasses.replace(getattr(self, name), **values) for name, values in by_section.items()}
+        if objective:
+            updated["objective"] = {**whole.pop("objective", self.objective), **objective}
+        return dataclasses.replace(self, **whole, **updated)
+
+    def checked(self, model_types) -> RunArgs:
+        """The rules across sections, and each section's derived defaults resolved (--optim, --remat, --eval_steps,
+        --token): what the run reads from here on."""
+        self.model.check_family(model_types)
+        self.data.check_sources()
+        self.optimization.check_steps(self.control.max_steps)
+        if self.control.evaluating and not self.control.training and not self.data.holds_out:
+            raise ArgumentError(
+                "nothing to evaluate: --do_eval without training needs held-out documents; give "
+                "--validation_file or a --validation_split_percentage above 0"
+            )
+        return dataclasses.replace(
+            self,
+            reporting=self.reporting.resolved(),
+            optimization=self.optimization.resolved(),
+            output=self.output.replace(hub_token=self.output.hub_token or self.compat.token),
+        )
+
+    @property
+    def uses_embedded_corpus(self) -> bool:
+        return not self.data.given and self.model.model_name_or_path is None
+
+    def to_json(self) -> dict[str, Any]:
+        """Flat, as run_config.json records it: every section's flags, the objective flags (as one mapping, and
+        beside the others); never the secrets."""
+        out = {k: v for name in SECTIONS for k, v in dataclasses.asdict(getattr(self, name)).items()}
+        for name in SECRET_FLAGS:
+            out.pop(name)
+        return {**out, "objective": dict(self.objective), **self.objective}

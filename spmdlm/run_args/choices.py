@@ -1,0 +1,134 @@
+"""The choices and limits of the run's flags: the names a flag may take, every numeric flag's bounds, the families'
+choices the launcher hands in, and the embedded quick start's values (spmdlm/run_args/sections.py holds the flags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from spmdlm import bounds
+from spmdlm.bounds import Bounds
+from spmdlm.data.objectives import Flag
+from spmdlm.errors import ArgumentError
+from spmdlm.models.stack import REMAT_POLICIES
+
+# --remat: what each scanned layer keeps for its backward pass (the policies: models/stack.py REMAT_POLICIES); auto
+# chooses one (spmdlm/train/plan.py).
+REMAT_CHOICES = ("auto", *REMAT_POLICIES)
+DEFAULT_MODEL_TYPE = "gpt2"  # the family of a run that names none (and of the embedded quick start)
+SEED_MAX = 2**32 - 1  # --seed: Grain's shuffle and random_map take an unsigned 32-bit seed
+# --optim and --lr_scheduler_type (built in spmdlm/train/optim.py; docs/optimizers.md)
+OPTIMIZERS = ("adamw", "adafactor", "lion", "muon", "schedule_free_adamw")
+LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "wsd")
+DECAYING_SCHEDULES = ("linear", "cosine", "inverse_sqrt", "wsd")  # those --min_lr_ratio applies to
+WSD_DECAY_RATIO = 0.1  # wsd without --decay_steps or --decay_ratio: the last 10% of the steps decay
+OPTIMIZER_FLAGS = frozenset({"optim", "adafactor"})  # two spellings of one choice
+SECRET_FLAGS = ("hub_token", "token")  # never written anywhere: run_config.json, trackers, the command line
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
+HUB_STRATEGIES = ("end", "every_save", "checkpoint")
+
+# Every numeric flag's valid values (spmdlm/bounds.py: finite, within these bounds), checked by its section when the
+# section is made, before anything is read or written; tests/test_config.py checks that no numeric flag is missing.
+SPIKE_WINDOW_MAX = 100_000  # its two float32 windows are scanned at every step: 2**31 steps took 16 GiB
+_AT_LEAST_1, _OFF_OR_MORE = Bounds(1), Bounds(0, hint="0 = off")
+FLAG_BOUNDS: Mapping[str, Bounds] = {
+    **dict.fromkeys(
+        (
+            "vocab_size",
+            "preprocessing_num_workers",
+            "max_train_samples",
+            "max_eval_samples",
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "global_batch_size",
+            "logging_steps",
+            "eval_steps",
+            "save_steps",
+            "save_total_limit",
+            "keep_every_n_steps",
+            "max_consecutive_skips",
+            "sample_every",
+            "decay_steps",
+            "num_processes",
+            "num_slices",
+            "eval_tasks_steps",
+            "eval_tasks_limit",
+        ),
+        _AT_LEAST_1,
+    ),
+    **dict.fromkeys(("save_every_minutes", "weight_decay"), _OFF_OR_MORE),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), Bounds(0, 1, below=True)),
+    "validation_split_percentage": Bounds(0, 100, below=True, hint="a percentage of the training documents"),
+    "num_train_epochs": Bounds(0, hint="fractions allowed; or give --max_steps"),
+    "max_steps": Bounds(-1, bounds.MAX_STEPS, hint="-1 = from --num_train_epochs"),
+    "skip_step_on_spike": Bounds(0, hint="0 = off, else a number of standard deviations, e.g. 6"),
+    "spike_window": Bounds(
+        2, SPIKE_WINDOW_MAX, hint="a number of steps, e.g. 100: the window is scanned at every step"
+    ),
+    "seed": Bounds(0, SEED_MAX, hint="Grain's shuffle takes an unsigned 32-bit seed"),
+    "learning_rate": Bounds(0, hint="a negative rate climbs the loss"),
+    "adam_epsilon": Bounds(
+        0, above=True, hint="e.g. 1e-8: it keeps the update finite where a gradient's second moment is 0"
+    ),
+    "max_grad_norm": Bounds(0, hint="0 = no clipping"),
+    "warmup_steps": Bounds(0),
+    "min_lr_ratio": Bounds(0, 1, hint="a fraction of --learning_rate"),
+    "decay_ratio": Bounds(0, 1, above=True, hint="a fraction of the steps"),
+    "z_loss": Bounds(0, hint="0 = off, e.g. 1e-4 as T5X: a negative one rewards a large log-partition"),
+    "loss_chunk_size": Bounds(0, hint="0 = all positions at once"),
+    "process_id": Bounds(0),
+}
+
+
+def parse_scan_unroll(value: str) -> int | None:
+    """--scan_unroll's value: None for auto, else the layers per scan iteration (0 = fully unrolled)."""
+    if value == "auto":
+        return None
+    try:
+        layers = int(value)
+    except (TypeError, ValueError):
+        layers = -1
+    if layers < 0:
+        raise ArgumentError(f"--scan_unroll must be auto, 0 (fully unrolled) or a positive number, got {value!r}")
+    return layers
+
+
+def check_objective_flags(values: Mapping[str, Any], flags: tuple[Flag, ...]) -> None:
+    """Each given objective flag's own rule: a numeric one's bounds (as every numeric flag's), another's check."""
+    for flag in flags:
+        value = values.get(flag.name, flag.default)
+        bounds.check(flag.name, value, flag.bounds)
+        if value is not None and not flag.check(value):
+            raise ArgumentError(f"--{flag.name} {flag.rule}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyChoices:
+    """What the launcher's parser needs to know of the model families (spmdlm.families.family_choices)."""
+
+    objective_flags: tuple[Flag, ...]  # every family's objective flags (one declaration per name)
+    family_flags: Mapping[str, tuple[str, ...]]  # model type -> the names of the objective flags that apply
+    quickstarts: Mapping[str, Mapping[str, Any]]  # model type -> the embedded quick start's own flags
+    presets: tuple[str, ...]  # --config_name presets
+    default_presets: Mapping[str, str] = dataclasses.field(default_factory=dict)  # model type -> its default preset
+
+
+# The embedded quick start: sized to finish on a 2-core CPU in a few minutes. Used for every flag the user did not
+# give when training on the embedded corpus; each family adds its own (model size, lengths, optimizer) on top.
+QUICKSTART_COMMON = dict(
+    per_device_eval_batch_size=8,
+    warmup_steps=30,
+    logging_steps=20,
+    eval_steps=100,
+    save_steps=100,
+    max_eval_samples=256,
+    lr_scheduler_type="cosine",
+)
+
+
+def quickstart(choices: FamilyChoices, model_type: str) -> dict[str, Any]:
+    family = choices.quickstarts.get(model_type)
+    return dict(QUICKSTART_COMMON, **family) if family is not None else {}

@@ -1,0 +1,490 @@
+"""The run's flags in sections, one frozen dataclass per `--help` group, each checking its own values when made (every
+numeric flag's bounds, then the section's rules). Field names are the flags' names (the Hugging Face scripts')."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from spmdlm import bounds
+from spmdlm.data.mixture import sources_of
+from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP, TEXT_FORMAT_HELP, TEXT_FORMATS
+from spmdlm.errors import ArgumentError
+from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
+from spmdlm.run_args.choices import (
+    DECAYING_SCHEDULES,
+    DEFAULT_MODEL_TYPE,
+    FLAG_BOUNDS,
+    HUB_STRATEGIES,
+    LR_SCHEDULERS,
+    OPTIMIZERS,
+    REMAT_CHOICES,
+    REPORT_TO,
+    WSD_DECAY_RATIO,
+    parse_scan_unroll,
+)
+
+
+def _field(default, help: str, **kw):
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+def _one_of(flag: str, value, choices) -> None:
+    if value not in choices:
+        raise ArgumentError(f"--{flag} {value!r}: use one of {', '.join(c for c in choices if c is not None)}")
+
+
+class _Section:
+    """A group of flags: checked when made (every numeric flag's bounds, then the section's own rules)."""
+
+    TITLE: ClassVar[str]  # its --help group
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            bounds.check(field.name, getattr(self, field.name), FLAG_BOUNDS.get(field.name))
+        self.check()
+
+    def check(self) -> None:
+        """The section's own rules beyond the bounds; raises ArgumentError."""
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs(_Section):
+    """The model, its tokenizer and how it computes."""
+
+    TITLE: ClassVar[str] = "model"
+
+    model_type: str | None = _field(
+        None, f"model family, one of those listed above (default: the config's, else {DEFAULT_MODEL_TYPE})"
+    )
+    config_name: str | None = _field(
+        None,
+        "a preset (listed above), a JSON file, or an HF config directory "
+        "(default: the family's base preset, e.g. gpt2 = 124M)",
+    )
+    model_name_or_path: str | None = _field(None, "initialise from a transformers checkpoint directory")
+    tokenizer_name: str | None = _field(None, "a tokenizer.json file or an HF tokenizer directory; default: train one")
+    vocab_size: int | None = _field(None, "vocabulary of a tokenizer trained here (default: the config's)")
+    dtype: str = _field(
+        "float32",
+        "compute dtype: float32 or bfloat16 (parameters and optimizer stay float32); bfloat16 on GPUs and TPUs",
+    )
+    attention: str = _field(
+        "auto",
+        "attention's core: auto = the platform's fused kernel where it applies (cudnn on "
+        "NVIDIA GPUs with bfloat16, splash on TPUs), else xla; xla = einsums; dot_product = "
+        "jax.nn.dot_product_attention's XLA path; cudnn; splash. Resuming with another is fine",
+    )
+
+    def check(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ArgumentError(f"--dtype {self.dtype!r} is not supported; use float32 or bfloat16")
+        _one_of("attention", self.attention, ATTENTION_CHOICES)
+
+    def check_family(self, model_types) -> None:
+        """--model_type names a registered family."""
+        if self.model_type is not None and self.model_type not in model_types:
+            raise ArgumentError(
+                f"--model_type {self.model_type!r} is not a model family; use one of {', '.join(model_types)}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataArgs(_Section):
+    """The training and held-out text, and where its tokens are cached."""
+
+    TITLE: ClassVar[str] = "data"
+
+    cache_dir: str | None = _field(None, "where tokenized data is cached (default ~/.cache/spmdlm)")
+    train_file: str | None = _field(
+        None,
+        "text (any name), json/jsonl/csv/parquet files (plain, .gz, .zst, .xz, "
+        ".bz2), comma-separated, "
+        "globs and directories allowed; parts ending in :WEIGHT are the sources of a "
+        "weighted mixture, e.g. 'news/*.jsonl:0.6,wiki/:0.4' (weights normalised)",
+    )
+    data_mixture: str | None = _field(
+        None,
+        "a YAML file of a weighted mixture (instead of --train_file): sources: "
+        "a list of {name, train_file or dataset_dir, weight, validation_file}; "
+        "paths relative to the file (docs/data.md, Mixtures)",
+    )
+    dataset_dir: str | None = _field(
+        None,
+        "a dataset prepared by python -m spmdlm.prepare (instead of --train_file; "
+        "its tokenizer unless --tokenizer_name)",
+    )
+    dataset_name: str | None = _field(
+        None, "a datasets dataset (extra .[datasets]): a save_to_disk dir, parquet files, or a Hub name (streamed)"
+    )
+    dataset_config_name: str | None = _field(None, "the configuration of --dataset_name")
+    preprocessing_num_workers: int | None = _field(
+        None, "processes that tokenize --train_file/--dataset_name (default: 1; the tokenizer is multithreaded)"
+    )
+    text_column: str | None = _field(None, "json/jsonl/csv: the field holding the text (default: text)")
+    text_documents: str = _field("line", TEXT_DOCUMENTS_HELP)
+    text_format: str | None = _field(None, TEXT_FORMAT_HELP)
+    validation_file: str | None = _field(None, "held-out files; default: a hash split of the training documents")
+    validation_split_percentage: float = _field(5.0, "percent of training documents held out when no validation file")
+    max_train_samples: int | None = _field(None, "cap on training examples (after chunking)")
+    max_eval_samples: int | None = _field(None, "cap on evaluation examples (after chunking)")
+    overwrite_cache: bool = _field(False, "re-tokenize even when a cache exists")
+
+    def check(self) -> None:
+        if sum(x is not None for x in (self.train_file, self.dataset_dir, self.dataset_name, self.data_mixture)) > 1:
+            raise ArgumentError("give one of --train_file, --data_mixture, --dataset_dir and --dataset_name")
+        _one_of("text_documents", self.text_documents, TEXT_DOCUMENTS)
+        _one_of("text_format", self.text_format, (None, *TEXT_FORMATS))
+        if self.dataset_config_name and not self.dataset_name:
+            raise ArgumentError("--dataset_config_name needs --dataset_name")
+
+    @property
+    def given(self) -> bool:
+        """Whether any training data is named (else: the embedded corpus)."""
+        return any(x is not None for x in (self.train_file, self.dataset_dir, self.dataset_name, self.data_mixture))
+
+    def sources(self):
+        """A weighted mixture's sources (--train_file with weights, or --data_mixture's file); () for one corpus."""
+        return sources_of(self.train_file, self.data_mixture)
+
+    def check_sources(self) -> None:
+        """What needs the mixture's file read: a mixture takes no --validation_file."""
+        if self.validation_file and self.sources():
+            raise ArgumentError(
+                "--validation_file does not apply to a mixture: give each source's validation_file in "
+                "--data_mixture (or let each be split by --validation_split_percentage)"
+            )
+
+    @property
+    def holds_out(self) -> bool:
+        """Whether held-out documents can exist without training (a file, a split, or a prepared dataset)."""
+        return bool(
+            self.validation_file
+            or self.validation_split_percentage
+            or self.dataset_dir is not None
+            or self.dataset_name is not None
+            or self.sources()
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlArgs(_Section):
+    """The output dir, what the run does, its length, batches, checkpoints and seed."""
+
+    TITLE: ClassVar[str] = "run control"
+
+    output_dir: str | None = _field(
+        None,
+        "where checkpoints, logs, metrics and the export go (default: "
+        "runs/MODEL-DATA, named after the preset or config and the data, e.g. "
+        "runs/roberta-tiny-fortunes)",
+    )
+    overwrite_output_dir: bool = _field(False, "start afresh in a non-empty output dir instead of refusing")
+    allow_data_change: bool = _field(
+        False,
+        "resume although the training data or the tokenizer changed since the run "
+        "started (run_config.json records their fingerprints): the batches from then "
+        "on are those of the new data, not an uninterrupted run's",
+    )
+    allow_mixture_change: bool = _field(
+        False,
+        "resume although the mixture's sources or weights changed since the "
+        "run started: it continues from the same step, the batches from then on "
+        "being those the new weights give",
+    )
+    do_train: bool | None = _field(None, "train (default: on unless only --do_eval is given)")
+    do_eval: bool | None = _field(None, "evaluate (default: on unless only --do_train is given)")
+    num_train_epochs: float = _field(3.0, "epochs, fractions allowed; --max_steps wins")
+    max_steps: int = _field(-1, "total optimizer steps; -1 = from epochs")
+    per_device_train_batch_size: int = _field(8, "examples per batch-axis device per micro-step")
+    per_device_eval_batch_size: int = _field(8, "examples per batch-axis device in evaluation")
+    gradient_accumulation_steps: int = _field(1, "micro-steps per optimizer step")
+    global_batch_size: int | None = _field(
+        None,
+        "examples per optimizer step over all devices (T5X/MaxText style); "
+        "overrides --per_device_train_batch_size and must divide evenly",
+    )
+    save_steps: int = _field(500, "checkpoint every N steps")
+    save_total_limit: int | None = _field(None, "keep at most N checkpoints")
+    save_every_minutes: float = _field(
+        0.0,
+        "also checkpoint when this many minutes passed since the last save "
+        "(0 = off); the step cadence of --save_steps holds besides",
+    )
+    keep_every_n_steps: int | None = _field(
+        None, "keep the checkpoints of steps that are multiples of N forever, whatever --save_total_limit removes"
+    )
+    seed: int = _field(42, "seed for init, shuffling, objectives and dropout")
+    dry_run: bool = _field(False, "build, compile and report the train step's compile time and memory, then stop")
+
+    def check(self) -> None:
+        if self.num_train_epochs <= 0 and self.max_steps <= 0:
+            raise ArgumentError("--num_train_epochs must be positive (or set --max_steps)")
+
+    @property
+    def training(self) -> bool:
+        return self.do_train is not False and not (self.do_eval and self.do_train is None)
+
+    @property
+    def evaluating(self) -> bool:
+        return self.do_eval is not False and not (self.do_train and self.do_eval is None)
+
+    @property
+    def dry_running(self) -> bool:
+        """--dry_run of a training run: build, compile and report the step, and write nothing."""
+        return self.dry_run and self.training
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportingArgs(_Section):
+    """What is measured and logged while training, how often, and where it goes."""
+
+    TITLE: ClassVar[str] = "reporting"
+
+    logging_steps: int = _field(500, "log train metrics every N steps")
+    eval_steps: int | None = _field(None, "evaluate every N steps (default: --logging_steps)")
+    sample_prompts: str | None = _field(
+        None,
+        "prompts separated by | whose continuations (greedy and one sampled; "
+        "RoBERTa: fill-mask of texts with <mask>) are logged while training",
+    )
+    sample_every: int | None = _field(None, "log samples every N steps (default: --eval_steps)")
+    eval_tasks: str | None = _field(
+        None,
+        "LM-harness tasks (lm-eval task names, or the `task:` of local YAMLs in "
+        "--eval_tasks_dir), comma-separated, run on the model at the end and every "
+        "--eval_tasks_steps (GPT-2, T5, BART; pip install 'spmdlm[eval]'; "
+        "docs/harness.md)",
+    )
+    eval_tasks_steps: int | None = _field(None, "also run --eval_tasks every N steps (default: only at the end)")
+    eval_tasks_dir: str | None = _field(
+        None,
+        "a directory of local task YAMLs for --eval_tasks (lm-eval's "
+        "dataset_path: json with data_files: works offline)",
+    )
+    eval_tasks_limit: int | None = _field(None, "at most N examples of each --eval_tasks task")
+    report_to: str = _field(
+        "tensorboard",
+        "where metrics go besides metrics.jsonl, comma-separated: tensorboard, "
+        "wandb, mlflow, or none (wandb and mlflow: pip install -e '.[wandb]' / '.[mlflow]')",
+    )
+    run_name: str | None = _field(None, "the run's name in the trackers (default: the output dir's name)")
+
+    def check(self) -> None:
+        given = [
+            f"--{name}"
+            for name in ("eval_tasks_steps", "eval_tasks_dir", "eval_tasks_limit")
+            if getattr(self, name) is not None
+        ]
+        if given and not self.eval_tasks:
+            raise ArgumentError(f"{', '.join(given)} apply to --eval_tasks; give the tasks to run")
+        unknown = [t for t in (part.strip() for part in self.report_to.split(",")) if t not in REPORT_TO]
+        if unknown:
+            raise ArgumentError(
+                f"--report_to {self.report_to!r}: {', '.join(unknown)} is not one of {', '.join(REPORT_TO)}"
+            )
+
+    def resolved(self) -> ReportingArgs:
+        """--eval_steps defaults to --logging_steps, --sample_every to --eval_steps."""
+        eval_steps = self.logging_steps if self.eval_steps is None else self.eval_steps
+        return self.replace(
+            eval_steps=eval_steps, sample_every=eval_steps if self.sample_every is None else self.sample_every
+        )
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The trackers of --report_to (none: only metrics.jsonl)."""
+        return tuple(t for t in (part.strip() for part in self.report_to.split(",")) if t and t != "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizationArgs(_Section):
+    """The optimizer and its schedule, the loss, and what each layer keeps for its backward pass."""
+
+    TITLE: ClassVar[str] = "optimisation"
+
+    learning_rate: float = _field(5e-5, "peak learning rate")
+    weight_decay: float = _field(
+        0.0,
+        "decoupled weight decay, scaled by the learning rate (not on biases and norm "
+        "scales; with --optim muon only on Muon's matrices)",
+    )
+    optim: str | None = _field(
+        None,
+        f"the optimizer: {', '.join(OPTIMIZERS)} (docs/optimizers.md; default: adafactor with --adafactor, else adamw)",
+    )
+    adam_beta1: float = _field(
+        0.9, "AdamW beta1; also Lion's b1, Muon's AdamW part's and schedule-free's interpolation weight"
+    )
+    adam_beta2: float = _field(
+        0.999, "AdamW beta2; also Lion's b2 (0.99 in its paper), Muon's AdamW part's and schedule-free's"
+    )
+    adam_epsilon: float = _field(1e-8, "AdamW epsilon (not Lion's: it has none)")
+    adafactor: bool = _field(False, "= --optim adafactor (Adafactor: factored second moments), the HF scripts' flag")
+    max_grad_norm: float = _field(1.0, "clip gradients to this global norm; 0 = off")
+    warmup_steps: int = _field(0, "linear warmup steps")
+    lr_scheduler_type: str = _field(
+        "linear", f"the learning rate after warmup: {' | '.join(LR_SCHEDULERS)} (docs/optimizers.md)"
+    )
+    min_lr_ratio: float = _field(
+        0.0, "the floor of a decaying schedule (linear, cosine, inverse_sqrt, wsd), a fraction of --learning_rate"
+    )
+    decay_steps: int | None = _field(None, "wsd: the steps of the final decay (default: --decay_ratio of the steps)")
+    decay_ratio: float | None = _field(
+        None, f"wsd: the fraction of the steps spent decaying (default: {WSD_DECAY_RATIO})"
+    )
+    skip_step_on_spike: float = _field(
+        0.0,
+        "skip the update of a step whose loss or gradient norm is more than Z "
+        "standard deviations above its running window (0 = off; decided inside the "
+        "jitted step)",
+    )
+    spike_window: int = _field(100, "steps of the running window --skip_step_on_spike measures against")
+    max_consecutive_skips: int = _field(5, "stop as a divergence (exit 3) after this many skipped steps in a row")
+    remat: str = _field(
+        "auto",
+        "what each layer keeps for its backward pass: dots = its weight matmuls' outputs, the "
+        "rest recomputed (less memory than none, and faster through the layer scan); "
+        "dots_with_attention = also the attention probabilities; qkv = only the query, key and value "
+        "projections; none = everything; full = its input only (least memory, a third more "
+        "compute); auto = dots, or full where dots would not fit (recorded in run_config.json)",
+    )
+    gradient_checkpointing: bool = _field(False, "= --remat full (the HF scripts' name)")
+    scan_unroll: str = _field(
+        "auto",
+        "layers per iteration of the layer scan (jax.lax.scan's unroll); 0 = fully "
+        "unrolled: slower to compile, faster steps for small encoder-decoders on CPU; auto = 0 "
+        "for encoder-decoders of up to 12 layers per stack and d_model up to 256 on CPU, else 1 "
+        "(recorded in run_config.json)",
+    )
+    z_loss: float = _field(0.0, "T5X z-loss coefficient (log-partition regulariser) for bf16 stability")
+    loss_chunk_size: int = _field(
+        0,
+        "compute the LM loss this many positions at a time (logits recomputed in the "
+        "backward pass): per-device logit memory drops from batch x length x vocab to "
+        "batch x chunk x vocab; 0 = all at once",
+    )
+
+    def check(self) -> None:
+        if self.optim is not None and self.optim not in OPTIMIZERS:
+            raise ArgumentError(f"--optim {self.optim!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
+        if self.adafactor and self.optim not in (None, "adafactor"):
+            raise ArgumentError(f"--adafactor means --optim adafactor, not --optim {self.optim}; give one of them")
+        if self.optimizer == "schedule_free_adamw" and self.adam_beta1 == 0:
+            raise ArgumentError(
+                "--optim schedule_free_adamw needs --adam_beta1 above 0 (its weight between the iterate and its "
+                "average)"
+            )
+        self.check_schedule()
+        parse_scan_unroll(self.scan_unroll)
+        if self.remat not in REMAT_CHOICES:
+            raise ArgumentError(f"--remat must be one of {', '.join(REMAT_CHOICES)}, got {self.remat!r}")
+
+    def check_schedule(self) -> None:
+        """--lr_scheduler_type, and the flags only some schedules take."""
+        kind = self.lr_scheduler_type
+        if kind not in LR_SCHEDULERS:
+            raise ArgumentError(f"--lr_scheduler_type {kind!r} is not supported; use one of {', '.join(LR_SCHEDULERS)}")
+        if self.min_lr_ratio and kind not in DECAYING_SCHEDULES:
+            raise ArgumentError(
+                f"--min_lr_ratio applies to the decaying schedules ({', '.join(DECAYING_SCHEDULES)}), "
+                f"not --lr_scheduler_type {kind}; leave it out"
+            )
+        for name in ("decay_steps", "decay_ratio"):
+            if getattr(self, name) is not None and kind != "wsd":
+                raise ArgumentError(
+                    f"--{name} applies to --lr_scheduler_type wsd only; leave it out or give --lr_scheduler_type wsd"
+                )
+        if self.decay_steps is not None and self.decay_ratio is not None:
+            raise ArgumentError("give one of --decay_steps and --decay_ratio")
+
+    def check_steps(self, max_steps: int) -> None:
+        """The warmup and the final decay fit in --max_steps."""
+        if self.decay_steps and 0 < max_steps < self.warmup_steps + self.decay_steps:
+            raise ArgumentError(
+                f"--warmup_steps {self.warmup_steps} and --decay_steps {self.decay_steps} exceed "
+                f"--max_steps {max_steps}; give fewer decay steps (or --decay_ratio)"
+            )
+
+    def resolved(self) -> OptimizationArgs:
+        """--optim chosen (--adafactor is its old spelling, which run_config.json keeps recording: resuming compares
+        it) and --gradient_checkpointing as --remat full."""
+        return self.replace(
+            optim=self.optimizer,
+            adafactor=self.optimizer == "adafactor",
+            remat="full" if self.gradient_checkpointing else self.remat,
+        )
+
+    @property
+    def optimizer(self) -> str:
+        """The optimizer run: --optim, else adafactor with --adafactor, else adamw."""
+        return self.optim or ("adafactor" if self.adafactor else "adamw")
+
+    @property
+    def unroll(self) -> int | None:
+        """--scan_unroll: None for auto, else the layers per scan iteration (0 = fully unrolled)."""
+        return parse_scan_unroll(self.scan_unroll)
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicesArgs(_Section):
+    """The device mesh, the processes of a multi-host job, and the slices --compile_for compiles for."""
+
+    TITLE: ClassVar[str] = "mesh and hosts"
+
+    mesh: str = _field("data=-1", "device mesh, e.g. data=8 or data=2,fsdp=2,tensor=2; one axis may be -1")
+    coordinator_address: str | None = _field(None, "multi-host: host:port of process 0")
+    num_processes: int | None = _field(None, "multi-host: number of processes")
+    process_id: int | None = _field(None, "multi-host: this process's index")
+    compile_for: str | None = _field(
+        None,
+        "compile the train and eval steps for a TPU slice this machine does not "
+        "have (e.g. v3:2x2, v5e:16x16; needs libtpu: pip install -e '.[tpu]') and "
+        "report memory, FLOPs and a roofline estimate; nothing is trained",
+    )
+    num_slices: int = _field(1, "with --compile_for: the number of such slices (multi-slice, joined by DCN)")
+    dcn_mesh: str | None = _field(None, "multi-slice: the mesh across slices, e.g. data=2 (outside data/fsdp)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputArgs(_Section):
+    """The export, its model card and its upload to the Hub."""
+
+    TITLE: ClassVar[str] = "output"
+
+    export_hf: bool = _field(True, "export to OUTPUT_DIR/hf in transformers format at the end")
+    push_to_hub: bool = _field(False, "upload the export to the Hugging Face Hub (or HF_ENDPOINT) from process 0")
+    hub_model_id: str | None = _field(None, "Hub repository, user/name or name (default: the output dir's name)")
+    hub_token: str | None = _field(None, "Hub token (default: HF_TOKEN or the cached huggingface-cli login)")
+    hub_private_repo: bool = _field(False, "create the Hub repository private")
+    hub_strategy: str = _field(
+        "end",
+        "when to upload: end (the export, once), every_save (the export at each "
+        "checkpoint too), checkpoint (also the latest checkpoint, under last-checkpoint/)",
+    )
+    card_license: str | None = _field(None, "the model card's license (an SPDX-like Hub id, e.g. apache-2.0)")
+    card_tags: str | None = _field(None, "extra model card tags, comma-separated")
+    card_datasets: str | None = _field(None, "the model card's datasets (Hub dataset names), comma-separated")
+
+    def check(self) -> None:
+        _one_of("hub_strategy", self.hub_strategy, HUB_STRATEGIES)
+        if self.push_to_hub and not self.export_hf and self.hub_strategy == "end":
+            raise ArgumentError(
+                "--push_to_hub uploads the export, and --export_hf false writes none: drop "
+                "--export_hf false, or upload checkpoints with --hub_strategy checkpoint"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompatArgs(_Section):
+    """The HF scripts' flags that change nothing here (--token: --hub_token's other name)."""
+
+    TITLE: ClassVar[str] = "accepted for compatibility with the HF scripts"
+
+    use_fast_tokenizer: bool = _field(True, "accepted for compatibility (tokenizers are always fast)")
+    keep_linebreaks: bool = _field(True, "accepted for compatibility (where documents end: --text_documents)")
+    token: str | None = _field(None, "the HF scripts' name for --hub_token")
+    trust_remote_code: bool = _field(False, "accepted for compatibility")
