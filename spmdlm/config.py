@@ -118,6 +118,10 @@ FLAG_BOUNDS: Mapping[str, Bounds] = {
     "z_loss": Bounds(0, hint="0 = off, e.g. 1e-4 as T5X: a negative one rewards a large log-partition"),
     "loss_chunk_size": Bounds(0, hint="0 = all positions at once"),
     "process_id": Bounds(0),
+    # -- operations (profiler, goodput, watchdog)
+    "profile_every": _AT_LEAST_1,
+    "slow_step_factor": Bounds(0, hint="0 = off, else a factor above 1, e.g. 3"),
+    "hang_timeout_minutes": Bounds(0, hint="0 = off; fractions allowed, e.g. 0.5 for 30 seconds"),
 }
 
 
@@ -185,6 +189,7 @@ HELP_GROUPS = (
     ("run control", "output_dir"),
     ("optimisation", "learning_rate"),
     ("mesh and hosts", "mesh"),
+    ("operations: profiler, goodput, watchdog", "profile_steps"),
     ("output", "export_hf"),
     ("accepted for compatibility with the HF scripts", "use_fast_tokenizer"),
 )
@@ -388,6 +393,7 @@ def validate(args: RunArgs, choices: FamilyChoices) -> RunArgs:
     args = check_optimizer(args)
     check_schedule(args)
     check_around_the_run(args)
+    check_operations(args)
     if (
         args.evaluating
         and not args.training
@@ -479,3 +485,47 @@ def check_around_the_run(args: RunArgs) -> None:
             "--push_to_hub uploads the export, and --export_hf false writes none: drop "
             "--export_hf false, or upload checkpoints with --hub_strategy checkpoint"
         )
+
+
+# -- operations: profiler, goodput, watchdog (docs/operations.md) ----------------------------------------------------
+HANG_TIMEOUT_MULTI_HOST_MINUTES = 30.0  # --hang_timeout_minutes' default with several processes (off with one)
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """--profile_steps 'A-B' (or 'A'): the first and last step traced, 1 <= A <= B."""
+    first, dash, last = text.strip().partition("-")
+    try:
+        window = (int(first), int(last if dash else first))
+    except ValueError:
+        window = (0, 0)
+    if not 1 <= window[0] <= window[1] <= bounds.MAX_STEPS:
+        raise ArgumentError(
+            f"--profile_steps must be A-B with 1 <= A <= B (steps count from 1), or one step A; got {text!r}; "
+            "e.g. 5-7: leave the first steps out, they include warm-up"
+        )
+    return window
+
+
+def check_operations(args: RunArgs) -> None:
+    if args.profile_steps is not None:
+        first, last = parse_profile_steps(args.profile_steps)
+        if args.profile_every is not None and args.profile_every <= last - first:
+            raise ArgumentError(
+                f"--profile_every {args.profile_every} must exceed the --profile_steps window "
+                f"({last - first + 1} steps), so one trace ends before the next starts"
+            )
+    elif args.profile_every is not None or args.profile_all_hosts:
+        raise ArgumentError("--profile_every and --profile_all_hosts apply to --profile_steps; give the steps to trace")
+    if 0 < args.slow_step_factor <= 1:
+        raise ArgumentError(
+            f"--slow_step_factor must be 0 (off) or above 1, got {args.slow_step_factor:g}: "
+            "every step would be reported as slow"
+        )
+
+
+def hang_timeout_minutes(args: RunArgs, process_count: int) -> float:
+    """--hang_timeout_minutes, or its default: on with several processes (a hung collective waits forever), off with
+    one (nothing another host does can hang it, and a hung data read shows in the progress)."""
+    if args.hang_timeout_minutes is not None:
+        return args.hang_timeout_minutes
+    return HANG_TIMEOUT_MULTI_HOST_MINUTES if process_count > 1 else 0.0

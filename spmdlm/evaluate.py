@@ -39,7 +39,7 @@ from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.train.corpora import read_corpora, read_sources
 from spmdlm.train.loop import evaluate
-from spmdlm.train.report import strict_json
+from spmdlm.train.metrics_log import strict_json
 from spmdlm.train.setup import (
     RunContext,
     byte_lengths,

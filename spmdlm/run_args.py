@@ -230,6 +230,23 @@ class RunArgs:
     )
     num_slices: int = _field(1, "with --compile_for: the number of such slices (multi-slice, joined by DCN)")
     dcn_mesh: str | None = _field(None, "multi-slice: the mesh across slices, e.g. data=2 (outside data/fsdp)")
+    # -- operations: profiler, goodput, watchdog (docs/operations.md) --------------------------------------------
+    profile_steps: str | None = _field(
+        None,
+        "trace steps A-B (e.g. 5-7; or one step, 5) with jax.profiler on process 0, into "
+        "OUTPUT_DIR/tensorboard/plugins/profile/ (TensorBoard's Profile tab, xprof); the log says how to view it",
+    )
+    profile_every: int | None = _field(None, "repeat the --profile_steps window every N steps")
+    profile_all_hosts: bool = _field(False, "trace --profile_steps on every process, not only process 0")
+    slow_step_factor: float = _field(
+        3.0, "warn when a step takes more than this many times the recent median step (stragglers); 0 = off"
+    )
+    hang_timeout_minutes: float | None = _field(
+        None,
+        "when no step, save or evaluation completes for this many minutes (fractions allowed), write every "
+        "thread's stack to the log and OUTPUT_DIR/hang-<host>.txt and exit (code 5) so the scheduler restarts "
+        "the run from its last checkpoint; 0 = off (default: 30 with several processes, off with one)",
+    )
     # -- output --------------------------------------------------------------------------------------------------
     export_hf: bool = _field(True, "export to OUTPUT_DIR/hf in transformers format at the end")
     report_to: str = _field(

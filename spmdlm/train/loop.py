@@ -20,7 +20,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from spmdlm import checkpoint
-from spmdlm.config import RunArgs
+from spmdlm.config import RunArgs, hang_timeout_minutes
 from spmdlm.data import pipeline
 from spmdlm.data.mixture import MixedSplit
 from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted, RunError
@@ -29,9 +29,10 @@ from spmdlm.families.base import Generation
 from spmdlm.generate import fill_mask, generate
 from spmdlm.generate.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
-from spmdlm.train import publish
+from spmdlm.train import profiling, publish, watchdog
 from spmdlm.train.corpora import read_corpora, read_sources
 from spmdlm.train.guard import RunLock, StopOnSignal
+from spmdlm.train.metrics_log import write_json
 from spmdlm.train.optim import optim_config_from_args
 from spmdlm.train.outputs import (
     check_fingerprints,
@@ -43,7 +44,7 @@ from spmdlm.train.outputs import (
     read_results,
     write_run_files,
 )
-from spmdlm.train.report import Reporter, write_json
+from spmdlm.train.report import Reporter
 from spmdlm.train.setup import (
     RunContext,
     check_memory,
@@ -249,7 +250,8 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
             return {**results, **previous_results}
 
         def compile_train() -> dict[str, Any]:
-            stats = stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
+            with reporter.goodput.span("compile"):
+                stats = stepper.compile_train(state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
             check_memory(stats, ctx)  # before anything is written: a refused run leaves the output dir as it was
             reporter.compile_stats(stats)
             return stats
@@ -279,7 +281,8 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
         )
         try:
             if ctx.resuming:
-                state, step = checkpoint.restore_newest_good(manager, state, iterator)
+                with reporter.goodput.span("checkpoint"):
+                    state, step = checkpoint.restore_newest_good(manager, state, iterator)
                 log.info("resumed from the checkpoint at step %d", step)
                 reporter.truncate_after(step)
             if step < ctx.total_steps:
@@ -303,7 +306,8 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
         if training and not trained and "eval_loss" in previous_results:
             results.update({k: v for k, v in previous_results.items() if is_eval_key(k)})
         else:
-            metrics = evaluate(stepper, state, ctx)
+            with reporter.goodput.span("evaluation"):
+                metrics = evaluate(stepper, state, ctx)
             reporter.log_eval(step if not training else ctx.total_steps, metrics)
             results.update(metrics)
     if ctx.tasks is not None:
@@ -342,9 +346,10 @@ def log_setup(ctx: RunContext, n_params: int) -> None:
 
 def finish(ctx: RunContext, graphdef, state, reporter: Reporter, results: dict[str, Any], export: bool) -> None:
     if is_main():
+        results.update(reporter.log_goodput(ctx.total_steps))
         write_json(
             ctx.out / "eval_results.json",
-            {k: v for k, v in results.items() if is_eval_key(k) or k.startswith("train_")},
+            {k: v for k, v in results.items() if is_eval_key(k) or k.startswith(("train_", "goodput"))},
         )
         reporter.finish(results)
     if export:
@@ -365,11 +370,18 @@ def train_loop(
     train_loss = float("nan")
     clock = SaveClock(args.save_every_minutes)
     skipped = 0  # steps skipped as loss spikes so far (--skip_step_on_spike), as last logged
-    with StopOnSignal() as stop, reporter:
+    me, took = jax.process_index(), reporter.goodput.span
+    profiler = profiling.Profiler(args.profile_steps, args.profile_every, args.profile_all_hosts, ctx.out, me)
+    watch = watchdog.Watchdog(hang_timeout_minutes(args, jax.process_count()), ctx.out, watchdog.host_label(me))
+    with StopOnSignal() as stop, reporter, watch, profiler:
         while step < total_steps:
-            batch = pipeline.to_global(next(iterator), ctx.mesh)
-            state, metrics = stepper.train_step(state, batch, step)
+            with took("data_wait"):
+                batch = pipeline.to_global(next(iterator), ctx.mesh)
+            with profiler.at_step(step + 1, state):
+                state, metrics = stepper.train_step(state, batch, step)
             step += 1
+            reporter.goodput.step_done(step, metrics)  # waits for the step before: its completion is timed
+            watch.beat(f"step {step - 1}")
             pending.append(metrics)
             if step % args.logging_steps == 0 or step == total_steps:
                 fetched = jax.device_get(pending)
@@ -381,7 +393,9 @@ def train_loop(
                 reporter.tick(step)
             checkpoint.check_saved(manager, last_saved)  # a failed async save stops the run now, not at the next
             if ctx.data.validation_splits and args.evaluating and step % args.eval_steps == 0 and step < total_steps:
-                metrics = evaluate(stepper, state, ctx, stop)
+                with took("evaluation"):
+                    metrics = evaluate(stepper, state, ctx, stop)
+                watch.beat(f"the evaluation at step {step}")
                 if metrics is not None:
                     reporter.log_eval(step, metrics)
             if (
@@ -390,14 +404,18 @@ def train_loop(
                 and step % args.eval_tasks_steps == 0
                 and step < total_steps
             ):
-                metrics = task_metrics(ctx, stepper.graphdef, state, stop)
+                with took("evaluation"):
+                    metrics = task_metrics(ctx, stepper.graphdef, state, stop)
                 if metrics:
                     reporter.log_tasks(step, metrics)
             if args.sample_prompts and (step % args.sample_every == 0 or step == total_steps):
-                reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
+                with took("evaluation"):
+                    reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
             stopping = stop.should_stop(step)
             if step % args.save_steps == 0 or step == total_steps or stopping or clock.due():
-                save(manager, step, state, iterator, run_config, pending, last_saved, args)
+                with took("checkpoint"):
+                    save(manager, step, state, iterator, run_config, pending, last_saved, args)
+                watch.beat(f"the save at step {step}")
                 last_saved = step
                 clock.saved()
                 reporter.sync()  # a bucket output dir: the metrics up to the checkpoint are there with it
@@ -406,6 +424,8 @@ def train_loop(
             if stopping:
                 checkpoint.check_saved(manager, step, wait=True)
                 raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(ctx.out) / str(step))
+        reporter.goodput.steps_finished()
+        profiler.close(state)
     return {"state": state, "train_loss": train_loss, **reporter.throughput()}
 
 
