@@ -511,7 +511,7 @@ def check_operations(args: RunArgs) -> None:
         first, last = parse_profile_steps(args.profile_steps)
         if args.profile_every is not None and args.profile_every <= last - first:
             raise ArgumentError(
-                f"--profile_every {args.profile_every} must exceed the --profile_steps window "
+                f"--profile_every {args.profile_every} must be at least the --profile_steps window "
                 f"({last - first + 1} steps), so one trace ends before the next starts"
             )
     elif args.profile_every is not None or args.profile_all_hosts:

@@ -3,6 +3,7 @@
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -13,8 +14,10 @@ import pytest
 from conftest import REPO
 from test_reliability import flags, launch
 
-from spmdlm.config import parse_profile_steps
+from spmdlm import storage
+from spmdlm.config import HANG_TIMEOUT_MULTI_HOST_MINUTES, hang_timeout_minutes, parse_profile_steps
 from spmdlm.errors import ArgumentError
+from spmdlm.launch import parse_args
 from spmdlm.train import goodput, profiling, watchdog
 
 
@@ -63,6 +66,8 @@ def test_goodput_splits_the_wall_time_and_counts_recomputed_steps_as_restart_los
 def test_a_slow_step_is_warned_about_once_per_occurrence_and_rate_limited(caplog):
     clock = FakeClock()
     slow = goodput.SlowSteps(3.0, clock=clock)
+    jitter = goodput.SlowSteps(3.0, clock=clock)  # 5x a millisecond step, but no second lost: no straggler
+    assert not any(jitter.check(step, seconds) for step, seconds in enumerate([0.01] * 10 + [0.05], 1))
     times = [1.0] * 10 + [5.0, 6.0] + [1.0] * 3 + [4.0] + [1.0] * 3
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
         flagged = [step for step, seconds in enumerate(times, 1) if slow.check(step, seconds)]
@@ -102,6 +107,29 @@ def test_profile_steps_outside_a_window_of_steps_are_refused(text):
         parse_profile_steps(text)
 
 
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--profile_every", "10"], "--profile_every and --profile_all_hosts apply to --profile_steps"),
+        (
+            ["--profile_steps", "3-5", "--profile_every", "2"],
+            "--profile_every 2 must be at least the --profile_steps window (3 steps)",
+        ),
+        (["--slow_step_factor", "0.5"], "--slow_step_factor must be 0 (off) or above 1, got 0.5"),
+        (["--hang_timeout_minutes", "-1"], "--hang_timeout_minutes must be at least 0, got -1.0"),
+    ],
+)
+def test_operations_flags_are_checked_before_anything_runs(argv, problem):
+    with pytest.raises(ArgumentError, match=re.escape(problem)):
+        parse_args(argv)
+
+
+def test_the_hang_timeout_defaults_to_on_with_several_processes_only():
+    args, _ = parse_args([])
+    assert (hang_timeout_minutes(args, 1), hang_timeout_minutes(args, 4)) == (0.0, HANG_TIMEOUT_MULTI_HOST_MINUTES)
+    assert hang_timeout_minutes(parse_args(["--hang_timeout_minutes", "0"])[0], 4) == 0.0
+
+
 def test_profile_windows_repeat_every_n_steps(tmp_path):
     profiler = profiling.Profiler("3-4", 10, False, tmp_path, 0)
     starts = {step: profiler.window_starting(step) for step in range(1, 30) if profiler.window_starting(step)}
@@ -123,22 +151,28 @@ def trace_viewer_steps(folder) -> list[int]:
     )
 
 
-def test_a_profile_of_two_steps_is_read_by_the_profile_plugin(tmp_path, caplog):
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_a_profile_of_two_steps_is_read_by_the_profile_plugin(where, tmp_path, caplog, request):
+    out = storage.path(f"{request.getfixturevalue('gcs_bucket')}/profiled") if where == "bucket" else tmp_path
     step = jax.jit(lambda x: jnp.tanh(x @ x))
     x = jnp.ones((32, 32))
-    profiler = profiling.Profiler("2-3", None, False, tmp_path, 0)
+    profiler = profiling.Profiler("2-3", None, False, out, 0)
     with caplog.at_level(logging.INFO, logger="spmdlm"), profiler:
         for number in range(1, 6):
             with profiler.at_step(number, x):
                 x = step(x)
         profiler.close(x)
-    folder = tmp_path / "tensorboard" / "plugins" / "profile" / "steps_2-3"
-    assert f"{watchdog.host_label(0)}.xplane.pb" in {p.name for p in folder.iterdir()}  # (and a .trace.json.gz)
-    assert trace_viewer_steps(folder) == [2, 3]
+    folder = out / "tensorboard" / "plugins" / "profile" / "steps_2-3"
+    trace = f"{watchdog.host_label(0)}.xplane.pb"
+    assert trace in {p.name for p in folder.iterdir()}  # (and a .trace.json.gz)
+    if where == "bucket":
+        storage.download(folder / trace, tmp_path / "downloaded" / trace, progress=False)
+    assert trace_viewer_steps(tmp_path / "downloaded" if where == "bucket" else folder) == [2, 3]
     said = [r.getMessage() for r in caplog.records if "profile of steps" in r.getMessage()]
+    logdir = out / "tensorboard"
     assert said == [
-        f"profile of steps 2-3 in {folder}; view it with: tensorboard --logdir {tmp_path / 'tensorboard'} (its "
-        f"Profile tab: pip install tensorboard xprof) or xprof --logdir={tmp_path / 'tensorboard'} --port=6006"
+        f"profile of steps 2-3 in {folder}; view it with: tensorboard --logdir {logdir} (its Profile tab: pip "
+        f"install tensorboard xprof) or xprof --logdir={logdir} --port=6006"
     ]
 
 
@@ -161,7 +195,7 @@ def test_a_hung_run_exits_with_its_stacks_and_the_rerun_resumes_counting_its_res
     tmp_path, capsys, cache_dir, tiny_gpt2_config
 ):
     out = tmp_path / "run"
-    argv = flags(out, cache_dir, tiny_gpt2_config, "--max_steps", "5", "--logging_steps", "5")
+    argv = flags(out, cache_dir, tiny_gpt2_config, "--max_steps", "5", "--logging_steps", "5", "--export_hf", "false")
     hung = subprocess.run(
         [sys.executable, "-c", BLOCKED_RUN, *argv, "--hang_timeout_minutes", "0.1"],
         cwd=REPO,

@@ -27,11 +27,13 @@ log = logging.getLogger("spmdlm")
 KINDS = ("steps", "compile", "checkpoint", "evaluation", "data_wait", "restart_loss")
 SLOW_STEP_WINDOW = 50  # the recent steps whose median a step is compared with
 SLOW_STEP_QUIET_SECONDS = 60.0  # at most one slow-step warning this often (others are counted in the next one)
+SLOW_STEP_MIN_EXCESS = 1.0  # seconds a slow step must also exceed the median by: millisecond jitter is no straggler
 
 
 class SlowSteps:
-    """Warns when a step takes more than `factor` x the median of the last SLOW_STEP_WINDOW steps: once per run of
-    slow steps, and at most once every SLOW_STEP_QUIET_SECONDS (the warnings held back are counted in the next)."""
+    """Warns when a step takes more than `factor` x the median of the last SLOW_STEP_WINDOW steps (and at least
+    SLOW_STEP_MIN_EXCESS more): once per run of slow steps, and at most once every SLOW_STEP_QUIET_SECONDS (the
+    warnings held back are counted in the next)."""
 
     def __init__(self, factor: float, clock: Callable[[], float] = time.monotonic):
         self.factor, self.clock = factor, clock
@@ -42,7 +44,8 @@ class SlowSteps:
 
     def check(self, step: int, seconds: float) -> bool:
         """Whether `step` (taking `seconds`) is slow; warns as the class says."""
-        slow = bool(self.factor) and len(self.recent) >= 5 and seconds > self.factor * statistics.median(self.recent)
+        median = statistics.median(self.recent) if len(self.recent) >= 5 else float("inf")
+        slow = bool(self.factor) and seconds > self.factor * median and seconds - median >= SLOW_STEP_MIN_EXCESS
         if slow and not self.slow_before:
             if self.clock() - self.last_warning >= SLOW_STEP_QUIET_SECONDS:
                 held = f" ({self.held_back} more since the last such warning)" if self.held_back else ""
@@ -51,9 +54,9 @@ class SlowSteps:
                     "data stall or a noisy neighbour%s",
                     step,
                     seconds,
-                    seconds / statistics.median(self.recent),
+                    seconds / median,
                     len(self.recent),
-                    statistics.median(self.recent),
+                    median,
                     held,
                 )
                 self.last_warning, self.held_back = self.clock(), 0

@@ -293,7 +293,8 @@ def run_locked(ctx: RunContext, corpora) -> dict[str, Any]:
                 results.update(source_epochs(ctx))
             else:  # finished before: keep its training results, redo only what is missing
                 results.update({k: v for k, v in previous_results.items() if k.startswith("train_")})
-            checkpoint.check_saved(manager, wait=True)
+            with reporter.goodput.span("checkpoint"):
+                checkpoint.check_saved(manager, wait=True)
         finally:
             checkpoint.close(manager)
     elif ctx.resuming:  # evaluation only: of the latest checkpoint
