@@ -216,7 +216,10 @@ def test_a_hung_run_exits_with_its_stacks_and_the_rerun_resumes_counting_its_res
     assert sum(results["fractions"].values()) == pytest.approx(1.0, abs=0.01)
     assert results["recomputed_steps"] == 1 and results["seconds"]["restart_loss"] > 0
     assert all(results["seconds"][kind] > 0 for kind in ("steps", "compile", "checkpoint", "evaluation"))
-    (record,) = [r for r in map(json.loads, (out / "metrics.jsonl").open()) if "goodput/steps" in r]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (train,) = [r for r in records if "loss" in r]  # the throughput beside the loss (Reporter.rates)
+    assert train["step"] == 5 and train["tokens_per_second"] > 0 and train["tflops_per_device"] > 0
+    (record,) = [r for r in records if "goodput/steps" in r]
     assert record["step"] == 5 and record["goodput/restart_loss"] == results["fractions"]["restart_loss"]
     assert "| goodput " in next(line for line in logged.splitlines() if "summary:" in line)
     assert trace_viewer_steps(out / "tensorboard" / "plugins" / "profile" / "steps_4-5") == [4, 5]

@@ -33,7 +33,101 @@ def plot_title(run_name: str, model_type: str, mesh_shape) -> str:
     return f"{run_name} ({model_type}, mesh {', '.join(f'{axis}={size}' for axis, size in axes.items())})"
 
 
+class Throughput:
+    """Tokens per second (all slots, and the non-padding ones), TFLOP/s per device and MFU of the steps between
+    logging steps; their medians at the end."""
+
+    def __init__(self, *, tokens_per_step: int, flops_per_step: float, peak_flops: float | None, devices: int):
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.peak_flops, self.devices = peak_flops, devices
+        self._rates: list[float] = []
+        self._real_rates: list[float] = []
+        self.start(0)
+
+    def start(self, step: int) -> None:
+        self._last_step, self._last_time = step, time.perf_counter()
+        self._start_time = self._last_time
+
+    def train_record(self, step: int, pending: list[dict]) -> dict[str, Any]:
+        """metrics.jsonl's record of the steps since the last: loss, accuracy, throughput, MFU."""
+        now = time.perf_counter()
+        # Steps --skip_step_on_spike skipped (consecutive_skips > 0) changed nothing: their loss is left out
+        taken = [m for m in pending if not m.get("consecutive_skips", 0)] or pending
+        sums = {k: float(np.sum([m[k] for m in taken])) for k in ("loss_sum", "tokens", "correct", "z_loss_sum")}
+        real_tokens = float(np.sum([m["real_tokens"] for m in pending]))
+        steps, seconds = step - self._last_step, max(now - self._last_time, 1e-9)
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        self._rates.append(tokens_per_s)
+        # Non-padding input tokens: what a packed run gains over a padded one (tokens_per_second counts every slot)
+        self._real_rates.append(real_tokens / seconds)
+        self._last_step, self._last_time = step, now
+        record = {
+            "step": step,
+            "loss": sums["loss_sum"] / max(sums["tokens"], 1.0),
+            "accuracy": sums["correct"] / max(sums["tokens"], 1.0),
+            "learning_rate": float(pending[-1].get("learning_rate", math.nan)),
+            "grad_norm": float(pending[-1]["grad_norm"]),
+            "tokens_per_second": tokens_per_s,
+            "real_tokens_per_second": real_tokens / seconds,
+            "padding_fraction": 1.0 - real_tokens / max(steps * self.tokens_per_step, 1),
+        }
+        if sums["z_loss_sum"]:
+            record["z_loss"] = sums["z_loss_sum"] / max(sums["tokens"], 1.0)
+        if "skipped_steps" in pending[-1]:
+            record["skipped_steps"] = int(pending[-1]["skipped_steps"])
+        if self.flops_per_step:
+            seconds_per_step = self.tokens_per_step / tokens_per_s
+            record["tflops_per_device"] = self.flops_per_step / seconds_per_step / self.devices / 1e12
+            if self.peak_flops:
+                record["mfu"] = record["tflops_per_device"] * 1e12 / self.peak_flops
+        return record
+
+    def summary(self) -> dict[str, float]:
+        rates = self._rates[1:] or self._rates  # the first interval includes warm-up
+        real = self._real_rates[1:] or self._real_rates
+        return {
+            "train_tokens_per_second": float(np.median(rates)) if rates else float("nan"),
+            "train_real_tokens_per_second": float(np.median(real)) if real else float("nan"),
+            "train_seconds": time.perf_counter() - self._start_time,
+        }
+
+
+def plot_loss_curve(records: list[dict], title: str, path: Path, target) -> None:
+    """The train and eval losses of metrics.jsonl's `records`, drawn into `path` (`target`: the output dir, named
+    when it cannot be written)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:  # matplotlib's message names no path
+        raise RunError(
+            f"cannot write {target / path.name}: {e.strerror or e}; free space and "
+            "run the same command again to finish (the checkpoints are kept)"
+        ) from None
+    finally:
+        plt.close(fig)
+
+
 class Reporter:
+    """One call per event of the run (compiled, a logging step, an evaluation, samples, the end), fanned out to the
+    metrics log, the progress display and the trackers; `goodput` is timed by the loop."""
+
     def __init__(
         self,
         out: Path,
@@ -57,22 +151,20 @@ class Reporter:
         self.progress = Progress(enabled)
         self._run_start = time.perf_counter() if run_start is None else run_start
         self.goodput = goodput.Goodput(self._run_start, args.slow_step_factor if args is not None else 0.0)
-        self.tokens_per_step = global_batch * sum(objective.sequence_lengths().values())
-        self.config, self.mesh, self.dtype = config, mesh, dtype
-        self.flops_per_step = family.train_flops_per_step(config, objective, global_batch)
-        self.peak_flops = devices.peak_flops_per_device(dtype)
+        self.rates = Throughput(
+            tokens_per_step=global_batch * sum(objective.sequence_lengths().values()),
+            flops_per_step=family.train_flops_per_step(config, objective, global_batch),
+            peak_flops=devices.peak_flops_per_device(dtype),
+            devices=mesh.size,
+        )
         run_config = (
             {**args.to_json(), "global_batch": global_batch, "model_config": config.to_hf_dict()}
             if args is not None
             else {}
         )
-        self.run_name = (args and args.run_name) or storage.absolute(out).name  # --output_dir . has a name too
-        self._trackers = trackers.Trackers(trackers.build(targets, self.metrics.out, self.run_name, run_config))
-        self._rates: list[float] = []
-        self._real_rates: list[float] = []
-        self._last_time = time.perf_counter()
-        self._last_step = 0
-        self._start_time = time.perf_counter()
+        run_name = (args and args.run_name) or storage.absolute(out).name  # --output_dir . has a name too
+        self.title = plot_title(run_name, config.model_type, mesh.shape)
+        self._trackers = trackers.Trackers(trackers.build(targets, self.metrics.out, run_name, run_config))
 
     @property
     def out(self) -> Path:
@@ -85,8 +177,7 @@ class Reporter:
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def start(self, step: int, total: int):
-        self._last_step, self._last_time = step, time.perf_counter()
-        self._start_time = time.perf_counter()
+        self.rates.start(step)
         self.progress.start(step, total)
         if self.enabled:
             self._trackers.start(step)
@@ -125,7 +216,7 @@ class Reporter:
         self.metrics.reached(step)
 
     def log_train(self, step: int, pending: list[dict]) -> float:
-        record = self._train_record(step, pending)
+        record = self.rates.train_record(step, pending)
         if self.enabled:
             self.metrics.reached(step)
             self._write(record)
@@ -140,40 +231,6 @@ class Reporter:
             self.progress.show(step, shown)
             self.sync(force=False)
         return record["loss"]
-
-    def _train_record(self, step: int, pending: list[dict]) -> dict[str, Any]:
-        """metrics.jsonl's record of the steps since the last: loss, accuracy, throughput, MFU."""
-        now = time.perf_counter()
-        # Steps --skip_step_on_spike skipped (consecutive_skips > 0) changed nothing: their loss is left out
-        taken = [m for m in pending if not m.get("consecutive_skips", 0)] or pending
-        sums = {k: float(np.sum([m[k] for m in taken])) for k in ("loss_sum", "tokens", "correct", "z_loss_sum")}
-        real_tokens = float(np.sum([m["real_tokens"] for m in pending]))
-        steps, seconds = step - self._last_step, max(now - self._last_time, 1e-9)
-        tokens_per_s = steps * self.tokens_per_step / seconds
-        self._rates.append(tokens_per_s)
-        # Non-padding input tokens: what a packed run gains over a padded one (tokens_per_second counts every slot)
-        self._real_rates.append(real_tokens / seconds)
-        self._last_step, self._last_time = step, now
-        record = {
-            "step": step,
-            "loss": sums["loss_sum"] / max(sums["tokens"], 1.0),
-            "accuracy": sums["correct"] / max(sums["tokens"], 1.0),
-            "learning_rate": float(pending[-1].get("learning_rate", math.nan)),
-            "grad_norm": float(pending[-1]["grad_norm"]),
-            "tokens_per_second": tokens_per_s,
-            "real_tokens_per_second": real_tokens / seconds,
-            "padding_fraction": 1.0 - real_tokens / max(steps * self.tokens_per_step, 1),
-        }
-        if sums["z_loss_sum"]:
-            record["z_loss"] = sums["z_loss_sum"] / max(sums["tokens"], 1.0)
-        if "skipped_steps" in pending[-1]:
-            record["skipped_steps"] = int(pending[-1]["skipped_steps"])
-        if self.flops_per_step:
-            seconds_per_step = self.tokens_per_step / tokens_per_s
-            record["tflops_per_device"] = self.flops_per_step / seconds_per_step / self.mesh.size / 1e12
-            if self.peak_flops:
-                record["mfu"] = record["tflops_per_device"] * 1e12 / self.peak_flops
-        return record
 
     def log_eval(self, step: int, metrics: dict[str, float]):
         if not self.enabled:
@@ -224,48 +281,15 @@ class Reporter:
         return {"goodput": summary}
 
     def throughput(self) -> dict[str, float]:
-        rates = self._rates[1:] or self._rates  # the first interval includes warm-up
-        real = self._real_rates[1:] or self._real_rates
-        return {
-            "train_tokens_per_second": float(np.median(rates)) if rates else float("nan"),
-            "train_real_tokens_per_second": float(np.median(real)) if real else float("nan"),
-            "train_seconds": time.perf_counter() - self._start_time,
-        }
+        return self.rates.summary()
 
     # -- outputs -------------------------------------------------------------------------------------------------
     def _write(self, record: dict[str, Any]):
         self.metrics.append("metrics.jsonl", record)
         self._trackers.log(record)
 
-    def plot_loss_curve(self):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        records = self.metrics.records()
-        train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        if train:
-            ax.plot(*zip(*train), label="train loss")
-        if evals:
-            ax.plot(*zip(*evals), "o-", label="eval loss")
-        ax.set_xlabel("step")
-        ax.set_ylabel("cross-entropy (nats/token)")
-        ax.set_title(plot_title(self.run_name, self.config.model_type, self.mesh.shape))
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        try:
-            fig.savefig(self.out / "loss_curve.png", dpi=110)
-        except OSError as e:  # matplotlib's message names no path
-            raise RunError(
-                f"cannot write {self.target / 'loss_curve.png'}: {e.strerror or e}; free space and "
-                "run the same command again to finish (the checkpoints are kept)"
-            ) from None
-        finally:
-            plt.close(fig)
+    def plot_loss_curve(self) -> None:
+        plot_loss_curve(self.metrics.records(), self.title, self.out / "loss_curve.png", self.target)
 
     def __enter__(self) -> Reporter:
         return self
