@@ -174,7 +174,7 @@ def long_files(root, floors=None):
 
 # ---- the rooms: what a module may receive, how long a function is, which names say which one ------------------------
 LOW_PACKAGES = ("data", "models", "families")  # below train/: they take the section of the arguments they use
-RUN_ARGUMENTS = ("spmdlm.config", "spmdlm.run_args")  # the modules of the whole run's arguments
+RUN_ARGUMENTS = ("spmdlm.run_args",)  # the modules of the whole run's arguments
 MAX_FUNCTION_LINES = 60
 # Module names (stems) that more than one package may use, and why. Besides these, spmdlm.<verb> may share its stem
 # with spmdlm.cli.<verb>, its command line: the `python -m spmdlm.<verb>` shim or the library the verb runs.
@@ -201,7 +201,7 @@ def _parameters(function) -> list:
 
 def run_arguments_below_train(root, floors=None):
     """Modules under spmdlm/data, spmdlm/models, spmdlm/families that receive the whole run arguments (an import of
-    spmdlm.config/spmdlm.run_args, a parameter annotated RunArgs or named `args`); pass the section it uses instead"""
+    spmdlm.run_args, a parameter annotated RunArgs or named `args`); pass the section it uses instead"""
     found = []
     for rel, (_, _, tree) in sources(root).items():
         if rel.split("/")[1] not in LOW_PACKAGES:
@@ -406,11 +406,11 @@ PLANTED = {
         run_arguments_below_train,
         {
             "config.py": "",
-            "data/x.py": "from spmdlm.config import RunArgs\ndef f(args): pass\ndef g(*args, section): pass\n",
+            "data/x.py": "from spmdlm.run_args import RunArgs\ndef f(args): pass\ndef g(*args, section): pass\n",
             "models/y.py": "def h(run: 'RunArgs'): pass\n",
-            "train/z.py": "from spmdlm.config import RunArgs\ndef f(args: RunArgs): pass\n",
+            "train/z.py": "from spmdlm.run_args import RunArgs\ndef f(args: RunArgs): pass\n",
         },
-        ["spmdlm/data/x.py:1: imports spmdlm.config", "spmdlm/data/x.py:2: f(args)", "spmdlm/models/y.py:1: h(run)"],
+        ["spmdlm/data/x.py:1: imports spmdlm.run_args", "spmdlm/data/x.py:2: f(args)", "spmdlm/models/y.py:1: h(run)"],
     ),
     "long functions": (
         long_functions,

@@ -59,6 +59,9 @@ def test_two_processes_match_one(tmp_path, tiny_gpt2_config, gcs_bucket):
             multi_out,
             "--cache_dir",
             f"{gcs_bucket}/multi-cache",
+            "--profile_steps",
+            "3",
+            "--profile_all_hosts",
         ],
         cwd=REPO,
         capture_output=True,
@@ -67,6 +70,11 @@ def test_two_processes_match_one(tmp_path, tiny_gpt2_config, gcs_bucket):
         env={**env, "SPMDLM_COORDINATOR_PORT": str(free_port()), "SPMDLM_LOCAL_CACHE": str(tmp_path / "local")},
     )
     assert multi.returncode == 0, multi.stderr[-3000:]
+    traces = storage.files_under(f"{multi_out}/tensorboard/plugins/profile/steps_3-3")
+    assert sorted(p.name.rsplit("-", 1)[1] for p in traces if p.name.endswith(".xplane.pb")) == [
+        "p0.xplane.pb",
+        "p1.xplane.pb",
+    ]  # --profile_all_hosts: one trace per process, in one run folder
     # The one-process reference runs in this process (its 8 simulated devices): no second interpreter to start.
     assert main([*flags, "--output_dir", str(tmp_path / "single"), "--cache_dir", str(tmp_path / "cache")]) == 0
     pick = lambda metrics: [

@@ -82,7 +82,7 @@ def test_resume_drops_a_torn_last_line_of_metrics_and_samples(
 
 
 def test_report_readers_tolerate_torn_lines(tmp_path, caplog):
-    from spmdlm.train.report import read_records, repair_torn_tail
+    from spmdlm.train.metrics_log import read_records, repair_torn_tail
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lo{"step": 0, "event": "compile"}\n{"step": 3}\n{"step": 4, "l')

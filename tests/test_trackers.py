@@ -22,8 +22,8 @@ from spmdlm.cli.launch import masked
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.launch import main
 from spmdlm.run_args import RunArgs
+from spmdlm.train import metrics_log, trackers
 from spmdlm.train import report as report_module
-from spmdlm.train import trackers
 from spmdlm.train.report import Reporter
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra (pip install -e '.[wandb]')")
@@ -291,7 +291,7 @@ def test_a_terminal_of_0_columns_gets_log_lines_not_an_invisible_bar(tmp_path, m
     monkeypatch.setattr(os, "get_terminal_size", lambda fd: os.terminal_size((columns, 24)))
     report = reporter(tmp_path, "tensorboard")
     report.start(0, 2)
-    assert (report._bar is not None) == (columns > 0)
+    assert (report.progress.bar is not None) == (columns > 0)
     report.close_bar()
 
 
@@ -331,7 +331,13 @@ def test_a_tracker_failing_mid_run_is_one_warning(offline, monkeypatch, tmp_path
         "mlflow (metrics.jsonl has everything)"
     ]
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
-    assert {p.name for p in out.iterdir()} == {"metrics.jsonl", "loss_curve.png", "mlruns", trackers.IDS_FILE}
+    assert {p.name for p in out.iterdir()} == {
+        "metrics.jsonl",
+        "loss_curve.png",
+        "mlruns",
+        trackers.IDS_FILE,
+        metrics_log.HIGHEST_STEP_FILE,
+    }
 
 
 def test_a_tracker_that_cannot_start_is_one_line(offline, monkeypatch, tmp_path):

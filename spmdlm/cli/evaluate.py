@@ -38,7 +38,7 @@ from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.run_args import RunArgs
 from spmdlm.train.corpora import read_corpora, read_sources, setup_data, setup_mixture_data
 from spmdlm.train.loop import evaluate
-from spmdlm.train.report import strict_json
+from spmdlm.train.metrics_log import strict_json
 from spmdlm.train.setup import Run, RunContext, byte_lengths, check_flags_apply, use_tokenizer
 from spmdlm.train.step import Stepper
 

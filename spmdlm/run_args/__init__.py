@@ -1,8 +1,8 @@
 """The run's arguments, in sections: one frozen dataclass per `--help` group (model, data, run control, reporting,
-optimisation, mesh and hosts, output, the HF scripts' compatibility flags) plus the families' objective flags, each
-section checking its own values when it is made. The fields are the launcher's flags with the Hugging Face scripts'
-names; run_config.json records them flat, as before (`RunArgs.to_json` / `RunArgs.of`). The command line that fills
-them is spmdlm/cli/launch.py.
+optimisation, mesh and hosts, operations, output, the HF scripts' compatibility flags) plus the families' objective
+flags, each section checking its own values when it is made. The fields are the launcher's flags with the Hugging Face
+scripts' names; run_config.json records them flat, as before (`RunArgs.to_json` / `RunArgs.of`). The command line
+that fills them is spmdlm/cli/launch.py.
 
 Each stage of a run takes the section it uses: the optimizer the optimisation section, the families the objective
 flags, the data stage the data section.
@@ -22,6 +22,7 @@ from spmdlm.run_args.sections import (
     DataArgs,
     DevicesArgs,
     ModelArgs,
+    OperationsArgs,
     OptimizationArgs,
     OutputArgs,
     ReportingArgs,
@@ -34,6 +35,7 @@ SECTIONS = {
     "reporting": ReportingArgs,
     "optimization": OptimizationArgs,
     "devices": DevicesArgs,
+    "operations": OperationsArgs,
     "output": OutputArgs,
     "compat": CompatArgs,
 }
@@ -51,6 +53,7 @@ class RunArgs:
     reporting: ReportingArgs = dataclasses.field(default_factory=ReportingArgs)
     optimization: OptimizationArgs = dataclasses.field(default_factory=OptimizationArgs)
     devices: DevicesArgs = dataclasses.field(default_factory=DevicesArgs)
+    operations: OperationsArgs = dataclasses.field(default_factory=OperationsArgs)
     output: OutputArgs = dataclasses.field(default_factory=OutputArgs)
     compat: CompatArgs = dataclasses.field(default_factory=CompatArgs)
     objective: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -80,6 +80,10 @@ FLAG_BOUNDS: Mapping[str, Bounds] = {
     "z_loss": Bounds(0, hint="0 = off, e.g. 1e-4 as T5X: a negative one rewards a large log-partition"),
     "loss_chunk_size": Bounds(0, hint="0 = all positions at once"),
     "process_id": Bounds(0),
+    # -- operations (profiler, goodput, watchdog)
+    "profile_every": _AT_LEAST_1,
+    "slow_step_factor": Bounds(0, hint="0 = off, else a factor above 1, e.g. 3"),
+    "hang_timeout_minutes": Bounds(0, hint="0 = off; fractions allowed, e.g. 0.5 for 30 seconds"),
 }
 
 

@@ -450,6 +450,73 @@ class DevicesArgs(_Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class OperationsArgs(_Section):
+    """Seeing and guarding a running job: a profiler on demand, slow-step warnings, a watchdog (docs/operations.md)."""
+
+    TITLE: ClassVar[str] = "operations: profiler, goodput, watchdog"
+    HANG_TIMEOUT_MULTI_HOST_MINUTES: ClassVar[float] = 30.0  # --hang_timeout_minutes' default with several processes
+
+    profile_steps: str | None = _field(
+        None,
+        "trace steps A-B (e.g. 5-7; or one step, 5) with jax.profiler on process 0, into "
+        "OUTPUT_DIR/tensorboard/plugins/profile/ (TensorBoard's Profile tab, xprof); the log says how to view it",
+    )
+    profile_every: int | None = _field(None, "repeat the --profile_steps window every N steps")
+    profile_all_hosts: bool = _field(False, "trace --profile_steps on every process, not only process 0")
+    slow_step_factor: float = _field(
+        3.0, "warn when a step takes more than this many times the recent median step (stragglers); 0 = off"
+    )
+    hang_timeout_minutes: float | None = _field(
+        None,
+        "when no step, save or evaluation completes for this many minutes (fractions allowed), write every "
+        "thread's stack to the log and OUTPUT_DIR/hang-<host>.txt and exit (code 5) so the scheduler restarts "
+        "the run from its last checkpoint; 0 = off (default: 30 with several processes, off with one)",
+    )
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """--profile_steps 'A-B' (or 'A'): the first and last step traced, 1 <= A <= B; None: no profile."""
+        if self.profile_steps is None:
+            return None
+        first, dash, last = self.profile_steps.strip().partition("-")
+        try:
+            window = (int(first), int(last if dash else first))
+        except ValueError:
+            window = (0, 0)
+        if not 1 <= window[0] <= window[1] <= bounds.MAX_STEPS:
+            raise ArgumentError(
+                f"--profile_steps must be A-B with 1 <= A <= B (steps count from 1), or one step A; got "
+                f"{self.profile_steps!r}; e.g. 5-7: leave the first steps out, they include warm-up"
+            )
+        return window
+
+    def check(self) -> None:
+        window = self.profile_window
+        if window is not None:
+            if self.profile_every is not None and self.profile_every <= window[1] - window[0]:
+                raise ArgumentError(
+                    f"--profile_every {self.profile_every} must be at least the --profile_steps window "
+                    f"({window[1] - window[0] + 1} steps), so one trace ends before the next starts"
+                )
+        elif self.profile_every is not None or self.profile_all_hosts:
+            raise ArgumentError(
+                "--profile_every and --profile_all_hosts apply to --profile_steps; give the steps to trace"
+            )
+        if 0 < self.slow_step_factor <= 1:
+            raise ArgumentError(
+                f"--slow_step_factor must be 0 (off) or above 1, got {self.slow_step_factor:g}: "
+                "every step would be reported as slow"
+            )
+
+    def hang_timeout(self, process_count: int) -> float:
+        """--hang_timeout_minutes, or its default: on with several processes (a hung collective waits forever), off
+        with one (nothing another host does can hang it, and a hung data read shows in the progress)."""
+        if self.hang_timeout_minutes is not None:
+            return self.hang_timeout_minutes
+        return self.HANG_TIMEOUT_MULTI_HOST_MINUTES if process_count > 1 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class OutputArgs(_Section):
     """The export, its model card and its upload to the Hub."""
 

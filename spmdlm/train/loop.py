@@ -26,7 +26,7 @@ from spmdlm.generate import fill_mask, generate
 from spmdlm.generate.harness import flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
 from spmdlm.run_args import RunArgs
-from spmdlm.train import publish
+from spmdlm.train import profiling, publish, watchdog
 from spmdlm.train.guard import StopOnSignal
 from spmdlm.train.report import Reporter
 from spmdlm.train.setup import (
@@ -161,11 +161,19 @@ def train_loop(
     train_loss = float("nan")
     clock = SaveClock(args.control.save_every_minutes)
     skipped = 0  # steps skipped as loss spikes so far (--skip_step_on_spike), as last logged
-    with StopOnSignal() as stop, reporter:
+    me, took = jax.process_index(), reporter.goodput.span
+    ops = args.operations
+    profiler = profiling.Profiler(ops.profile_window, ops.profile_every, ops.profile_all_hosts, ctx.out, me)
+    watch = watchdog.Watchdog(ops.hang_timeout(jax.process_count()), ctx.out, watchdog.host_label(me))
+    with StopOnSignal() as stop, reporter, watch, profiler:
         while step < total_steps:
-            batch = pipeline.to_global(next(iterator), ctx.mesh)
-            state, metrics = stepper.train_step(state, batch, step)
+            with took("data_wait"):
+                batch = pipeline.to_global(next(iterator), ctx.mesh)
+            with profiler.at_step(step + 1, state):
+                state, metrics = stepper.train_step(state, batch, step)
             step += 1
+            reporter.goodput.step_done(step, metrics)  # waits for the step before: its completion is timed
+            watch.beat(f"step {step - 1}")
             pending.append(metrics)
             if step % args.reporting.logging_steps == 0 or step == total_steps:
                 fetched = jax.device_get(pending)
@@ -176,29 +184,12 @@ def train_loop(
             else:
                 reporter.tick(step)
             checkpoint.check_saved(manager, last_saved)  # a failed async save stops the run now, not at the next
-            if (
-                ctx.data.validation_splits
-                and args.control.evaluating
-                and step % args.reporting.eval_steps == 0
-                and step < total_steps
-            ):
-                metrics = evaluate(stepper, state, ctx, stop)
-                if metrics is not None:
-                    reporter.log_eval(step, metrics)
-            if (
-                ctx.tasks is not None
-                and args.reporting.eval_tasks_steps
-                and step % args.reporting.eval_tasks_steps == 0
-                and step < total_steps
-            ):
-                metrics = task_metrics(ctx, stepper.graphdef, state, stop)
-                if metrics:
-                    reporter.log_tasks(step, metrics)
-            if args.reporting.sample_prompts and (step % args.reporting.sample_every == 0 or step == total_steps):
-                reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
+            evaluate_between_steps(ctx, stepper, state, step, reporter, stop, watch)
             stopping = stop.should_stop(step)
             if step % args.control.save_steps == 0 or step == total_steps or stopping or clock.due():
-                save(manager, step, state, iterator, run_config, pending, last_saved, args)
+                with took("checkpoint"):
+                    save(manager, step, state, iterator, run_config, pending, last_saved, args)
+                watch.beat(f"the save at step {step}")
                 last_saved = step
                 clock.saved()
                 reporter.sync()  # a bucket output dir: the metrics up to the checkpoint are there with it
@@ -207,7 +198,37 @@ def train_loop(
             if stopping:
                 checkpoint.check_saved(manager, step, wait=True)
                 raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(ctx.out) / str(step))
+        reporter.goodput.steps_finished()
+        profiler.close(state)
     return {"state": state, "train_loss": train_loss, **reporter.throughput()}
+
+
+def evaluate_between_steps(
+    ctx: RunContext, stepper: Stepper, state, step: int, reporter: Reporter, stop: StopOnSignal, watch
+) -> None:
+    """What runs after step `step` when it is due: the held-out evaluation, --eval_tasks, the samples."""
+    args, took = ctx.args, reporter.goodput.span
+    before_the_end = step < ctx.total_steps
+    if (
+        ctx.data.validation_splits
+        and args.control.evaluating
+        and step % args.reporting.eval_steps == 0
+        and before_the_end
+    ):
+        with took("evaluation"):
+            metrics = evaluate(stepper, state, ctx, stop)
+        watch.beat(f"the evaluation at step {step}")
+        if metrics is not None:
+            reporter.log_eval(step, metrics)
+    tasks_every = args.reporting.eval_tasks_steps
+    if ctx.tasks is not None and tasks_every and step % tasks_every == 0 and before_the_end:
+        with took("evaluation"):
+            metrics = task_metrics(ctx, stepper.graphdef, state, stop)
+        if metrics:
+            reporter.log_tasks(step, metrics)
+    if args.reporting.sample_prompts and (step % args.reporting.sample_every == 0 or step == ctx.total_steps):
+        with took("evaluation"):
+            reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
 
 
 def source_epochs(ctx: RunContext) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from spmdlm.errors import RunError
 from spmdlm.export import export_complete
 from spmdlm.generate.harness import TASK_METRICS
 from spmdlm.train.guard import LOCK_NAME
-from spmdlm.train.report import write_json
+from spmdlm.train.metrics_log import write_json
 from spmdlm.train.setup import RunContext, is_main
 
 log = logging.getLogger("spmdlm")
@@ -90,6 +90,7 @@ OUR_OUTPUTS = (
     "hf",
     "run_config.json",
     "trackers.json",
+    "highest_step.json",  # metrics_log.HIGHEST_STEP_FILE
     "wandb",
     "mlruns",
 )

@@ -31,6 +31,7 @@ from spmdlm.train import publish
 from spmdlm.train.corpora import prepare_data, read_documents, training_texts
 from spmdlm.train.guard import RunLock
 from spmdlm.train.loop import evaluate, source_epochs, task_metrics, train_loop
+from spmdlm.train.metrics_log import write_json
 from spmdlm.train.outputs import (
     check_fingerprints,
     check_output_dir,
@@ -41,7 +42,7 @@ from spmdlm.train.outputs import (
     read_results,
     write_run_files,
 )
-from spmdlm.train.report import Reporter, write_json
+from spmdlm.train.report import Reporter
 from spmdlm.train.setup import RunContext, check_memory, is_main, resolve, setup_state, setup_tokenizer
 from spmdlm.train.state import count_parameters
 from spmdlm.train.step import Stepper, model_for_evaluation
@@ -170,7 +171,8 @@ def finish_again(ctx: RunContext, results: dict[str, Any]) -> dict[str, Any]:
 def compile_step(ctx: RunContext, model: Model, reporter: Reporter) -> dict[str, Any]:
     """The train step compiled and refused before anything is written when it cannot fit (the output dir is left
     as it was)."""
-    stats = model.stepper.compile_train(model.state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
+    with reporter.goodput.span("compile"):
+        stats = model.stepper.compile_train(model.state, pipeline.batch_spec(ctx.objective, ctx.global_batch))
     check_memory(stats, ctx)
     reporter.compile_stats(stats)
     return stats
@@ -200,7 +202,8 @@ def train(ctx: RunContext, model: Model, reporter: Reporter, run_config: dict, s
     step, trained = 0, False
     try:
         if ctx.resuming:
-            model.state, step = checkpoint.restore_newest_good(manager, model.state, iterator)
+            with reporter.goodput.span("checkpoint"):
+                model.state, step = checkpoint.restore_newest_good(manager, model.state, iterator)
             log.info("resumed from the checkpoint at step %d", step)
             reporter.truncate_after(step)
         if step < ctx.total_steps:
@@ -211,7 +214,8 @@ def train(ctx: RunContext, model: Model, reporter: Reporter, run_config: dict, s
             results.update(done, **source_epochs(ctx))
         else:  # finished before: keep its training results, redo only what is missing
             results.update({k: v for k, v in previous.items() if k.startswith("train_")})
-        checkpoint.check_saved(manager, wait=True)
+        with reporter.goodput.span("checkpoint"):
+            checkpoint.check_saved(manager, wait=True)
     finally:
         checkpoint.close(manager)
     return ctx.total_steps, trained
@@ -233,11 +237,13 @@ def evaluate_model(ctx: RunContext, model: Model, reporter: Reporter, step: int,
         if kept and "eval_loss" in previous:
             out.update({k: v for k, v in previous.items() if is_eval_key(k)})
         else:
-            out.update(metrics := evaluate(model.stepper, model.state, ctx))
+            with reporter.goodput.span("evaluation"):
+                out.update(metrics := evaluate(model.stepper, model.state, ctx))
             reporter.log_eval(step, metrics)
     if ctx.tasks is not None:
         before = {k: v for k, v in previous.items() if k.startswith(TASK_METRICS + "/")}
-        metrics = before if kept and before else task_metrics(ctx, model.graphdef, model.state)
+        with reporter.goodput.span("evaluation"):
+            metrics = before if kept and before else task_metrics(ctx, model.graphdef, model.state)
         if metrics and metrics is not before:
             reporter.log_tasks(step, metrics)
         out.update(metrics or {})
@@ -248,9 +254,10 @@ def export_and_publish(ctx: RunContext, model: Model, reporter: Reporter, result
     """eval_results.json and the summary; the export (the parameters evaluation reads) unless one is there from
     the same training; the model card, and the upload with --push_to_hub."""
     if is_main():
+        results.update(reporter.log_goodput(ctx.total_steps))
         write_json(
             ctx.out / "eval_results.json",
-            {k: v for k, v in results.items() if is_eval_key(k) or k.startswith("train_")},
+            {k: v for k, v in results.items() if is_eval_key(k) or k.startswith(("train_", "goodput"))},
         )
         reporter.finish(results)
     if ctx.args.output.export_hf and ctx.training and (trained or not export_done(ctx.out)):
