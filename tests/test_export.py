@@ -12,7 +12,7 @@ from conftest import FIXTURES
 from family_fixtures import STDLIB_JSON
 from safetensors.numpy import load_file
 
-from spmdlm import export
+from spmdlm import export, load
 from spmdlm.cli.export import main as export_main
 from spmdlm.launch import main
 
@@ -228,7 +228,7 @@ def test_export_of_a_schedule_free_run_is_the_model_it_evaluated_and_exported(
     assert own.keys() == exported.keys()
     for key in own:
         np.testing.assert_array_equal(exported[key], own[key], err_msg=key)
-    monkeypatch.setattr(export, "evaluation_needs_optimizer", lambda optim: False)  # the interpolated parameters
+    monkeypatch.setattr(load, "evaluation_needs_optimizer", lambda optim: False)  # the interpolated parameters
     assert export_main(["--checkpoint", str(run), "--out", str(tmp_path / "interpolated")]) == 0
     interpolated = load_file(tmp_path / "interpolated" / "model.safetensors")
     assert max(float(np.max(np.abs(interpolated[k] - own[k]))) for k in own) > 1e-4

@@ -1,5 +1,5 @@
 """python -m spmdlm.export: a training run's checkpoint to a transformers directory with a model card
-(spmdlm.export.export_checkpoint)."""
+(spmdlm.load.export_checkpoint)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from spmdlm.errors import UserError
-from spmdlm.export import export_checkpoint
+from spmdlm.load import export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from spmdlm import checkpoint as ckpt
-from spmdlm import export, storage
+from spmdlm import load, storage
 from spmdlm.data.tokenization import TOKENIZER_LAYOUTS, TokenizerError, load_tokenizer, tokenizer_layout
 from spmdlm.export import ExportError, load_hf
 from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
@@ -102,7 +102,7 @@ def read_prompts(args) -> list[str]:
 
 def load_run(run_dir: str | Path, step: int | None, mesh):
     """(model, config, tokenizer) of a training run's checkpoint: the newest that verifies, or `step`."""
-    model, config, tokenizer_dir, _ = export.load_run(
+    model, config, tokenizer_dir, _ = load.load_run(
         run_dir,
         step,
         mesh,

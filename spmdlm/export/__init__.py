@@ -32,19 +32,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
-from spmdlm import checkpoint as ckpt
 from spmdlm import storage
-from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, tokenizer_layout
+from spmdlm.data.tokenization import save_tokenizer
 from spmdlm.errors import ExportError
-from spmdlm.families import checked_config, get_family, load_pretrained_config
+from spmdlm.families import get_family, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.hf_weights import CheckpointTensors
-from spmdlm.mesh import make_mesh
 from spmdlm.models.hf_config import HFConfig
 from spmdlm.storage import no_space, remove_stale_temps
-from spmdlm.train.optim import evaluation_needs_optimizer, optimization_of_run
-from spmdlm.train.state import build_train_state
-from spmdlm.train.step import model_for_evaluation
 
 # -- config --------------------------------------------------------------------------------------------------------
 
@@ -151,7 +146,7 @@ def _write_files(folder: Path, tensors: dict, config: HFConfig, tokenizer) -> No
     (folder / MARKER).write_text(json.dumps({"format": "spmdlm-export", "files": files}, indent=2) + "\n")
 
 
-def _only_an_export(out: Path) -> bool:
+def only_an_export(out: Path) -> bool:
     """`out` is absent, empty or holds only files an export writes (complete or not): it may be replaced whole."""
     return not out.exists() or (
         out.is_dir() and not os.path.ismount(out) and {p.name for p in out.iterdir()} <= EXPORT_FILES
@@ -184,7 +179,7 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
         tmp = Path(tempfile.mkdtemp(prefix="spmdlm-upload-")) / "hf"
     else:
         local = Path(out).absolute()
-        whole = _only_an_export(local)
+        whole = only_an_export(local)
         parent = local.parent if whole else local
         prefix = f".{local.name}" if whole else ".export"
         try:
@@ -351,76 +346,6 @@ def load_hf_into_state(path: str | Path, graphdef, state, source_config: HFConfi
     model, optimizer = nnx.merge(graphdef, state)
     _fill_params(model, storage.path(path, "--model_name_or_path"), source_config=source_config)
     return nnx.state((model, optimizer))
-
-
-# -- command line --------------------------------------------------------------------------------------------------
-
-
-def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass the --output_dir of a training run"):
-    """(model, config, tokenizer dir or None, step) of a training run's checkpoint: the newest that verifies (a
-    damaged newer one is reported and left in place), or `step`. `hint` ends the error when `run_dir` holds no run."""
-    run_dir = storage.path(run_dir, "--checkpoint")
-    run_config_path = run_dir / "run_config.json"
-    if not run_config_path.is_file():
-        raise ckpt.CheckpointError(f"{run_dir}: no run_config.json, so no spmdlm run here; {hint}")
-    try:
-        run_config = json.loads(run_config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ckpt.CheckpointError(f"{run_config_path} is not valid JSON ({e})") from None
-    ckpt.check_format(run_config, run_dir)
-    config = checked_config(run_config.get("model_config") or {}, None, str(run_config_path))
-    family = get_family(config.model_type)
-    model, step = _evaluation_model(
-        ckpt.make_manager(run_dir, read_only=True), step, family, config, mesh, optimization_of_run(run_config)
-    )
-    # The tokenizer the run trained with: saved beside its checkpoints (an older run's: --tokenizer_name, else the
-    # --model_name_or_path it started from).
-    given = [run_dir, run_config.get("tokenizer_name"), run_config.get("model_name_or_path")]
-    tokenizer_dir = next(
-        (p for p in given if p and (storage.path(p).is_file() or tokenizer_layout(storage.path(p)))), None
-    )
-    return model, config, tokenizer_dir, step
-
-
-def _evaluation_model(manager, step: int | None, family, config, mesh, optim) -> tuple[nnx.Module, int]:
-    """(the checkpoint's model holding the parameters the run evaluated and exported (step.model_for_evaluation),
-    its step): restored with its optimizer state where those are read from it (schedule-free AdamW's average)."""
-    restore = (
-        (lambda target, **kw: ckpt.restore_newest_good(manager, target, move_aside=False, **kw))
-        if step is None
-        else (lambda target, **kw: ckpt.restore(manager, step, target, **kw))
-    )
-    with jax.set_mesh(mesh):
-        if evaluation_needs_optimizer(optim):
-            graphdef, abstract = build_train_state(family, config, mesh, optim=optim, abstract=True)
-            state, step = restore(abstract)
-            return model_for_evaluation(graphdef, state, optim)[0], step
-        graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
-        state, step = restore(abstract, model_only=True)
-        return nnx.merge(graphdef, state), step
-
-
-def export_checkpoint(
-    checkpoint: str | Path,
-    out: str | Path,
-    step: int | None = None,
-    mesh_spec: str = "data=-1",
-    overwrite: bool = False,
-) -> Path:
-    out = storage.path(out, "--out")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} is a file; give a directory")
-    # an interrupted export (its files, no marker) may be written over: it is not anyone's data
-    unfinished = not storage.is_remote(out) and _only_an_export(Path(out)) and not export_complete(out)
-    if out.exists() and any(out.iterdir()) and not overwrite and not unfinished:
-        raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
-    model, config, tokenizer_dir, step = load_run(checkpoint, step, make_mesh(mesh_spec))
-    tokenizer = load_tokenizer(tokenizer_dir, get_family(config.model_type)) if tokenizer_dir else None
-    save_hf(model, config, out, tokenizer=tokenizer, release=True)
-    if jax.process_index() == 0:
-        write_export_card(out, config, str(checkpoint), step)
-        print(what_it_needs(get_family(config.model_type), out))
-    return out
 
 
 # -- what an export needs to be used -----------------------------------------------------------------------------------
