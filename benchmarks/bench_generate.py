@@ -53,9 +53,9 @@ def bench_config(name: str, args) -> list[dict]:
     from flax import nnx
 
     from spmdlm.data.tokenization import train_tokenizer
-    from spmdlm.export import save_hf
     from spmdlm.families import get_family, load_config
-    from spmdlm.generate import decoding, generate_ids
+    from spmdlm.generation import decoding, generate_ids
+    from spmdlm.hf_export import save_hf
 
     family = get_family("gpt2")
     config = load_config(name, "gpt2")

@@ -20,13 +20,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from spmdlm import checkpoint as ckpt
-from spmdlm import export, storage
+from spmdlm import hf_export, storage
 from spmdlm.checkpoint import checkpoint_dir
 from spmdlm.data.tokenization import load_tokenizer, tokenizer_layout
 from spmdlm.errors import ArgumentError, ConfigError, ExportError
-from spmdlm.export import MARKER, load_hf
 from spmdlm.families import checked_config, get_family
 from spmdlm.families.base import Family
+from spmdlm.hf_export import MARKER, load_hf
 from spmdlm.mesh import make_mesh
 from spmdlm.models.hf_config import HFConfig
 from spmdlm.train.optim import evaluation_needs_optimizer, optimization_of_run
@@ -148,13 +148,15 @@ def export_checkpoint(
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory")
     # an interrupted export (its files, no marker) may be written over: it is not anyone's data
-    unfinished = not storage.is_remote(out) and export.only_an_export(Path(out)) and not export.export_complete(out)
+    unfinished = (
+        not storage.is_remote(out) and hf_export.only_an_export(Path(out)) and not hf_export.export_complete(out)
+    )
     if out.exists() and any(out.iterdir()) and not overwrite and not unfinished:
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
     model, config, tokenizer_dir, step = load_run(checkpoint, step, make_mesh(mesh_spec))
     tokenizer = load_tokenizer(tokenizer_dir, get_family(config.model_type)) if tokenizer_dir else None
-    export.save_hf(model, config, out, tokenizer=tokenizer, release=True)
+    hf_export.save_hf(model, config, out, tokenizer=tokenizer, release=True)
     if jax.process_index() == 0:
-        export.write_export_card(out, config, str(checkpoint), step)
-        print(export.what_it_needs(get_family(config.model_type), out))
+        hf_export.write_export_card(out, config, str(checkpoint), step)
+        print(hf_export.what_it_needs(get_family(config.model_type), out))
     return out

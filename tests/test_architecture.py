@@ -261,25 +261,27 @@ def shared_stems(root, floors=None):
 
 
 def shims(root, floors=None):
-    """`python -m spmdlm.<verb>` entries beside spmdlm/cli/<verb>.py that do more than run its main: spmdlm/<verb>.py
-    holds only `from spmdlm.cli.<verb> import main` and `raise SystemExit(main())` under `if __name__ ==
-    "__main__":`, a package's __main__.py the same two lines"""
+    """`python -m spmdlm.<verb>` entries of spmdlm/cli/<verb>.py missing or doing more than run its main:
+    spmdlm/<verb>.py holds only `from spmdlm.cli.<verb> import main` and `raise SystemExit(main())` under
+    `if __name__ == "__main__":`"""
     found = []
-    for rel, (name, _, _) in sources(root).items():
-        if not name.startswith(f"{PKG}.cli.") or rel.endswith("__init__.py"):
+    runs = [f"if __name__ == '__main__':\n    {run}" for run in SHIM_MAINS]
+    for name, _, _ in sources(root).values():
+        if not name.startswith(f"{PKG}.cli.") or name.endswith("__init__"):
             continue
         verb = _stem(name)
-        for entry, guarded in ((f"{PKG}/{verb}.py", True), (f"{PKG}/{verb}/__main__.py", False)):
-            if entry in sources(root):
-                body = [
-                    ast.unparse(node)
-                    for node in sources(root)[entry][2].body
-                    if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))  # the docstring
-                    and ast.unparse(node) not in SHIM_PREAMBLE
-                ]
-                runs = [f"if __name__ == '__main__':\n    {run}" if guarded else run for run in SHIM_MAINS]
-                if len(body) != 2 or body[0] != f"from {PKG}.cli.{verb} import main" or body[1] not in runs:
-                    found.append(f"{entry}: not a shim of {PKG}/cli/{verb}.py")
+        entry = f"{PKG}/{verb}.py"
+        if entry not in sources(root):
+            found.append(f"{entry}: missing, so `python -m {PKG}.{verb}` does not run {PKG}/cli/{verb}.py")
+            continue
+        body = [
+            ast.unparse(node)
+            for node in sources(root)[entry][2].body
+            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))  # the docstring
+            and ast.unparse(node) not in SHIM_PREAMBLE
+        ]
+        if len(body) != 2 or body[0] != f"from {PKG}.cli.{verb} import main" or body[1] not in runs:
+            found.append(f"{entry}: not a shim of {PKG}/cli/{verb}.py")
     return found
 
 
@@ -337,11 +339,12 @@ def test_python_m_entries_only_run_their_command_line():
         ("spmdlm", 0),
         ("spmdlm.errors", 0),
         ("spmdlm.data.sources", 1),
-        ("spmdlm.generate.decoding", 3),
+        ("spmdlm.generation.decoding", 3),
         ("spmdlm.cli.generate", 4),
         ("spmdlm.tokenizer", 4),
-        ("spmdlm.export", 3),
-        ("spmdlm.export.__main__", 4),
+        ("spmdlm.hf_export", 2),
+        ("spmdlm.export", 4),
+        ("spmdlm.load", 3),
         ("spmdlm.data.tokenization", 1),
         ("spmdlm.new", None),
     ],
@@ -444,7 +447,10 @@ PLANTED = {
             'if __name__ == "__main__":\n    sys.exit(main())\n',
             "run/__main__.py": "from spmdlm.cli.run import main\n\nraise SystemExit(main())\n",
         },
-        ["spmdlm/go.py: not a shim of spmdlm/cli/go.py"],
+        [
+            "spmdlm/go.py: not a shim of spmdlm/cli/go.py",
+            "spmdlm/run.py: missing, so `python -m spmdlm.run` does not run spmdlm/cli/run.py",
+        ],
     ),
 }
 

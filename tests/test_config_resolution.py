@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import FIXTURES
 
-from spmdlm import export, launch
+from spmdlm import hf_export, launch
 from spmdlm.cli.export import main as export_main
 from spmdlm.errors import ConfigError
 from spmdlm.families import checked_config, families, load_config, load_pretrained_config
@@ -70,7 +70,7 @@ def test_export_refuses_it_from_a_checkpoint_and_from_a_transformers_dir(layerdr
     assert "encoder_layerdrop 0.2 is not supported" in one_line_error(capsys, code)
     assert not (tmp_path / "hf").exists()
     with pytest.raises(ConfigError, match="encoder_layerdrop"):
-        export.load_hf(layerdrop_dir)
+        hf_export.load_hf(layerdrop_dir)
 
 
 def test_every_source_runs_the_checks(layerdrop_dir, tmp_path):

@@ -20,7 +20,7 @@ import transformers
 from family_fixtures import FIXTURES
 from safetensors.numpy import load_file
 
-from spmdlm import export
+from spmdlm import hf_export
 from spmdlm.cli.launch import main, parse_args
 from spmdlm.data import datasets, pipeline
 from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, train_tokenizer
@@ -143,9 +143,9 @@ def test_each_layout_gives_the_checkpoints_tokenizer_and_weights(family, tokeniz
 def assert_reads_as(source, family: str, model, tokenizer) -> None:
     """`source` (a directory or gs:// URL) gives `tokenizer`'s ids and, exported again, `model`'s tensors exactly."""
     assert load_tokenizer(source, get_family(family)).encode(SENTENCE).ids == tokenizer(SENTENCE)["input_ids"]
-    loaded, _ = export.load_hf(source)
+    loaded, _ = hf_export.load_hf(source)
     state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
-    for name, value in export.hf_tensors(loaded):
+    for name, value in hf_export.hf_tensors(loaded):
         np.testing.assert_array_equal(value, state[name], err_msg=name)
 
 
@@ -165,11 +165,13 @@ def test_a_pytorch_checkpoint_runs_no_pickled_code_and_without_torch_names_the_e
     config = hf_model("gpt2").config
     config.save_pretrained(folder)
     torch.save({"weights": Evil()}, folder / "pytorch_model.bin")
-    with pytest.raises(export.ExportError, match=r"^cannot read .*pytorch_model.bin as plain tensors .*[^\n]$"):
-        export.load_hf(folder)
+    with pytest.raises(hf_export.ExportError, match=r"^cannot read .*pytorch_model.bin as plain tensors .*[^\n]$"):
+        hf_export.load_hf(folder)
     monkeypatch.setitem(sys.modules, "torch", None)  # torch not installed
-    with pytest.raises(export.ExportError, match=r"needs torch to read \(pip install 'spmdlm\[torch\]'\), or convert"):
-        export.load_hf(folder)
+    with pytest.raises(
+        hf_export.ExportError, match=r"needs torch to read \(pip install 'spmdlm\[torch\]'\), or convert"
+    ):
+        hf_export.load_hf(folder)
 
 
 class Evil:
@@ -328,8 +330,8 @@ def test_a_tokenizer_extending_the_checkpoints_grows_the_embeddings(tmp_path, co
     )
     ctx = resolve(args, 0.0)
     assert ctx.config.vocab_size == size + 3 and ctx.checkpoint_config.vocab_size == size
-    ours, _ = export.load_hf(folder, config=ctx.config)
-    export.save_hf(ours, ctx.config, tmp_path / "hf", tokenizer=ctx.tokenizer)
+    ours, _ = hf_export.load_hf(folder, config=ctx.config)
+    hf_export.save_hf(ours, ctx.config, tmp_path / "hf", tokenizer=ctx.tokenizer)
     grown = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf")
     assert grown.config.vocab_size == size + 3
     for name in ("shared.weight", "lm_head.weight"):

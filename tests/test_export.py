@@ -12,7 +12,7 @@ from conftest import FIXTURES
 from family_fixtures import STDLIB_JSON
 from safetensors.numpy import load_file
 
-from spmdlm import export, load
+from spmdlm import hf_export, load
 from spmdlm.cli.export import main as export_main
 from spmdlm.launch import main
 
@@ -115,8 +115,8 @@ def test_export_cli_and_sharded_checkpoint_match(trained, tmp_path, tiny_gpt2_co
     # the card, the usage snippet on the local path, and what the transformers side needs (also in the output)
     card = (tmp_path / "b" / "README.md").read_text()
     assert "checkpoint at step 6" in card and f'model_id = "{tmp_path / "b"}"' in card
-    assert export.TORCH_CPU_INSTALL in card and export.TORCH_CPU_INSTALL in capsys.readouterr().out
-    assert export.export_complete(tmp_path / "b")
+    assert hf_export.TORCH_CPU_INSTALL in card and hf_export.TORCH_CPU_INSTALL in capsys.readouterr().out
+    assert hf_export.export_complete(tmp_path / "b")
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
@@ -187,7 +187,7 @@ def test_export_errors_write_nothing(tmp_path, trained, capsys):
         )
     ).save_pretrained(bert)
     with pytest.raises(Exception, match=r"holds a 'bert' model \(BertForMaskedLM\)"):
-        export.load_hf(bert)
+        hf_export.load_hf(bert)
     assert (
         main(
             [

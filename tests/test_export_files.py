@@ -16,8 +16,8 @@ from conftest import FIXTURES, REPO
 from flax import nnx
 
 from spmdlm.data.tokenization import special_token_ids, train_tokenizer
-from spmdlm.export import hf_config_dict, save_hf
 from spmdlm.families import get_family, load_config
+from spmdlm.hf_export import hf_config_dict, save_hf
 from spmdlm.models.t5 import T5ForConditionalGeneration
 
 
@@ -119,7 +119,7 @@ def test_export_does_not_import_transformers(tmp_path):
 import importlib.metadata, json, sys
 import jax
 from flax import nnx
-from spmdlm.export import hf_config_dict, save_hf
+from spmdlm.hf_export import hf_config_dict, save_hf
 from spmdlm.families import load_config
 from spmdlm.models.t5 import T5ForConditionalGeneration
 config = load_config("t5-v1_1-tiny", vocab_size=128, num_layers=1, num_decoder_layers=1)

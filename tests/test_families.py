@@ -16,7 +16,7 @@ from family_fixtures import FIXTURES, STDLIB_JSON
 from flax import nnx
 from safetensors.numpy import load_file
 
-from spmdlm import checkpoint, export
+from spmdlm import checkpoint, hf_export
 from spmdlm.families import families, get_family, load_config
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
@@ -72,14 +72,14 @@ def test_logits_match_transformers_both_ways(family, name, tmp_path):
     batch = FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(0))
     reference = torch_logits(family, source, batch)
 
-    model, config = export.load_hf(source)  # transformers -> ours
+    model, config = hf_export.load_hf(source)  # transformers -> ours
     assert_close_where_read(our_logits(model, batch), reference, batch, family)
     auto, _ = resolve_attention(model, "auto", platform=jax.default_backend(), dtype=jnp.float32, training=False)
     for implementation in sorted({auto, "dot_product"}):  # --attention auto, and the other one the CPU runs fast
         assert_close_where_read(our_logits(set_attention(model, implementation), batch), reference, batch, family)
     set_attention(model, "xla")
 
-    out = export.save_hf(model, config, tmp_path / "ours")  # ours -> transformers
+    out = hf_export.save_hf(model, config, tmp_path / "ours")  # ours -> transformers
     reloaded, info = FIXTURES[family].hf_model_class.from_pretrained(out, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     written, original = load_file(out / "model.safetensors"), load_file(source / "model.safetensors")
@@ -94,7 +94,7 @@ def test_logits_match_on_a_sharded_mesh(family, tmp_path):
     source = random_hf_model(family, name, tmp_path)
     batch = FIXTURES[family].make_batch(FIXTURES[family].configs[name], np.random.default_rng(1))
     with jax.set_mesh(make_mesh(SHARDED)):
-        model, _ = export.load_hf(source)
+        model, _ = hf_export.load_hf(source)
         specs = [str(v[...].sharding.spec) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
         assert any("fsdp" in s for s in specs) and any("tensor" in s for s in specs)
         ours = np.asarray(jax.jit(lambda m, b: m(**b))(model, {k: jnp.asarray(v) for k, v in batch.items()}))

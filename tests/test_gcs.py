@@ -94,7 +94,7 @@ def test_a_run_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path, tin
     for folder in (f"{moved}/hf", f"{gcs_bucket}/export"):
         model = AutoModelForCausalLM.from_pretrained(storage.local_copy(folder))
         np.testing.assert_array_equal(model.transformer.wte.weight.detach().numpy(), resumed["['wte']['embedding']"])
-    from spmdlm.export import load_hf  # --model_name_or_path gs://...: read from the bucket
+    from spmdlm.hf_export import load_hf  # --model_name_or_path gs://...: read from the bucket
 
     ours, _ = load_hf(f"{gcs_bucket}/export")
     np.testing.assert_array_equal(np.asarray(ours.wte.embedding[...]), resumed["['wte']['embedding']"])

@@ -19,13 +19,13 @@ import transformers
 from conftest import FIXTURES as DATA
 from flax import nnx
 
-from spmdlm import export
+from spmdlm import hf_export
 from spmdlm.cli.generate import main
 from spmdlm.data.tokenization import special_token_ids, train_tokenizer
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
-from spmdlm.generate import GenerateError, decoding, fill_mask, generate, generate_ids
-from spmdlm.generate.sampling import Sampling, choose, filter_logits
+from spmdlm.generation import GenerateError, decoding, fill_mask, generate, generate_ids
+from spmdlm.generation.sampling import Sampling, choose, filter_logits
 from spmdlm.mesh import make_mesh
 from spmdlm.models.layers import Scale
 
@@ -119,7 +119,7 @@ def exports(tmp_path_factory):
             model,
             config,
             tokenizer,
-            export.save_hf(model, config, tmp_path_factory.mktemp(family_name), tokenizer=tokenizer),
+            hf_export.save_hf(model, config, tmp_path_factory.mktemp(family_name), tokenizer=tokenizer),
         )
 
     return get
@@ -287,7 +287,7 @@ def sharded(exports):
     @functools.cache
     def get(family):
         with jax.set_mesh(make_mesh(MESH)):
-            return export.load_hf(exports(family)[3])[0]
+            return hf_export.load_hf(exports(family)[3])[0]
 
     return get
 

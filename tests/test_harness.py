@@ -1,4 +1,4 @@
-"""LM-harness tasks on spmdlm's JAX models (spmdlm/generate/harness.py) equal lm-eval's own `hf` backend on the
+"""LM-harness tasks on spmdlm's JAX models (spmdlm/generation/harness.py) equal lm-eval's own `hf` backend on the
 transformers export: a multiple-choice task, a rolling-loglikelihood task (a document longer than the window too)
 and a generate_until task, from local YAMLs and jsonl files written here, for GPT-2 and T5, request by request; the
 training loop's --eval_tasks writes the task metrics at its steps; the refusals are one line.
@@ -19,12 +19,12 @@ from lm_eval.models.huggingface import HFLM
 from test_generate import WORDS, corpus, random_model
 from test_train import launch
 
-from spmdlm import export
+from spmdlm import hf_export
 from spmdlm.cli import evaluate
 from spmdlm.data.tokenization import load_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.errors import TasksError
 from spmdlm.families import get_family
-from spmdlm.generate.harness import harness_lm, run_tasks, task_manager
+from spmdlm.generation.harness import harness_lm, run_tasks, task_manager
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 
@@ -116,10 +116,10 @@ def test_tasks_equal_lm_eval_hf_backend_on_the_export(family_name, devices, mesh
             if i is not None and hasattr(config, f"{role}_token_id")
         }
     )  # as training does
-    path = export.save_hf(random_model(family, config), config, tmp_path / "hf", tokenizer=tokenizer)
+    path = hf_export.save_hf(random_model(family, config), config, tmp_path / "hf", tokenizer=tokenizer)
     tasks_dir = write_tasks(tmp_path / "tasks")
     mesh = make_mesh(mesh_spec, jax.devices()[:devices])
-    model, _ = export.load_hf(path, mesh=mesh)
+    model, _ = hf_export.load_hf(path, mesh=mesh)
     ours, our_answers = recorded(
         harness_lm(family, model, load_tokenizer(path), mesh, batch_size=4, max_length=MAX_LENGTH), tasks, tasks_dir
     )

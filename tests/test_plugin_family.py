@@ -96,7 +96,7 @@ def test_out_of_tree_family_trains_resumes_exports(tmp_path, plugin_site, cache_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from spmdlm import families
-    from spmdlm.export import load_hf
+    from spmdlm.hf_export import load_hf
 
     monkeypatch.syspath_prepend(str(plugin_site))
     monkeypatch.syspath_prepend(str(PLUGINS))

@@ -14,12 +14,12 @@ from flax import nnx
 from hub_emulator import USER, HubEmulator
 from huggingface_hub import ModelCard
 
-from spmdlm import export, storage
+from spmdlm import hf_export, storage
 from spmdlm.cli.launch import main, parse_args
 from spmdlm.errors import ArgumentError
-from spmdlm.export import export_complete, save_hf
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
+from spmdlm.hf_export import export_complete, save_hf
 from spmdlm.train import corpora, publish, setup
 
 TOKEN = "hf_emulated_token"
@@ -122,7 +122,7 @@ def test_every_family_gets_a_card_with_its_results_metadata_and_usage(
     assert "| eval_loss | 2.5 |" in text and "Trained with spmdlm " in text
     expected = {"roberta": 'pipeline("fill-mask"', "gpt2": "AutoModelForCausalLM.from_pretrained"}
     assert expected.get(family, "AutoModelForSeq2SeqLM.from_pretrained") in text
-    assert export.TORCH_CPU_INSTALL in text  # transformers' side needs PyTorch; spmdlm.generate does not
+    assert hf_export.TORCH_CPU_INSTALL in text  # transformers' side needs PyTorch; spmdlm.generate does not
     assert f"python -m spmdlm.generate --model_name_or_path {folder}" in text
     assert ("--fill_mask" in text) == (family == "roberta")
     capsys.readouterr()
@@ -143,7 +143,7 @@ def test_a_card_without_metadata_flags_or_results(tmp_path, tiny_configs, cache_
 
 def test_a_family_from_elsewhere_gets_the_usage_of_what_it_declares():
     family = dataclasses.replace(get_family("gpt2"), name="mine", hf_auto_class="AutoModel", generation=Generation.NONE)
-    code = export.usage_snippet(family, "user/mine")
+    code = hf_export.usage_snippet(family, "user/mine")
     compile(code, "snippet", "exec")
     assert "from transformers import AutoModel," in code and "generate" not in code
     assert publish.TASKS[family.generation] == "feature-extraction"

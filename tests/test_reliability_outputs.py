@@ -17,7 +17,7 @@ import pytest
 from conftest import FIXTURES
 from test_reliability import flags, launch
 
-from spmdlm import export, storage
+from spmdlm import hf_export, storage
 from spmdlm.cli.export import main as export_main
 from spmdlm.data import datasets
 from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, special_token_ids, train_tokenizer
@@ -103,7 +103,7 @@ def test_an_export_killed_while_writing_the_tokenizer_is_redone_by_the_rerun(
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])  # killed at that openat, not before
     assert (out / "checkpoints" / "4").is_dir()
     assert not export_done(out)  # what is left does not look like a whole export
-    assert not (out / "hf" / export.MARKER).exists()
+    assert not (out / "hf" / hf_export.MARKER).exists()
 
     code, stdout, err = launch(capsys, *argv)
     assert code == 0, err
@@ -121,12 +121,12 @@ def test_an_export_killed_while_writing_the_tokenizer_is_redone_by_the_rerun(
 def test_an_interrupted_export_cli_out_can_be_written_again_without_overwrite(capsys, tmp_path, trained):
     out = tmp_path / "hf"
     assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 0
-    assert export.export_complete(out)
-    (out / export.MARKER).unlink()  # what an export of older spmdlm killed before its tokenizer left
+    assert hf_export.export_complete(out)
+    (out / hf_export.MARKER).unlink()  # what an export of older spmdlm killed before its tokenizer left
     (out / "tokenizer_config.json").unlink()
     capsys.readouterr()
     assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 0, capsys.readouterr().err
-    assert export.export_complete(out) and (out / "tokenizer_config.json").is_file()
+    assert hf_export.export_complete(out) and (out / "tokenizer_config.json").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
     assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 2  # a whole export is kept
     assert "exists and is not empty" in capsys.readouterr().err
@@ -231,7 +231,7 @@ def test_a_full_disk_while_exporting_is_one_line_and_a_rerun_recovers(capsys, fu
     assert sorted(p.name for p in disk.iterdir()) == ["filler"]  # nothing partial, no temp dir
     (disk / "filler").unlink()
     assert export_main(["--checkpoint", str(trained), "--out", str(out)]) == 0
-    assert export.export_complete(out) and (out / "tokenizer.json").is_file()
+    assert hf_export.export_complete(out) and (out / "tokenizer.json").is_file()
 
 
 # -- TensorBoard on a full disk -----------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def test_a_damaged_safetensors_is_one_line(tmp_path, tiny_gpt2_config, damage):
     from safetensors.numpy import save_file
 
     from spmdlm.errors import ExportError
-    from spmdlm.export import load_hf
+    from spmdlm.hf_export import load_hf
 
     (tmp_path / "config.json").write_text(tiny_gpt2_config.read_text())
     file = tmp_path / "model.safetensors"

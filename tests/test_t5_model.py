@@ -11,8 +11,8 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from spmdlm.export import load_hf, save_hf  # noqa: E402
 from spmdlm.families import load_config, load_pretrained_config  # noqa: E402
+from spmdlm.hf_export import load_hf, save_hf  # noqa: E402
 from spmdlm.models.hf_config import ConfigError  # noqa: E402
 from spmdlm.models.t5 import T5Config, T5ForConditionalGeneration, relative_position_buckets  # noqa: E402
 

@@ -6,7 +6,7 @@ transformers directory of the four families) on held-out text, with its objectiv
     python -m spmdlm.evaluate --model_name_or_path runs/gpt2-tiny --tasks my_mc,my_ppl --tasks_dir tasks/
 
 --tasks runs LM-harness tasks (lm-eval; local task YAMLs with --tasks_dir) on the same model through our own JAX
-adapter (spmdlm/generate/harness.py; docs/harness.md), with or without held-out text.
+adapter (spmdlm/generation/harness.py; docs/harness.md), with or without held-out text.
 
 Everything but the model is the launcher's flags and code (spmdlm/train/setup.py: data and objective;
 spmdlm/train/step.py: the eval step; spmdlm/train/loop.py: evaluation): --validation_file, --dataset_dir or
@@ -32,7 +32,7 @@ from spmdlm.cli.launch import parse_args as parse_run_args
 from spmdlm.cli.launch import setup_devices
 from spmdlm.errors import ArgumentError, DataError, UserError
 from spmdlm.families import family_choices
-from spmdlm.generate.harness import harness_lm, run_tasks, task_manager
+from spmdlm.generation.harness import harness_lm, run_tasks, task_manager
 from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.run_args import RunArgs

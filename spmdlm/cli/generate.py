@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from spmdlm import checkpoint as ckpt
 from spmdlm import load, storage
 from spmdlm.data.tokenization import TOKENIZER_LAYOUTS, TokenizerError, load_tokenizer, tokenizer_layout
-from spmdlm.export import ExportError, load_hf
-from spmdlm.generate.decoding import GenerateError, continuation_text, fill_mask, generate_ids
+from spmdlm.generation.decoding import GenerateError, continuation_text, fill_mask, generate_ids
+from spmdlm.hf_export import ExportError, load_hf
 from spmdlm.mesh import MeshError, make_mesh, requested_device_count, simulate_cpu_devices
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
 from spmdlm.models.attention import resolve_attention, set_attention

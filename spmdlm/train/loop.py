@@ -22,8 +22,8 @@ from spmdlm.data import pipeline
 from spmdlm.data.mixture import MixedSplit
 from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted
 from spmdlm.families.base import Generation
-from spmdlm.generate import fill_mask, generate
-from spmdlm.generate.harness import flat_metrics, harness_lm, run_tasks
+from spmdlm.generation import fill_mask, generate
+from spmdlm.generation.harness import flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
 from spmdlm.run_args import RunArgs
 from spmdlm.train import profiling, publish, watchdog

@@ -16,8 +16,8 @@ from spmdlm.data.datasets import tokenizer_hash
 from spmdlm.data.mixture import describe_change
 from spmdlm.data.tokenization import save_tokenizer
 from spmdlm.errors import RunError
-from spmdlm.export import export_complete
-from spmdlm.generate.harness import TASK_METRICS
+from spmdlm.generation.harness import TASK_METRICS
+from spmdlm.hf_export import export_complete
 from spmdlm.train.guard import LOCK_NAME
 from spmdlm.train.metrics_log import write_json
 from spmdlm.train.setup import RunContext, is_main

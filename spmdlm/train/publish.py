@@ -28,7 +28,7 @@ import jax
 from spmdlm import __version__, checkpoint, storage
 from spmdlm.data import datasets, readers
 from spmdlm.errors import ArgumentError
-from spmdlm.export import TASKS, card_usage_lines, export_complete, save_hf
+from spmdlm.hf_export import TASKS, card_usage_lines, export_complete, save_hf
 from spmdlm.mesh import batch_axis_size
 from spmdlm.train import network
 from spmdlm.train.setup import RunContext, is_main

@@ -23,8 +23,8 @@ from flax import nnx
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
 from spmdlm.errors import RunError
-from spmdlm.export import export_state, what_it_needs
-from spmdlm.generate.harness import TASK_METRICS
+from spmdlm.generation.harness import TASK_METRICS
+from spmdlm.hf_export import export_state, what_it_needs
 from spmdlm.mesh import batch_axis_size
 from spmdlm.run_args import RunArgs
 from spmdlm.train import publish

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmdlm import devices, export, storage
+from spmdlm import devices, hf_export, storage
 from spmdlm.data import datasets, mixture, pipeline, records
 from spmdlm.data.objectives import Objective
 from spmdlm.data.tokenization import (
@@ -31,8 +31,8 @@ from spmdlm.data.tokenization import (
 from spmdlm.errors import ArgumentError, RunError, TasksError
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
-from spmdlm.generate.harness import task_manager
-from spmdlm.generate.scoring import check_likelihood
+from spmdlm.generation.harness import task_manager
+from spmdlm.generation.scoring import check_likelihood
 from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
 from spmdlm.models.attention import resolve_attention
 from spmdlm.run_args import RunArgs
@@ -209,7 +209,7 @@ def check_pretrained(ctx: RunContext) -> None:
             "trained with as --tokenizer_name"
         )
     check_tokenizer_fits(ctx.tokenizer, ctx.config)
-    export.check_checkpoint(path, ctx.checkpoint_config or ctx.config)
+    hf_export.check_checkpoint(path, ctx.checkpoint_config or ctx.config)
 
 
 def dataset_dir_of(ctx: RunContext) -> str | None:
@@ -219,7 +219,7 @@ def dataset_dir_of(ctx: RunContext) -> str | None:
 def extend_vocabulary(ctx: RunContext, own, given: str, fix: str) -> None:
     """The run's tokenizer (`given`: --tokenizer_name's, or a prepared dataset's) over a checkpoint with its own: it
     must keep every id of the checkpoint's (new tokens appended, as tokenizer.add_tokens does); the embedding grows
-    to hold them (export.grown). `fix` ends the refusal."""
+    to hold them (hf_export.grown). `fix` ends the refusal."""
     old, new = own.get_vocab(), ctx.tokenizer.get_vocab()
     moved = sorted((i, token) for token, i in old.items() if new.get(token) != i)
     if moved:
@@ -378,7 +378,7 @@ def setup_state(ctx: RunContext, *, abstract: bool):
     )
     check_mesh_use(state, ctx)
     if args.model.model_name_or_path and not abstract:
-        state = export.load_hf_into_state(args.model.model_name_or_path, graphdef, state, ctx.checkpoint_config)
+        state = hf_export.load_hf_into_state(args.model.model_name_or_path, graphdef, state, ctx.checkpoint_config)
     stepper = Stepper(
         graphdef,
         state,

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from spmdlm.errors import GenerateError
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
-from spmdlm.generate.sampling import Sampling, choose
+from spmdlm.generation.sampling import Sampling, choose
 from spmdlm.mesh import constrain
 from spmdlm.models.kv_cache import Cache
 

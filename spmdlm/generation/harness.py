@@ -4,8 +4,8 @@
     results = run_tasks(lm, ["my_task"], task_dirs=["tasks/"], limit=100)   # {task: {metric: value}}
 
 The adapter tokenizes as lm-eval's `hf` backend does on the exported model (lm_eval's own TemplateLM code splits
-context and continuation; see docs/harness.md), scores through spmdlm/generate/scoring.py and generates through
-spmdlm/generate/decoding.py. lm-eval is an optional extra (`pip install 'spmdlm[eval]'`), imported only when tasks
+context and continuation; see docs/harness.md), scores through spmdlm/generation/scoring.py and generates through
+spmdlm/generation/decoding.py. lm-eval is an optional extra (`pip install 'spmdlm[eval]'`), imported only when tasks
 are asked for.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 from spmdlm import storage
 from spmdlm.errors import TasksError
 from spmdlm.families.base import Family, Generation
-from spmdlm.generate.decoding import generate_tokens
-from spmdlm.generate.scoring import Scorer, check_likelihood
+from spmdlm.generation.decoding import generate_tokens
+from spmdlm.generation.scoring import Scorer, check_likelihood
 
 INSTALL_HINT = "pip install 'spmdlm[eval]'"
 MAX_GEN_TOKS = 256  # generate_until's default number of new tokens, as lm-eval's hf backend

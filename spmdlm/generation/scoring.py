@@ -1,5 +1,5 @@
 """Log-likelihoods of continuations under jit on the model's mesh: what LM-harness tasks ask of a model
-(spmdlm/generate/harness.py), for every family whose `generation` is decoder-only or encoder-decoder.
+(spmdlm/generation/harness.py), for every family whose `generation` is decoder-only or encoder-decoder.
 
 A request is a (context, continuation) pair of token ids; its answer is the summed log-probability of the
 continuation given the context, and whether greedy decoding would have produced the continuation. The rows are laid
@@ -28,7 +28,7 @@ from flax import nnx
 
 from spmdlm.errors import TasksError
 from spmdlm.families.base import Family, Generation
-from spmdlm.generate.decoding import Specials
+from spmdlm.generation.decoding import Specials
 from spmdlm.mesh import batch_axis_size, batch_sharding, constrain
 
 SMALLEST_BUCKET = 16  # row lengths are rounded up to a power of two from here, capped at max_length

@@ -1,3 +1,0 @@
-from spmdlm.cli.export import main
-
-raise SystemExit(main())

@@ -1,0 +1,4 @@
+from spmdlm.cli.generate import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,3 +1,0 @@
-from spmdlm.cli.generate import main
-
-raise SystemExit(main())
