@@ -10,8 +10,9 @@ import pytest
 
 from spmdlm.cli.launch import parse_args
 from spmdlm.errors import ArgumentError
-from spmdlm.families import family_choices, quickstart
+from spmdlm.families import family_choices
 from spmdlm.run_args import RunArgs
+from spmdlm.run_args.choices import quickstart
 from spmdlm.run_args.sections import (
     ControlArgs,
     DataArgs,
@@ -101,7 +102,10 @@ def test_defaults_never_crash():
 
 def test_embedded_corpus_uses_the_quickstart_unless_overridden():
     args, _ = parse_args(["--max_steps", "7"])
-    assert args.model.config_name == quickstart("gpt2")["config_name"] == "gpt2-tiny" and args.control.max_steps == 7
+    assert (
+        args.model.config_name == quickstart(family_choices(), "gpt2")["config_name"] == "gpt2-tiny"
+        and args.control.max_steps == 7
+    )
     args, _ = parse_args(["--model_type", "t5"])
     assert (
         args.model.config_name == "t5-v1_1-tiny"

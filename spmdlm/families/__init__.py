@@ -24,7 +24,7 @@ from spmdlm.data.tokenization import train_tokenizer
 from spmdlm.errors import ConfigError
 from spmdlm.families.base import Family
 from spmdlm.models.hf_config import HFConfig, preset_names, read_config_source, read_pretrained_config
-from spmdlm.run_args.choices import DEFAULT_MODEL_TYPE, QUICKSTART_COMMON, FamilyChoices
+from spmdlm.run_args.choices import DEFAULT_MODEL_TYPE, FamilyChoices
 
 ENTRY_POINT_GROUP = "spmdlm.families"
 
@@ -61,11 +61,6 @@ def get_family(model_type: str | None) -> Family:
     if model_type not in known:
         raise ConfigError(f"model_type {model_type!r} is not supported; choose one of {', '.join(known)}")
     return known[model_type]
-
-
-def quickstart(model_type: str) -> dict:
-    """The flags of a family's embedded quick start: the common ones and its own."""
-    return dict(QUICKSTART_COMMON, **get_family(model_type).quickstart)
 
 
 def objective_flags() -> tuple[Flag, ...]:
