@@ -406,11 +406,12 @@ def test_families_build_the_isolated_objective(family_name, preset):
     )
     texts = [f"sentence {i} about apples, pears and {i * 7} plums." for i in range(100)]
     tokenizer = train_tokenizer(family, texts, vocab_size=300 if family_name == "t5" else 400)
-    objective = family.build_objective(args, load_config(preset, family_name), tokenizer)
+    objective = family.build_objective(args.objective, load_config(preset, family_name), tokenizer)
     assert objective.document_attention == "isolated"
     assert objective.eos_id == special_token_ids(tokenizer, family.tokenizer)["eos"]
     assert "segment_ids" in objective.example_spec()
     # Only T5's records change with the mode (so does the token cache's key): one token short of the encoder.
     assert objective.record_length == {"gpt2": 33, "t5": 31, "bart": 30}[family_name]
     default, _ = parse_args(["--model_type", family_name])
-    assert family.build_objective(default, load_config(preset, family_name), tokenizer).document_attention == "joined"
+    built = family.build_objective(default.objective, load_config(preset, family_name), tokenizer)
+    assert built.document_attention == "joined"

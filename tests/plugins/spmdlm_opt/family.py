@@ -12,23 +12,23 @@ from spmdlm.families.base import Family, Generation, forward_single_stack
 from spmdlm_opt import TABLE, TINY, OPTConfig, OPTForCausalLM, check_hf_config, forward_flops
 
 
-def build_objective(args, config, tokenizer) -> CausalLM:
+def build_objective(flags, config, tokenizer) -> CausalLM:
     # </s> starts documents, as GPT-2's <|endoftext|>: with --document_attention isolated a segment begins at each
     return CausalLM(
-        block_size(args, config),
+        block_size(flags, config),
         eos_id=special_token_ids(tokenizer, FAMILY.tokenizer)["eos"],
-        document_attention=DOCUMENT_ATTENTION.of(args),
+        document_attention=DOCUMENT_ATTENTION.of(flags),
     )
 
 
-def block_size(args, config) -> int:
-    return BLOCK_SIZE.of(args) or min(1024, config.max_position_embeddings)
+def block_size(flags, config) -> int:
+    return BLOCK_SIZE.of(flags) or min(1024, config.max_position_embeddings)
 
 
-def check_lengths(args, config) -> None:
-    if block_size(args, config) > config.max_position_embeddings:
+def check_lengths(flags, config) -> None:
+    if block_size(flags, config) > config.max_position_embeddings:
         raise ArgumentError(
-            f"--block_size {block_size(args, config)} is longer than the model's "
+            f"--block_size {block_size(flags, config)} is longer than the model's "
             f"max_position_embeddings {config.max_position_embeddings}; lower --block_size"
         )
 
