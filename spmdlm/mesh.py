@@ -259,3 +259,15 @@ def constrain(x: jax.Array, *logical_axes: str | None) -> jax.Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, resolve_spec(x.shape, logical_axes, dict(mesh.shape)))
+
+
+def gathered_for_use(param: jax.Array, *logical_axes: str | None) -> jax.Array:
+    """A parameter as a computation reads it: its tensor-parallel split kept, its fsdp shards gathered. fsdp shards
+    are storage (a weight is all-gathered for its use, as XLA does for every matmul weight); a table looked up with a
+    gather must be gathered explicitly, or XLA lets the fsdp-split table dimension decide the lookup's output layout
+    and then fully rematerialises it to reach the batch layout. A no-op outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return param
+    in_use = {**dict(mesh.shape), "fsdp": 1}  # resolve_spec drops axes of size 1
+    return jax.lax.with_sharding_constraint(param, resolve_spec(param.shape, logical_axes, in_use))

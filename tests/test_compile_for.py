@@ -49,6 +49,13 @@ def test_gpt2_tiny_for_a_v5e_2x2_reports_memory_and_flops(capsys, tmp_path, tiny
     assert r["state_bytes_per_device"] < r["state_bytes_replicated"]  # fsdp shards the weight matrices
     assert "ESTIMATES" in text and "train step      per device: arguments" in text and "FLOPs/step" in text
     assert not (tmp_path / "out").exists()  # nothing written
+    # fsdp's parameter all-gathers as the analytic model counts them (each layer's again in the backward pass)
+    emitted, minimum = r["train"]["collectives"], r["collectives_minimum"]
+    assert minimum["all-gather"]["bytes"] > 0 and minimum["all-to-all"] == {"count": 0, "bytes": 0}
+    assert abs(emitted["all-gather"]["bytes"] / minimum["all-gather"]["bytes"] - 1) <= 0.1
+    assert "all-gather" not in r["collectives_differ"]
+    assert "collectives     train step, per device: emitted by XLA | analytic minimum" in text
+    assert "    all-gather " in text
 
 
 @needs_libtpu
@@ -150,3 +157,75 @@ def test_without_libtpu_the_flag_says_how_to_get_it(monkeypatch):
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     with pytest.raises(ArgumentError, match=r"pip install -e '\.\[tpu\]'"):
         aot.tpu_devices("v5e:2x2")
+
+
+# A compiled module as XLA prints it: an all-gather repeated in an async start and done fusion (one channel), a
+# reduce-scatter and a ring permute in a 12-trip layer loop, a combined all-reduce, and a conditional whose costlier
+# branch counts.
+HLO = """HloModule jit_train_fn, entry_computation_layout={(f32[16]{0})->f32[16]{0}}
+
+%fused_start (param_0: bf16[2,4]) -> bf16[8,4] {
+  %param_0 = bf16[2,4]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %all-gather.1 = bf16[8,4]{1,0:T(8,128)(2,1)S(1)} all-gather(%param_0), channel_id=7, replica_groups=[1,4]<=[4]
+}
+
+%fused_done (param_0: bf16[2,4]) -> bf16[8,4] {
+  %param_0 = bf16[2,4]{1,0} parameter(0)
+  ROOT %all-gather.2 = bf16[8,4]{1,0} all-gather(%param_0), channel_id=7, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %p = (s32[], f32[64]) parameter(0)
+  %x = bf16[2,4]{1,0} get-tuple-element(%p), index=2
+  %g = f32[64]{0} get-tuple-element(%p), index=1
+  %start = bf16[8,4]{1,0} fusion(%x), kind=kCustom, calls=%fused_start
+  %done = bf16[8,4]{1,0} fusion(%start), kind=kCustom, calls=%fused_done
+  %rs = f32[16]{0} reduce-scatter(%g), channel_id=8, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+  %cp = (bf16[2,4]{1,0}, bf16[2,4]{1,0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%x), channel_id=13
+  ROOT %t = (s32[], f32[64]) tuple(%i, %g)
+}
+
+%cond (p: (s32[], f32[64])) -> pred[] {
+  %p = (s32[], f32[64]) parameter(0)
+  %gte = s32[] get-tuple-element(%p), index=0
+  %constant.3 = s32[]{:T(128)} constant(12)
+  ROOT %lt = pred[] compare(%gte, %constant.3), direction=LT
+}
+
+%small (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %ar.1 = f32[4]{0} all-reduce(%a), channel_id=10, replica_groups={{0,1}}, to_apply=%add
+}
+
+%large (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %ar.2 = f32[256]{0} all-reduce(%b), channel_id=11, replica_groups={{0,1}}, to_apply=%add
+  ROOT %ar.3 = f32[256]{0} all-reduce(%ar.2), channel_id=12, replica_groups={{0,1}}, to_apply=%add
+}
+
+ENTRY %main (a: f32[16], b: bf16[8]) -> f32[16] {
+  %a = f32[16]{0} parameter(0)
+  %b = bf16[8]{0} parameter(1)
+  %w = (s32[], f32[64]) while(%init), condition=%cond, body=%body
+  %ar = (f32[16]{0}, bf16[8]{0}) all-reduce(%a, %b), channel_id=9, replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %c = f32[4]{0} conditional(%p, %a, %a), branch_computations={%small, %large}
+}
+"""
+
+
+def test_the_collectives_of_a_compiled_module_are_counted_once_per_execution():
+    from spmdlm.train.collectives import differences, emitted
+
+    counted = emitted(HLO)
+    assert counted == {
+        "all-gather": {"count": 12, "bytes": 12 * 8 * 4 * 2},  # one per loop trip, bf16
+        "reduce-scatter": {"count": 12, "bytes": 12 * 64 * 4},  # its operand: the buffer it reduces
+        "all-reduce": {"count": 1 + 2, "bytes": 16 * 4 + 8 * 2 + 2 * 256 * 4},
+        "all-to-all": {"count": 0, "bytes": 0},
+        "collective-permute": {"count": 12, "bytes": 12 * 2 * 4 * 2},  # what it sends
+    }
+    minimum = {kind: dict(value) for kind, value in counted.items()}
+    minimum["all-gather"]["bytes"] = int(counted["all-gather"]["bytes"] / 1.05)  # within 10%
+    minimum["reduce-scatter"]["bytes"] = counted["reduce-scatter"]["bytes"] * 2  # half of it emitted
+    minimum["all-reduce"]["bytes"] = 0  # none expected
+    assert differences(counted, minimum) == {"reduce-scatter": -0.5, "all-reduce": float("inf")}

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdlm.flops import SUM_AS_MATMUL
-from spmdlm.mesh import resolve_spec
+from spmdlm.mesh import gathered_for_use, resolve_spec
 
 
 def einsum_float32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -174,14 +174,19 @@ class Embed(nnx.Module):
         axes: tuple[str, str | None] = ("vocab", None),
     ):
         # Shard the vocab dim, not the hidden one: a hidden-sharded table is fully rematerialised by the gather.
-        self.dtype = dtype
+        self.dtype, self.axes = dtype, axes
         self.embedding = make_param(nnx.initializers.normal(init_std), rngs.params(), (num_embeddings, features), axes)
 
+    def table(self) -> jax.Array:
+        """The table with its fsdp shards gathered (mesh.gathered_for_use): the lookup's output then follows the ids'
+        batch layout, and a vocab split over `tensor` becomes a masked lookup summed over `tensor`."""
+        return gathered_for_use(self.embedding[...], *self.axes)
+
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        return jnp.take(self.table(), ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return einsum_float32("...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype))
+        return einsum_float32("...d,vd->...v", x.astype(self.dtype), self.table().astype(self.dtype))
 
 
 class LayerNorm(nnx.Module):

@@ -29,8 +29,9 @@ from spmdlm.errors import ArgumentError, DoesNotFit
 from spmdlm.families import objective_for_shapes
 from spmdlm.mesh import MESH_AXES, batch_axis_size
 from spmdlm.run_args import RunArgs
+from spmdlm.train import collectives
 from spmdlm.train.setup import resolve, setup_state
-from spmdlm.train.state import count_parameters
+from spmdlm.train.state import DTYPES, count_parameters
 
 GiB = 2**30
 
@@ -145,6 +146,7 @@ def estimate(args: RunArgs) -> dict[str, Any]:
         else None
     )
     result.update(roofline(result))
+    result.update(collective_summary(ctx, graphdef, state, result["train"]))
     steps = [step for step in (result["train"], result["eval"]) if step]
     if any("error" in step for step in steps):
         result["fits"] = False  # XLA refused to compile it: more than the chip's HBM
@@ -170,7 +172,34 @@ def _compiled(compile_step) -> dict[str, Any]:
             raise
         lines = [line.strip() for line in text.replace("RESOURCE_EXHAUSTED: ", "").splitlines() if line.strip()]
         return {"error": " ".join(lines[:3]).rstrip("."), "compile_seconds": time.perf_counter() - start}
-    return {**devices.compiled_stats(compiled), "compile_seconds": time.perf_counter() - start}
+    return {
+        **devices.compiled_stats(compiled),
+        "collectives": collectives.emitted(compiled.as_text()),
+        "compile_seconds": time.perf_counter() - start,
+    }
+
+
+def collective_summary(ctx, graphdef, state, train: dict[str, Any]) -> dict[str, Any]:
+    """The analytic minimum, and the kinds whose emitted bytes differ from it by over 10% (None: not compiled)."""
+    minimum = minimum_collectives(ctx, graphdef, state)
+    differ = sorted(collectives.differences(train["collectives"], minimum)) if "collectives" in train else None
+    return {"collectives_minimum": minimum, "collectives_differ": differ}
+
+
+def minimum_collectives(ctx, graphdef, state) -> dict[str, dict[str, int]]:
+    """The analytic minimum of the train step's collectives on this mesh (spmdlm/train/collectives.py)."""
+    args, lengths = ctx.args, ctx.objective.sequence_lengths()
+    accumulation = args.gradient_accumulation_steps
+    return collectives.analytic_minimum(
+        collectives.model_parameters(graphdef, state),
+        dict(ctx.mesh.shape),
+        remat=ctx.layer_plan.remat,
+        compute_dtype=DTYPES[args.dtype],
+        batch_per_device=ctx.global_batch // (batch_axis_size(ctx.mesh) * accumulation),
+        lengths=lengths,
+        head_length=ctx.objective.label_capacity or lengths.get("decoder", lengths["input"]),
+        accumulation=accumulation,
+    )
 
 
 def roofline(r: dict[str, Any]) -> dict[str, Any]:
@@ -255,12 +284,40 @@ def report(r: dict[str, Any]) -> list[str]:
         + (f", eval step {evaluation['compile_seconds']:.1f} s" if evaluation else "")
         + f", state {r['init_compile_seconds']:.1f} s (on this machine)"
     )
+    lines += collective_lines(r)
     if r["fits"] is not None:
         use = max((step.get("total_bytes", 0) for step in (train, evaluation) if step), default=0)
         tight = r["fits"] and use > 0.9 * r["hbm_bytes_per_device"]
         lines.append(
             f"  fits in HBM     {'yes' if r['fits'] else 'NO'}"
             + (" (less than 10% to spare for the runtime: a smaller micro-batch is safer)" if tight else "")
+        )
+    return lines
+
+
+def collective_lines(r: dict[str, Any]) -> list[str]:
+    """The train step's collectives per device, emitted against the analytic minimum, and where they differ."""
+    emitted, minimum = r["train"].get("collectives"), r.get("collectives_minimum")
+    if not emitted or not minimum:
+        return []
+    lines = ["  collectives     train step, per device: emitted by XLA | analytic minimum for the mesh (docs/tpu.md)"]
+    off = collectives.differences(emitted, minimum)
+    for kind in collectives.KINDS:
+        got, want = emitted[kind], minimum[kind]
+        if not (got["count"] or want["count"]):
+            continue
+        note = ""
+        if kind in off:
+            note = "  <- none expected" if off[kind] == float("inf") else f"  <- {100 * off[kind]:+.0f}% (over 10%)"
+        lines.append(
+            f"    {kind:<15}{got['count']:>6} x, {_size(got['bytes']):>10} | {want['count']:>6} x, "
+            f"{_size(want['bytes']):>10}{note}"
+        )
+    permutes = emitted.get(collectives.PERMUTE)
+    if permutes and permutes["count"]:
+        lines.append(
+            f"    {collectives.PERMUTE:<15}{permutes['count']:>6} x, {_size(permutes['bytes']):>10} | not modelled: "
+            "rings that carry all-gathers or reduce-scatters within the matmuls"
         )
     return lines
 
