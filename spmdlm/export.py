@@ -44,6 +44,7 @@ from spmdlm.families.base import Family, Generation
 from spmdlm.hf_weights import CheckpointTensors
 from spmdlm.mesh import make_mesh
 from spmdlm.models.config import HFConfig
+from spmdlm.models.stack import restack
 from spmdlm.train.optim import evaluation_needs_optimizer, optim_config_of_run
 from spmdlm.train.state import build_train_state
 from spmdlm.train.step import model_for_evaluation
@@ -240,7 +241,7 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
 def export_state(graphdef, state, config: HFConfig, out_dir: str | Path, tokenizer=None) -> Path:
     """The end-of-training export; frees the parameters as it goes (the run is over)."""
     model, _ = nnx.merge(graphdef, state)
-    return save_hf(model, config, out_dir, tokenizer=tokenizer, release=True)
+    return save_hf(restack(model), config, out_dir, tokenizer=tokenizer, release=True)  # stacked: the tables' layout
 
 
 def _param_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
