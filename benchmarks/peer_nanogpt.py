@@ -33,8 +33,13 @@ SHAPES = {
 ADAMW = {"learning_rate": 6e-4, "weight_decay": 0.1, "betas": (0.9, 0.99), "clip": 1.0}
 
 
-def nanogpt_step_times(path: str, shape: dict, steps: int, warmup: int, compile_model: bool) -> list[float]:
-    """nanoGPT's train.py step (forward, backward, clip, AdamW, zero_grad) on one synthetic batch; -> step seconds."""
+def nanogpt_step_times(
+    path: str, shape: dict, steps: int, warmup: int, compile_model: bool, profile: str | None = None
+) -> list[float]:
+    """nanoGPT's train.py step (forward, backward, clip, AdamW, zero_grad) on one synthetic batch; -> step seconds.
+    `profile`: also trace the measured steps with torch.profiler and print its operator table (self CPU time)."""
+    import contextlib
+
     import torch
 
     sys.path.insert(0, path)
@@ -56,7 +61,12 @@ def nanogpt_step_times(path: str, shape: dict, steps: int, warmup: int, compile_
     x = torch.randint(shape["vocab_size"], (shape["batch"], shape["seq"]))
     y = torch.randint(shape["vocab_size"], (shape["batch"], shape["seq"]))
     times = []
+    tracing = contextlib.nullcontext()
+    if profile:
+        tracing = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
     for i in range(warmup + steps):
+        if i == warmup:
+            tracing.__enter__()
         start = time.perf_counter()
         _, loss = step_model(x, y)
         loss.backward()
@@ -65,12 +75,18 @@ def nanogpt_step_times(path: str, shape: dict, steps: int, warmup: int, compile_
         optimizer.zero_grad(set_to_none=True)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+    if profile:
+        tracing.__exit__(None, None, None)
+        table = tracing.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30)
+        with open(profile, "w") as f:
+            f.write(table)
+        print(table, file=sys.stderr)
     return times
 
 
 def run_nanogpt(args) -> dict:
     shape = SHAPES[args.shape]
-    times = nanogpt_step_times(args.nanogpt, shape, args.steps, args.warmup, args.compile)
+    times = nanogpt_step_times(args.nanogpt, shape, args.steps, args.warmup, args.compile, args.profile)
     step = statistics.median(times)
     return {"program": "nanogpt-compile" if args.compile else "nanogpt", "step_s": step}
 
@@ -139,11 +155,14 @@ def main():
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
     p.add_argument("--compile", action="store_true", help="also torch.compile(model) in each pair")
     p.add_argument("--ours", action="append", default=[], metavar="KEY=VALUE", help="a bench_train.py flag")
+    p.add_argument(
+        "--profile", metavar="FILE", help="run nanoGPT once under torch.profiler and write its op table to FILE"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one nanoGPT run (internal)
     args = p.parse_args()
     if not os.path.isfile(os.path.join(args.nanogpt, "model.py")):
         sys.exit(f"peer_nanogpt.py: {args.nanogpt} has no model.py; give --nanogpt a karpathy/nanoGPT checkout")
-    if args.child:
+    if args.child or args.profile:
         print(json.dumps(run_nanogpt(args)))
     else:
         run_pairs(args)

@@ -55,15 +55,22 @@ def check_eval_tasks(args) -> None:
 
 
 def parse_scan_unroll(value: str) -> int | None:
-    """--scan_unroll's value: None for auto, else the layers per scan iteration (0 = fully unrolled)."""
+    """--scan_unroll's value: None for auto, else the layers per scan iteration (0 = fully unrolled), or
+    models.stack.PER_LAYER for per_layer (one parameter array per layer, unrolled)."""
     if value == "auto":
         return None
+    if value == "per_layer":
+        from spmdlm.models.stack import PER_LAYER
+
+        return PER_LAYER
     try:
         layers = int(value)
     except (TypeError, ValueError):
         layers = -1
     if layers < 0:
-        raise ArgumentError(f"--scan_unroll must be auto, 0 (fully unrolled) or a positive number, got {value!r}")
+        raise ArgumentError(
+            f"--scan_unroll must be auto, 0 (fully unrolled), per_layer or a positive number, got {value!r}"
+        )
     return layers
 
 

@@ -1,5 +1,6 @@
-"""--scan_unroll 0: the layers own their parameters (one array per layer, as the HF Flax models keep them) and compute
-what the scanned stack computes; checkpoints stay in the stacked format, so either layout restores the other's."""
+"""--scan_unroll per_layer: the layers own their parameters (one array per layer, as the HF Flax models keep them)
+and compute what the scanned stack computes; checkpoints stay in the stacked format, so either layout restores the
+other's."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import numpy as np
 from flax import nnx
 
 from spmdlm import checkpoint
+from spmdlm.config import parse_scan_unroll
 from spmdlm.families import get_family, load_config
 from spmdlm.mesh import make_mesh
-from spmdlm.models.stack import LayerStack, restack, stack_layers
+from spmdlm.models.stack import PER_LAYER, LayerStack, restack, stack_layers
+from spmdlm.train.plan import plan_layers
 from spmdlm.train.state import build_train_state
 
 BART = get_family("bart")
@@ -41,7 +44,7 @@ def test_per_layer_stack_gives_the_scanned_logits_and_gradients():
     def logits_and_grads(unroll):
         model = BART.make_model(TINY_BART, rngs=nnx.Rngs(0), scan_unroll=unroll)
         stacks = [node for _, node in nnx.iter_graph(model) if isinstance(node, LayerStack)]
-        assert [stack.per_layer for stack in stacks] == [unroll is True] * 2
+        assert [stack.per_layer for stack in stacks] == [unroll == PER_LAYER] * 2
         params = nnx.state(model, nnx.Param)
         graphdef = nnx.graphdef(model)
 
@@ -53,17 +56,30 @@ def test_per_layer_stack_gives_the_scanned_logits_and_gradients():
         stacked = [pure(stack_layers(nnx.to_pure_dict(tree))) for tree in (params, grads)]
         return stacked[0], np.asarray(logits), stacked[1]
 
-    (params, logits, grads), (scanned_params, scanned_logits, scanned_grads) = map(logits_and_grads, (True, 1))
+    (params, logits, grads), (scanned_params, scanned_logits, scanned_grads) = map(logits_and_grads, (PER_LAYER, 1))
     assert_same(params, scanned_params)
     np.testing.assert_allclose(logits, scanned_logits, atol=1e-5, rtol=0)
     assert_same(grads, scanned_grads, atol=1e-6)
+
+
+def test_per_layer_is_a_scan_unroll_value_auto_never_picks():
+    """Measured slower than the scanned and the stacked-unrolled step on CPU (benchmarks/README.md): explicit only."""
+    assert parse_scan_unroll("per_layer") == PER_LAYER
+    abstract = nnx.eval_shape(lambda: BART.make_model(TINY_BART, rngs=nnx.Rngs(0)))
+    for platform in ("cpu", "gpu"):
+        plan = plan_layers(
+            "dots", "auto", abstract, platform=platform, itemsize=4, tokens_per_device=8, memory_bytes=None
+        )
+        assert plan.scan_unroll != PER_LAYER
+    assert plan_layers("dots", "per_layer", abstract, platform="cpu", itemsize=4, tokens_per_device=8,
+                       memory_bytes=None).scan_unroll == PER_LAYER  # fmt: skip
 
 
 def test_checkpoints_restore_across_layouts_and_export_restacks(tmp_path):
     """A train state saved per-layer restores into a scanned one and back (model and optimizer), array for array;
     restack (the end-of-training export) returns the stacked model."""
     mesh = make_mesh("data=1", jax.devices()[:1])
-    per_layer = build_train_state(BART, TINY_BART, mesh, seed=1, scan_unroll=0)
+    per_layer = build_train_state(BART, TINY_BART, mesh, seed=1, scan_unroll=PER_LAYER)
     scanned = build_train_state(BART, TINY_BART, mesh, seed=2, scan_unroll=1)
     with jax.set_mesh(mesh):
         for name, (source, (_, target)) in {"a": (per_layer, scanned), "b": (scanned, per_layer)}.items():

@@ -30,6 +30,9 @@ REMAT_POLICIES = {
     "qkv": _keep(*QKV),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
+# `unroll` for layers that own their parameters (--scan_unroll per_layer): one module per layer, applied in a Python
+# loop, as the HF Flax models keep them. Checkpoints hold the stacked layout either way (stack_layers/unstack_layers).
+PER_LAYER = -1
 
 
 class LayerStack(nnx.Module):
@@ -38,7 +41,7 @@ class LayerStack(nnx.Module):
     One traced layer instead of `count`: compile time stays nearly flat with depth. `make_layer(rngs)` builds one
     layer; every call of the stack passes `x` through the layers as the scan carry, with the other arguments the
     same for each layer. `remat` names what each layer keeps for the backward pass (REMAT_POLICIES). Dropout gets
-    one key per layer. `unroll` is jax.lax.scan's (True = fully unrolled, same parameters; for benchmarks).
+    one key per layer. `unroll` is jax.lax.scan's (True = fully unrolled, same parameters), or PER_LAYER.
     """
 
     def __init__(
@@ -61,7 +64,7 @@ class LayerStack(nnx.Module):
             return make_layer(rngs)
 
         layers = create(rngs)
-        self.per_layer = unroll is True
+        self.per_layer = unroll == PER_LAYER
         if self.per_layer:  # each layer owns its parameters: slices of the stacked ones (the same initialisation)
             self.layers = nnx.List(unstack(layers, count))
             return
