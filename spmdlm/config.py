@@ -29,6 +29,7 @@ from spmdlm.data.objectives import Flag
 from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_FORMATS
 from spmdlm.errors import ArgumentError, yaml_problem
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
+from spmdlm.models.stack import PER_LAYER
 from spmdlm.run_args import (  # noqa: F401 - re-exported: callers find the run's flags here
     DECAYING_SCHEDULES,
     DEFAULT_MODEL_TYPE,
@@ -60,8 +61,6 @@ def parse_scan_unroll(value: str) -> int | None:
     if value == "auto":
         return None
     if value == "per_layer":
-        from spmdlm.models.stack import PER_LAYER
-
         return PER_LAYER
     try:
         layers = int(value)
