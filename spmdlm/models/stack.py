@@ -207,5 +207,5 @@ def restack(model: nnx.Module) -> nnx.Module:
 
         states = [nnx.state(layer) for layer in stack.layers]
         stack.layers = nnx.merge(graphdef, jax.tree.map(join, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-        stack.per_layer = False
+        stack.per_layer, stack.unroll = False, True  # callable again: fully unrolled over the stacked arrays
     return model
