@@ -96,8 +96,8 @@ def parse_args(argv=None, extra: Callable[[argparse.ArgumentParser], None] | Non
     p.add_argument(
         "--scan_unroll",
         default="auto",
-        help="layers per iteration of the layer scan, as the launcher's flag; 0 = fully unrolled; auto = "
-        "the launcher's choice",
+        help="layers per iteration of the layer scan, as the launcher's flag; 0 = fully unrolled; per_layer = "
+        "unrolled, each layer owning its parameter arrays; auto = the launcher's choice",
     )
     p.add_argument("--unroll", dest="scan_unroll", action="store_const", const="0", help="= --scan_unroll 0")
     p.add_argument(
@@ -198,7 +198,7 @@ class Variant:
     attention: str = "xla"
     donate: bool = True
     xla: str = ""
-    unroll: str = "auto"  # layers per scan iteration (--scan_unroll); 0 = fully unrolled (same parameters)
+    unroll: str = "auto"  # --scan_unroll: layers per scan iteration, 0 = fully unrolled, per_layer = own arrays
     loss_chunk: int = 0  # --loss_chunk_size
     labelled_only: bool = True  # the LM head on labelled positions only where the objective allows (MLM)
     remat: str = "auto"  # --remat: auto or one of REMAT_POLICIES

@@ -31,6 +31,7 @@ from flax import nnx
 
 from spmdlm import storage
 from spmdlm.errors import CheckpointError, NonFiniteStateError
+from spmdlm.models.stack import stack_layers, unstack_layers
 
 log = logging.getLogger("spmdlm")
 
@@ -148,7 +149,7 @@ def fingerprint(tree) -> tuple[dict[str, int], list[str]]:
 
 
 def _items_of(state) -> dict[str, Any]:
-    model, optimizer = nnx.to_pure_dict(state).values()
+    model, optimizer = stack_layers(nnx.to_pure_dict(state)).values()  # per-layer stacks saved stacked: one format
     return {"model": model, "optimizer": optimizer}
 
 
@@ -247,7 +248,8 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state, data_iterat
     line) if the checkpoint cannot be read or does not match its fingerprints.
     """
     step = resolve_step(manager, step)
-    target = nnx.to_pure_dict(abstract_of(state))
+    layout = nnx.to_pure_dict(abstract_of(state))
+    target = stack_layers(layout)  # checkpoints hold stacked layers, whichever layout `state` has
     if model_only:
         items = {"model": ocp.args.StandardRestore(target)}
     else:
@@ -262,7 +264,7 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state, data_iterat
     arrays = {k: restored[k] for k in ("model", "optimizer") if k in items}
     verify(arrays, (restored["config"] or {}).get("fingerprints"), step)
     pure = arrays["model"] if model_only else {0: arrays["model"], 1: arrays["optimizer"]}
-    nnx.replace_by_pure_dict(state, pure)
+    nnx.replace_by_pure_dict(state, unstack_layers(pure, layout))
     return state, step
 
 

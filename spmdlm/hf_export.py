@@ -39,6 +39,7 @@ from spmdlm.families import get_family, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.hf_weights import CheckpointTensors
 from spmdlm.models.hf_config import HFConfig
+from spmdlm.models.stack import restack
 from spmdlm.storage import no_space, remove_stale_temps
 
 # -- config --------------------------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
 def export_state(graphdef, state, config: HFConfig, out_dir: str | Path, tokenizer=None) -> Path:
     """The end-of-training export; frees the parameters as it goes (the run is over)."""
     model, _ = nnx.merge(graphdef, state)
-    return save_hf(model, config, out_dir, tokenizer=tokenizer, release=True)
+    return save_hf(restack(model), config, out_dir, tokenizer=tokenizer, release=True)  # stacked: the tables' layout
 
 
 def _param_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:

@@ -30,6 +30,9 @@ REMAT_POLICIES = {
     "qkv": _keep(*QKV),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
+# `unroll` for layers that own their parameters (--scan_unroll per_layer): one module per layer, applied in a Python
+# loop, as the HF Flax models keep them. Checkpoints hold the stacked layout either way (stack_layers/unstack_layers).
+PER_LAYER = -1
 
 
 class LayerStack(nnx.Module):
@@ -38,7 +41,7 @@ class LayerStack(nnx.Module):
     One traced layer instead of `count`: compile time stays nearly flat with depth. `make_layer(rngs)` builds one
     layer; every call of the stack passes `x` through the layers as the scan carry, with the other arguments the
     same for each layer. `remat` names what each layer keeps for the backward pass (REMAT_POLICIES). Dropout gets
-    one key per layer. `unroll` is jax.lax.scan's (True = fully unrolled, same parameters; for benchmarks).
+    one key per layer. `unroll` is jax.lax.scan's (True = fully unrolled, same parameters), or PER_LAYER.
     """
 
     def __init__(
@@ -60,7 +63,12 @@ class LayerStack(nnx.Module):
         def create(rngs):
             return make_layer(rngs)
 
-        self.layers = create(rngs)
+        layers = create(rngs)
+        self.per_layer = unroll == PER_LAYER
+        if self.per_layer:  # each layer owns its parameters: slices of the stacked ones (the same initialisation)
+            self.layers = nnx.List(unstack(layers, count))
+            return
+        self.layers = layers
         for _, var in nnx.iter_graph(self.layers):
             if isinstance(var, nnx.Param):
                 var.set_metadata(logical_axes=("layers", *var.get_metadata()["logical_axes"]))
@@ -73,6 +81,11 @@ class LayerStack(nnx.Module):
 
         if self.remat != "none":
             apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
+
+        if self.per_layer:
+            for i, layer in enumerate(self.layers):
+                x = apply(layer, x, None if keys is None else keys[i])
+            return x
 
         @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry, unroll=self.unroll)
         def body(layer, x, key):
@@ -89,7 +102,6 @@ class LayerStack(nnx.Module):
         where scanning slices in and out copied the whole cache every step.
         """
 
-        @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry, unroll=self.unroll)
         def body(layer, carry, i, cross):
             x, cache = carry
             mine = dataclasses.replace(cache, layer=i, cross_key=cross[0], cross_value=cross[1])
@@ -97,16 +109,103 @@ class LayerStack(nnx.Module):
             return x, dataclasses.replace(mine, layer=None, cross_key=None, cross_value=None)
 
         carried = dataclasses.replace(cache, cross_key=None, cross_value=None)
-        x, carried = body(self.layers, (x, carried), jnp.arange(self.count), (cache.cross_key, cache.cross_value))
+        cross = (cache.cross_key, cache.cross_value)
+        if self.per_layer:
+            for i, layer in enumerate(self.layers):
+                x, carried = body(layer, (x, carried), jnp.int32(i), jax.tree.map(lambda a, i=i: a[i], cross))
+        else:
+            scanned = nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry, unroll=self.unroll)(body)
+            x, carried = scanned(self.layers, (x, carried), jnp.arange(self.count), cross)
         return x, dataclasses.replace(
             carried, cross_key=cache.cross_key, cross_value=cache.cross_value, index=cache.index + x.shape[1]
         )
 
     def map(self, fn: Callable[[nnx.Module], tuple[jax.Array, ...]]) -> tuple[jax.Array, ...]:
         """`fn(layer)` for every layer, stacked on a leading layers axis (e.g. cross-attention keys and values)."""
+        if self.per_layer:
+            return jax.tree.map(lambda *xs: jnp.stack(xs), *[fn(layer) for layer in self.layers])
 
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
         def body(layer, carry):
             return carry, fn(layer)
 
         return body(self.layers, None)[1]
+
+
+def unstack(stacked: nnx.Module, count: int) -> list[nnx.Module]:
+    """The `count` layers of a stacked module (leading layers axis), each owning its slice of the parameters."""
+    graphdef, state = nnx.split(stacked)
+
+    def take(variable: nnx.Variable, i: int) -> nnx.Variable:
+        metadata = variable.get_metadata()
+        if metadata.get("out_sharding") is not None:
+            metadata["out_sharding"] = tuple(metadata["out_sharding"][1:])
+        return type(variable)(variable.get_value()[i], **metadata)
+
+    is_variable = lambda x: isinstance(x, nnx.Variable)
+    return [nnx.merge(graphdef, jax.tree.map(lambda v: take(v, i), state, is_leaf=is_variable)) for i in range(count)]
+
+
+# -- one checkpoint format: a per-layer stack's layers ({"layers": {0: ..., 1: ...}} in a state's pure dict) are
+# saved stacked, as the scanned stack holds them, and split again on restore.
+def _per_layer(node) -> bool:
+    return isinstance(node, dict) and bool(node) and all(isinstance(k, int) for k in node)
+
+
+def _stack_leaves(*leaves):
+    first = leaves[0]
+    if isinstance(first, jax.ShapeDtypeStruct):  # a restore target
+        sharding = first.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+        return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
+    return jnp.stack(leaves)
+
+
+def stack_layers(tree):
+    """A state's pure dict (arrays or their shapes) in the stacked layout: every per-layer stack's layers joined."""
+    if not isinstance(tree, dict):
+        return tree
+    return {
+        key: jax.tree.map(_stack_leaves, *value.values())
+        if key == "layers" and _per_layer(value)
+        else stack_layers(value)
+        for key, value in tree.items()
+    }
+
+
+def unstack_layers(tree, like):
+    """`tree` (stacked layout, as stack_layers gives) in the layout of the pure dict `like`, each layer's arrays
+    placed with `like`'s shardings."""
+    if not isinstance(like, dict):
+        return tree
+    out = {}
+    for key, target in like.items():
+        value = tree[key]
+        if key == "layers" and _per_layer(target) and not _per_layer(value):
+            value = {
+                i: jax.tree.map(lambda x, t, i=i: jax.device_put(x[i], t.sharding), value, layer)
+                for i, layer in target.items()
+            }
+        out[key] = unstack_layers(value, target)
+    return out
+
+
+def restack(model: nnx.Module) -> nnx.Module:
+    """`model` with every per-layer stack turned back into stacked parameters, in place: the layout the export
+    tables and the Hub name (the end-of-training export reads the live model)."""
+    for stack in [node for _, node in nnx.iter_graph(model) if isinstance(node, LayerStack) and node.per_layer]:
+        graphdef = nnx.graphdef(stack.layers[0])
+
+        def join(*variables: nnx.Variable) -> nnx.Variable:
+            metadata = variables[0].get_metadata()
+            if metadata.get("out_sharding") is not None:
+                metadata["out_sharding"] = (None, *metadata["out_sharding"])
+            if isinstance(variables[0], nnx.Param):
+                metadata["logical_axes"] = ("layers", *metadata["logical_axes"])
+            return type(variables[0])(jnp.stack([v.get_value() for v in variables]), **metadata)
+
+        states = [nnx.state(layer) for layer in stack.layers]
+        stack.layers = nnx.merge(graphdef, jax.tree.map(join, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+        stack.per_layer, stack.unroll = False, True  # callable again: fully unrolled over the stacked arrays
+    return model

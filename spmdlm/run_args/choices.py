@@ -12,7 +12,7 @@ from spmdlm import bounds
 from spmdlm.bounds import Bounds
 from spmdlm.data.objectives import Flag
 from spmdlm.errors import ArgumentError
-from spmdlm.models.stack import REMAT_POLICIES
+from spmdlm.models.stack import PER_LAYER, REMAT_POLICIES
 
 # --remat: what each scanned layer keeps for its backward pass (the policies: models/stack.py REMAT_POLICIES); auto
 # chooses one (spmdlm/train/plan.py).
@@ -88,15 +88,20 @@ FLAG_BOUNDS: Mapping[str, Bounds] = {
 
 
 def parse_scan_unroll(value: str) -> int | None:
-    """--scan_unroll's value: None for auto, else the layers per scan iteration (0 = fully unrolled)."""
+    """--scan_unroll's value: None for auto, else the layers per scan iteration (0 = fully unrolled), or
+    models.stack.PER_LAYER for per_layer (one parameter array per layer, unrolled)."""
     if value == "auto":
         return None
+    if value == "per_layer":
+        return PER_LAYER
     try:
         layers = int(value)
     except (TypeError, ValueError):
         layers = -1
     if layers < 0:
-        raise ArgumentError(f"--scan_unroll must be auto, 0 (fully unrolled) or a positive number, got {value!r}")
+        raise ArgumentError(
+            f"--scan_unroll must be auto, 0 (fully unrolled), per_layer or a positive number, got {value!r}"
+        )
     return layers
 
 

@@ -357,8 +357,9 @@ class OptimizationArgs(_Section):
         "auto",
         "layers per iteration of the layer scan (jax.lax.scan's unroll); 0 = fully "
         "unrolled: slower to compile, faster steps for small encoder-decoders on CPU; auto = 0 "
-        "for encoder-decoders of up to 12 layers per stack and d_model up to 256 on CPU, else 1 "
-        "(recorded in run_config.json)",
+        "for encoder-decoders of up to 12 layers per stack and d_model up to 256 on CPU, else 1; "
+        "per_layer = unrolled with one parameter array per layer (checkpoints stay stacked; measured slower "
+        "than both on CPU: benchmarks/README.md) (recorded in run_config.json)",
     )
     z_loss: float = _field(0.0, "T5X z-loss coefficient (log-partition regulariser) for bf16 stability")
     loss_chunk_size: int = _field(
