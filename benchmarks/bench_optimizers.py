@@ -55,7 +55,8 @@ def own_flags(optimizer: str, quickstart: dict) -> list[str]:
 
 
 def run(model: str, optimizer: str, args) -> dict:
-    from spmdlm.families import quickstart
+    from spmdlm.families import family_choices
+    from spmdlm.run_args.choices import quickstart
 
     out = Path(tempfile.mkdtemp(prefix=f"bench-optim-{model}-{optimizer}-", dir="/tmp"))
     command = [
@@ -79,7 +80,7 @@ def run(model: str, optimizer: str, args) -> dict:
         "--export_hf",
         "false",
         "--sample_prompts=",
-        *own_flags(optimizer, quickstart(model)),
+        *own_flags(optimizer, quickstart(family_choices(), model)),
         *args.extra,
     ]
     start = time.perf_counter()

@@ -88,4 +88,4 @@ def test_two_processes_match_one(tmp_path, tiny_gpt2_config, gcs_bucket):
         assert a == pytest.approx(b, rel=1e-5)
     assert storage.path(f"{multi_out}/hf/model.safetensors").is_file()
     assert json.loads(storage.path(f"{multi_out}/run_config.json").read_text())["global_batch"] == 64
-    assert {p.name for p in storage.files_under(f"{gcs_bucket}/multi-cache")} >= {"train.tokens", "train.json"}
+    assert {p.name for p in storage.files_under(f"{gcs_bucket}/multi-cache")} >= {"dataset.json", "train-00000.tokens"}

@@ -208,7 +208,7 @@ def test_rerunning_a_finished_run_redoes_only_what_is_missing(capsys, base_run, 
     code, stdout, _ = launch(capsys, *flags(out, cache_dir, tiny_gpt2_config))
     assert code == 0 and (out / "hf" / "model.safetensors").is_file()
     assert "compiled" not in stdout  # nothing to train: the train step is not compiled
-    assert json.loads((out / "eval_results.json").read_text()) == json.loads(results)
+    assert json.loads((out / "eval_results.json").read_text()) == json.loads(results)  # the goodput of the training
     assert (out / "metrics.jsonl").read_bytes() == metrics  # no duplicate compile or eval events
 
 

@@ -8,9 +8,9 @@ import jax
 import pytest
 from family_fixtures import FIXTURES
 
+from spmdlm.cli.launch import parse_args
 from spmdlm.data import pipeline
 from spmdlm.families import objective_for_shapes
-from spmdlm.launch import parse_args
 from spmdlm.train.setup import resolve, setup_state
 
 MESHES = ("data=2,fsdp=2,tensor=2", "data=4,fsdp=2", "fsdp=8")
@@ -26,7 +26,7 @@ def compile_train_step(family: str, config, mesh: str, output_dir) -> None:
         + ["--mesh", mesh, "--per_device_train_batch_size", "2", "--output_dir", str(output_dir)]
     )
     ctx = resolve(args, time.perf_counter())
-    ctx.objective = objective_for_shapes(ctx.family, ctx.config, args=args)
+    ctx.objective = objective_for_shapes(ctx.family, ctx.config, flags=args.objective)
     _, state, stepper = setup_state(ctx, abstract=True)
     batch = pipeline.batch_spec(ctx.objective, ctx.global_batch)
     stepper.lower_train(state, batch, compiler_options=FAST_CODEGEN).compile()

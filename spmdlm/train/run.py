@@ -254,7 +254,8 @@ def export_and_publish(ctx: RunContext, model: Model, reporter: Reporter, result
     """eval_results.json and the summary; the export (the parameters evaluation reads) unless one is there from
     the same training; the model card, and the upload with --push_to_hub."""
     if is_main():
-        results.update(reporter.log_goodput(ctx.total_steps))
+        if trained:  # goodput is of an invocation that trained; one that only redoes outputs keeps the run's
+            results.update(reporter.log_goodput(ctx.total_steps))
         write_json(
             ctx.out / "eval_results.json",
             {k: v for k, v in results.items() if is_eval_key(k) or k.startswith(("train_", "goodput"))},
