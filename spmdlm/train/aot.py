@@ -188,17 +188,16 @@ def collective_summary(ctx, graphdef, state, train: dict[str, Any]) -> dict[str,
 
 def minimum_collectives(ctx, graphdef, state) -> dict[str, dict[str, int]]:
     """The analytic minimum of the train step's collectives on this mesh (spmdlm/train/collectives.py)."""
-    args, lengths = ctx.args, ctx.objective.sequence_lengths()
-    accumulation = args.gradient_accumulation_steps
+    lengths = ctx.objective.sequence_lengths()
     return collectives.analytic_minimum(
         collectives.model_parameters(graphdef, state),
         dict(ctx.mesh.shape),
         remat=ctx.layer_plan.remat,
-        compute_dtype=DTYPES[args.dtype],
-        batch_per_device=ctx.global_batch // (batch_axis_size(ctx.mesh) * accumulation),
+        compute_dtype=DTYPES[ctx.args.model.dtype],
+        batch_per_device=ctx.per_device_batch,
         lengths=lengths,
         head_length=ctx.objective.label_capacity or lengths.get("decoder", lengths["input"]),
-        accumulation=accumulation,
+        accumulation=ctx.args.control.gradient_accumulation_steps,
     )
 
 
