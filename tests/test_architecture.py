@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "spmdlm"
@@ -327,6 +328,14 @@ def test_no_function_over_60_lines():
 
 def test_no_two_modules_share_a_name_without_a_reason():
     assert_clean(shared_stems)
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages a wheel holds: a package missing there imports from a checkout (the editable
+    install) and fails from a wheel."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / PKG).rglob("__init__.py")}
+    assert listed - {f"{PKG}.presets"} == found
 
 
 def test_python_m_entries_only_run_their_command_line():
