@@ -202,6 +202,7 @@ class Variant:
     loss_chunk: int = 0  # --loss_chunk_size
     labelled_only: bool = True  # the LM head on labelled positions only where the objective allows (MLM)
     remat: str = "auto"  # --remat: auto or one of REMAT_POLICIES
+    clip: float = 1.0  # --max_grad_norm (0 = no clipping, as the HF Flax scripts)
 
     def label(self) -> str:
         return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
@@ -231,16 +232,23 @@ def parse_variant(text: str, base: Variant) -> Variant:
             "loss_chunk",
             "labelled_only",
             "remat",
+            "clip",
         ):
             fail(
-                f"--compare {text!r}: use jit=, attention=, donate=, xla=, unroll=, loss_chunk=, labelled_only= or "
-                "remat= (comma-separated)"
+                f"--compare {text!r}: use jit=, attention=, donate=, xla=, unroll=, loss_chunk=, labelled_only=, "
+                "remat= or clip= (comma-separated)"
             )
         flag = key in ("donate", "labelled_only")
         if key == "unroll":  # unroll=true is full unrolling, unroll=N N layers per iteration
             value = "0" if value.strip().lower() in ("true", "yes") else value
         changes[key] = (
-            value.strip() not in ("0", "false", "no") if flag else int(value) if key == "loss_chunk" else value.strip()
+            value.strip() not in ("0", "false", "no")
+            if flag
+            else int(value)
+            if key == "loss_chunk"
+            else float(value)
+            if key == "clip"
+            else value.strip()
         )
     variant = dataclasses.replace(base, **changes)
     if (
@@ -480,7 +488,7 @@ def run_benchmark(args) -> dict[str, Any]:
             family,
             config,
             mesh,
-            optim=optim,
+            optim=dataclasses.replace(optim, max_grad_norm=variant.clip),
             total_steps=total_steps,
             seed=args.seed,
             dtype=args.dtype,
@@ -498,6 +506,7 @@ def run_benchmark(args) -> dict[str, Any]:
         loss_chunk=args.loss_chunk_size,
         labelled_only=args.labelled_only,
         remat=args.remat,
+        clip=args.max_grad_norm,
     )
     variants = [base] + [parse_variant(text, base) for text in args.compare]
     if base.jit == "nnx" and base.xla:

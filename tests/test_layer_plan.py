@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from spmdlm.families import families, load_config
-from spmdlm.models.stack import REMAT_POLICIES
-from spmdlm.train.plan import REMAT_MEMORY_SHARE, dots_bytes_per_token, plan_layers
+from spmdlm.models.stack import PER_LAYER, REMAT_POLICIES
+from spmdlm.train.plan import NONE_BYTES_FACTOR, REMAT_MEMORY_SHARE, dots_bytes_per_token, plan_layers
 
 
 def abstract_model(family: str, **overrides):
@@ -24,14 +24,47 @@ def test_dots_bytes_count_every_weight_matmul_output_of_every_layer():
     assert dots_bytes_per_token(model, 4) == 4 * layers * per_layer
 
 
-@pytest.mark.parametrize("family, unroll", [("gpt2", 1), ("roberta", 1), ("t5", 0), ("bart", 0)])
-def test_auto_unrolls_shallow_encoder_decoders_on_cpu_only(family, unroll):
+@pytest.mark.parametrize("family, remat, unroll", [("gpt2", "dots", 1), ("roberta", "none", PER_LAYER),
+                                                  ("t5", "none", PER_LAYER), ("bart", "none", PER_LAYER)])  # fmt: skip
+def test_auto_runs_the_hf_program_on_cpu_where_it_measured_faster(family, remat, unroll):
+    """Tiny presets on CPU: per-layer arrays and nothing recomputed, except GPT-2 (fused query/key/value: slower);
+    on a TPU always the scan with dots."""
     model = abstract_model(family)
     plan = plan_layers("auto", "auto", model, platform="cpu", itemsize=4, tokens_per_device=256, memory_bytes=2**34)
-    assert (plan.remat, plan.scan_unroll) == ("dots", unroll)
+    assert (plan.remat, plan.scan_unroll) == (remat, unroll)
     assert set(plan.reasons) == {"remat", "scan_unroll"}
     on_tpu = plan_layers("auto", "auto", model, platform="tpu", itemsize=2, tokens_per_device=256, memory_bytes=2**34)
-    assert on_tpu.scan_unroll == 1 and "GPU or TPU" in on_tpu.reasons["scan_unroll"]
+    assert (on_tpu.remat, on_tpu.scan_unroll) == ("dots", 1) and "GPU or TPU" in on_tpu.reasons["scan_unroll"]
+
+
+@pytest.mark.parametrize("family, width, hf_program", [("t5", 768, True), ("roberta", 768, False), ("bart", 768, False),
+                                                       ("roberta", 256, True)])  # fmt: skip
+def test_the_hf_program_at_base_width_only_for_the_gated_mlp(family, width, hf_program):
+    """At d_model 768 (the peers' base sizes) only T5 v1.1 measured faster per-layer without remat."""
+    names = {"t5": "d_model", "bart": "d_model", "roberta": "hidden_size"}
+    model = abstract_model(family, **{names[family]: width})
+    plan = plan_layers("auto", "auto", model, platform="cpu", itemsize=4, tokens_per_device=512, memory_bytes=2**34)
+    assert (plan.scan_unroll == PER_LAYER, plan.remat == "none") == (hf_program, hf_program)
+
+
+def test_the_hf_program_needs_room_for_what_none_keeps_and_both_flags_auto():
+    model = abstract_model("t5")
+    need = NONE_BYTES_FACTOR * dots_bytes_per_token(model, 4) * 256
+    plan = lambda remat="auto", unroll="auto", memory=2**34: plan_layers(
+        remat, unroll, model, platform="cpu", itemsize=4, tokens_per_device=256, memory_bytes=memory
+    )
+    assert plan(memory=int(need / REMAT_MEMORY_SHARE) + 1).scan_unroll == PER_LAYER
+    tight = plan(memory=int(need / REMAT_MEMORY_SHARE) - 1)
+    assert (tight.remat, tight.scan_unroll) == ("dots", 0)  # the stacked unroll of small encoder-decoders
+    assert plan(remat="none").record() == {
+        "remat": "none",
+        "scan_unroll": PER_LAYER,
+        "auto": {"scan_unroll": "per_layer (each layer its own arrays, unrolled): a gated MLP on CPU"},
+    }
+    assert (plan(remat="dots").scan_unroll, plan(unroll="1").remat) == (0, "dots")
+    deep = abstract_model("t5", num_layers=13, num_decoder_layers=13)
+    deep_plan = plan_layers("auto", "auto", deep, platform="cpu", itemsize=4, tokens_per_device=256, memory_bytes=None)
+    assert (deep_plan.remat, deep_plan.scan_unroll) == ("dots", 1)
 
 
 def test_auto_keeps_deep_encoder_decoders_scanned():

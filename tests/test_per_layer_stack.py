@@ -62,8 +62,9 @@ def test_per_layer_stack_gives_the_scanned_logits_and_gradients():
     assert_same(grads, scanned_grads, atol=1e-6)
 
 
-def test_per_layer_is_a_scan_unroll_value_auto_never_picks():
-    """Measured slower than the scanned and the stacked-unrolled step on CPU (benchmarks/README.md): explicit only."""
+def test_auto_picks_per_layer_only_with_nothing_recomputed():
+    """With a recomputing remat per-layer measured slower than the scanned and the stacked-unrolled step on CPU
+    (benchmarks/README.md); auto takes it only as the HF program (remat none), and only on CPU."""
     assert parse_scan_unroll("per_layer") == PER_LAYER
     abstract = nnx.eval_shape(lambda: BART.make_model(TINY_BART, rngs=nnx.Rngs(0)))
     for platform in ("cpu", "gpu"):
@@ -73,6 +74,11 @@ def test_per_layer_is_a_scan_unroll_value_auto_never_picks():
         assert plan.scan_unroll != PER_LAYER
     assert plan_layers("dots", "per_layer", abstract, platform="cpu", itemsize=4, tokens_per_device=8,
                        memory_bytes=None).scan_unroll == PER_LAYER  # fmt: skip
+    hf_program = [
+        plan_layers("auto", "auto", abstract, platform=p, itemsize=4, tokens_per_device=8, memory_bytes=None)
+        for p in ("cpu", "gpu")
+    ]
+    assert [(p.remat, p.scan_unroll) for p in hf_program] == [("none", PER_LAYER), ("dots", 1)]
 
 
 def test_checkpoints_restore_across_layouts_and_export_restacks(tmp_path):

@@ -350,7 +350,8 @@ class OptimizationArgs(_Section):
         "rest recomputed (less memory than none, and faster through the layer scan); "
         "dots_with_attention = also the attention probabilities; qkv = only the query, key and value "
         "projections; none = everything; full = its input only (least memory, a third more "
-        "compute); auto = dots, or full where dots would not fit (recorded in run_config.json)",
+        "compute); auto = none with --scan_unroll per_layer where auto picks that on CPU, else dots, or "
+        "full where dots would not fit (recorded in run_config.json)",
     )
     gradient_checkpointing: bool = _field(False, "= --remat full (the HF scripts' name)")
     scan_unroll: str = _field(
@@ -358,8 +359,10 @@ class OptimizationArgs(_Section):
         "layers per iteration of the layer scan (jax.lax.scan's unroll); 0 = fully "
         "unrolled: slower to compile, faster steps for small encoder-decoders on CPU; auto = 0 "
         "for encoder-decoders of up to 12 layers per stack and d_model up to 256 on CPU, else 1; "
-        "per_layer = unrolled with one parameter array per layer (checkpoints stay stacked; measured slower "
-        "than both on CPU: benchmarks/README.md) (recorded in run_config.json)",
+        "per_layer = unrolled with one parameter array per layer, as the HF Flax models (checkpoints stay "
+        "stacked); with --remat auto, auto picks per_layer and remat none on CPU for T5 v1.1 and for RoBERTa "
+        "and BART up to d_model 256, where that measured fastest (benchmarks/README.md) (recorded in "
+        "run_config.json)",
     )
     z_loss: float = _field(0.0, "T5X z-loss coefficient (log-partition regulariser) for bf16 stability")
     loss_chunk_size: int = _field(
