@@ -12,6 +12,7 @@ Every directory may be a gs:// path (spmdlm/storage.py): an export to a bucket i
 
 from __future__ import annotations
 
+import collections
 import glob
 import importlib.metadata
 import json
@@ -288,14 +289,19 @@ def _fill_params(model: nnx.Module, path: Path, mesh=None, source_config: HFConf
     Per-layer HF tensors fill the slices of our stacked parameters; each parameter is placed once it is whole.
     `source_config`: the checkpoint's own config where the model's vocabulary extends it (rows appended, `grown`).
     """
-    variables = _param_variables(model)
+    variables, per_layer = _param_variables(model), collections.defaultdict(list)
+    for key, var in variables.items():  # layers that own their arrays (--scan_unroll per_layer): fill as stacked
+        stacked, found = re.subn(r"\.layers\.\d+\.", ".layers.", key, count=1)
+        if found:
+            per_layer[stacked].append(var)
     with CheckpointTensors(path) as tensors:
         rules, alias, absent, source_shapes = matched_rules(tensors, source_config or model.config)
         last_use = {rule.ours: i for i, rule in enumerate(rules)}
         pending: dict[str, np.ndarray] = {}
         for i, rule in enumerate(rules):
-            var = variables[rule.ours]
-            shape = tuple(var.shape)
+            layers = per_layer.get(rule.ours)
+            var = variables[rule.ours] if layers is None else layers[0]
+            shape = tuple(var.shape) if layers is None else (len(layers), *var.shape)
             target = shape if rule.layer is None else shape[1:]
             if rule.hf in absent:  # an optional tensor, e.g. BART's final_logits_bias in a BartModel checkpoint
                 value = np.zeros(target, np.float32)
@@ -306,7 +312,10 @@ def _fill_params(model: nnx.Module, path: Path, mesh=None, source_config: HFConf
             else:
                 pending.setdefault(rule.ours, np.empty(shape, np.float32))[rule.layer] = value
             if last_use[rule.ours] == i:
-                var.set_value(jax.device_put(pending.pop(rule.ours), _sharding_of(var, mesh)))
+                value = pending.pop(rule.ours)
+                for layer, owner in enumerate(layers or [var]):
+                    part = value if layers is None else value[layer]
+                    owner.set_value(jax.device_put(part, _sharding_of(owner, mesh)))
 
 
 def _sharding_of(var: nnx.Variable, mesh):

@@ -184,7 +184,8 @@ class Attention(nnx.Module):
             q, k, v = self.heads(self.query(x)), cache.cross_key, cache.cross_value
         else:
             if self.qkv is not None:
-                q, k, v = (self.heads(t) for t in jnp.moveaxis(self.qkv(x), -2, 0))
+                qkv = self.qkv(x)  # sliced, not moved to the front: XLA:CPU then copies no transposed qkv
+                q, k, v = (self.heads(qkv[..., i, :]) for i in range(3))
             else:
                 q, (k, v) = self.heads(self.query(x)), self.keys_values(x if context is None else context)
             if cache is not None:

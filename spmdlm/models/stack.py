@@ -138,9 +138,11 @@ def unstack(stacked: nnx.Module, count: int) -> list[nnx.Module]:
 
     def take(variable: nnx.Variable, i: int) -> nnx.Variable:
         metadata = variable.get_metadata()
-        if metadata.get("out_sharding") is not None:
-            metadata["out_sharding"] = tuple(metadata["out_sharding"][1:])
-        return type(variable)(variable.get_value()[i], **metadata)
+        sharding = metadata.pop("out_sharding", None)  # set after: given to the constructor, it needs a mesh
+        layer = type(variable)(variable.get_value()[i], **metadata)
+        if sharding is not None:
+            layer.set_metadata(out_sharding=tuple(sharding[1:]))
+        return layer
 
     is_variable = lambda x: isinstance(x, nnx.Variable)
     return [nnx.merge(graphdef, jax.tree.map(lambda v: take(v, i), state, is_leaf=is_variable)) for i in range(count)]
@@ -199,11 +201,13 @@ def restack(model: nnx.Module) -> nnx.Module:
 
         def join(*variables: nnx.Variable) -> nnx.Variable:
             metadata = variables[0].get_metadata()
-            if metadata.get("out_sharding") is not None:
-                metadata["out_sharding"] = (None, *metadata["out_sharding"])
+            sharding = metadata.pop("out_sharding", None)  # set after: given to the constructor, it needs a mesh
             if isinstance(variables[0], nnx.Param):
                 metadata["logical_axes"] = ("layers", *metadata["logical_axes"])
-            return type(variables[0])(jnp.stack([v.get_value() for v in variables]), **metadata)
+            joined = type(variables[0])(jnp.stack([v.get_value() for v in variables]), **metadata)
+            if sharding is not None:
+                joined.set_metadata(out_sharding=(None, *sharding))
+            return joined
 
         states = [nnx.state(layer) for layer in stack.layers]
         stack.layers = nnx.merge(graphdef, jax.tree.map(join, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
