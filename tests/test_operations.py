@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +17,9 @@ from test_reliability import flags, launch
 
 from spmdlm import storage
 from spmdlm.cli.launch import parse_args
-from spmdlm.errors import ArgumentError
+from spmdlm.errors import ArgumentError, RunError
 from spmdlm.run_args.sections import OperationsArgs
-from spmdlm.train import goodput, profiling, watchdog
+from spmdlm.train import goodput, outputs, profiling, watchdog
 
 
 class FakeClock:
@@ -223,3 +224,22 @@ def test_a_hung_run_exits_with_its_stacks_and_the_rerun_resumes_counting_its_res
     assert record["step"] == 5 and record["goodput/restart_loss"] == results["fractions"]["restart_loss"]
     assert "| goodput " in next(line for line in logged.splitlines() if "summary:" in line)
     assert trace_viewer_steps(out / "tensorboard" / "plugins" / "profile" / "steps_4-5") == [4, 5]
+
+
+def test_hang_files_are_a_runs_own_outputs_that_overwrite_removes(tmp_path):
+    """A hung run's stacks neither make its output dir look like someone else's data nor survive
+    --overwrite_output_dir (kept when resuming: they are the evidence)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "hang-host-0.txt").write_text("stacks")
+    (out / "run_config.json").write_text("{}")
+    (out / "notes.txt").write_text("someone's")
+    with pytest.raises(RunError, match="is not empty and holds no run to resume"):
+        outputs.refuse_what_is_not_ours(out)
+    (out / "notes.txt").unlink()
+    with pytest.raises(RunError, match=r"holds outputs of an earlier run .*\(run_config.json\)"):
+        outputs.refuse_what_is_not_ours(out)
+    control = types.SimpleNamespace(dry_running=False)
+    ctx = types.SimpleNamespace(args=types.SimpleNamespace(control=control), out=out, previous={}, resuming=None)
+    outputs.prepare_output_dir(ctx, "clear")
+    assert out.is_dir() and not any(out.iterdir())

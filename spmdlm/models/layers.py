@@ -119,6 +119,29 @@ def _add_broadcast_bwd(y, g):
 _add_broadcast.defvjp(_add_broadcast_fwd, _add_broadcast_bwd)
 
 
+@jax.custom_vjp
+def project(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x @ kernel over x's last axis ([..., in] @ [in, out]), as `jnp.dot`; only its weight gradient is formed
+    differently: as (dy^T x)^T, an [out, in] product transposed, instead of JAX's x^T dy. The values are the same. XLA
+    then transposes the incoming gradient dy inside the fusion that makes it (or the small [out, in] result inside the
+    optimizer's update), where x^T made XLA:CPU copy every saved activation transposed before its GEMM: 8-31% faster
+    CPU steps at the peers' base and tiny sizes (benchmarks/README.md, issue 44, item 7)."""
+    return jnp.dot(x, kernel)
+
+
+def _project_fwd(x, kernel):
+    return jnp.dot(x, kernel), (x, kernel)
+
+
+def _project_bwd(saved, dy):
+    x, kernel = saved
+    rows, dy_rows = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    return jnp.dot(dy, kernel.T), jnp.dot(dy_rows.T, rows).T
+
+
+project.defvjp(_project_fwd, _project_bwd)
+
+
 class Dense(nnx.Module):
     """y = x @ kernel (+ bias). `out_features` may be a tuple to keep structure (e.g. GPT-2's fused 3×heads).
     `saved_as`: the name (checkpoint_name) of x @ kernel that the remat policies keep or drop (stack.REMAT_POLICIES)."""
@@ -149,6 +172,9 @@ class Dense(nnx.Module):
         kernel = self.kernel[...].astype(self.dtype)
         if self.out_dtype == jnp.float32 and kernel.ndim == 2:
             y = einsum_float32("...d,dk->...k", x.astype(self.dtype), kernel)
+        elif self.out_dtype is None:
+            flat = kernel.reshape(kernel.shape[0], -1)  # GPT-2's fused [in, 3, heads] as one [in, 3 x heads]
+            y = project(x.astype(self.dtype), flat).reshape(*x.shape[:-1], *kernel.shape[1:])
         else:
             y = jax.lax.dot_general(
                 x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=self.out_dtype

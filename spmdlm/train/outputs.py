@@ -94,6 +94,13 @@ OUR_OUTPUTS = (
     "wandb",
     "mlruns",
 )
+LEFT_BY_A_HANG = "hang-*.txt"  # watchdog.py's stacks of a hung run, one per host: ours, kept when resuming
+
+
+def outputs_of_ours(out: Path) -> list[Path]:
+    """What a run of ours wrote in `out` (the damaged checkpoints aside, which are never deleted)."""
+    names = [name for name in OUR_OUTPUTS if name != checkpoint.DAMAGED_DIR]
+    return [out / name for name in names] + sorted(out.glob(LEFT_BY_A_HANG))
 
 
 def read_run_config(out: Path) -> dict:
@@ -199,6 +206,7 @@ def refuse_what_is_not_ours(out) -> None:
     someone's data."""
     # an interrupted export's temporary sibling of hf/ (spmdlm.export.save_hf) is ours too
     found = {p.name for p in out.iterdir() if not p.name.startswith((".hf.tmp-", ".hf.old.tmp-"))}
+    found -= {p.name for p in out.glob(LEFT_BY_A_HANG)}
     if found - RUN_INPUTS - set(OUR_OUTPUTS):
         raise RunError(
             f"--output_dir {out} is not empty and holds no run to resume; "
@@ -247,11 +255,11 @@ def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
     if not is_main():
         return
     if verdict == "clear":
-        names = [name for name in OUR_OUTPUTS if name != checkpoint.DAMAGED_DIR]  # set aside: never deleted
+        paths = outputs_of_ours(ctx.out)
         if ctx.previous.get("trained_tokenizer"):
-            names += TOKENIZER_FILES
-        for name in names:
-            storage.remove(ctx.out / name)
+            paths += [ctx.out / name for name in TOKENIZER_FILES]
+        for path in paths:
+            storage.remove(path)
         ctx.previous = {}
     ctx.out.mkdir(parents=True, exist_ok=True)
 
