@@ -241,15 +241,8 @@ def parse_variant(text: str, base: Variant) -> Variant:
         flag = key in ("donate", "labelled_only")
         if key == "unroll":  # unroll=true is full unrolling, unroll=N N layers per iteration
             value = "0" if value.strip().lower() in ("true", "yes") else value
-        changes[key] = (
-            value.strip() not in ("0", "false", "no")
-            if flag
-            else int(value)
-            if key == "loss_chunk"
-            else float(value)
-            if key == "clip"
-            else value.strip()
-        )
+        parse = {"loss_chunk": int, "clip": float}.get(key, str.strip)
+        changes[key] = value.strip() not in ("0", "false", "no") if flag else parse(value)
     variant = dataclasses.replace(base, **changes)
     if (
         variant.jit not in ("jax", "flat", "nnx")

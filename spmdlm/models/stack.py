@@ -132,17 +132,23 @@ class LayerStack(nnx.Module):
         return body(self.layers, None)[1]
 
 
+def _remade(variable: nnx.Variable, value, spec: Callable[[tuple], tuple]) -> nnx.Variable:
+    """A variable like `variable` holding `value`, its out_sharding mapped by `spec` (a layers axis added or dropped).
+    The sharding is set after: given to the constructor, it would place the value, which needs a mesh."""
+    metadata = variable.get_metadata()
+    sharding = metadata.pop("out_sharding", None)
+    remade = type(variable)(value, **metadata)
+    if sharding is not None:
+        remade.set_metadata(out_sharding=spec(sharding))
+    return remade
+
+
 def unstack(stacked: nnx.Module, count: int) -> list[nnx.Module]:
     """The `count` layers of a stacked module (leading layers axis), each owning its slice of the parameters."""
     graphdef, state = nnx.split(stacked)
 
     def take(variable: nnx.Variable, i: int) -> nnx.Variable:
-        metadata = variable.get_metadata()
-        sharding = metadata.pop("out_sharding", None)  # set after: given to the constructor, it needs a mesh
-        layer = type(variable)(variable.get_value()[i], **metadata)
-        if sharding is not None:
-            layer.set_metadata(out_sharding=tuple(sharding[1:]))
-        return layer
+        return _remade(variable, variable.get_value()[i], lambda spec: tuple(spec[1:]))
 
     is_variable = lambda x: isinstance(x, nnx.Variable)
     return [nnx.merge(graphdef, jax.tree.map(lambda v: take(v, i), state, is_leaf=is_variable)) for i in range(count)]
@@ -200,13 +206,10 @@ def restack(model: nnx.Module) -> nnx.Module:
         graphdef = nnx.graphdef(stack.layers[0])
 
         def join(*variables: nnx.Variable) -> nnx.Variable:
-            metadata = variables[0].get_metadata()
-            sharding = metadata.pop("out_sharding", None)  # set after: given to the constructor, it needs a mesh
-            if isinstance(variables[0], nnx.Param):
-                metadata["logical_axes"] = ("layers", *metadata["logical_axes"])
-            joined = type(variables[0])(jnp.stack([v.get_value() for v in variables]), **metadata)
-            if sharding is not None:
-                joined.set_metadata(out_sharding=(None, *sharding))
+            stacked = jnp.stack([v.get_value() for v in variables])
+            joined = _remade(variables[0], stacked, lambda spec: (None, *spec))
+            if isinstance(joined, nnx.Param):
+                joined.set_metadata(logical_axes=("layers", *joined.get_metadata()["logical_axes"]))
             return joined
 
         states = [nnx.state(layer) for layer in stack.layers]
