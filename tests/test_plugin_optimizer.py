@@ -5,6 +5,7 @@ with run_config.json recording it, and one step of the real train step (Stepper)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,10 +20,13 @@ from conftest import FIXTURES, REPO, read_metrics
 from flax import nnx
 
 from spmdlm import optimizers
+from spmdlm.cli import launch
 from spmdlm.cli.launch import build_parser, parse_args
 from spmdlm.errors import ArgumentError, ConfigError
 from spmdlm.families import family_choices, get_family, load_config
 from spmdlm.mesh import make_mesh
+from spmdlm.optimizers.entries import Flag
+from spmdlm.run_args.choices import FLAG_BOUNDS, SECTION_FLAGS
 from spmdlm.run_args.sections import OptimizationArgs
 from spmdlm.train.optim import learning_rate_schedule
 from spmdlm.train.state import build_train_state
@@ -147,3 +151,22 @@ def test_the_launcher_trains_with_it(tmp_path, cache_dir, tiny_gpt2_config):
     assert recorded == ("sgd", 0.9, {"sgd_momentum": 0.9})
     losses = [m["loss"] for m in read_metrics(out) if "loss" in m and "eval" not in m.get("event", "")]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", ["seed", "block_size"])  # another section's flag, an objective flag
+def test_a_flag_the_launcher_has_already_is_refused(monkeypatch, name):
+    clash = Flag(name, int, 0, "an optimizer's own")
+    monkeypatch.setattr(launch, "declared_flags", lambda: (*optimizers.declared_flags(), clash))
+    with pytest.raises(ConfigError, match=f"an optimizer or schedule declares --{name}, which the launcher has"):
+        parse_args(["--train_file", "x.txt"])
+
+
+def test_the_built_in_entries_and_the_section_s_fields_of_their_flags():
+    assert list(optimizers.optimizers()) == ["adamw", "adafactor", "lion", "muon", "schedule_free_adamw"]
+    assert sorted(optimizers.lr_schedules()) == sorted(
+        ["linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "wsd"]
+    )
+    fields = {field.name: field for field in dataclasses.fields(OptimizationArgs)}
+    for flag in SECTION_FLAGS:  # the flags older than the registry: fields, as their entries declare them
+        assert (fields[flag.name].default, fields[flag.name].metadata["help"]) == (flag.default, flag.help)
+        assert FLAG_BOUNDS[flag.name] == flag.bounds and flag in optimizers.declared_flags()
