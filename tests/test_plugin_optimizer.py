@@ -141,16 +141,24 @@ def test_the_launcher_trains_with_it(tmp_path, cache_dir, tiny_gpt2_config):
         "sgd_momentum": 0.9,
         "learning_rate": 0.05,
     }
-    argv = [word for name, value in flags.items() for word in (f"--{name}", str(value))]
-    done = subprocess.run(
-        [sys.executable, "-m", "spmdlm.launch", *argv], env=env, capture_output=True, text=True, timeout=600
+    launch = lambda **changes: subprocess.run(
+        [sys.executable, "-m", "spmdlm.launch"]
+        + [word for name, value in {**flags, **changes}.items() for word in (f"--{name}", str(value))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
+    done = launch()
     assert done.returncode == 0, done.stderr[-3000:]
     run_config = json.loads((out / "run_config.json").read_text())
     recorded = (run_config["optim"], run_config["sgd_momentum"], run_config["entry_flags"])
     assert recorded == ("sgd", 0.9, {"sgd_momentum": 0.9})
     losses = [m["loss"] for m in read_metrics(out) if "loss" in m and "eval" not in m.get("event", "")]
     assert len(losses) == 3 and losses[-1] < losses[0]
+    # its flag declares that a resume must keep it (Flag.resume): another momentum is refused
+    refused = launch(sgd_momentum=0.5, max_steps=4)
+    assert refused.returncode == 2 and "holds a run with other settings (sgd_momentum)" in refused.stderr
 
 
 @pytest.mark.parametrize("name", ["seed", "block_size"])  # another section's flag, an objective flag
