@@ -33,9 +33,11 @@ from jax.errors import JaxRuntimeError
 
 from spmdlm import devices, host
 from spmdlm.data.mixture import name_of, sources_of
-from spmdlm.errors import ArgumentError, DivergenceError, Preempted, UserError, yaml_problem
+from spmdlm.errors import ArgumentError, ConfigError, DivergenceError, Preempted, UserError, yaml_problem
 from spmdlm.families import family_choices
 from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu
+from spmdlm.optimizers import declared_flags
+from spmdlm.optimizers.entries import Flag
 from spmdlm.run_args import FLAG_SECTION, SECTIONS, RunArgs
 from spmdlm.run_args.choices import (
     DEFAULT_MODEL_TYPE,
@@ -351,9 +353,27 @@ def build_parser(choices: FamilyChoices) -> argparse.ArgumentParser:
                 _add_flag(group, flag.name, flag.type, flag.default, flag.help)
         group = parser.add_argument_group(section.TITLE)
         hints = typing.get_type_hints(section)
-        for field in dataclasses.fields(section):
-            _add_flag(group, field.name, _base_type(hints[field.name]), field.default, field.metadata["help"])
+        for field in (f for f in dataclasses.fields(section) if f.metadata.get("flag", True)):
+            listing = field.metadata.get("listing")  # a registry's choices (--optim, --lr_scheduler_type)
+            help_text = field.metadata["help"].format(listing()) if listing else field.metadata["help"]
+            _add_flag(group, field.name, _base_type(hints[field.name]), field.default, help_text)
+        if name == "optimization":
+            for flag in entry_flags(choices):
+                _add_flag(group, flag.name, flag.type, flag.default, flag.help)
     return parser
+
+
+def entry_flags(choices: FamilyChoices) -> list[Flag]:
+    """The flags optimizers and schedules declare (spmdlm/optimizers) that are no fields of the optimisation section;
+    one named as another section's flag or an objective flag is refused."""
+    flags = [flag for flag in declared_flags() if FLAG_SECTION.get(flag.name) != "optimization"]
+    objective = {flag.name for flag in choices.objective_flags}
+    for flag in flags:
+        if flag.name in FLAG_SECTION or flag.name in objective:
+            raise ConfigError(
+                f"an optimizer or schedule declares --{flag.name}, which the launcher has already; rename it"
+            )
+    return flags
 
 
 def parse_args(argv: list[str] | None = None, choices: FamilyChoices | None = None) -> tuple[RunArgs, set[str]]:
@@ -363,10 +383,13 @@ def parse_args(argv: list[str] | None = None, choices: FamilyChoices | None = No
     argv = list(sys.argv[1:] if argv is None else argv)
     objective_flags = {flag.name: flag for flag in choices.objective_flags}
     if argv and not argv[0].startswith("-") and Path(argv[0]).suffix in (".json", ".yaml", ".yml"):
-        argv = _read_args_file(Path(argv[0]), set(FLAG_SECTION) | set(objective_flags)) + argv[1:]
+        known = set(FLAG_SECTION) | set(objective_flags) | {flag.name for flag in entry_flags(choices)}
+        argv = _read_args_file(Path(argv[0]), known) + argv[1:]
     given = vars(build_parser(choices).parse_args(argv))
     objective = {name: given.get(name, flag.default) for name, flag in objective_flags.items()}
-    args = RunArgs.of({k: v for k, v in given.items() if k in FLAG_SECTION}, objective=objective)
+    optimizers_own = {flag.name: given.get(flag.name, flag.default) for flag in entry_flags(choices)}
+    flags = {k: v for k, v in given.items() if k in FLAG_SECTION}
+    args = RunArgs.of({**flags, "entry_flags": optimizers_own}, objective=objective)
     if args.uses_embedded_corpus:
         defaults = quickstart(choices, args.model.model_type or DEFAULT_MODEL_TYPE)
         # --optim and --adafactor are one choice: either given replaces the quick start's (T5's adafactor)

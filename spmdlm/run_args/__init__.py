@@ -109,8 +109,12 @@ class RunArgs:
 
     def to_json(self) -> dict[str, Any]:
         """Flat, as run_config.json records it: every section's flags, the objective flags (as one mapping, and
-        beside the others); never the secrets."""
+        beside the others), and so the optimizers' flags that are no fields (`entry_flags`, when there are any); never
+        the secrets."""
         out = {k: v for name in SECTIONS for k, v in dataclasses.asdict(getattr(self, name)).items()}
         for name in SECRET_FLAGS:
             out.pop(name)
+        entry_flags = out.pop("entry_flags")  # the optimizers' flags that are no fields: recorded only when there are
+        if entry_flags:
+            out.update(entry_flags=entry_flags, **entry_flags)
         return {**out, "objective": dict(self.objective), **self.objective}

@@ -13,17 +13,18 @@ from spmdlm.bounds import Bounds
 from spmdlm.data.objectives import Flag
 from spmdlm.errors import ArgumentError
 from spmdlm.models.stack import PER_LAYER, REMAT_POLICIES
+from spmdlm.optimizers.entries import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
+from spmdlm.optimizers.schedules.wsd import DECAY_RATIO, DECAY_STEPS
 
 # --remat: what each scanned layer keeps for its backward pass (the policies: models/stack.py REMAT_POLICIES); auto
 # chooses one (spmdlm/train/plan.py).
 REMAT_CHOICES = ("auto", *REMAT_POLICIES)
 DEFAULT_MODEL_TYPE = "gpt2"  # the family of a run that names none (and of the embedded quick start)
 SEED_MAX = 2**32 - 1  # --seed: Grain's shuffle and random_map take an unsigned 32-bit seed
-# --optim and --lr_scheduler_type (built in spmdlm/train/optim.py; docs/optimizers.md)
-OPTIMIZERS = ("adamw", "adafactor", "lion", "muon", "schedule_free_adamw")
-LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "wsd")
-DECAYING_SCHEDULES = ("linear", "cosine", "inverse_sqrt", "wsd")  # those --min_lr_ratio applies to
-WSD_DECAY_RATIO = 0.1  # wsd without --decay_steps or --decay_ratio: the last 10% of the steps decay
+# The optimizers' and schedules' own flags (spmdlm/optimizers: --optim's and --lr_scheduler_type's choices, each
+# declaring its flags) that are fields of the optimisation section: those older than the registry, kept where
+# run_config.json records them. Any other flag an entry declares is held in OptimizationArgs.entry_flags.
+SECTION_FLAGS = (ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, DECAY_STEPS, DECAY_RATIO)
 OPTIMIZER_FLAGS = frozenset({"optim", "adafactor"})  # two spellings of one choice
 SECRET_FLAGS = ("hub_token", "token")  # never written anywhere: run_config.json, trackers, the command line
 REPORT_TO = ("tensorboard", "wandb", "mlflow", "none")
@@ -51,7 +52,6 @@ FLAG_BOUNDS: Mapping[str, Bounds] = {
             "keep_every_n_steps",
             "max_consecutive_skips",
             "sample_every",
-            "decay_steps",
             "num_processes",
             "num_slices",
             "eval_tasks_steps",
@@ -60,7 +60,7 @@ FLAG_BOUNDS: Mapping[str, Bounds] = {
         _AT_LEAST_1,
     ),
     **dict.fromkeys(("save_every_minutes", "weight_decay"), _OFF_OR_MORE),
-    **dict.fromkeys(("adam_beta1", "adam_beta2"), Bounds(0, 1, below=True)),
+    **{flag.name: flag.bounds for flag in SECTION_FLAGS},
     "validation_split_percentage": Bounds(0, 100, below=True, hint="a percentage of the training documents"),
     "num_train_epochs": Bounds(0, hint="fractions allowed; or give --max_steps"),
     "max_steps": Bounds(-1, bounds.MAX_STEPS, hint="-1 = from --num_train_epochs"),
@@ -70,13 +70,9 @@ FLAG_BOUNDS: Mapping[str, Bounds] = {
     ),
     "seed": Bounds(0, SEED_MAX, hint="Grain's shuffle takes an unsigned 32-bit seed"),
     "learning_rate": Bounds(0, hint="a negative rate climbs the loss"),
-    "adam_epsilon": Bounds(
-        0, above=True, hint="e.g. 1e-8: it keeps the update finite where a gradient's second moment is 0"
-    ),
     "max_grad_norm": Bounds(0, hint="0 = no clipping"),
     "warmup_steps": Bounds(0),
     "min_lr_ratio": Bounds(0, 1, hint="a fraction of --learning_rate"),
-    "decay_ratio": Bounds(0, 1, above=True, hint="a fraction of the steps"),
     "z_loss": Bounds(0, hint="0 = off, e.g. 1e-4 as T5X: a negative one rewards a large log-partition"),
     "loss_chunk_size": Bounds(0, hint="0 = all positions at once"),
     "process_id": Bounds(0),

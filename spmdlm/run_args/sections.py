@@ -4,29 +4,35 @@ numeric flag's bounds, then the section's rules). Field names are the flags' nam
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from spmdlm import bounds
 from spmdlm.data.mixture import sources_of
 from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP, TEXT_FORMAT_HELP, TEXT_FORMATS
 from spmdlm.errors import ArgumentError
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
+from spmdlm.optimizers import declared_flags, lr_schedules, optimizers, owners
+from spmdlm.optimizers.entries import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, Flag
+from spmdlm.optimizers.schedules.wsd import DECAY_RATIO, DECAY_STEPS
 from spmdlm.run_args.choices import (
-    DECAYING_SCHEDULES,
     DEFAULT_MODEL_TYPE,
     FLAG_BOUNDS,
     HUB_STRATEGIES,
-    LR_SCHEDULERS,
-    OPTIMIZERS,
     REMAT_CHOICES,
     REPORT_TO,
-    WSD_DECAY_RATIO,
+    check_objective_flags,
     parse_scan_unroll,
 )
 
 
 def _field(default, help: str, **kw):
     return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+def _declared(flag: Flag):
+    """A field of a flag an optimizer or a schedule declares (spmdlm/optimizers)."""
+    return _field(flag.default, flag.help)
 
 
 def _one_of(flag: str, value, choices) -> None:
@@ -312,30 +318,28 @@ class OptimizationArgs(_Section):
         "decoupled weight decay, scaled by the learning rate (not on biases and norm "
         "scales; with --optim muon only on Muon's matrices)",
     )
+    # --optim's and --lr_scheduler_type's choices are the registry's (spmdlm/optimizers), listed in --help by `listing`
     optim: str | None = _field(
         None,
-        f"the optimizer: {', '.join(OPTIMIZERS)} (docs/optimizers.md; default: adafactor with --adafactor, else adamw)",
+        "the optimizer: {} (docs/optimizers.md; default: adafactor with --adafactor, else adamw)",
+        listing=lambda: ", ".join(optimizers()),
     )
-    adam_beta1: float = _field(
-        0.9, "AdamW beta1; also Lion's b1, Muon's AdamW part's and schedule-free's interpolation weight"
-    )
-    adam_beta2: float = _field(
-        0.999, "AdamW beta2; also Lion's b2 (0.99 in its paper), Muon's AdamW part's and schedule-free's"
-    )
-    adam_epsilon: float = _field(1e-8, "AdamW epsilon (not Lion's: it has none)")
+    # The optimizers' and schedules' own flags older than their registry are fields, where run_config.json records
+    # them (run_args.choices.SECTION_FLAGS); any other flag an entry declares is held in `entry_flags`.
+    adam_beta1: float = _declared(ADAM_BETA1)
+    adam_beta2: float = _declared(ADAM_BETA2)
+    adam_epsilon: float = _declared(ADAM_EPSILON)
     adafactor: bool = _field(False, "= --optim adafactor (Adafactor: factored second moments), the HF scripts' flag")
     max_grad_norm: float = _field(1.0, "clip gradients to this global norm; 0 = off")
     warmup_steps: int = _field(0, "linear warmup steps")
     lr_scheduler_type: str = _field(
-        "linear", f"the learning rate after warmup: {' | '.join(LR_SCHEDULERS)} (docs/optimizers.md)"
+        "linear", "the learning rate after warmup: {} (docs/optimizers.md)", listing=lambda: " | ".join(lr_schedules())
     )
     min_lr_ratio: float = _field(
         0.0, "the floor of a decaying schedule (linear, cosine, inverse_sqrt, wsd), a fraction of --learning_rate"
     )
-    decay_steps: int | None = _field(None, "wsd: the steps of the final decay (default: --decay_ratio of the steps)")
-    decay_ratio: float | None = _field(
-        None, f"wsd: the fraction of the steps spent decaying (default: {WSD_DECAY_RATIO})"
-    )
+    decay_steps: int | None = _declared(DECAY_STEPS)
+    decay_ratio: float | None = _declared(DECAY_RATIO)
     skip_step_on_spike: float = _field(
         0.0,
         "skip the update of a step whose loss or gradient norm is more than Z "
@@ -371,17 +375,20 @@ class OptimizationArgs(_Section):
         "backward pass): per-device logit memory drops from batch x length x vocab to "
         "batch x chunk x vocab; 0 = all at once",
     )
+    entry_flags: Mapping[str, Any] = dataclasses.field(
+        default_factory=dict,
+        metadata={"help": "the values of the entries' flags that are not fields, by name", "flag": False},
+    )
 
     def check(self) -> None:
-        if self.optim is not None and self.optim not in OPTIMIZERS:
-            raise ArgumentError(f"--optim {self.optim!r} is not supported; use one of {', '.join(OPTIMIZERS)}")
+        known = optimizers()
+        if self.optim is not None and self.optim not in known:
+            raise ArgumentError(f"--optim {self.optim!r} is not supported; use one of {', '.join(known)}")
         if self.adafactor and self.optim not in (None, "adafactor"):
             raise ArgumentError(f"--adafactor means --optim adafactor, not --optim {self.optim}; give one of them")
-        if self.optimizer == "schedule_free_adamw" and self.adam_beta1 == 0:
-            raise ArgumentError(
-                "--optim schedule_free_adamw needs --adam_beta1 above 0 (its weight between the iterate and its "
-                "average)"
-            )
+        flags = declared_flags()
+        check_objective_flags({flag.name: self.flag_value(flag) for flag in flags}, flags)
+        known[self.optimizer].check(self.flags_of(known[self.optimizer]))  # a flag of another one: ignored
         self.check_schedule()
         parse_scan_unroll(self.scan_unroll)
         if self.remat not in REMAT_CHOICES:
@@ -389,29 +396,39 @@ class OptimizationArgs(_Section):
 
     def check_schedule(self) -> None:
         """--lr_scheduler_type, and the flags only some schedules take."""
-        kind = self.lr_scheduler_type
-        if kind not in LR_SCHEDULERS:
-            raise ArgumentError(f"--lr_scheduler_type {kind!r} is not supported; use one of {', '.join(LR_SCHEDULERS)}")
-        if self.min_lr_ratio and kind not in DECAYING_SCHEDULES:
+        known, kind = lr_schedules(), self.lr_scheduler_type
+        if kind not in known:
+            raise ArgumentError(f"--lr_scheduler_type {kind!r} is not supported; use one of {', '.join(known)}")
+        schedule = known[kind]
+        if self.min_lr_ratio and not schedule.decays:
+            decaying = ", ".join(name for name, other in known.items() if other.decays)
             raise ArgumentError(
-                f"--min_lr_ratio applies to the decaying schedules ({', '.join(DECAYING_SCHEDULES)}), "
-                f"not --lr_scheduler_type {kind}; leave it out"
+                f"--min_lr_ratio applies to the decaying schedules ({decaying}), not --lr_scheduler_type {kind}; "
+                "leave it out"
             )
-        for name in ("decay_steps", "decay_ratio"):
-            if getattr(self, name) is not None and kind != "wsd":
+        for flag in dict.fromkeys(flag for other in known.values() for flag in other.flags):
+            if flag not in schedule.flags and self.flag_value(flag) != flag.default:  # given to another schedule
+                takers = owners(flag.name, known.values())
                 raise ArgumentError(
-                    f"--{name} applies to --lr_scheduler_type wsd only; leave it out or give --lr_scheduler_type wsd"
+                    f"--{flag.name} applies to --lr_scheduler_type {' or '.join(takers)} only; leave it out or give "
+                    f"--lr_scheduler_type {takers[0]}"
                 )
-        if self.decay_steps is not None and self.decay_ratio is not None:
-            raise ArgumentError("give one of --decay_steps and --decay_ratio")
+        schedule.check(self.flags_of(schedule))
 
     def check_steps(self, max_steps: int) -> None:
-        """The warmup and the final decay fit in --max_steps."""
-        if self.decay_steps and 0 < max_steps < self.warmup_steps + self.decay_steps:
-            raise ArgumentError(
-                f"--warmup_steps {self.warmup_steps} and --decay_steps {self.decay_steps} exceed "
-                f"--max_steps {max_steps}; give fewer decay steps (or --decay_ratio)"
-            )
+        """The schedule's rules against the run's length (wsd: the warmup and the final decay fit in --max_steps)."""
+        schedule = lr_schedules()[self.lr_scheduler_type]
+        schedule.check_steps(self.flags_of(schedule), self.warmup_steps, max_steps)
+
+    def flag_value(self, flag: Flag):
+        """The value of a flag an optimizer or a schedule declares: its field, else `entry_flags`, else its default."""
+        if flag.name in self.__dataclass_fields__:
+            return getattr(self, flag.name)
+        return self.entry_flags.get(flag.name, flag.default)
+
+    def flags_of(self, entry) -> dict[str, Any]:
+        """An optimizer's or a schedule's own flags, by name: what its `build`, `after` and `check` read."""
+        return {flag.name: self.flag_value(flag) for flag in entry.flags}
 
     def resolved(self) -> OptimizationArgs:
         """--optim chosen (--adafactor is its old spelling, which run_config.json keeps recording: resuming compares

@@ -18,6 +18,7 @@ from spmdlm.data.tokenization import save_tokenizer
 from spmdlm.errors import RunError
 from spmdlm.generation.harness import TASK_METRICS
 from spmdlm.hf_export import export_complete
+from spmdlm.optimizers import declared_flags
 from spmdlm.train.guard import LOCK_NAME
 from spmdlm.train.metrics_log import write_json
 from spmdlm.train.setup import RunContext, is_main
@@ -25,8 +26,9 @@ from spmdlm.train.setup import RunContext, is_main
 log = logging.getLogger("spmdlm")
 
 # Run arguments that must match for a run to resume in the same output dir, besides the model config, the global
-# batch and the family's own (its objective's flags). Others may change: logging cadence, the mesh (the state is
-# restored into the new shardings), or the step budget (which also stretches the learning-rate schedule).
+# batch, the family's own (its objective's flags) and the optimizers' own that say so (`Flag.resume`). Others may
+# change: logging cadence, the mesh (the state is restored into the new shardings), or the step budget (which also
+# stretches the learning-rate schedule).
 # The model type is compared through the model config. The learning rate, its schedule and warmup may change: the
 # change is logged.
 # A mixture's train_file / data_mixture are compared as the mixture itself (its sources and weights), which
@@ -181,7 +183,7 @@ def check_resume(ctx: RunContext, saved: dict) -> None:
 
 def changed_settings(ctx: RunContext, saved: dict, current: dict) -> list[str]:
     """The settings a resume must keep that differ from the saved run's."""
-    keys = COMMON_RESUME_KEYS + ctx.family.resume_keys
+    keys = COMMON_RESUME_KEYS + ctx.family.resume_keys + tuple(f.name for f in declared_flags() if f.resume)
     if ctx.sources or saved.get("mixture"):
         keys = tuple(k for k in keys if k not in MIXTURE_KEYS)
     changed = [k for k in keys if saved.get(k) != current.get(k)]
