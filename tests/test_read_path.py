@@ -11,10 +11,10 @@ from spmdlm import storage
 from spmdlm.data import pipeline, records, token_cache
 from spmdlm.data.objectives import example_rng
 from spmdlm.data.objectives.clm import CausalLM
-from spmdlm.data.objectives.denoising import Denoising
 from spmdlm.data.objectives.mlm import MaskedLM
-from spmdlm.data.objectives.t5 import SpanCorruption
 from spmdlm.data.sentences import SENTENCE_END
+from spmdlm.families.bart.objective import Denoising
+from spmdlm.families.t5.objective import SpanCorruption
 
 SPECIALS = (0, 1, 2, 3, 4)  # <s> <pad> </s> <unk> <mask>
 FRAMED = dict(bos_id=0, eos_id=2, pad_id=1, mask_id=4, special_ids=SPECIALS)

@@ -2,7 +2,7 @@
 
 Mirrors transformers' `T5ForConditionalGeneration` (v1.1 flavour: gated feed-forward, no d_model**-0.5 scaling of
 the decoder output, separate `lm_head`). Attribute names follow HF where our shared layers allow;
-`spmdlm/families/t5.py` holds the rename table. Blocks are stacked and scanned; the relative-position table, which
+`hf.py` beside it holds the rename table. Blocks are stacked and scanned; the relative-position table, which
 HF keeps in block 0, belongs to each stack here (every block of the stack uses it). Attention is unscaled
 (scale=1.0): T5's initialisation of the query projection absorbs 1/sqrt(d_kv).
 

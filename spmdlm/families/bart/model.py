@@ -1,6 +1,6 @@
 """BART: a post-LayerNorm encoder-decoder with learned positions, trained as a denoising autoencoder.
 
-Mirrors transformers' `BartForConditionalGeneration`; `spmdlm/families/bart.py` holds the rename table. Each stack
+Mirrors transformers' `BartForConditionalGeneration`; `hf.py` beside it holds the rename table. Each stack
 (encoder, decoder) has its own learned position table and a LayerNorm right after the embeddings
 (`layernorm_embedding`); positions are plain 0..T-1 read at rows offset by 2 (a fairseq legacy: the table has
 max_position_embeddings + 2 rows and is not padding-aware, unlike RoBERTa's). Token embeddings are shared by both
