@@ -5,6 +5,7 @@ Imports neither jax nor spmdlm: it runs in a second and works while the code is 
 """
 
 import ast
+import fnmatch
 import re
 import sys
 from functools import cache
@@ -13,10 +14,12 @@ from typing import NamedTuple
 
 import pytest
 import tomllib
+from setuptools import find_namespace_packages, find_packages
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "spmdlm"
-FAMILY_NAMES = ("gpt2", "roberta", "t5", "bart")
+# The families of the package: one folder each under spmdlm/families/ (docs/architecture.md §2)
+FAMILY_NAMES = tuple(sorted(p.parent.name for p in (REPO / PKG / "families").glob("*/__init__.py")))
 MAX_LINES = 600
 LOCAL_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 
@@ -175,17 +178,18 @@ def long_files(root, floors=None):
 
 # ---- the rooms: what a module may receive, how long a function is, which names say which one ------------------------
 LOW_PACKAGES = ("data", "models", "families")  # below train/: they take the section of the arguments they use
-RUN_ARGUMENTS = ("spmdlm.run_args",)  # the modules of the whole run's arguments
+RUN_ARGUMENTS = "spmdlm.run_args"  # the package of the whole run's arguments: it and every module under it
 MAX_FUNCTION_LINES = 60
-# Module names (stems) that more than one package may use, and why. Besides these, spmdlm.<verb> may share its stem
-# with spmdlm.cli.<verb>, its command line: the `python -m spmdlm.<verb>` shim or the library the verb runs.
-SHARED_STEMS = {
-    **{
-        name: "one model family by name: its network (models/), its wiring (families/) and, for t5, its objective"
-        for name in FAMILY_NAMES
-    },
+# Module names (stems) that more than one package may use, and why, with the modules (fnmatch patterns) that may.
+# Besides these, spmdlm.<verb> may share its stem with spmdlm.cli.<verb>, its command line: the `python -m
+# spmdlm.<verb>` shim or the library the verb runs.
+FAMILY_PARTS = {
+    "model": "a family's network and config class",
+    "hf": "a family's rename table onto transformers and the configs it refuses",
+    "objective": "a family's own objective (the shared ones are spmdlm/data/objectives/)",
 }
-SHARED_STEM_PACKAGES = {name: ("models", "families", "data.objectives") for name in FAMILY_NAMES}
+SHARED_STEMS = {stem: f"one per family folder: {why}" for stem, why in FAMILY_PARTS.items()}
+SHARED_STEM_PACKAGES = {stem: (f"{PKG}.families.*.{stem}",) for stem in FAMILY_PARTS}
 # What a shim may do before it imports its command line: the launcher picks its allocator before JAX loads.
 SHIM_PREAMBLE = (
     "import sys",
@@ -208,7 +212,9 @@ def run_arguments_below_train(root, floors=None):
         if rel.split("/")[1] not in LOW_PACKAGES:
             continue
         found += [
-            f"{rel}:{i.line}: imports {i.target}" for i in scan(root) if i.path == rel and i.target in RUN_ARGUMENTS
+            f"{rel}:{i.line}: imports {i.target}"
+            for i in scan(root)
+            if i.path == rel and (i.target == RUN_ARGUMENTS or i.target.startswith(RUN_ARGUMENTS + "."))
         ]
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -254,8 +260,8 @@ def shared_stems(root, floors=None):
     for stem, modules in sorted(by_stem.items()):
         if len(modules) < 2 or set(modules) == {f"{PKG}.{stem}", f"{PKG}.cli.{stem}"}:
             continue
-        allowed = [f"{PKG}.{package}.{stem}" for package in SHARED_STEM_PACKAGES.get(stem, ())]
-        if stem in SHARED_STEMS and (not allowed or set(modules) <= set(allowed)):
+        allowed = SHARED_STEM_PACKAGES.get(stem, ("*",))
+        if stem in SHARED_STEMS and all(any(fnmatch.fnmatch(m, pattern) for pattern in allowed) for m in modules):
             continue
         found.append(f"{stem}: {', '.join(modules)}")
     return found
@@ -330,12 +336,28 @@ def test_no_two_modules_share_a_name_without_a_reason():
     assert_clean(shared_stems)
 
 
-def test_every_package_is_installed():
-    """pyproject.toml lists the packages a wheel holds: a package missing there imports from a checkout (the editable
-    install) and fails from a wheel."""
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / PKG).rglob("__init__.py")}
-    assert listed - {f"{PKG}.presets"} == found
+def test_every_package_and_preset_is_installed():
+    """pyproject.toml's packages.find finds every package of spmdlm/ (a package it misses imports from a checkout, the
+    editable install, and fails from a wheel), and its package-data globs take every other file (the presets)."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    find = setuptools["packages"]["find"]
+    finder = find_namespace_packages if find.get("namespaces", True) else find_packages
+    listed = finder(
+        where=str(REPO / find.get("where", ["."])[0]), include=find["include"], exclude=find.get("exclude", ())
+    )
+    assert set(listed) == {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / PKG).rglob("__init__.py")}
+    data = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / PKG).rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    }
+    shipped = {
+        f.relative_to(REPO).as_posix()
+        for package, globs in setuptools["package-data"].items()
+        for pattern in globs
+        for f in REPO.joinpath(*package.split(".")).glob(pattern)
+    }
+    assert data and data <= shipped, f"not shipped in the wheel: {sorted(data - shipped)}"
 
 
 def test_python_m_entries_only_run_their_command_line():
@@ -419,10 +441,16 @@ PLANTED = {
         {
             "config.py": "",
             "data/x.py": "from spmdlm.run_args import RunArgs\ndef f(args): pass\ndef g(*args, section): pass\n",
+            "families/w.py": "from spmdlm.run_args.choices import QUICKSTART_COMMON\n",
             "models/y.py": "def h(run: 'RunArgs'): pass\n",
             "train/z.py": "from spmdlm.run_args import RunArgs\ndef f(args: RunArgs): pass\n",
         },
-        ["spmdlm/data/x.py:1: imports spmdlm.run_args", "spmdlm/data/x.py:2: f(args)", "spmdlm/models/y.py:1: h(run)"],
+        [
+            "spmdlm/data/x.py:1: imports spmdlm.run_args",
+            "spmdlm/data/x.py:2: f(args)",
+            "spmdlm/families/w.py:1: imports spmdlm.run_args.choices",
+            "spmdlm/models/y.py:1: h(run)",
+        ],
     ),
     "long functions": (
         long_functions,
@@ -440,10 +468,19 @@ PLANTED = {
             "models/t5.py": "",
             "families/t5.py": "",
             "train/t5.py": "",
+            "families/t5/model.py": "",
+            "families/bart/model.py": "",
+            "families/bart/hf.py": "",
+            "families/t5/hf.py": "",
+            "generation/hf.py": "",
             "cli/go.py": "",
             "go.py": "",
         },
-        ["t5: spmdlm.families.t5, spmdlm.models.t5, spmdlm.train.t5", "util: spmdlm.a.util, spmdlm.b.util"],
+        [
+            "hf: spmdlm.families.bart.hf, spmdlm.families.t5.hf, spmdlm.generation.hf",
+            "t5: spmdlm.families.t5, spmdlm.models.t5, spmdlm.train.t5",
+            "util: spmdlm.a.util, spmdlm.b.util",
+        ],
     ),
     "shims": (
         shims,

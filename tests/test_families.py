@@ -17,11 +17,10 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from spmdlm import checkpoint, hf_export
-from spmdlm.families import families, get_family, load_config
+from spmdlm.families import families, get_family, load_config, preset_names
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 from spmdlm.models.attention import resolve_attention, set_attention
-from spmdlm.models.hf_config import preset_names
 from spmdlm.train.state import build_train_state
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -198,17 +198,15 @@ def test_sample_prompts_keep_the_tokenizer_s_own_bars(gpt2_tokenizer):
 def test_the_validation_split_s_padding_line_says_validation(caplog, tmp_path, gpt2_tokenizer):
     import logging
 
+    from spmdlm.data.records import Cut
     from spmdlm.data.token_cache import prepare_split
 
     with caplog.at_level(logging.INFO, logger="spmdlm"):
         prepare_split(
             ["one line", "two more lines here"],
             gpt2_tokenizer,
-            record_length=8,
-            separator_id=0,
+            Cut(8, 0, "lines", pad_id=0),
             cache_dir=tmp_path,
-            mode="lines",
-            pad_id=0,
             name="validation",
         )
     lines = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]

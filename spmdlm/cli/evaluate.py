@@ -28,10 +28,9 @@ from typing import Any
 from flax import nnx
 
 from spmdlm import storage
+from spmdlm.cli.launch import family_choices, setup_devices
 from spmdlm.cli.launch import parse_args as parse_run_args
-from spmdlm.cli.launch import setup_devices
 from spmdlm.errors import ArgumentError, DataError, UserError
-from spmdlm.families import family_choices
 from spmdlm.generation.harness import harness_lm, run_tasks, task_manager
 from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh

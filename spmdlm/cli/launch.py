@@ -34,7 +34,7 @@ from jax.errors import JaxRuntimeError
 from spmdlm import devices, host
 from spmdlm.data.mixture import name_of, sources_of
 from spmdlm.errors import ArgumentError, ConfigError, DivergenceError, Preempted, UserError, yaml_problem
-from spmdlm.families import family_choices
+from spmdlm.families import families, objective_flags, preset_names
 from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu
 from spmdlm.optimizers import declared_flags
 from spmdlm.optimizers.entries import Flag
@@ -312,6 +312,18 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         # One line that names the problem instead of the full usage block.
         raise ArgumentError(f"{message} (python -m spmdlm.launch --help lists the flags)")
+
+
+def family_choices() -> FamilyChoices:
+    """What the parser needs to know of the registered families (the run's arguments know no registry)."""
+    known = families()
+    return FamilyChoices(
+        objective_flags(),
+        {name: tuple(flag.name for flag in f.flags) for name, f in known.items()},
+        {name: f.quickstart for name, f in known.items()},
+        tuple(preset_names()),
+        {name: f.default_preset for name, f in known.items()},
+    )
 
 
 def _description(choices: FamilyChoices) -> str:

@@ -209,24 +209,21 @@ def tokenize(ctx: RunContext, docs, name: str) -> records.PreparedSplit:
     args = ctx.args
     ids = special_token_ids(ctx.tokenizer, ctx.family)
     cache = storage.path(args.data.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
-    common = dict(
-        record_length=ctx.objective.record_length,
-        separator_id=ids["eos"],
-        cache_dir=cache,
-        mode=ctx.objective.preparation,
-        pad_id=ids.get("pad"),
-        bos_id=ids.get("bos"),
-        workers=args.data.preprocessing_num_workers or 1,
+    cut = records.Cut(
+        ctx.objective.record_length, ids["eos"], ctx.objective.preparation, ids.get("pad"), bos_id=ids.get("bos")
     )
+    common = dict(cache_dir=cache, workers=args.data.preprocessing_num_workers or 1)
     split = (
-        token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=args.data.overwrite_cache, **common)
+        token_cache.prepare_split(
+            docs, ctx.tokenizer, cut, name=name, overwrite_cache=args.data.overwrite_cache, **common
+        )
         if is_main()
         else None
     )
     if jax.process_count() > 1:  # the others wait for process 0's file, then read the same cache
         multihost_utils.sync_global_devices(f"prepared {name}")
         if not is_main():
-            split = token_cache.prepare_split(docs, ctx.tokenizer, name=name, overwrite_cache=False, **common)
+            split = token_cache.prepare_split(docs, ctx.tokenizer, cut, name=name, overwrite_cache=False, **common)
     return split
 
 

@@ -5,45 +5,11 @@ from __future__ import annotations
 from spmdlm.data.objectives import DOCUMENT_ATTENTION
 from spmdlm.data.objectives.clm import BLOCK_SIZE, CausalLM
 from spmdlm.data.tokenization import TokenizerSpec, special_token_ids
-from spmdlm.errors import ArgumentError, ConfigError
-from spmdlm.families.base import FLAT, FLAT_OUT, SAME, Family, Generation, Table, forward_single_stack
+from spmdlm.errors import ArgumentError
+from spmdlm.families.base import Family, Generation, forward_single_stack
+from spmdlm.families.gpt2.hf import TABLE, check_hf_config
+from spmdlm.families.gpt2.model import GPT2Config, GPT2LMHeadModel
 from spmdlm.flops import attention_matmuls, dense
-from spmdlm.models.gpt2 import GPT2Config, GPT2LMHeadModel
-
-TABLE = Table(
-    rules=(
-        ("transformer.wte.weight", "wte.embedding", SAME),
-        ("transformer.wpe.weight", "wpe.embedding", SAME),
-        ("transformer.h.{i}.ln_1.weight", "h.layers.ln_1.scale", SAME),
-        ("transformer.h.{i}.ln_1.bias", "h.layers.ln_1.bias", SAME),
-        ("transformer.h.{i}.attn.c_attn.weight", "h.layers.attn.qkv.kernel", FLAT_OUT),  # Conv1D is (in, out)
-        ("transformer.h.{i}.attn.c_attn.bias", "h.layers.attn.qkv.bias", FLAT),
-        ("transformer.h.{i}.attn.c_proj.weight", "h.layers.attn.out.kernel", SAME),
-        ("transformer.h.{i}.attn.c_proj.bias", "h.layers.attn.out.bias", SAME),
-        ("transformer.h.{i}.ln_2.weight", "h.layers.ln_2.scale", SAME),
-        ("transformer.h.{i}.ln_2.bias", "h.layers.ln_2.bias", SAME),
-        ("transformer.h.{i}.mlp.c_fc.weight", "h.layers.mlp.wi.kernel", SAME),
-        ("transformer.h.{i}.mlp.c_fc.bias", "h.layers.mlp.wi.bias", SAME),
-        ("transformer.h.{i}.mlp.c_proj.weight", "h.layers.mlp.wo.kernel", SAME),
-        ("transformer.h.{i}.mlp.c_proj.bias", "h.layers.mlp.wo.bias", SAME),
-        ("transformer.ln_f.weight", "ln_f.scale", SAME),
-        ("transformer.ln_f.bias", "ln_f.bias", SAME),
-    ),
-    layer_counts=lambda c: {"i": c.n_layer},
-    hf_prefix="transformer.",
-    ignore=(r"^lm_head\.weight$", r"\.attn\.(masked_)?bias$"),  # tied copy; causal-mask buffers
-)
-
-
-def check_hf_config(values: dict) -> None:
-    unsupported = {
-        "scale_attn_by_inverse_layer_idx": True,
-        "reorder_and_upcast_attn": True,
-        "add_cross_attention": True,
-    }
-    for key, bad in unsupported.items():
-        if values.get(key) == bad:
-            raise ConfigError(f"GPT-2 config with {key}={bad} is not supported")
 
 
 def block_size(flags, config) -> int:

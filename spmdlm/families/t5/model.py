@@ -2,7 +2,7 @@
 
 Mirrors transformers' `T5ForConditionalGeneration` (v1.1 flavour: gated feed-forward, no d_model**-0.5 scaling of
 the decoder output, separate `lm_head`). Attribute names follow HF where our shared layers allow;
-`spmdlm/families/t5.py` holds the rename table. Blocks are stacked and scanned; the relative-position table, which
+`hf.py` beside it holds the rename table. Blocks are stacked and scanned; the relative-position table, which
 HF keeps in block 0, belongs to each stack here (every block of the stack uses it). Attention is unscaled
 (scale=1.0): T5's initialisation of the query projection absorbs 1/sqrt(d_kv).
 
@@ -27,9 +27,9 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import Attention, AttentionMask, make_attention_mask
-from spmdlm.models.hf_config import HFConfig
 from spmdlm.models.kv_cache import Cache
 from spmdlm.models.layers import ACTIVATIONS, MLP, Dense, Embed, RMSNorm, dropout
+from spmdlm.models.seq2seq import CacheLayout, EncoderDecoder, EncoderDecoderConfig
 from spmdlm.models.stack import LayerStack
 
 
@@ -50,10 +50,9 @@ def dense_activation(feed_forward_proj: str) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class T5Config(HFConfig):
+class T5Config(EncoderDecoderConfig):
     model_type: ClassVar[str] = "t5"
     architecture: ClassVar[str] = "T5ForConditionalGeneration"
-    is_encoder_decoder: ClassVar[bool] = True
 
     vocab_size: int = 32128
     d_model: int = 512
@@ -102,13 +101,11 @@ class T5Config(HFConfig):
         return super().from_dict(values)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        # Both keys, so transformers neither ties lm_head to shared nor scales the decoder output (verified by logits).
-        return {
-            **super().to_hf_dict(),
-            "tie_word_embeddings": False,
-            "scale_decoder_outputs": False,
-            "is_encoder_decoder": True,
-        }
+        # Both keys, so transformers neither ties lm_head to shared nor scales the decoder output (verified by logits);
+        # is_encoder_decoder stays the last key.
+        values = super().to_hf_dict()
+        last = values.pop("is_encoder_decoder")
+        return {**values, "tie_word_embeddings": False, "scale_decoder_outputs": False, "is_encoder_decoder": last}
 
     @property
     def dense_act_fn(self) -> str:
@@ -238,7 +235,8 @@ class Stack(nnx.Module):
         values = self.relative_attention_bias(buckets)  # [T, length, heads]
         return jnp.transpose(values, (2, 0, 1))[None].astype(jnp.float32)
 
-    def __call__(self, x, mask, context=None, context_mask=None, *, rngs=None):
+    def __call__(self, x, mask, context=None, context_mask=None, *, positions=None, rngs=None):
+        del positions  # relative positions: within a packed segment, key - query distances are the segment's own
         rate = self.config.dropout_rate
         bias = self.position_bias(x.shape[1])
         x = dropout(constrain(x, "batch", "length", "act_embed"), rate, rngs)
@@ -254,15 +252,15 @@ class Stack(nnx.Module):
         )
         return self.final_layer_norm(x), cache
 
+    def cross_keys_values(self, encoded: jax.Array):
+        """The decoder's cross-attention keys and values of `encoded`, for every block (generation's cache)."""
+        return self.block.map(lambda block: block.cross_attention.keys_values(encoded))
 
-class T5ForConditionalGeneration(nnx.Module):
-    """`model(input_ids, decoder_input_ids, attention_mask=None, decoder_attention_mask=None, rngs=None)`
-    -> logits [B, T_dec, V]; dropout only when rngs are given. Masks are 1 for real tokens, 0 for padding.
 
-    Packed rows (training) also pass `segment_ids` [B, T] and `decoder_segment_ids` [B, T_dec] (0 = padding): each
-    attention stays within a segment, and the decoder's segment k reads the encoder's segment k. The relative
-    positions need no reset: within a segment, key - query distances are those of the segment alone, so `positions`
-    and `decoder_positions` (the other families' packed fields) are accepted and not needed."""
+class T5ForConditionalGeneration(EncoderDecoder):
+    """The shared token table, the two stacks and the untied `lm_head` (`EncoderDecoder` holds the forward pass and
+    generation). Packed rows' relative positions need no reset: within a segment, key - query distances are those
+    of the segment alone, so `Packing.positions` (the other families' packed fields) are accepted and not needed."""
 
     config_class = T5Config
 
@@ -289,83 +287,10 @@ class T5ForConditionalGeneration(nnx.Module):
             rngs=rngs,
         )
 
-    def encode(
-        self,
-        input_ids: jax.Array,
-        attention_mask: jax.Array | None = None,
-        *,
-        segment_ids: jax.Array | None = None,
-        rngs: nnx.Rngs | None = None,
-    ) -> jax.Array:
-        mask = make_attention_mask(attention_mask, q_segments=segment_ids, kv_segments=segment_ids)
-        return self.encoder(self.shared(input_ids), mask, rngs=rngs)
-
-    def decode(
-        self,
-        decoder_input_ids: jax.Array,
-        encoded: jax.Array,
-        attention_mask: jax.Array | None = None,
-        decoder_attention_mask: jax.Array | None = None,
-        *,
-        segment_ids: jax.Array | None = None,
-        decoder_segment_ids: jax.Array | None = None,
-        rngs: nnx.Rngs | None = None,
-        features_only: bool = False,
-    ) -> jax.Array:
-        mask = make_attention_mask(
-            decoder_attention_mask, causal=True, q_segments=decoder_segment_ids, kv_segments=decoder_segment_ids
-        )
-        context_mask = make_attention_mask(attention_mask, q_segments=decoder_segment_ids, kv_segments=segment_ids)
-        x = self.decoder(self.shared(decoder_input_ids), mask, encoded, context_mask, rngs=rngs)
-        return x if features_only else self.head(x)
-
     def head(self, x: jax.Array) -> jax.Array:
         """The decoder's final features [..., d] -> logits [..., V]."""
         return constrain(self.lm_head(x), "batch", "length", "act_vocab")  # v1.1: no d_model**-0.5 scaling
 
-    def __call__(
-        self,
-        input_ids: jax.Array,
-        decoder_input_ids: jax.Array,
-        attention_mask: jax.Array | None = None,
-        decoder_attention_mask: jax.Array | None = None,
-        *,
-        segment_ids: jax.Array | None = None,
-        decoder_segment_ids: jax.Array | None = None,
-        positions: jax.Array | None = None,
-        decoder_positions: jax.Array | None = None,
-        rngs: nnx.Rngs | None = None,
-        features_only: bool = False,
-    ) -> jax.Array:
-        del positions, decoder_positions  # relative positions: see the class docstring
-        encoded = self.encode(input_ids, attention_mask, segment_ids=segment_ids, rngs=rngs)
-        return self.decode(
-            decoder_input_ids,
-            encoded,
-            attention_mask,
-            decoder_attention_mask,
-            segment_ids=segment_ids,
-            decoder_segment_ids=decoder_segment_ids,
-            rngs=rngs,
-            features_only=features_only,
-        )
-
-    def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
-        """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""
-        config = self.config
-        cross = self.decoder.block.map(lambda block: block.cross_attention.keys_values(encoded))
-        return Cache.empty(
-            config.num_decoder_layers,
-            encoded.shape[0],
-            slots,
-            config.num_heads,
-            config.d_kv,
-            self.shared.dtype,
-            cross,
-            attention_mask,
-        )
-
-    def extend(self, decoder_input_ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-        """Generation: the next decoder tokens [B, T] attend to the cached ones -> logits [B, T, V] and the cache."""
-        x, cache = self.decoder.extend(self.shared(decoder_input_ids), cache)
-        return self.head(x), cache
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return CacheLayout(self.config.num_decoder_layers, self.config.num_heads, self.config.d_kv)

@@ -1,6 +1,6 @@
 """BART: a post-LayerNorm encoder-decoder with learned positions, trained as a denoising autoencoder.
 
-Mirrors transformers' `BartForConditionalGeneration`; `spmdlm/families/bart.py` holds the rename table. Each stack
+Mirrors transformers' `BartForConditionalGeneration`; `hf.py` beside it holds the rename table. Each stack
 (encoder, decoder) has its own learned position table and a LayerNorm right after the embeddings
 (`layernorm_embedding`); positions are plain 0..T-1 read at rows offset by 2 (a fairseq legacy: the table has
 max_position_embeddings + 2 rows and is not padding-aware, unlike RoBERTa's). Token embeddings are shared by both
@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import AttentionMask, make_attention_mask, segment_positions
+from spmdlm.models.attention import AttentionMask, make_attention_mask
 from spmdlm.models.blocks import PostNormBlock
-from spmdlm.models.hf_config import HFConfig
 from spmdlm.models.kv_cache import Cache
 from spmdlm.models.layers import ACTIVATIONS, Bias, Embed, LayerNorm, dropout, make_param
+from spmdlm.models.seq2seq import CacheLayout, EncoderDecoder, EncoderDecoderConfig
 from spmdlm.models.stack import LayerStack
 
 POSITION_OFFSET = 2  # position t reads row t + 2 of the table
@@ -35,10 +35,9 @@ LAYER_NORM_EPS = 1e-5  # torch nn.LayerNorm's default, which BART uses everywher
 
 
 @dataclasses.dataclass(frozen=True)
-class BartConfig(HFConfig):
+class BartConfig(EncoderDecoderConfig):
     model_type: ClassVar[str] = "bart"
     architecture: ClassVar[str] = "BartForConditionalGeneration"
-    is_encoder_decoder: ClassVar[bool] = True
 
     vocab_size: int = 50265
     d_model: int = 1024
@@ -80,18 +79,10 @@ class BartConfig(HFConfig):
         if self.max_position_embeddings < 1:
             raise ValueError(f"max_position_embeddings {self.max_position_embeddings} must be at least 1")
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        return {**super().to_hf_dict(), "is_encoder_decoder": True}
-
     @property
     def max_length(self) -> int:
         """Longest sequence either stack can read (the offset rows are extra)."""
         return self.max_position_embeddings
-
-
-def _positions(segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array | None:
-    """Positions within packed segments (given, or from the segment ids); None for unpacked rows (0..T-1)."""
-    return positions if positions is not None or segment_ids is None else segment_positions(segment_ids)
 
 
 class BartStack(nnx.Module):
@@ -161,14 +152,15 @@ class BartStack(nnx.Module):
             make_attention_mask(cache.cross_valid),
         )
 
+    def cross_keys_values(self, encoded: jax.Array):
+        """The decoder's cross-attention keys and values of `encoded`, for every layer (generation's cache)."""
+        return self.layers.map(lambda layer: layer.encoder_attn.keys_values(encoded))
 
-class BartForConditionalGeneration(nnx.Module):
-    """`model(input_ids, decoder_input_ids, attention_mask=None, decoder_attention_mask=None, rngs=None)`
-    -> logits [B, T_dec, V]; dropout only when rngs are given. Masks are 1 for real tokens, 0 for padding.
 
-    Packed rows (training) also pass `segment_ids` [B, T] and `decoder_segment_ids` [B, T_dec] (0 = padding), and
-    optionally `positions` / `decoder_positions` within each segment: each attention stays within a segment, the
-    decoder's segment k reads the encoder's segment k, and the learned positions restart in each segment."""
+class BartForConditionalGeneration(EncoderDecoder):
+    """The shared token table (scaled for the stacks when scale_embedding), the two stacks and the tied head
+    (`EncoderDecoder` holds the forward pass and generation). Packed rows' learned positions restart in each
+    segment."""
 
     config_class = BartConfig
 
@@ -189,45 +181,6 @@ class BartForConditionalGeneration(nnx.Module):
     def embed(self, ids: jax.Array) -> jax.Array:
         return self.shared(ids) * self.embed_scale
 
-    def encode(
-        self,
-        input_ids: jax.Array,
-        attention_mask: jax.Array | None = None,
-        *,
-        segment_ids: jax.Array | None = None,
-        positions: jax.Array | None = None,
-        rngs: nnx.Rngs | None = None,
-    ) -> jax.Array:
-        mask = make_attention_mask(attention_mask, q_segments=segment_ids, kv_segments=segment_ids)
-        return self.encoder(self.embed(input_ids), mask, positions=_positions(segment_ids, positions), rngs=rngs)
-
-    def decode(
-        self,
-        decoder_input_ids: jax.Array,
-        encoded: jax.Array,
-        attention_mask: jax.Array | None = None,
-        decoder_attention_mask: jax.Array | None = None,
-        *,
-        segment_ids: jax.Array | None = None,
-        decoder_segment_ids: jax.Array | None = None,
-        decoder_positions: jax.Array | None = None,
-        rngs: nnx.Rngs | None = None,
-        features_only: bool = False,
-    ) -> jax.Array:
-        mask = make_attention_mask(
-            decoder_attention_mask, causal=True, q_segments=decoder_segment_ids, kv_segments=decoder_segment_ids
-        )
-        context_mask = make_attention_mask(attention_mask, q_segments=decoder_segment_ids, kv_segments=segment_ids)
-        x = self.decoder(
-            self.embed(decoder_input_ids),
-            mask,
-            encoded,
-            context_mask,
-            positions=_positions(decoder_segment_ids, decoder_positions),
-            rngs=rngs,
-        )
-        return x if features_only else self.head(x)
-
     def head(self, x: jax.Array) -> jax.Array:
         """The decoder's final features [..., d] -> logits [..., V]."""
         # Tied head: the unscaled shared table. final_logits_bias is not trained, as in transformers (a buffer in
@@ -235,50 +188,7 @@ class BartForConditionalGeneration(nnx.Module):
         logits = self.shared.attend(x) + jax.lax.stop_gradient(self.final_logits_bias[...])
         return constrain(logits, "batch", "length", "act_vocab")
 
-    def __call__(
-        self,
-        input_ids: jax.Array,
-        decoder_input_ids: jax.Array,
-        attention_mask: jax.Array | None = None,
-        decoder_attention_mask: jax.Array | None = None,
-        *,
-        segment_ids: jax.Array | None = None,
-        decoder_segment_ids: jax.Array | None = None,
-        positions: jax.Array | None = None,
-        decoder_positions: jax.Array | None = None,
-        rngs: nnx.Rngs | None = None,
-        features_only: bool = False,
-    ) -> jax.Array:
-        encoded = self.encode(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, rngs=rngs)
-        return self.decode(
-            decoder_input_ids,
-            encoded,
-            attention_mask,
-            decoder_attention_mask,
-            segment_ids=segment_ids,
-            decoder_segment_ids=decoder_segment_ids,
-            decoder_positions=decoder_positions,
-            rngs=rngs,
-            features_only=features_only,
-        )
-
-    def init_cache(self, encoded: jax.Array, attention_mask: jax.Array, slots: int) -> Cache:
-        """An empty decoder cache of `slots` tokens holding the cross-attention keys and values of `encoded`."""
-        config = self.config
-        heads = config.decoder_attention_heads
-        cross = self.decoder.layers.map(lambda layer: layer.encoder_attn.keys_values(encoded))
-        return Cache.empty(
-            config.decoder_layers,
-            encoded.shape[0],
-            slots,
-            heads,
-            config.d_model // heads,
-            self.shared.dtype,
-            cross,
-            attention_mask,
-        )
-
-    def extend(self, decoder_input_ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-        """Generation: the next decoder tokens [B, T] attend to the cached ones -> logits [B, T, V] and the cache."""
-        x, cache = self.decoder.extend(self.embed(decoder_input_ids), cache)
-        return self.head(x), cache
+    @property
+    def cache_layout(self) -> CacheLayout:
+        heads = self.config.decoder_attention_heads
+        return CacheLayout(self.config.decoder_layers, heads, self.config.d_model // heads)

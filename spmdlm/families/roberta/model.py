@@ -1,6 +1,6 @@
 """RoBERTa: a post-LayerNorm bidirectional encoder with learned positions and a masked-LM head.
 
-Mirrors transformers' `RobertaForMaskedLM` (no pooler); `spmdlm/families/roberta.py` holds the rename table.
+Mirrors transformers' `RobertaForMaskedLM` (no pooler); `hf.py` beside it holds the rename table.
 Positions follow RoBERTa: real tokens count from `pad_token_id + 1` (so max_position_embeddings = length + 2) and
 padding tokens take position `pad_token_id`. The MLM head is dense -> GELU -> LayerNorm -> the word embeddings
 (tied) plus its own bias. Layers are stacked and scanned (`layer.layers`).

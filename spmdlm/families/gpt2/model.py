@@ -1,7 +1,7 @@
 """GPT-2: a decoder-only transformer with pre-LayerNorm blocks, learned positions and a tied LM head.
 
 Mirrors transformers' `GPT2LMHeadModel` (attribute names follow it where our shared layers allow;
-`spmdlm/families/gpt2.py` holds the rename table). The blocks are stacked and scanned (`h.layers`). Dropout uses HF's
+`hf.py` beside it holds the rename table). The blocks are stacked and scanned (`h.layers`). Dropout uses HF's
 pdrop names and defaults (0.1, what transformers reads from a config.json without them); the presets set 0, the
 pretraining recipe's setting.
 Generation (`init_cache`, `extend`) feeds tokens through a preallocated KV cache (`kv_cache.Cache`).
