@@ -21,9 +21,9 @@ from flax import nnx
 
 from spmdlm import optimizers
 from spmdlm.cli import launch
-from spmdlm.cli.launch import build_parser, parse_args
+from spmdlm.cli.launch import build_parser, family_choices, parse_args
 from spmdlm.errors import ArgumentError, ConfigError
-from spmdlm.families import family_choices, get_family, load_config
+from spmdlm.families import get_family, load_config
 from spmdlm.mesh import make_mesh
 from spmdlm.optimizers.entries import Flag
 from spmdlm.run_args.choices import FLAG_BOUNDS, SECTION_FLAGS
