@@ -275,8 +275,8 @@ class Arm:
     ):
         import jax
 
-        from spmdlm.train.state import count_parameters
-        from spmdlm.train.step import Stepper
+        from spmdlm.engine.state import count_parameters
+        from spmdlm.engine.step import Stepper
 
         self.variant, self.mesh, self.forward, self.times = variant, mesh, forward, []
         self.losses: list[float] = []
@@ -354,7 +354,7 @@ class Arm:
         import optax
         from flax import nnx
 
-        from spmdlm.train.step import loss_sums
+        from spmdlm.engine.step import loss_sums
 
         model, optimizer = nnx.merge(graphdef, state)
         base_key = self.stepper.dropout_key
@@ -434,11 +434,11 @@ def run_benchmark(args) -> dict[str, Any]:
     import spmdlm
     from spmdlm import devices, flops
     from spmdlm.data.pipeline import batch_spec, to_global
+    from spmdlm.engine.optim import learning_rate_schedule
+    from spmdlm.engine.plan import LayerPlan, plan_layers
+    from spmdlm.engine.state import DTYPES, build_train_state
     from spmdlm.mesh import MeshError, batch_axis_size, make_mesh
     from spmdlm.run_args.sections import OptimizationArgs
-    from spmdlm.train.optim import learning_rate_schedule
-    from spmdlm.train.plan import LayerPlan, plan_layers
-    from spmdlm.train.state import DTYPES, build_train_state
 
     try:
         mesh = make_mesh(args.mesh)
@@ -464,7 +464,7 @@ def run_benchmark(args) -> dict[str, Any]:
 
     abstract_model = nnx.eval_shape(lambda: family.make_model(config, rngs=nnx.Rngs(0)))
 
-    def plan(variant: Variant) -> LayerPlan:  # auto as the launcher resolves it (spmdlm/train/plan.py)
+    def plan(variant: Variant) -> LayerPlan:  # auto as the launcher resolves it (spmdlm/engine/plan.py)
         return plan_layers(
             variant.remat,
             variant.unroll,

@@ -39,10 +39,10 @@ def main() -> None:
     from bench_train import build_objective
 
     from spmdlm.data.pipeline import batch_spec
+    from spmdlm.engine.state import build_train_state
+    from spmdlm.engine.step import Stepper
     from spmdlm.families import families, load_config
     from spmdlm.mesh import make_mesh
-    from spmdlm.train.state import build_train_state
-    from spmdlm.train.step import Stepper
 
     config = load_config(args.config)
     family = families()[config.model_type]

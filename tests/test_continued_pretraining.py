@@ -25,7 +25,7 @@ from spmdlm.cli.launch import main, parse_args
 from spmdlm.data import datasets, pipeline
 from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.families import get_family
-from spmdlm.train.setup import resolve
+from spmdlm.train.stages.resolve import resolve
 
 WORDS = "lamp keeper harbour boat sail letter apples tide wind north grey cape bay rowed smiled failed".split()
 LINES = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(8 + i % 5)) + f", day {i}." for i in range(300)]

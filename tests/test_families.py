@@ -17,12 +17,12 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from spmdlm import checkpoint, hf_export
+from spmdlm.engine.state import build_train_state
 from spmdlm.families import families, get_family, load_config
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 from spmdlm.models.attention import resolve_attention, set_attention
 from spmdlm.models.hf_config import preset_names
-from spmdlm.train.state import build_train_state
 
 GOLDEN = Path(__file__).parent / "golden"
 SHARDED = "data=2,fsdp=2,tensor=2"
@@ -248,8 +248,8 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.data.tokenization import train_tokenizer
-    from spmdlm.train.state import build_train_state
-    from spmdlm.train.step import Stepper
+    from spmdlm.engine.state import build_train_state
+    from spmdlm.engine.step import Stepper
 
     args, _ = parse_args(["--train_file", "x", *FIXTURES[family].run_flags])
     config = load_config(str(config_path))

@@ -26,10 +26,10 @@ import pytest
 from spmdlm import devices, flops
 from spmdlm.data.objectives.clm import CausalLM
 from spmdlm.data.pipeline import batch_spec
+from spmdlm.engine.state import build_train_state
+from spmdlm.engine.step import Stepper
 from spmdlm.families import families, get_family, load_config, objective_for_shapes
 from spmdlm.mesh import make_mesh
-from spmdlm.train.state import build_train_state
-from spmdlm.train.step import Stepper
 
 XLA_OVERHEAD = 0.3  # XLA may count up to 30% more than the model FLOPs on these tiny configs (see above)
 

@@ -9,8 +9,8 @@ from family_fixtures import FIXTURES
 from flax import nnx
 
 from spmdlm.data.objectives import IGNORE_INDEX
+from spmdlm.engine.step import loss_sums
 from spmdlm.families import families
-from spmdlm.train.step import loss_sums
 
 
 def tiny_model(family: str, **changes):
@@ -111,9 +111,9 @@ def test_mlm_head_on_labelled_positions_only_equals_every_position():
 
 def test_chunking_shrinks_the_compiled_steps_temporaries():
     """A vocabulary much wider than the model, as in GPT-2 (50k x 768): the step's temporaries are mostly logits."""
+    from spmdlm.engine.state import build_train_state
+    from spmdlm.engine.step import Stepper
     from spmdlm.mesh import make_mesh
-    from spmdlm.train.state import build_train_state
-    from spmdlm.train.step import Stepper
 
     config, _ = tiny_model("gpt2", vocab_size=8192, n_positions=256)
     family = families()["gpt2"]
@@ -132,7 +132,7 @@ def test_chunking_shrinks_the_compiled_steps_temporaries():
 def test_reported_bart_metrics_leave_out_the_special_labels():
     """A hand-built batch: <s> and </s> predicted with certainty, the content wrong. The scored sums (what a BART run
     reports, as the HF script counts) cover the content tokens only; the trained loss covers every label."""
-    from spmdlm.train.step import cross_entropy_sums, head_sums
+    from spmdlm.engine.step import cross_entropy_sums, head_sums
 
     vocab, bos, pad, eos = 6, 0, 1, 2
     labels = jnp.asarray([[bos, 3, 4, eos], [bos, 5, eos, IGNORE_INDEX]], jnp.int32)

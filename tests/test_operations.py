@@ -19,7 +19,9 @@ from spmdlm import storage
 from spmdlm.cli.launch import parse_args
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.run_args.sections import OperationsArgs
-from spmdlm.train import goodput, outputs, profiling, watchdog
+from spmdlm.train.reporting import goodput, profiling
+from spmdlm.train.safety import watchdog
+from spmdlm.train.stages import outputs
 
 
 class FakeClock:

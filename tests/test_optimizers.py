@@ -15,21 +15,21 @@ from flax import nnx
 
 from spmdlm import checkpoint
 from spmdlm.cli.launch import parse_args
-from spmdlm.errors import ArgumentError
-from spmdlm.families import get_family, load_config
-from spmdlm.mesh import make_mesh
-from spmdlm.models.layers import Bias, Dense, Embed, LayerNorm, Scale
-from spmdlm.run_args import RunArgs
-from spmdlm.run_args.sections import OptimizationArgs
-from spmdlm.train.optim import (
+from spmdlm.engine.optim import (
     MUON_CONSISTENT_RMS,
     evaluation_params,
     learning_rate_schedule,
     make_optimizer,
     muon_dimension_numbers,
 )
-from spmdlm.train.state import build_train_state
-from spmdlm.train.step import Stepper, model_for_evaluation
+from spmdlm.engine.state import build_train_state
+from spmdlm.engine.step import Stepper, model_for_evaluation
+from spmdlm.errors import ArgumentError
+from spmdlm.families import get_family, load_config
+from spmdlm.mesh import make_mesh
+from spmdlm.models.layers import Bias, Dense, Embed, LayerNorm, Scale
+from spmdlm.run_args import RunArgs
+from spmdlm.run_args.sections import OptimizationArgs
 
 GPT2 = get_family("gpt2")
 TINY_GPT2 = load_config("gpt2-tiny", "gpt2").replace(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)

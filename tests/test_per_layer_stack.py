@@ -11,12 +11,12 @@ import numpy as np
 from flax import nnx
 
 from spmdlm import checkpoint
+from spmdlm.engine.plan import plan_layers
+from spmdlm.engine.state import build_train_state
 from spmdlm.families import get_family, load_config
 from spmdlm.mesh import make_mesh
 from spmdlm.models.stack import PER_LAYER, LayerStack, restack, stack_layers
 from spmdlm.run_args.choices import parse_scan_unroll
-from spmdlm.train.plan import plan_layers
-from spmdlm.train.state import build_train_state
 
 BART = get_family("bart")
 TINY_BART = load_config("bart-tiny", "bart").replace(

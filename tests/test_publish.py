@@ -20,7 +20,7 @@ from spmdlm.errors import ArgumentError
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
 from spmdlm.hf_export import export_complete, save_hf
-from spmdlm.train import corpora, publish, setup
+from spmdlm.train.stages import corpora, publish, resolve
 
 TOKEN = "hf_emulated_token"
 CARD_FLAGS = ("--card_license", "apache-2.0", "--card_tags", "tiny,code", "--card_datasets", "someone/stdlib-json")
@@ -72,12 +72,12 @@ def flags(family: str, out: Path, config: Path, cache_dir: Path, *extra: str) ->
     ]
 
 
-def run_context(argv: list[str]) -> setup.RunContext:
+def run_context(argv: list[str]) -> resolve.RunContext:
     """The context a run of `argv` has when it finishes, without training: resolved, tokenizer, data."""
     args, _ = parse_args(argv)
-    ctx = setup.resolve(args, 0.0)
+    ctx = resolve.resolve(args, 0.0)
     ctx.hub = None
-    setup.setup_tokenizer(ctx, (documents := corpora.read_corpora(args.data))[0])
+    resolve.setup_tokenizer(ctx, (documents := corpora.read_corpora(args.data))[0])
     corpora.setup_data(ctx, *documents)
     return ctx
 
@@ -235,7 +235,7 @@ def test_a_failed_upload_is_one_warning_line(server, hub, tmp_path, caplog, requ
 
 def test_the_run_refuses_a_bad_repository_id_or_no_token_before_it_starts(tmp_path, monkeypatch):
     args, _ = parse_args(["--output_dir", str(tmp_path / "a run"), "--push_to_hub", "--hub_token", TOKEN])
-    ctx = setup.resolve(args, 0.0)
+    ctx = resolve.resolve(args, 0.0)
     with pytest.raises(ArgumentError, match="output dir's name .* is not a Hub repository id.*--hub_model_id"):
         publish.hub_for(ctx)
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -248,7 +248,7 @@ def test_the_run_refuses_a_bad_repository_id_or_no_token_before_it_starts(tmp_pa
 def test_the_token_comes_from_the_login_and_the_endpoint_from_HF_ENDPOINT(hub, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_from_the_environment")
     args, _ = parse_args(["--output_dir", str(tmp_path / "run"), "--push_to_hub"])
-    target = publish.hub_for(setup.resolve(args, 0.0))
+    target = publish.hub_for(resolve.resolve(args, 0.0))
     assert target.repo_id == "run" and target.endpoint == hub.url and target.create()
     assert hub.calls("create")[0].headers["authorization"] == "Bearer hf_from_the_environment"
     assert "visibility" not in hub.calls("create")[0].json()  # not private: the hub's default

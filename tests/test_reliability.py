@@ -19,10 +19,10 @@ from conftest import FIXTURES, final_params, read_metrics
 
 import spmdlm.cli.launch
 from spmdlm import checkpoint, devices
+from spmdlm.engine.step import Stepper
 from spmdlm.launch import main
-from spmdlm.train import corpora, setup
-from spmdlm.train.guard import RunLock
-from spmdlm.train.step import Stepper
+from spmdlm.train.safety.guard import RunLock
+from spmdlm.train.stages import corpora, resolve
 
 
 def flags(out, cache_dir, config, *extra) -> list[str]:
@@ -146,11 +146,11 @@ def restore_target(base_run, cache_dir, tiny_gpt2_config):
     from spmdlm.data import pipeline
 
     args, _ = parse_args(flags(base_run, cache_dir, tiny_gpt2_config))
-    ctx = setup.resolve(args, 0.0)
+    ctx = resolve.resolve(args, 0.0)
     train_docs, val_docs = corpora.read_corpora(args.data)
-    setup.setup_tokenizer(ctx, train_docs)
+    resolve.setup_tokenizer(ctx, train_docs)
     corpora.setup_data(ctx, train_docs, val_docs)
-    _, state, _ = setup.setup_state(ctx, abstract=True)
+    _, state, _ = resolve.setup_state(ctx, abstract=True)
     iterator = pipeline.train_batches(
         ctx.data.train,
         ctx.objective,
@@ -286,7 +286,7 @@ def test_sigterm_saves_at_the_current_step_and_the_resume_is_exact(
 
 
 def test_a_second_ctrl_c_quits_at_once():
-    from spmdlm.train.guard import StopOnSignal
+    from spmdlm.train.safety.guard import StopOnSignal
 
     # Python's own Ctrl-C handler, as in a terminal (a shell's background job starts with SIGINT ignored).
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)

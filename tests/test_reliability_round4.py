@@ -109,7 +109,7 @@ def test_prepared_sources_of_two_tokenizers_get_advice_that_works(tmp_path):
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.mixture import read_mixture_file
     from spmdlm.errors import DataError
-    from spmdlm.train.corpora import read_sources
+    from spmdlm.train.stages.corpora import read_sources
 
     for name, sha in (("a", "1" * 64), ("b", "2" * 64), ("c", "1" * 64)):
         fake_dataset(tmp_path / name, sha)
@@ -220,7 +220,7 @@ def test_one_document_that_leaves_no_held_out_text_says_so(caplog):
     import types
 
     from spmdlm.cli.launch import parse_args
-    from spmdlm.train.corpora import tokenize_validation
+    from spmdlm.train.stages.corpora import tokenize_validation
 
     args, _ = parse_args(["--train_file", "x.txt", "--text_documents", "file"])
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
@@ -248,7 +248,7 @@ def test_a_tracker_that_cannot_start_leaves_the_output_dir_as_it_was(
     capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
 ):
     pytest.importorskip("mlflow", reason="the mlflow extra (pip install -e '.[mlflow]')")
-    from spmdlm.train.outputs import OUR_OUTPUTS
+    from spmdlm.train.stages.outputs import OUR_OUTPUTS
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://nowhere")  # refused by MLflow at once
     out = tmp_path / "run"
@@ -343,7 +343,7 @@ def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2
 
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.datasets import CARD_NAME
-    from spmdlm.train import corpora, publish
+    from spmdlm.train.stages import corpora, publish
 
     out = shutil.copytree(prepared, tmp_path / "ds")
     args, _ = parse_args(["--dataset_dir", str(out)])

@@ -11,7 +11,7 @@ from family_fixtures import FIXTURES
 from spmdlm.cli.launch import parse_args
 from spmdlm.data import pipeline
 from spmdlm.families import objective_for_shapes
-from spmdlm.train.setup import resolve, setup_state
+from spmdlm.train.stages.resolve import resolve, setup_state
 
 MESHES = ("data=2,fsdp=2,tensor=2", "data=4,fsdp=2", "fsdp=8")
 # Less machine-code optimisation (the partitioner, which warns, runs before it either way): compiles ~30% faster.

@@ -22,9 +22,9 @@ from spmdlm.cli.launch import masked
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.launch import main
 from spmdlm.run_args import RunArgs
-from spmdlm.train import metrics_log, trackers
-from spmdlm.train import report as report_module
-from spmdlm.train.report import Reporter
+from spmdlm.train.reporting import metrics_log, trackers
+from spmdlm.train.reporting import report as report_module
+from spmdlm.train.reporting.report import Reporter
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra (pip install -e '.[wandb]')")
 mlflow = pytest.importorskip("mlflow", reason="the mlflow extra (pip install -e '.[mlflow]')")

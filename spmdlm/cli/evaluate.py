@@ -8,8 +8,8 @@ transformers directory of the four families) on held-out text, with its objectiv
 --tasks runs LM-harness tasks (lm-eval; local task YAMLs with --tasks_dir) on the same model through our own JAX
 adapter (spmdlm/generation/harness.py; docs/harness.md), with or without held-out text.
 
-Everything but the model is the launcher's flags and code (spmdlm/train/setup.py: data and objective;
-spmdlm/train/step.py: the eval step; spmdlm/train/loop.py: evaluation): --validation_file, --dataset_dir or
+Everything but the model is the launcher's flags and code (spmdlm/train/stages/resolve.py: data and objective;
+spmdlm/engine/step.py: the eval step; spmdlm/train/loop.py: evaluation): --validation_file, --dataset_dir or
 --data_mixture (each source's held-out text), the objective flags (as given, else the defaults, whatever the model),
 --seed (the masks and spans: two models with one tokenizer see the same ones), --per_device_eval_batch_size.
 Prints the results as JSON (and writes them to --output_file). docs/evaluation.md says what each figure counts.
@@ -30,17 +30,17 @@ from flax import nnx
 from spmdlm import storage
 from spmdlm.cli.launch import parse_args as parse_run_args
 from spmdlm.cli.launch import setup_devices
+from spmdlm.engine.step import Stepper
 from spmdlm.errors import ArgumentError, DataError, UserError
 from spmdlm.families import family_choices
 from spmdlm.generation.harness import harness_lm, run_tasks, task_manager
 from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.run_args import RunArgs
-from spmdlm.train.corpora import read_corpora, read_sources, setup_data, setup_mixture_data
 from spmdlm.train.loop import evaluate
-from spmdlm.train.metrics_log import strict_json
-from spmdlm.train.setup import Run, RunContext, byte_lengths, check_flags_apply, use_tokenizer
-from spmdlm.train.step import Stepper
+from spmdlm.train.reporting.metrics_log import strict_json
+from spmdlm.train.stages.corpora import read_corpora, read_sources, setup_data, setup_mixture_data
+from spmdlm.train.stages.resolve import Run, RunContext, byte_lengths, check_flags_apply, use_tokenizer
 
 log = logging.getLogger("spmdlm")
 

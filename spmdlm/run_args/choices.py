@@ -15,11 +15,11 @@ from spmdlm.errors import ArgumentError
 from spmdlm.models.stack import PER_LAYER, REMAT_POLICIES
 
 # --remat: what each scanned layer keeps for its backward pass (the policies: models/stack.py REMAT_POLICIES); auto
-# chooses one (spmdlm/train/plan.py).
+# chooses one (spmdlm/engine/plan.py).
 REMAT_CHOICES = ("auto", *REMAT_POLICIES)
 DEFAULT_MODEL_TYPE = "gpt2"  # the family of a run that names none (and of the embedded quick start)
 SEED_MAX = 2**32 - 1  # --seed: Grain's shuffle and random_map take an unsigned 32-bit seed
-# --optim and --lr_scheduler_type (built in spmdlm/train/optim.py; docs/optimizers.md)
+# --optim and --lr_scheduler_type (built in spmdlm/engine/optim.py; docs/optimizers.md)
 OPTIMIZERS = ("adamw", "adafactor", "lion", "muon", "schedule_free_adamw")
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt", "wsd")
 DECAYING_SCHEDULES = ("linear", "cosine", "inverse_sqrt", "wsd")  # those --min_lr_ratio applies to

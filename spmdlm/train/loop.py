@@ -20,19 +20,21 @@ from jax.experimental import multihost_utils
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
 from spmdlm.data.mixture import MixedSplit
+from spmdlm.engine.step import Stepper, model_for_evaluation
 from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted
 from spmdlm.families.base import Generation
 from spmdlm.generation import fill_mask, generate
 from spmdlm.generation.harness import flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
 from spmdlm.run_args import RunArgs
-from spmdlm.train import profiling, publish, watchdog
-from spmdlm.train.guard import StopOnSignal
-from spmdlm.train.report import Reporter
-from spmdlm.train.setup import (
+from spmdlm.train.reporting import profiling
+from spmdlm.train.reporting.report import Reporter
+from spmdlm.train.safety import watchdog
+from spmdlm.train.safety.guard import StopOnSignal
+from spmdlm.train.stages import publish
+from spmdlm.train.stages.resolve import (
     RunContext,
 )
-from spmdlm.train.step import Stepper, model_for_evaluation
 
 log = logging.getLogger("spmdlm")
 

@@ -1,12 +1,13 @@
 """A training run, stage by stage, in order: `run_stages` names them. Each stage is a function of what the earlier
-ones produced: the run's context (spmdlm/train/setup.py RunContext: the arguments, mesh, model config and family,
-filled in as the stages go) and the pieces a stage hands on (documents, the reporter, the model's state, results).
+ones produced: the run's context (spmdlm/train/stages/resolve.py RunContext: the arguments, mesh, model config and
+family, filled in as the stages go) and the pieces a stage hands on (documents, the reporter, the model's state,
+results).
 
-resolve (everything that can be refused before a file is written; spmdlm/train/setup.py) -> documents (read and
-refused before the output dir is touched; spmdlm/train/corpora.py) -> output dir (refuse, resume or clear;
-spmdlm/train/outputs.py) -> tokenizer -> data (tokenized or opened prepared) -> state (the sharded model and
+resolve (everything that can be refused before a file is written; spmdlm/train/stages/resolve.py) -> documents (read and
+refused before the output dir is touched; spmdlm/train/stages/corpora.py) -> output dir (refuse, resume or clear;
+spmdlm/train/stages/outputs.py) -> tokenizer -> data (tokenized or opened prepared) -> state (the sharded model and
 optimizer) -> compile (and the memory gate) -> train (or restore; spmdlm/train/loop.py) -> evaluate -> export and
-publish (spmdlm/train/publish.py).
+publish (spmdlm/train/stages/publish.py).
 """
 
 from __future__ import annotations
@@ -22,17 +23,21 @@ from flax import nnx
 
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
+from spmdlm.engine.state import count_parameters
+from spmdlm.engine.step import Stepper, model_for_evaluation
 from spmdlm.errors import RunError
 from spmdlm.generation.harness import TASK_METRICS
 from spmdlm.hf_export import export_state, what_it_needs
 from spmdlm.mesh import batch_axis_size
 from spmdlm.run_args import RunArgs
-from spmdlm.train import publish
-from spmdlm.train.corpora import prepare_data, read_documents, training_texts
-from spmdlm.train.guard import RunLock
 from spmdlm.train.loop import evaluate, source_epochs, task_metrics, train_loop
-from spmdlm.train.metrics_log import write_json
-from spmdlm.train.outputs import (
+from spmdlm.train.reporting.metrics_log import write_json
+from spmdlm.train.reporting.report import Reporter
+from spmdlm.train.reporting.trackers import is_eval_key
+from spmdlm.train.safety.guard import RunLock
+from spmdlm.train.stages import publish
+from spmdlm.train.stages.corpora import prepare_data, read_documents, training_texts
+from spmdlm.train.stages.outputs import (
     check_fingerprints,
     check_output_dir,
     export_done,
@@ -42,11 +47,7 @@ from spmdlm.train.outputs import (
     read_results,
     write_run_files,
 )
-from spmdlm.train.report import Reporter
-from spmdlm.train.setup import RunContext, check_memory, is_main, resolve, setup_state, setup_tokenizer
-from spmdlm.train.state import count_parameters
-from spmdlm.train.step import Stepper, model_for_evaluation
-from spmdlm.train.trackers import is_eval_key
+from spmdlm.train.stages.resolve import RunContext, check_memory, is_main, resolve, setup_state, setup_tokenizer
 
 log = logging.getLogger("spmdlm")
 

@@ -1,8 +1,8 @@
 """The run's context (RunContext: what the stages share) and three of its stages: resolve (config, mesh, lengths:
 everything that can be refused before a file is written), the tokenizer, and the sharded state with the memory gate.
 
-spmdlm/train/run.py runs the stages in order; `--compile_for` (spmdlm/train/aot.py) runs resolve and an abstract
-state only. The data stage is spmdlm/train/corpora.py, the output dir's policy spmdlm/train/outputs.py.
+spmdlm/train/run.py runs the stages in order; `--compile_for` (spmdlm/train/compile_for/aot.py) runs resolve and an
+abstract state only. The data stage is corpora.py beside this file, the output dir's policy outputs.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from spmdlm.data.tokenization import (
     tokenizer_layout,
     train_tokenizer,
 )
+from spmdlm.engine.optim import learning_rate_schedule
+from spmdlm.engine.plan import LayerPlan, plan_layers
+from spmdlm.engine.state import DTYPES, build_train_state
+from spmdlm.engine.step import Stepper
 from spmdlm.errors import ArgumentError, RunError, TasksError
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
@@ -38,10 +42,6 @@ from spmdlm.models.attention import resolve_attention
 from spmdlm.run_args import RunArgs
 from spmdlm.run_args.choices import DEFAULT_MODEL_TYPE
 from spmdlm.run_args.sections import ControlArgs
-from spmdlm.train.optim import learning_rate_schedule
-from spmdlm.train.plan import LayerPlan, plan_layers
-from spmdlm.train.state import DTYPES, build_train_state
-from spmdlm.train.step import Stepper
 
 log = logging.getLogger("spmdlm")
 
@@ -99,8 +99,8 @@ class RunContext:
     data: Data | None = None
     dataset_cards: dict = dataclasses.field(default_factory=dict)  # prepared datasets' cards as opened, by directory
     schedule: pipeline.Schedule | None = None
-    hub: Any = None  # spmdlm.train.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
-    layer_plan: LayerPlan | None = None  # --remat and --scan_unroll as resolved (setup_state; train/plan.py)
+    hub: Any = None  # spmdlm.train.stages.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
+    layer_plan: LayerPlan | None = None  # --remat and --scan_unroll as resolved (setup_state; engine/plan.py)
 
     args = property(lambda self: self.run.args)
     mesh = property(lambda self: self.run.mesh)
@@ -422,7 +422,7 @@ def check_mesh_use(state, ctx: RunContext) -> None:
 
 
 def choose_layer_plan(ctx: RunContext) -> LayerPlan:
-    """--remat and --scan_unroll for this run (spmdlm/train/plan.py), each `auto` one said in a line."""
+    """--remat and --scan_unroll for this run (spmdlm/engine/plan.py), each `auto` one said in a line."""
     args, mesh = ctx.args, ctx.mesh
     device = mesh.devices.flat[0]
     lengths = ctx.objective.sequence_lengths()

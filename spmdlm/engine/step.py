@@ -21,10 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmdlm.checkpoint import abstract_of
 from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.devices import compiled_stats
+from spmdlm.engine.optim import evaluation_params, spike_counts
 from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
 from spmdlm.run_args.sections import OptimizationArgs
-from spmdlm.train.optim import evaluation_params, spike_counts
 
 
 def cross_entropy_sums(

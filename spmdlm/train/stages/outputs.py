@@ -18,9 +18,9 @@ from spmdlm.data.tokenization import save_tokenizer
 from spmdlm.errors import RunError
 from spmdlm.generation.harness import TASK_METRICS
 from spmdlm.hf_export import export_complete
-from spmdlm.train.guard import LOCK_NAME
-from spmdlm.train.metrics_log import write_json
-from spmdlm.train.setup import RunContext, is_main
+from spmdlm.train.reporting.metrics_log import write_json
+from spmdlm.train.safety.guard import LOCK_NAME
+from spmdlm.train.stages.resolve import RunContext, is_main
 
 log = logging.getLogger("spmdlm")
 

@@ -25,13 +25,13 @@ from jax.experimental import topologies
 
 from spmdlm import devices
 from spmdlm.data import pipeline
+from spmdlm.engine.state import DTYPES, count_parameters
 from spmdlm.errors import ArgumentError, DoesNotFit
 from spmdlm.families import objective_for_shapes
 from spmdlm.mesh import MESH_AXES, batch_axis_size
 from spmdlm.run_args import RunArgs
-from spmdlm.train import collectives
-from spmdlm.train.setup import resolve, setup_state
-from spmdlm.train.state import DTYPES, count_parameters
+from spmdlm.train.compile_for import collectives
+from spmdlm.train.stages.resolve import resolve, setup_state
 
 GiB = 2**30
 
@@ -187,7 +187,7 @@ def collective_summary(ctx, graphdef, state, train: dict[str, Any]) -> dict[str,
 
 
 def minimum_collectives(ctx, graphdef, state) -> dict[str, dict[str, int]]:
-    """The analytic minimum of the train step's collectives on this mesh (spmdlm/train/collectives.py)."""
+    """The analytic minimum of the train step's collectives on this mesh (spmdlm/train/compile_for/collectives.py)."""
     lengths = ctx.objective.sequence_lengths()
     return collectives.analytic_minimum(
         collectives.model_parameters(graphdef, state),

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from spmdlm.engine.optim import make_optimizer
 from spmdlm.families.base import Family
 from spmdlm.run_args.sections import OptimizationArgs
-from spmdlm.train.optim import make_optimizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # --dtype: the compute dtype
 

@@ -25,14 +25,13 @@ from typing import Any
 
 import jax
 
-from spmdlm import __version__, checkpoint, storage
+from spmdlm import __version__, checkpoint, network, storage
 from spmdlm.data import datasets, readers
+from spmdlm.engine.step import model_for_evaluation
 from spmdlm.errors import ArgumentError
 from spmdlm.hf_export import TASKS, card_usage_lines, export_complete, save_hf
 from spmdlm.mesh import batch_axis_size
-from spmdlm.train import network
-from spmdlm.train.setup import RunContext, is_main
-from spmdlm.train.step import model_for_evaluation
+from spmdlm.train.stages.resolve import RunContext, is_main
 
 log = logging.getLogger("spmdlm")
 

@@ -19,7 +19,7 @@ from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cac
 from spmdlm.data.tokenization import special_token_ids
 from spmdlm.errors import DataError
 from spmdlm.run_args.sections import DataArgs
-from spmdlm.train.setup import Data, RunContext, is_main
+from spmdlm.train.stages.resolve import Data, RunContext, is_main
 
 log = logging.getLogger("spmdlm")
 

@@ -1,8 +1,7 @@
 """What a run shows and leaves behind, on process 0 (the others keep the bookkeeping silent): a `Reporter` fans
-each record out to the metrics log (metrics.jsonl, samples.jsonl: spmdlm/train/metrics_log.py), the progress display
-(spmdlm/train/progress.py) and the trackers of --report_to (TensorBoard, W&B, MLflow: spmdlm/train/trackers.py); it
-computes throughput and MFU, keeps the run's goodput (spmdlm/train/goodput.py), draws the loss curve and says the
-summary.
+each record out to the metrics log (metrics.jsonl, samples.jsonl: metrics_log.py beside this file), the progress
+display (progress.py) and the trackers of --report_to (TensorBoard, W&B, MLflow: trackers.py); it computes throughput
+and MFU, keeps the run's goodput (goodput.py), draws the loss curve and says the summary.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from spmdlm.data.objectives import Objective
 from spmdlm.errors import RunError
 from spmdlm.families.base import Family
 from spmdlm.run_args import RunArgs
-from spmdlm.train import goodput, trackers
-from spmdlm.train.metrics_log import MetricsLog
-from spmdlm.train.progress import Progress
+from spmdlm.train.reporting import goodput, trackers
+from spmdlm.train.reporting.metrics_log import MetricsLog
+from spmdlm.train.reporting.progress import Progress
 
 log = logging.getLogger("spmdlm")
 
