@@ -276,7 +276,7 @@ class Arm:
         import jax
 
         from spmdlm.engine.state import count_parameters
-        from spmdlm.engine.step import Stepper
+        from spmdlm.engine.step import Loss, Stepper, Training
 
         self.variant, self.mesh, self.forward, self.times = variant, mesh, forward, []
         self.losses: list[float] = []
@@ -287,10 +287,8 @@ class Arm:
             state,
             mesh,
             forward,
-            dropout_seed=seed,
-            schedule=schedule,
-            loss_chunk=variant.loss_chunk,
-            label_capacity=label_capacity if variant.labelled_only else None,
+            loss=Loss(loss_chunk=variant.loss_chunk, label_capacity=label_capacity if variant.labelled_only else None),
+            training=Training(schedule=schedule, dropout_seed=seed),
         )
         self.stats: dict[str, Any] = {}
         start = time.perf_counter()
@@ -362,7 +360,7 @@ class Arm:
         def train_step(model, optimizer, batch, step):  # Stepper._train_step's math (no accumulation)
             def loss_fn(model):
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(base_key, step), 0))
-                sums = loss_sums(model, batch, self.forward, rngs, **self.stepper.loss)
+                sums = loss_sums(model, batch, self.forward, rngs, loss=self.stepper.loss)
                 return sums["loss_sum"] + sums["z_loss_sum"], sums
 
             grads, sums = nnx.grad(loss_fn, has_aux=True)(model)
@@ -436,7 +434,7 @@ def run_benchmark(args) -> dict[str, Any]:
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.engine.optim import learning_rate_schedule
     from spmdlm.engine.plan import LayerPlan, plan_layers
-    from spmdlm.engine.state import DTYPES, build_train_state
+    from spmdlm.engine.state import DTYPES, Compute, build_train_state
     from spmdlm.mesh import MeshError, batch_axis_size, make_mesh
     from spmdlm.run_args.sections import OptimizationArgs
 
@@ -484,10 +482,7 @@ def run_benchmark(args) -> dict[str, Any]:
             optim=dataclasses.replace(optim, max_grad_norm=variant.clip),
             total_steps=total_steps,
             seed=args.seed,
-            dtype=args.dtype,
-            remat=layers.remat,
-            scan_unroll=layers.scan_unroll,
-            attention=variant.attention,
+            compute=Compute(args.dtype, layers.remat, layers.scan_unroll, variant.attention),
         )
 
     base = Variant(

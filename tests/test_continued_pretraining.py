@@ -328,10 +328,10 @@ def test_a_tokenizer_extending_the_checkpoints_grows_the_embeddings(tmp_path, co
             "32",
         ]
     )
-    ctx = resolve(args, 0.0)
-    assert ctx.config.vocab_size == size + 3 and ctx.checkpoint_config.vocab_size == size
-    ours, _ = hf_export.load_hf(folder, config=ctx.config)
-    hf_export.save_hf(ours, ctx.config, tmp_path / "hf", tokenizer=ctx.tokenizer)
+    run = resolve(args, 0.0)
+    assert run.config.vocab_size == size + 3 and run.checkpoint_config.vocab_size == size
+    ours, _ = hf_export.load_hf(folder, config=run.config)
+    hf_export.save_hf(ours, run.config, tmp_path / "hf", tokenizer=run.tokenizer)
     grown = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf")
     assert grown.config.vocab_size == size + 3
     for name in ("shared.weight", "lm_head.weight"):

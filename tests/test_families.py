@@ -17,7 +17,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from spmdlm import checkpoint, hf_export
-from spmdlm.engine.state import build_train_state
+from spmdlm.engine.state import Compute, build_train_state
 from spmdlm.families import families, get_family, load_config
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
@@ -391,7 +391,9 @@ def test_bfloat16_runs_the_matmuls_in_bf16_and_keeps_the_rest_float32(family):
     """--dtype bfloat16: float32 parameters and optimizer state; every matmul (attention included) on bf16
     operands; norms, softmax and the logits in float32."""
     config = families()[family].config_class.from_dict(FIXTURES[family].tiny_config)
-    graphdef, state = build_train_state(families()[family], config, make_mesh("data=8"), dtype="bfloat16")
+    graphdef, state = build_train_state(
+        families()[family], config, make_mesh("data=8"), compute=Compute(dtype="bfloat16")
+    )
     assert {leaf.dtype for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)} == {
         jnp.dtype(jnp.float32)
     }

@@ -9,7 +9,7 @@ from family_fixtures import FIXTURES
 from flax import nnx
 
 from spmdlm.data.objectives import IGNORE_INDEX
-from spmdlm.engine.step import loss_sums
+from spmdlm.engine.step import Loss, loss_sums
 from spmdlm.families import families
 
 
@@ -42,8 +42,7 @@ def test_chunked_loss_and_gradients_equal_the_whole_sequence_ones(family):
                 nnx.merge(graph, p, rest),
                 batch,
                 families()[family].forward,
-                z_loss=1e-3,
-                loss_chunk=chunk,
+                loss=Loss(z_loss=1e-3, loss_chunk=chunk),
                 byte_lengths=jnp.asarray(byte_lengths),
             )
             return sums["loss_sum"] + sums["z_loss_sum"], sums
@@ -91,7 +90,7 @@ def test_mlm_head_on_labelled_positions_only_equals_every_position():
                 nnx.merge(graph, p, rest),
                 batch,
                 families()["roberta"].forward,
-                label_capacity=capacity,
+                loss=Loss(label_capacity=capacity),
                 byte_lengths=jnp.arange(config.vocab_size) % 7,
             )
             return sums["loss_sum"], sums
@@ -122,7 +121,9 @@ def test_chunking_shrinks_the_compiled_steps_temporaries():
     graphdef, state = build_train_state(family, config, mesh, total_steps=10, abstract=True)
     spec = {k: jax.ShapeDtypeStruct((8, 256), jnp.int32) for k in ("input_ids", "labels")}
     temp = {
-        chunk: Stepper(graphdef, state, mesh, family.forward, loss_chunk=chunk).compile_train(state, spec)["temp_bytes"]
+        chunk: Stepper(graphdef, state, mesh, family.forward, loss=Loss(loss_chunk=chunk)).compile_train(state, spec)[
+            "temp_bytes"
+        ]
         for chunk in (0, 32)
     }
     logits_per_device = 4 * 256 * 8192 * 4 / 2  # batch 8 over data=2, vocab over tensor=2, float32

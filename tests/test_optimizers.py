@@ -22,8 +22,8 @@ from spmdlm.engine.optim import (
     make_optimizer,
     muon_dimension_numbers,
 )
-from spmdlm.engine.state import build_train_state
-from spmdlm.engine.step import Stepper, model_for_evaluation
+from spmdlm.engine.state import Compute, build_train_state
+from spmdlm.engine.step import Stepper, Training, model_for_evaluation
 from spmdlm.errors import ArgumentError
 from spmdlm.families import get_family, load_config
 from spmdlm.mesh import make_mesh
@@ -77,8 +77,12 @@ def run(name: str, tmp_dir: str):
         learning_rate=RATES[name], optim=name, warmup_steps=2, weight_decay=0.01, lr_scheduler_type="constant"
     )
     mesh = make_mesh("data=1", jax.devices()[:1])
-    graphdef, state = build_train_state(GPT2, TINY_GPT2, mesh, optim=cfg, total_steps=STEPS, remat="none")
-    stepper = Stepper(graphdef, state, mesh, GPT2.forward, schedule=learning_rate_schedule(cfg, STEPS))
+    graphdef, state = build_train_state(
+        GPT2, TINY_GPT2, mesh, optim=cfg, total_steps=STEPS, compute=Compute(remat="none")
+    )
+    stepper = Stepper(
+        graphdef, state, mesh, GPT2.forward, training=Training(schedule=learning_rate_schedule(cfg, STEPS))
+    )
     ids = np.random.default_rng(0).integers(0, 64, (4, 16)).astype(np.int32)
     spec = {k: jax.ShapeDtypeStruct(ids.shape, ids.dtype) for k in ("input_ids", "labels")}
     batch = jax.device_put({k: ids for k in spec}, stepper.batch_shardings(spec))  # again and again: the loss falls

@@ -347,19 +347,16 @@ def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2
 
     out = shutil.copytree(prepared, tmp_path / "ds")
     args, _ = parse_args(["--dataset_dir", str(out)])
-    ctx = types.SimpleNamespace(
-        args=args,
-        tokenizer=gpt2_tokenizer,
-        dataset_cards={},
-        sources=(),
-        objective=types.SimpleNamespace(record_length=17, preparation="stream"),
-    )
-    train, _ = corpora.open_prepared(ctx, str(out))
+    objective = types.SimpleNamespace(record_length=17, preparation="stream")
+    reading = corpora.Reading(args.data, args.control, gpt2_tokenizer, None, objective)
+    data = corpora.prepare_data(reading, ([], []))
     card = json.loads((out / CARD_NAME).read_text())
     card["read"]["files"], card["splits"]["train"]["documents"] = 99, 12345  # prepared anew while training
     (out / CARD_NAME).write_text(json.dumps(card))
-    ctx.data = types.SimpleNamespace(train=train)
-    assert publish._data_lines(ctx)[0] == f"- corpus: the prepared dataset `{out}` (1 files, 20 training documents)"
+    prepared = types.SimpleNamespace(run=types.SimpleNamespace(args=args, sources=()), data=data)
+    assert (
+        publish._data_lines(prepared)[0] == f"- corpus: the prepared dataset `{out}` (1 files, 20 training documents)"
+    )
 
 
 # -- export/generate of checkpoints that do not restore: no folder or flag they do not have ----------------------

@@ -1,8 +1,8 @@
-"""The run's context (RunContext: what the stages share) and three of its stages: resolve (config, mesh, lengths:
-everything that can be refused before a file is written), the tokenizer, and the sharded state with the memory gate.
+"""The resolve stage: the run's config, mesh, lengths and batch sizes, and a checkpoint to continue with its
+tokenizer (everything that can be refused before a file is written), as one frozen `Run` that no later stage changes.
 
 spmdlm/train/run.py runs the stages in order; `--compile_for` (spmdlm/train/compile_for/aot.py) runs resolve and an
-abstract state only. The data stage is corpora.py beside this file, the output dir's policy outputs.py.
+abstract state (model.py beside this file) only.
 """
 
 from __future__ import annotations
@@ -13,52 +13,25 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmdlm import devices, hf_export, storage
-from spmdlm.data import datasets, mixture, pipeline, records
-from spmdlm.data.objectives import Objective
-from spmdlm.data.tokenization import (
-    TOKENIZER_LAYOUTS,
-    load_tokenizer,
-    special_token_ids,
-    token_byte_lengths,
-    tokenizer_layout,
-    train_tokenizer,
-)
-from spmdlm.engine.optim import learning_rate_schedule
-from spmdlm.engine.plan import LayerPlan, plan_layers
-from spmdlm.engine.state import DTYPES, build_train_state
-from spmdlm.engine.step import Stepper
+from spmdlm import hf_export, storage
+from spmdlm.data import datasets, mixture
+from spmdlm.data.tokenization import TOKENIZER_LAYOUTS, load_tokenizer, tokenizer_layout
+from spmdlm.engine.state import DTYPES
 from spmdlm.errors import ArgumentError, RunError, TasksError
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.generation.harness import task_manager
 from spmdlm.generation.scoring import check_likelihood
-from spmdlm.mesh import batch_axis_size, idle_axes, make_mesh
+from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.models.attention import resolve_attention
 from spmdlm.run_args import RunArgs
 from spmdlm.run_args.choices import DEFAULT_MODEL_TYPE
 from spmdlm.run_args.sections import ControlArgs
 
 log = logging.getLogger("spmdlm")
-
-
-@dataclasses.dataclass
-class Data:
-    train: records.PreparedSplit | mixture.MixedSplit | None
-    validation: records.PreparedSplit | None
-    # a mixture's: each source's held-out split, by name, evaluated separately (`validation` is then None)
-    source_validation: dict[str, records.PreparedSplit] = dataclasses.field(default_factory=dict)
-
-    @property
-    def validation_splits(self) -> dict[str | None, records.PreparedSplit]:
-        """What evaluation reads: a mixture's splits by source name, or the one corpus's under None."""
-        if self.source_validation:
-            return dict(self.source_validation)
-        return {None: self.validation} if self.validation is not None else {}
 
 
 def is_main() -> bool:
@@ -73,6 +46,7 @@ class Run:
     mesh: Mesh
     out: Path
     family: Family
+    config: Any  # the model config as resolved (the tokenizer stage's Vocabulary.config adds its special token ids)
     global_batch: int
     per_device_batch: int  # examples per batch device in one micro-step (batch_sizes)
     run_start: float
@@ -80,81 +54,19 @@ class Run:
     attention: str  # the implementation --attention resolved to (models/attention.py)
     sources: tuple[mixture.Source, ...] = ()  # a weighted mixture's (spmdlm.data.mixture); () for one corpus
     tasks: Any = None  # --eval_tasks: lm_eval's TaskManager that holds them (resolve_tasks), or None
-
-
-@dataclasses.dataclass
-class RunContext:
-    """What the stages of a run share: the run description (`run`, frozen) and the pieces the stages fill in
-    (spmdlm/train/run.py). The description's fields read through (ctx.args, ctx.mesh, ...)."""
-
-    run: Run
-    config: Any  # the model config: the tokenizer stage sets its special token ids
-    previous: dict = dataclasses.field(default_factory=dict)  # the output dir's run_config.json (outputs.py)
-    resuming: bool = False
-    latest_step: int = 0  # of the checkpoints found when resuming
-    tokenizer: Any = None
-    trained_tokenizer: bool = False
+    tokenizer: Any = None  # --model_name_or_path's own or the one given with it (check_pretrained), else None
     checkpoint_config: Any = None  # --model_name_or_path's own, where --tokenizer_name extends its vocabulary
-    objective: Objective | None = None
-    data: Data | None = None
-    dataset_cards: dict = dataclasses.field(default_factory=dict)  # prepared datasets' cards as opened, by directory
-    schedule: pipeline.Schedule | None = None
-    hub: Any = None  # spmdlm.train.stages.publish.Hub: --push_to_hub's repository, on process 0 (publish.hub_for)
-    layer_plan: LayerPlan | None = None  # --remat and --scan_unroll as resolved (setup_state; engine/plan.py)
-
-    args = property(lambda self: self.run.args)
-    mesh = property(lambda self: self.run.mesh)
-    out = property(lambda self: self.run.out)
-    family = property(lambda self: self.run.family)
-    global_batch = property(lambda self: self.run.global_batch)
-    per_device_batch = property(lambda self: self.run.per_device_batch)
-    run_start = property(lambda self: self.run.run_start)
-    config_source = property(lambda self: self.run.config_source)
-    attention = property(lambda self: self.run.attention)
-    sources = property(lambda self: self.run.sources)
-    tasks = property(lambda self: self.run.tasks)
-
-    @property
-    def total_steps(self) -> int:
-        return self.schedule.total_steps if self.schedule else 0
-
-    @property
-    def training(self) -> bool:
-        """Whether the run trains (it has training data once the data stage ran)."""
-        return self.data is not None and self.data.train is not None
-
-    @property
-    def steps_left(self) -> bool:
-        """Whether steps remain to train (not so for a finished run, or one that only evaluates)."""
-        return self.training and self.latest_step < self.total_steps
 
 
 # -- resolve: the run's config, mesh and lengths (everything that can be refused, before any file is written) ---
-def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
+def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> Run:
     """`mesh_devices`: the devices to build the mesh of (default: this process's JAX devices)."""
     mesh = make_mesh(args.devices.mesh, mesh_devices, dcn_spec=args.devices.dcn_mesh)
     global_batch, per_device_batch = batch_sizes(args.control, mesh)
     out = storage.path(args.control.output_dir, "--output_dir")  # a local dir or a bucket (gs://)
     if out.exists() and not out.is_dir():
         raise RunError(f"--output_dir {out} is a file; give a directory")
-    if args.model.model_name_or_path:
-        config = load_pretrained_config(args.model.model_name_or_path)
-        config_name = args.model.model_name_or_path
-    else:
-        model_type = args.model.model_type or DEFAULT_MODEL_TYPE
-        default = families()[model_type].default_preset if model_type in families() else model_type
-        config_name = args.model.config_name or (str(out) if (out / "config.json").exists() else default)
-        config = load_config(config_name, args.model.model_type)
-        if not args.model.config_name and not args.uses_embedded_corpus and config_name == default:
-            log.info(
-                "no --config_name: using the %s preset (%s); pass --config_name for another size",
-                default,
-                ", ".join(
-                    f"{k}={v}" for k, v in config.to_hf_dict().items() if type(v) is int and not k.endswith("token_id")
-                ),
-            )
-        if args.model.vocab_size:
-            config = config.replace(vocab_size=args.model.vocab_size)
+    config, config_name = resolve_config(args, out)
     family = get_family(config.model_type)
     check_flags_apply(args, family)
     if args.reporting.sample_prompts and family.generation is Generation.NONE:
@@ -164,11 +76,15 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
     if args.control.training and args.optimization.learning_rate == 0:
         log.warning("--learning_rate 0: training will not change the weights (give a positive rate to train)")
     attention = choose_attention(args, family, config, mesh)
-    run = Run(
+    tokenizer, checkpoint_config = None, None
+    if args.model.model_name_or_path:
+        tokenizer, config, checkpoint_config = check_pretrained(args, family, config)
+    return Run(
         args,
         mesh,
         out,
         family,
+        config,
         global_batch,
         per_device_batch,
         run_start,
@@ -176,51 +92,73 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> RunContext:
         attention,
         args.data.sources(),
         tasks,
+        tokenizer,
+        checkpoint_config,
     )
-    ctx = RunContext(run, config)
+
+
+def resolve_config(args: RunArgs, out: Path):
+    """-> (the model config, where it came from): --model_name_or_path's, or a preset, a file or the output dir's."""
     if args.model.model_name_or_path:
-        check_pretrained(ctx)
-    return ctx
+        return load_pretrained_config(args.model.model_name_or_path), args.model.model_name_or_path
+    model_type = args.model.model_type or DEFAULT_MODEL_TYPE
+    default = families()[model_type].default_preset if model_type in families() else model_type
+    config_name = args.model.config_name or (str(out) if (out / "config.json").exists() else default)
+    config = load_config(config_name, args.model.model_type)
+    if not args.model.config_name and not args.uses_embedded_corpus and config_name == default:
+        log.info(
+            "no --config_name: using the %s preset (%s); pass --config_name for another size",
+            default,
+            ", ".join(
+                f"{k}={v}" for k, v in config.to_hf_dict().items() if type(v) is int and not k.endswith("token_id")
+            ),
+        )
+    if args.model.vocab_size:
+        config = config.replace(vocab_size=args.model.vocab_size)
+    return config, config_name
 
 
 # -- a checkpoint to continue (--model_name_or_path): its tokenizer and weights, checked before any corpus is read -----
-def check_pretrained(ctx: RunContext) -> None:
+def check_pretrained(args: RunArgs, family: Family, config):
     """The run's tokenizer is the checkpoint's own (or --tokenizer_name's, which may extend it: the vocabulary grows)
-    or a prepared dataset's; never one trained here. Then the weights are checked against the config."""
-    args, family = ctx.args, ctx.family
+    or a prepared dataset's; never one trained here. Then the weights are checked against the config.
+    -> (the tokenizer, the config with the vocabulary it needs, the checkpoint's own config where that grew)."""
     path = storage.path(args.model.model_name_or_path, "--model_name_or_path")
     own = load_tokenizer(path, family) if tokenizer_layout(path) else None
+    checkpoint_config = None
     if args.model.tokenizer_name:
-        ctx.tokenizer = load_tokenizer(args.model.tokenizer_name, family)
+        tokenizer = load_tokenizer(args.model.tokenizer_name, family)
         if own is not None:
-            extend_vocabulary(ctx, own, f"--tokenizer_name {args.model.tokenizer_name}", "leave --tokenizer_name out")
-    elif dataset_dir_of(ctx):
-        ctx.tokenizer = load_tokenizer(storage.path(dataset_dir_of(ctx)) / datasets.TOKENIZER_DIR, family)
+            given = f"--tokenizer_name {args.model.tokenizer_name}"
+            config, checkpoint_config = extend_vocabulary(own, tokenizer, config, given, "leave --tokenizer_name out")
+    elif dataset_dir := dataset_dir_of(args):
+        tokenizer = load_tokenizer(storage.path(dataset_dir) / datasets.TOKENIZER_DIR, family)
         if own is not None:  # the dataset's ids must mean what they meant to the checkpoint
-            extend_vocabulary(
-                ctx, own, f"the tokenizer of --dataset_dir {dataset_dir_of(ctx)}", "prepare the dataset with it"
-            )
+            given = f"the tokenizer of --dataset_dir {dataset_dir}"
+            config, checkpoint_config = extend_vocabulary(own, tokenizer, config, given, "prepare the dataset with it")
     elif own is not None:
-        ctx.tokenizer = own
+        tokenizer = own
     else:
         layouts = " or ".join(" + ".join(layout) for layout in TOKENIZER_LAYOUTS)
         raise ArgumentError(
             f"--model_name_or_path {path} has no tokenizer ({layouts}); pass the tokenizer it was "
             "trained with as --tokenizer_name"
         )
-    check_tokenizer_fits(ctx.tokenizer, ctx.config)
-    hf_export.check_checkpoint(path, ctx.checkpoint_config or ctx.config)
+    check_tokenizer_fits(tokenizer, config)
+    hf_export.check_checkpoint(path, checkpoint_config or config)
+    return tokenizer, config, checkpoint_config
 
 
-def dataset_dir_of(ctx: RunContext) -> str | None:
-    return ctx.args.data.dataset_dir or next((s.dataset_dir for s in ctx.sources if s.dataset_dir), None)
+def dataset_dir_of(args: RunArgs) -> str | None:
+    """--dataset_dir, or the first mixture source's prepared dataset: whose tokenizer the run takes."""
+    return args.data.dataset_dir or next((s.dataset_dir for s in args.data.sources() if s.dataset_dir), None)
 
 
-def extend_vocabulary(ctx: RunContext, own, given: str, fix: str) -> None:
+def extend_vocabulary(own, tokenizer, config, given: str, fix: str):
     """The run's tokenizer (`given`: --tokenizer_name's, or a prepared dataset's) over a checkpoint with its own: it
     must keep every id of the checkpoint's (new tokens appended, as tokenizer.add_tokens does); the embedding grows
-    to hold them (hf_export.grown). `fix` ends the refusal."""
-    old, new = own.get_vocab(), ctx.tokenizer.get_vocab()
+    to hold them (hf_export.grown). `fix` ends the refusal. -> (the run's config, the checkpoint's where it grew)."""
+    old, new = own.get_vocab(), tokenizer.get_vocab()
     moved = sorted((i, token) for token, i in old.items() if new.get(token) != i)
     if moved:
         i, token = moved[0]
@@ -229,17 +167,18 @@ def extend_vocabulary(ctx: RunContext, own, given: str, fix: str) -> None:
             f"other ids (e.g. {token!r}: {i} -> {new.get(token)}); give a tokenizer that keeps every old id and "
             f"appends new tokens (transformers' add_tokens), or {fix}"
         )
-    if len(new) > ctx.config.vocab_size:
-        log.info(
-            "%s extends the checkpoint's %d tokens by %d: the embedding grows from %d to %d rows, the new ones "
-            "the mean of the old",
-            given,
-            len(old),
-            len(new) - len(old),
-            ctx.config.vocab_size,
-            len(new),
-        )
-        ctx.checkpoint_config, ctx.config = ctx.config, ctx.config.replace(vocab_size=len(new))
+    if len(new) <= config.vocab_size:
+        return config, None
+    log.info(
+        "%s extends the checkpoint's %d tokens by %d: the embedding grows from %d to %d rows, the new ones "
+        "the mean of the old",
+        given,
+        len(old),
+        len(new) - len(old),
+        config.vocab_size,
+        len(new),
+    )
+    return config.replace(vocab_size=len(new)), config
 
 
 def check_tokenizer_fits(tok, config) -> None:
@@ -313,151 +252,3 @@ def batch_sizes(control: ControlArgs, mesh) -> tuple[int, int]:
             f"use a multiple of {per_step}"
         )
     return control.global_batch_size, control.global_batch_size // per_step
-
-
-# -- the tokenizer ---------------------------------------------------------------------------------------------------
-def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
-    """Given (--tokenizer_name), a checkpoint's (chosen by check_pretrained), one found in the output dir, or one
-    trained here on the corpus."""
-    args, out, config = ctx.args, ctx.out, ctx.config
-    origin = "trained"
-    if ctx.tokenizer is not None:  # --model_name_or_path's own, or the one given with it
-        tok, origin = ctx.tokenizer, "model"
-    elif args.model.tokenizer_name:
-        tok, origin = load_tokenizer(args.model.tokenizer_name, ctx.family), "given"
-    elif dataset_dir := dataset_dir_of(ctx):
-        tok, origin = load_tokenizer(storage.path(dataset_dir) / datasets.TOKENIZER_DIR), "given"
-    elif (out / "tokenizer.json").exists():
-        log.info("reusing the tokenizer in %s", out)
-        tok, origin = load_tokenizer(out), "output_dir"
-    else:
-        vocab = args.model.vocab_size or config.vocab_size
-        log.info("training a %d-token tokenizer on %d documents", vocab, len(train_docs))
-        tok = train_tokenizer(ctx.family, train_docs, vocab)  # saved with run_config.json (write_run_files)
-    use_tokenizer(ctx, tok)
-    ctx.trained_tokenizer = origin == "trained" or (
-        origin == "output_dir" and bool(ctx.previous.get("trained_tokenizer"))
-    )
-
-
-def use_tokenizer(ctx: RunContext, tok) -> None:
-    """The run's tokenizer, checked against the model's vocabulary; the config takes its special token ids."""
-    config = ctx.config
-    check_tokenizer_fits(tok, config)
-    fields = {f.name for f in dataclasses.fields(config)}
-    ctx.config = config.replace(
-        **{
-            f"{k}_token_id": v
-            for k, v in special_token_ids(tok, ctx.family).items()
-            if v is not None and f"{k}_token_id" in fields
-        }
-    )
-    ctx.tokenizer = tok
-
-
-# -- the sharded train state -------------------------------------------------------------------------------
-def setup_state(ctx: RunContext, *, abstract: bool):
-    """-> (graphdef, state, stepper). `abstract`: shapes and shardings only, nothing allocated — the target a resume
-    restores into (a fresh init would be a second copy) and all that compiling for another machine needs. A fresh
-    state from --model_name_or_path gets that checkpoint's weights."""
-    args = ctx.args
-    optim, steps = args.optimization, max(ctx.total_steps, 1)
-    ctx.layer_plan = choose_layer_plan(ctx)
-    graphdef, state = build_train_state(
-        ctx.family,
-        ctx.config,
-        ctx.mesh,
-        optim=optim,
-        total_steps=steps,
-        seed=args.control.seed,
-        dtype=args.model.dtype,
-        remat=ctx.layer_plan.remat,
-        scan_unroll=ctx.layer_plan.scan_unroll,
-        attention=ctx.attention,
-        abstract=abstract,
-    )
-    check_mesh_use(state, ctx)
-    if args.model.model_name_or_path and not abstract:
-        state = hf_export.load_hf_into_state(args.model.model_name_or_path, graphdef, state, ctx.checkpoint_config)
-    stepper = Stepper(
-        graphdef,
-        state,
-        ctx.mesh,
-        ctx.family.forward,
-        grad_accum=args.control.gradient_accumulation_steps,
-        z_loss=args.optimization.z_loss,
-        dropout_seed=args.control.seed,
-        schedule=learning_rate_schedule(optim, steps),
-        loss_chunk=args.optimization.loss_chunk_size,
-        label_capacity=ctx.objective.label_capacity,
-        unscored=ctx.objective.unscored_label_ids,
-        optim=optim,
-        byte_lengths=byte_lengths(ctx),
-    )
-    return graphdef, state, stepper
-
-
-def byte_lengths(ctx: RunContext):
-    """Each vocabulary id's UTF-8 bytes, for bits per byte; None without a tokenizer (--compile_for: the eval step
-    compiles without the one gather it adds)."""
-    return None if ctx.tokenizer is None else token_byte_lengths(ctx.tokenizer, ctx.config.vocab_size)
-
-
-def check_mesh_use(state, ctx: RunContext) -> None:
-    """A tensor axis that shards nothing only replicates the work; an idle fsdp axis is plain data parallelism."""
-    idle = idle_axes(state, ctx.mesh)
-    if "tensor" in idle:
-        raise ArgumentError(
-            f"--mesh {ctx.args.devices.mesh}: the tensor axis ({ctx.mesh.shape['tensor']}) divides none of the model's "
-            "sharded dimensions (heads x head size, MLP width, vocabulary), so it would only repeat the same work; "
-            "use a tensor size that divides them, or give those devices to data/fsdp"
-        )
-    if "fsdp" in idle:
-        log.warning(
-            "--mesh %s: the fsdp axis (%d) divides no parameter dimension, so parameters are replicated "
-            "(plain data parallelism)",
-            ctx.args.devices.mesh,
-            ctx.mesh.shape["fsdp"],
-        )
-
-
-def choose_layer_plan(ctx: RunContext) -> LayerPlan:
-    """--remat and --scan_unroll for this run (spmdlm/engine/plan.py), each `auto` one said in a line."""
-    args, mesh = ctx.args, ctx.mesh
-    device = mesh.devices.flat[0]
-    lengths = ctx.objective.sequence_lengths()
-    model = nnx.eval_shape(lambda: ctx.family.make_model(ctx.config, rngs=nnx.Rngs(0)))
-    plan = plan_layers(
-        args.optimization.remat,
-        args.optimization.scan_unroll,
-        model,
-        platform=device.platform,
-        itemsize=jnp.dtype(DTYPES[args.model.dtype]).itemsize,
-        tokens_per_device=ctx.per_device_batch * sum(lengths.values()),
-        memory_bytes=devices.memory_per_device(device),
-    )
-    for flag, why in plan.reasons.items():
-        log.info("--%s auto = %s", flag, why)
-    return plan
-
-
-def check_memory(stats: dict[str, Any], ctx: RunContext) -> None:
-    """Refuse a step that cannot fit before running it: an out-of-memory crash (or the kernel's OOM killer) later
-    says nothing about what to change."""
-    need = stats.get("total_bytes", 0)
-    capacity, what = devices.device_memory_bytes()
-    local = jax.local_device_count()
-    if not capacity or need * (local if what == "host" else 1) <= capacity:
-        return
-    gib = lambda b: f"{b / 2**30:.1f} GiB"
-    shared = (
-        f"the host's {gib(capacity)} of RAM shared by {local} CPU devices"
-        if what == "host"
-        else f"the device's {gib(capacity)}"
-    )
-    raise RunError(
-        f"the train step needs {gib(need)} per device (arguments {gib(stats.get('argument_bytes', 0))}, temporaries "
-        f"{gib(stats.get('temp_bytes', 0))}) but has {shared}; try a smaller --per_device_train_batch_size (now "
-        f"{ctx.per_device_batch}) or sequence length, "
-        "--gradient_checkpointing, fsdp (--mesh fsdp=N), --dtype bfloat16, or a smaller --config_name"
-    )
