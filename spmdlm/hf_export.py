@@ -119,7 +119,7 @@ EXPORT_FILES = frozenset(
         "README.md",
         MARKER,
     }
-)  # README.md: the model card (train/stages/publish.py)
+)  # README.md: the model card (train/publish.py)
 
 
 def export_complete(out) -> bool:

@@ -20,9 +20,10 @@ from spmdlm.errors import ArgumentError
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
 from spmdlm.hf_export import export_complete, save_hf
+from spmdlm.train import publish
 from spmdlm.train import run as train_run
 from spmdlm.train.prepared import Prepared
-from spmdlm.train.stages import corpora, publish, resolve
+from spmdlm.train.stages import corpora, resolve
 from spmdlm.train.stages.outputs import OutputDir
 
 TOKEN = "hf_emulated_token"

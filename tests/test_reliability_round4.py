@@ -343,7 +343,8 @@ def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2
 
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.datasets import CARD_NAME
-    from spmdlm.train.stages import corpora, publish
+    from spmdlm.train import publish
+    from spmdlm.train.stages import corpora
 
     out = shutil.copytree(prepared, tmp_path / "ds")
     args, _ = parse_args(["--dataset_dir", str(out)])

@@ -28,13 +28,13 @@ from spmdlm.generation import fill_mask, generate
 from spmdlm.generation.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
 from spmdlm.run_args import RunArgs
+from spmdlm.train import publish
 from spmdlm.train.prepared import Prepared
 from spmdlm.train.reporting import profiling
 from spmdlm.train.reporting.report import Reporter
 from spmdlm.train.reporting.trackers import is_eval_key
 from spmdlm.train.safety import watchdog
 from spmdlm.train.safety.guard import StopOnSignal
-from spmdlm.train.stages import publish
 from spmdlm.train.stages.model import Model, compile_step
 
 log = logging.getLogger("spmdlm")

@@ -6,7 +6,7 @@ refused before the output dir is touched; stages/corpora.py) -> output dir (`Out
 stages/outputs.py) -> tokenizer (`Vocabulary`; stages/vocabulary.py) -> data (`Data`: tokenized or opened
 prepared; stages/corpora.py) -> state (`Model`: the sharded model and optimizer, its steps; stages/model.py) ->
 compile (and the memory gate) -> train (`Trained`, or a checkpoint restored; loop.py) -> evaluate -> export and
-publish (stages/publish.py). `Prepared` (prepared.py) holds the records the later stages read.
+publish (publish.py). `Prepared` (prepared.py) holds the records the later stages read.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import time
 from typing import Any
 
 from spmdlm.run_args import RunArgs
+from spmdlm.train import publish
 from spmdlm.train.loop import evaluate_model, train
 from spmdlm.train.prepared import Prepared
 from spmdlm.train.reporting.report import Reporter, RunShape
 from spmdlm.train.safety.guard import RunLock
-from spmdlm.train.stages import publish
 from spmdlm.train.stages.corpora import Reading, prepare_data, read_documents, training_schedule, training_texts
 from spmdlm.train.stages.model import Model, compile_step, log_model, setup_state
 from spmdlm.train.stages.outputs import (
