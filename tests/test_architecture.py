@@ -371,17 +371,113 @@ def test_python_m_entries_only_run_their_command_line():
         ("spmdlm.errors", 0),
         ("spmdlm.data.sources", 1),
         ("spmdlm.generation.decoding", 3),
-        ("spmdlm.cli.generate", 4),
-        ("spmdlm.tokenizer", 4),
+        ("spmdlm.cli.generate", 6),
+        ("spmdlm.tokenizer", 6),
         ("spmdlm.hf_export", 2),
-        ("spmdlm.export", 4),
-        ("spmdlm.load", 3),
+        ("spmdlm.export", 6),
+        ("spmdlm.load", 4),
+        ("spmdlm.engine.step", 3),
+        ("spmdlm.network", 0),
+        ("spmdlm.train.stages.resolve", 5),
         ("spmdlm.data.tokenization", 1),
         ("spmdlm.new", None),
     ],
 )
 def test_floor_of_the_table(module, floor):
     assert floor_of(module, read_floors()) == floor
+
+
+# ---- the run: stage results nobody writes, rooms of one job, functions of few parameters -----------------------------
+RUN_PACKAGE = "train"  # the run's stages and their rooms (spmdlm/train)
+MAX_ROOM_FILES = 7  # files of one room (a subfolder of spmdlm/train), __init__.py included
+MAX_PARAMETERS = 8  # of one function, self/cls aside
+# Where MAX_PARAMETERS holds so far (the rest of spmdlm follows as its functions are regrouped)
+FEW_PARAMETERS = ("train", "engine", "cli", "load.py")
+EVALUATOR = "cli/evaluate.py"  # python -m spmdlm.evaluate: evaluates from what it loaded, no stand-in run
+RUN_RECORDS = ("Run", "Prepared", "RunContext", "resolve", "run_stages")
+
+
+def _is_frozen_dataclass(decorator) -> bool | None:
+    """True/False for a @dataclass decorator (frozen or not); None for any other decorator."""
+    call = decorator if isinstance(decorator, ast.Call) else None
+    name = ast.unparse(call.func if call else decorator)
+    if name not in ("dataclass", "dataclasses.dataclass"):
+        return None
+    return bool(call) and any(k.arg == "frozen" and ast.unparse(k.value) == "True" for k in call.keywords)
+
+
+def mutable_run_records(root, floors=None):
+    """Dataclasses of spmdlm/train that are not frozen: a stage returns a record that no later stage writes"""
+    found = []
+    for rel, (_, _, tree) in sources(root).items():
+        if rel.split("/")[1] != RUN_PACKAGE:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and False in map(_is_frozen_dataclass, node.decorator_list):
+                found.append(f"{rel}:{node.lineno}: {node.name}")
+    return found
+
+
+def evaluator_runs(root, floors=None):
+    """What python -m spmdlm.evaluate (spmdlm/cli/evaluate.py) takes of a run: a run record it builds or names
+    (Run, Prepared, resolve, ...), or an import of the run's pipeline; it evaluates from what it loaded"""
+    rel = f"{PKG}/{EVALUATOR}"
+    if rel not in sources(root):
+        return []
+    found = [
+        f"{rel}:{i.line}: imports {i.target}"
+        for i in scan(root)
+        if i.path == rel and i.target.startswith((f"{PKG}.{RUN_PACKAGE}.run", f"{PKG}.{RUN_PACKAGE}.prepared"))
+    ]
+    for node in ast.walk(sources(root)[rel][2]):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name in RUN_RECORDS:
+            found.append(f"{rel}:{node.lineno}: {name}")
+    return found
+
+
+def crowded_rooms(root, floors=None):
+    """Rooms (subfolders of spmdlm/train) of more than MAX_ROOM_FILES (7) files; split the room by job"""
+    train = root / PKG / RUN_PACKAGE
+    rooms = sorted(p for p in train.rglob("*") if p.is_dir() and p.name != "__pycache__") if train.is_dir() else []
+    counts = {room: [p for p in room.iterdir() if p.suffix == ".py"] for room in rooms}
+    return [
+        f"{room.relative_to(root).as_posix()}: {len(files)} files"
+        for room, files in counts.items()
+        if len(files) > MAX_ROOM_FILES
+    ]
+
+
+def many_parameters(root, floors=None):
+    """Functions of FEW_PARAMETERS' modules taking more than MAX_PARAMETERS (8), self/cls aside; group related ones
+    in a frozen dataclass"""
+    found = []
+    for rel, (_, _, tree) in sources(root).items():
+        if not rel.removeprefix(f"{PKG}/").startswith(FEW_PARAMETERS):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [a.arg for a in _parameters(node)]
+                names = names[1:] if names[:1] in (["self"], ["cls"]) else names
+                if len(names) > MAX_PARAMETERS:
+                    found.append(f"{rel}:{node.lineno}: {node.name}: {len(names)} parameters")
+    return found
+
+
+def test_stage_results_are_frozen():
+    assert_clean(mutable_run_records)
+
+
+def test_the_evaluator_builds_no_run():
+    assert_clean(evaluator_runs)
+
+
+def test_no_room_of_the_run_holds_more_than_seven_files():
+    assert_clean(crowded_rooms)
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    assert_clean(many_parameters)
 
 
 # ---- the checks can fail: planted trees ------------------------------------------------------------------------------
@@ -498,6 +594,47 @@ PLANTED = {
             "spmdlm/run.py: missing, so `python -m spmdlm.run` does not run spmdlm/cli/run.py",
         ],
     ),
+    "frozen records": (
+        mutable_run_records,
+        {
+            "train/stages/a.py": "import dataclasses\n@dataclasses.dataclass\nclass A:\n    x: int\n"
+            "@dataclasses.dataclass(frozen=True)\nclass B:\n    x: int\n",
+            "train/b.py": "from dataclasses import dataclass\n@dataclass(order=True)\nclass C:\n    x: int\n",
+            "data/c.py": "import dataclasses\n@dataclasses.dataclass\nclass D:\n    x: int\n",
+        },
+        ["spmdlm/train/b.py:3: C", "spmdlm/train/stages/a.py:3: A"],
+    ),
+    "evaluator": (
+        evaluator_runs,
+        {
+            "train/run.py": "",
+            "train/stages/resolve.py": "class Run: pass\n",
+            "cli/evaluate.py": "from spmdlm.train import run\nfrom spmdlm.train.stages import resolve\n"
+            "x = resolve.Run(1)\n",
+        },
+        [
+            "spmdlm/cli/evaluate.py:1: imports spmdlm.train.run",
+            "spmdlm/cli/evaluate.py:3: Run",
+            "spmdlm/cli/evaluate.py:3: resolve",
+        ],
+    ),
+    "rooms": (
+        crowded_rooms,
+        {
+            **{f"train/big/m{i}.py": "" for i in range(MAX_ROOM_FILES + 1)},
+            **{f"train/ok/m{i}.py": "" for i in range(MAX_ROOM_FILES)},
+        },
+        [f"spmdlm/train/big: {MAX_ROOM_FILES + 1} files"],
+    ),
+    "parameters": (
+        many_parameters,
+        {
+            "train/a.py": "def f(a, b, c, d, e, f, g, h, i): pass\nclass C:\n"
+            "    def m(self, a, b, c, d, e, f, g, *, h): pass\n",
+            "models/b.py": "def f(a, b, c, d, e, f, g, h, i): pass\n",
+        },
+        ["spmdlm/train/a.py:1: f: 9 parameters"],
+    ),
 }
 
 
@@ -514,7 +651,8 @@ def report(root=REPO):
     """Print the current offenders of every check at once."""
     floors = read_floors()
     checks = (unassigned, upward_imports, cycles, local_imports, family_literals, long_files)
-    for check in (*checks, run_arguments_below_train, long_functions, shared_stems, shims):
+    rooms = (mutable_run_records, evaluator_runs, crowded_rooms, many_parameters)
+    for check in (*checks, run_arguments_below_train, long_functions, shared_stems, shims, *rooms):
         offenders = check(root, floors)
         print(f"{check.__name__}: {len(offenders) or 'clean'}" + "".join(f"\n  {o}" for o in offenders))
 

@@ -132,7 +132,7 @@ def test_a_step_that_cannot_fit_is_refused_with_the_numbers(capsys, tmp_path, ti
 
 @needs_libtpu
 def test_two_slices_make_a_hybrid_mesh_with_the_slices_outside():
-    from spmdlm.train.aot import tpu_devices
+    from spmdlm.train.compile_for.aot import tpu_devices
 
     devices = tpu_devices("v5e:4x4", 2)
     mesh = make_mesh("data=4,fsdp=8", devices)  # DCN defaults to data=2
@@ -151,7 +151,7 @@ def test_two_slices_make_a_hybrid_mesh_with_the_slices_outside():
 
 def test_without_libtpu_the_flag_says_how_to_get_it(monkeypatch):
     from spmdlm.errors import ArgumentError
-    from spmdlm.train import aot
+    from spmdlm.train.compile_for import aot
 
     monkeypatch.setattr(aot.importlib.util, "find_spec", lambda name: None)
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
@@ -214,7 +214,7 @@ ENTRY %main (a: f32[16], b: bf16[8]) -> f32[16] {
 
 
 def test_the_collectives_of_a_compiled_module_are_counted_once_per_execution():
-    from spmdlm.train.collectives import differences, emitted
+    from spmdlm.train.compile_for.collectives import differences, emitted
 
     counted = emitted(HLO)
     assert counted == {

@@ -25,7 +25,7 @@ from spmdlm.cli.launch import main, parse_args
 from spmdlm.data import datasets, pipeline
 from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.families import get_family
-from spmdlm.train.setup import resolve
+from spmdlm.train.stages.resolve import resolve
 
 WORDS = "lamp keeper harbour boat sail letter apples tide wind north grey cape bay rowed smiled failed".split()
 LINES = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(8 + i % 5)) + f", day {i}." for i in range(300)]
@@ -328,10 +328,10 @@ def test_a_tokenizer_extending_the_checkpoints_grows_the_embeddings(tmp_path, co
             "32",
         ]
     )
-    ctx = resolve(args, 0.0)
-    assert ctx.config.vocab_size == size + 3 and ctx.checkpoint_config.vocab_size == size
-    ours, _ = hf_export.load_hf(folder, config=ctx.config)
-    hf_export.save_hf(ours, ctx.config, tmp_path / "hf", tokenizer=ctx.tokenizer)
+    run = resolve(args, 0.0)
+    assert run.config.vocab_size == size + 3 and run.checkpoint_config.vocab_size == size
+    ours, _ = hf_export.load_hf(folder, config=run.config)
+    hf_export.save_hf(ours, run.config, tmp_path / "hf", tokenizer=run.tokenizer)
     grown = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf")
     assert grown.config.vocab_size == size + 3
     for name in ("shared.weight", "lm_head.weight"):

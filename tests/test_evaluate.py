@@ -26,9 +26,9 @@ from spmdlm.data.tokenization import (
     token_byte_lengths,
     train_tokenizer,
 )
+from spmdlm.engine.step import Stepper
 from spmdlm.families import get_family
 from spmdlm.launch import main as launch
-from spmdlm.train.step import Stepper
 
 STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 TEXT = "Déjà vu: 東京 and naïve cafés — 3.14 ≠ π 🙂 plain ASCII too."

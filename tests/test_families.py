@@ -17,11 +17,11 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from spmdlm import checkpoint, hf_export
+from spmdlm.engine.state import Compute, build_train_state
 from spmdlm.families import families, get_family, load_config, preset_names
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 from spmdlm.models.attention import resolve_attention, set_attention
-from spmdlm.train.state import build_train_state
 
 GOLDEN = Path(__file__).parent / "golden"
 SHARDED = "data=2,fsdp=2,tensor=2"
@@ -247,8 +247,8 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.data.tokenization import train_tokenizer
-    from spmdlm.train.state import build_train_state
-    from spmdlm.train.step import Stepper
+    from spmdlm.engine.state import build_train_state
+    from spmdlm.engine.step import Stepper
 
     args, _ = parse_args(["--train_file", "x", *FIXTURES[family].run_flags])
     config = load_config(str(config_path))
@@ -390,7 +390,9 @@ def test_bfloat16_runs_the_matmuls_in_bf16_and_keeps_the_rest_float32(family):
     """--dtype bfloat16: float32 parameters and optimizer state; every matmul (attention included) on bf16
     operands; norms, softmax and the logits in float32."""
     config = families()[family].config_class.from_dict(FIXTURES[family].tiny_config)
-    graphdef, state = build_train_state(families()[family], config, make_mesh("data=8"), dtype="bfloat16")
+    graphdef, state = build_train_state(
+        families()[family], config, make_mesh("data=8"), compute=Compute(dtype="bfloat16")
+    )
     assert {leaf.dtype for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)} == {
         jnp.dtype(jnp.float32)
     }

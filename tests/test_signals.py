@@ -9,8 +9,8 @@ import pytest
 from test_reliability import flags, launch
 
 from spmdlm import checkpoint
-from spmdlm.train.guard import STOP_SIGNALS
-from spmdlm.train.step import Stepper
+from spmdlm.engine.step import Stepper
+from spmdlm.train.safety.guard import STOP_SIGNALS
 
 
 @pytest.mark.parametrize(

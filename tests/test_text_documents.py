@@ -12,7 +12,7 @@ from spmdlm.data import readers, token_cache
 from spmdlm.data.records import Cut
 from spmdlm.data.tokenization import load_tokenizer
 from spmdlm.run_args import RunArgs
-from spmdlm.train import corpora
+from spmdlm.train.stages import corpora
 
 # Three paragraphs, hard-wrapped, separated by one or more blank lines (one of them holding spaces).
 TEXT = (

@@ -8,8 +8,9 @@ transformers directory of the four families) on held-out text, with its objectiv
 --tasks runs LM-harness tasks (lm-eval; local task YAMLs with --tasks_dir) on the same model through our own JAX
 adapter (spmdlm/generation/harness.py; docs/harness.md), with or without held-out text.
 
-Everything but the model is the launcher's flags and code (spmdlm/train/setup.py: data and objective;
-spmdlm/train/step.py: the eval step; spmdlm/train/loop.py: evaluation): --validation_file, --dataset_dir or
+Everything but the model is the launcher's flags and code (spmdlm/train/stages/vocabulary.py and corpora.py: the
+tokenizer's record and the data; spmdlm/engine/evaluation.py: the eval step and evaluation, built from what was
+loaded, no run): --validation_file, --dataset_dir or
 --data_mixture (each source's held-out text), the objective flags (as given, else the defaults, whatever the model),
 --seed (the masks and spans: two models with one tokenizer see the same ones), --per_device_eval_batch_size.
 Prints the results as JSON (and writes them to --output_file). docs/evaluation.md says what each figure counts.
@@ -21,8 +22,6 @@ import argparse
 import contextlib
 import logging
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
 from flax import nnx
@@ -30,16 +29,17 @@ from flax import nnx
 from spmdlm import storage
 from spmdlm.cli.launch import family_choices, setup_devices
 from spmdlm.cli.launch import parse_args as parse_run_args
+from spmdlm.engine.evaluation import byte_lengths, evaluate, held_out_of, loss_of, make_stepper
 from spmdlm.errors import ArgumentError, DataError, UserError
+from spmdlm.families.base import Family
 from spmdlm.generation.harness import harness_lm, run_tasks, task_manager
 from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.run_args import RunArgs
-from spmdlm.train.corpora import read_corpora, read_sources, setup_data, setup_mixture_data
-from spmdlm.train.loop import evaluate
-from spmdlm.train.metrics_log import strict_json
-from spmdlm.train.setup import Run, RunContext, byte_lengths, check_flags_apply, use_tokenizer
-from spmdlm.train.step import Stepper
+from spmdlm.train.reporting.metrics_log import strict_json
+from spmdlm.train.stages.corpora import Data, Reading, prepare_data, read_corpora, read_sources
+from spmdlm.train.stages.resolve import check_flags_apply
+from spmdlm.train.stages.vocabulary import Vocabulary, vocabulary_of
 
 log = logging.getLogger("spmdlm")
 
@@ -132,30 +132,6 @@ def held_out_given(args: RunArgs) -> bool:
     return args.data.given or bool(args.data.validation_file)
 
 
-def context(args: RunArgs, loaded: LoadedModel) -> RunContext:
-    """The launcher's run context for this model. The objective flags are the command line's (defaults
-    included) whatever the model's kind: one command line gives every model the same preprocessing."""
-    family = loaded.family
-    args = args.replace(model_type=family.name)
-    check_flags_apply(args, family)
-    family.check_lengths(args.objective, loaded.config)
-    run = Run(
-        args,
-        loaded.mesh,
-        Path("."),
-        family,
-        0,
-        0,
-        time.perf_counter(),
-        args.model.model_name_or_path,
-        "xla",
-        args.data.sources(),
-    )
-    ctx = RunContext(run, loaded.config)
-    use_tokenizer(ctx, loaded.tokenizer)
-    return ctx
-
-
 def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
     tasks = task_manager(own.tasks, [own.tasks_dir] if own.tasks_dir else ()) if own.tasks else None  # before loading
     loaded = load_model(
@@ -188,28 +164,38 @@ def header(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
 
 
 def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
-    """The objective's loss, perplexity, accuracy and bits per byte on the held-out text."""
-    ctx = context(args, loaded)
-    if ctx.sources:
-        setup_mixture_data(ctx, read_sources(args.data, ctx.sources, need_train=False))
-    else:
-        setup_data(ctx, *read_corpora(args.data, need_train=False))
-    if not ctx.data.validation_splits:
-        raise DataError("no held-out text to evaluate: give --validation_file (or each source's validation_file)")
+    """The objective's loss, perplexity, accuracy and bits per byte on the held-out text. The objective flags are
+    the command line's (defaults included) whatever the model's kind: one command line gives every model the same
+    preprocessing."""
+    family = loaded.family
+    args = args.replace(model_type=family.name)
+    check_flags_apply(args, family)
+    family.check_lengths(args.objective, loaded.config)
+    vocabulary = vocabulary_of(loaded.tokenizer, loaded.config, family)
+    data = held_out_data(args, vocabulary, family)
     graphdef, state = nnx.split(loaded.model)
-    stepper = Stepper(
-        graphdef,
-        state,
-        ctx.mesh,
-        loaded.family.forward,
-        label_capacity=ctx.objective.label_capacity,
-        unscored=ctx.objective.unscored_label_ids,
-        byte_lengths=byte_lengths(ctx),
-    )
-    return results(loaded, ctx, evaluate(stepper, state, ctx))
+    counts = byte_lengths(vocabulary.tokenizer, vocabulary.config.vocab_size)
+    stepper = make_stepper(graphdef, state, loaded.mesh, family.forward, loss_of(data.objective), counts)
+    splits, max_examples = data.validation_splits, args.data.max_eval_samples
+    metrics = evaluate(stepper, state, held_out_of(splits, data.objective, args.control, loaded.mesh, max_examples))
+    return results(args, loaded, metrics)
 
 
-def results(loaded: LoadedModel, ctx: RunContext, metrics: dict[str, float]) -> dict[str, Any]:
+def held_out_data(args: RunArgs, vocabulary: Vocabulary, family: Family) -> Data:
+    """The held-out text (of each mixture source) tokenized with the model's tokenizer, as the launcher does."""
+    objective = family.build_objective(args.objective, vocabulary.config, vocabulary.tokenizer)
+    reading = Reading(args.data, args.control, vocabulary.tokenizer, family, objective)
+    sources = args.data.sources()
+    if sources:
+        data = prepare_data(reading, read_sources(args.data, sources, need_train=False), sources)
+    else:
+        data = prepare_data(reading, read_corpora(args.data, need_train=False))
+    if not data.validation_splits:
+        raise DataError("no held-out text to evaluate: give --validation_file (or each source's validation_file)")
+    return data
+
+
+def results(args: RunArgs, loaded: LoadedModel, metrics: dict[str, float]) -> dict[str, Any]:
     """The eval metrics without their eval_ prefix, each mixture source's under per_source."""
     overall = {key.removeprefix("eval_"): value for key, value in metrics.items() if key.startswith("eval_")}
     per_source: dict[str, dict[str, float]] = {}
@@ -217,10 +203,9 @@ def results(loaded: LoadedModel, ctx: RunContext, metrics: dict[str, float]) -> 
         if key.startswith("eval/"):
             _, source, name = key.split("/", 2)
             per_source.setdefault(source, {})[name] = value
-    args = ctx.args
     return {
         **header(args, loaded),
-        "objective": {flag.name: flag.of(args.objective) for flag in ctx.family.flags},
+        "objective": {flag.name: flag.of(args.objective) for flag in loaded.family.flags},
         "max_eval_samples": args.data.max_eval_samples,
         **overall,
         **({"per_source": per_source} if per_source else {}),

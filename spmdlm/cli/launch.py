@@ -7,8 +7,8 @@ default family's tiny model on the embedded corpus (the Python standard library)
 
 Process set-up happens here, before JAX touches a device: simulated CPU devices when the mesh asks for more than a
 CPU-only machine has, and `jax.distributed.initialize` for multi-host runs (with a bounded wait for a lost process).
-`--compile_for TOPOLOGY` compiles the run for a TPU slice instead of running it (spmdlm/train/aot.py). The run
-itself is spmdlm/train/run.py.
+`--compile_for TOPOLOGY` compiles the run for a TPU slice instead of running it (spmdlm/train/compile_for/aot.py).
+The run itself is spmdlm/train/run.py.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from spmdlm.data.mixture import name_of, sources_of
 from spmdlm.errors import ArgumentError, ConfigError, DivergenceError, Preempted, UserError, yaml_problem
 from spmdlm.families import families, objective_flags, preset_names
 from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu
+from spmdlm.network import env_seconds
 from spmdlm.optimizers import declared_flags
 from spmdlm.optimizers.entries import Flag
 from spmdlm.run_args import FLAG_SECTION, SECTIONS, RunArgs
@@ -49,8 +50,7 @@ from spmdlm.run_args.choices import (
     quickstart,
 )
 from spmdlm.run_args.sections import DevicesArgs
-from spmdlm.train.aot import run_compile_for, use_cpu_backend
-from spmdlm.train.network import env_seconds
+from spmdlm.train.compile_for.aot import run_compile_for, use_cpu_backend
 from spmdlm.train.run import run
 
 log = logging.getLogger("spmdlm")

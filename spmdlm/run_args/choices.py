@@ -18,7 +18,7 @@ from spmdlm.optimizers.entries import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
 from spmdlm.optimizers.schedules.wsd import DECAY_RATIO, DECAY_STEPS
 
 # --remat: what each scanned layer keeps for its backward pass (the policies: models/stack.py REMAT_POLICIES); auto
-# chooses one (spmdlm/train/plan.py).
+# chooses one (spmdlm/engine/plan.py).
 REMAT_CHOICES = ("auto", *REMAT_POLICIES)
 SEED_MAX = 2**32 - 1  # --seed: Grain's shuffle and random_map take an unsigned 32-bit seed
 # The optimizers' and schedules' own flags (spmdlm/optimizers: --optim's and --lr_scheduler_type's choices, each

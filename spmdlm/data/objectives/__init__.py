@@ -89,7 +89,7 @@ class Objective:
     # How records are cut from the corpus (spmdlm.data.records.MODES): documents joined into a stream of records.
     preparation: ClassVar[str] = "stream"
     # An objective that labels few positions (MLM) says how many per example the loss should plan for; the LM head
-    # then runs on those positions only (see train/step.py: loss_sums).
+    # then runs on those positions only (see engine/step.py: loss_sums).
     label_capacity: ClassVar[int | None] = None
     # Label ids the reported loss and accuracy leave out (BART's special tokens, as the HF script counts); trained on.
     unscored_label_ids: ClassVar[tuple[int, ...]] = ()

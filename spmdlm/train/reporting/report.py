@@ -1,12 +1,12 @@
 """What a run shows and leaves behind, on process 0 (the others keep the bookkeeping silent): a `Reporter` fans
-each record out to the metrics log (metrics.jsonl, samples.jsonl: spmdlm/train/metrics_log.py), the progress display
-(spmdlm/train/progress.py) and the trackers of --report_to (TensorBoard, W&B, MLflow: spmdlm/train/trackers.py); it
-computes throughput and MFU, keeps the run's goodput (spmdlm/train/goodput.py), draws the loss curve and says the
-summary.
+each record out to the metrics log (metrics.jsonl, samples.jsonl: metrics_log.py beside this file), the progress
+display (progress.py) and the trackers of --report_to (TensorBoard, W&B, MLflow: trackers.py); it computes throughput
+and MFU, keeps the run's goodput (goodput.py), draws the loss curve and says the summary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -20,9 +20,9 @@ from spmdlm.data.objectives import Objective
 from spmdlm.errors import RunError
 from spmdlm.families.base import Family
 from spmdlm.run_args import RunArgs
-from spmdlm.train import goodput, trackers
-from spmdlm.train.metrics_log import MetricsLog
-from spmdlm.train.progress import Progress
+from spmdlm.train.reporting import goodput, trackers
+from spmdlm.train.reporting.metrics_log import MetricsLog
+from spmdlm.train.reporting.progress import Progress
 
 log = logging.getLogger("spmdlm")
 
@@ -124,6 +124,19 @@ def plot_loss_curve(records: list[dict], title: str, path: Path, target) -> None
         plt.close(fig)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """What throughput and MFU are computed from: the family's FLOPs of the model (`config`) on the objective's
+    lengths, the global batch, the devices of the mesh and their peak in `dtype`."""
+
+    family: Family
+    config: Any
+    objective: Objective
+    global_batch: int
+    mesh: Any
+    dtype: str
+
+
 class Reporter:
     """One call per event of the run (compiled, a logging step, an evaluation, samples, the end), fanned out to the
     metrics log, the progress display and the trackers; `goodput` is timed by the loop."""
@@ -133,12 +146,7 @@ class Reporter:
         out: Path,
         *,
         enabled: bool,
-        family: Family,
-        config,
-        objective: Objective,
-        global_batch: int,
-        mesh,
-        dtype: str,
+        shape: RunShape,
         run_start: float | None = None,
         args: RunArgs | None = None,
     ):
@@ -151,11 +159,12 @@ class Reporter:
         self.progress = Progress(enabled)
         self._run_start = time.perf_counter() if run_start is None else run_start
         self.goodput = goodput.Goodput(self._run_start, args.operations.slow_step_factor if args is not None else 0.0)
+        config, global_batch = shape.config, shape.global_batch
         self.rates = Throughput(
-            tokens_per_step=global_batch * sum(objective.sequence_lengths().values()),
-            flops_per_step=family.train_flops_per_step(config, objective, global_batch),
-            peak_flops=devices.peak_flops_per_device(dtype),
-            devices=mesh.size,
+            tokens_per_step=global_batch * sum(shape.objective.sequence_lengths().values()),
+            flops_per_step=shape.family.train_flops_per_step(config, shape.objective, global_batch),
+            peak_flops=devices.peak_flops_per_device(shape.dtype),
+            devices=shape.mesh.size,
         )
         run_config = (
             {**args.to_json(), "global_batch": global_batch, "model_config": config.to_hf_dict()}
@@ -163,7 +172,7 @@ class Reporter:
             else {}
         )
         run_name = (args and args.reporting.run_name) or storage.absolute(out).name  # --output_dir . has a name too
-        self.title = plot_title(run_name, config.model_type, mesh.shape)
+        self.title = plot_title(run_name, config.model_type, shape.mesh.shape)
         self._trackers = trackers.Trackers(trackers.build(targets, self.metrics.out, run_name, run_config))
 
     @property

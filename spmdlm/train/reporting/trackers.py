@@ -21,9 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from spmdlm import storage
+from spmdlm import network, storage
 from spmdlm.errors import ArgumentError, RunError
-from spmdlm.train import network
 
 log = logging.getLogger("spmdlm")
 

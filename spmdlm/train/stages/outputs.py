@@ -5,6 +5,7 @@ may remove, and the files it leaves for a resume and for the next run (run_confi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -15,13 +16,16 @@ from spmdlm.data import pipeline
 from spmdlm.data.datasets import tokenizer_hash
 from spmdlm.data.mixture import describe_change
 from spmdlm.data.tokenization import save_tokenizer
+from spmdlm.engine.plan import LayerPlan
 from spmdlm.errors import RunError
 from spmdlm.generation.harness import TASK_METRICS
 from spmdlm.hf_export import export_complete
 from spmdlm.optimizers import declared_flags
-from spmdlm.train.guard import LOCK_NAME
-from spmdlm.train.metrics_log import write_json
-from spmdlm.train.setup import RunContext, is_main
+from spmdlm.train.reporting.metrics_log import write_json
+from spmdlm.train.safety.guard import LOCK_NAME
+from spmdlm.train.stages.corpora import Data
+from spmdlm.train.stages.resolve import Run, is_main
+from spmdlm.train.stages.vocabulary import Vocabulary
 
 log = logging.getLogger("spmdlm")
 
@@ -99,6 +103,21 @@ OUR_OUTPUTS = (
 LEFT_BY_A_HANG = "hang-*.txt"  # watchdog.py's stacks of a hung run, one per host: ours, kept when resuming
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputDir:
+    """What the run found in its output dir and made of it: `verdict` 'resume' (a run of these settings is there),
+    'fresh' (nothing to keep) or 'clear' (our outputs to remove); `previous`, the run_config.json found there (empty
+    once cleared); `latest_step`, of the checkpoints found when resuming."""
+
+    verdict: str
+    previous: dict = dataclasses.field(default_factory=dict)
+    latest_step: int = 0
+
+    @property
+    def resuming(self) -> bool:
+        return self.verdict == "resume"
+
+
 def outputs_of_ours(out: Path) -> list[Path]:
     """What a run of ours wrote in `out` (the damaged checkpoints aside, which are never deleted)."""
     names = [name for name in OUR_OUTPUTS if name != checkpoint.DAMAGED_DIR]
@@ -121,57 +140,52 @@ def read_run_config(out: Path) -> dict:
 
 
 # -- the output dir: check (refuse or resume), then prepare (remove only our own outputs) -----------------------------
-def check_output_dir(ctx: RunContext) -> str:
-    """-> 'resume' (a run of these settings is there), 'fresh' (nothing to keep) or 'clear' (our outputs to remove).
-    Refuses anything else unasked; deletes nothing. Reads the run_config.json found there into ctx.previous."""
-    ctx.previous = read_run_config(ctx.out)
-    out, saved = ctx.out, ctx.previous or None
+def check_output_dir(run: Run) -> OutputDir:
+    """What the output dir holds (OutputDir's verdict, with the run_config.json found there). Refuses anything else
+    unasked; deletes nothing."""
+    out, previous = run.out, read_run_config(run.out)
     if not out.exists() or not any(out.iterdir()):
-        return "fresh"
-    if ctx.args.control.overwrite_output_dir:
-        return "clear"
-    if has_checkpoints(ctx, saved):
-        check_resume(ctx, saved)
-        return "resume"
+        return OutputDir("fresh", previous)
+    if run.args.control.overwrite_output_dir:
+        return OutputDir("clear", previous)
+    if latest_step := checkpoints_found(out, previous or None):
+        check_resume(run, previous)
+        return OutputDir("resume", previous, latest_step)
     refuse_what_is_not_ours(out)
-    return "clear"
+    return OutputDir("clear", previous)
 
 
-def has_checkpoints(ctx: RunContext, saved: dict | None) -> bool:
-    """Whether complete checkpoints are there (an interrupted async save leaves a temporary folder), their step in
-    ctx.latest_step; checkpoints without the run_config.json to check them against are refused."""
-    out = ctx.out
+def checkpoints_found(out: Path, saved: dict | None) -> int:
+    """The step of the newest complete checkpoint there (an interrupted async save leaves a temporary folder), or 0;
+    checkpoints without the run_config.json to check them against are refused."""
     found = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
-    if found and saved is not None:
-        ctx.latest_step = max(checkpoint.make_manager(out, read_only=True).all_steps(), default=0)
-        found = ctx.latest_step > 0
     if found and saved is None:
         raise RunError(
             f"--output_dir {out} holds checkpoints but no run_config.json, so they cannot be checked "
             "against this run; restore the file, choose another --output_dir, or --overwrite_output_dir"
         )
-    return found
+    return max(checkpoint.make_manager(out, read_only=True).all_steps(), default=0) if found else 0
 
 
-def check_resume(ctx: RunContext, saved: dict) -> None:
+def check_resume(run: Run, saved: dict) -> None:
     """A run to resume must have been started with these settings (those that may change are logged)."""
-    out = ctx.out
+    out = run.out
     checkpoint.check_format(saved, out)
     check_data_format(saved, out)
     # run configs written before --optim: the optimizer was Adafactor or AdamW
     saved = {"optim": "adafactor" if saved.get("adafactor") else "adamw", **saved}
-    current = ctx.args.to_json()
-    changed = changed_settings(ctx, saved, current)
+    current = run.args.to_json()
+    changed = changed_settings(run, saved, current)
     if changed:
         raise RunError(
             f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
             "use the same flags to resume, another --output_dir, or --overwrite_output_dir"
         )
-    check_mixture(ctx, saved)
-    if saved.get("global_batch") != ctx.global_batch:
+    check_mixture(run, saved)
+    if saved.get("global_batch") != run.global_batch:
         raise RunError(
             f"--output_dir {out} holds a run with a global batch of {saved.get('global_batch')} "
-            f"examples, this one has {ctx.global_batch}; resume with --global_batch_size "
+            f"examples, this one has {run.global_batch}; resume with --global_batch_size "
             f"{saved.get('global_batch')} (any mesh that divides it), or use another --output_dir"
         )
     logged = [
@@ -181,10 +195,10 @@ def check_resume(ctx: RunContext, saved: dict) -> None:
         log.info("resuming with changed settings: %s", ", ".join(logged))
 
 
-def changed_settings(ctx: RunContext, saved: dict, current: dict) -> list[str]:
+def changed_settings(run: Run, saved: dict, current: dict) -> list[str]:
     """The settings a resume must keep that differ from the saved run's."""
-    keys = COMMON_RESUME_KEYS + ctx.family.resume_keys + tuple(f.name for f in declared_flags() if f.resume)
-    if ctx.sources or saved.get("mixture"):
+    keys = COMMON_RESUME_KEYS + run.family.resume_keys + tuple(f.name for f in declared_flags() if f.resume)
+    if run.sources or saved.get("mixture"):
         keys = tuple(k for k in keys if k not in MIXTURE_KEYS)
     changed = [k for k in keys if saved.get(k) != current.get(k)]
     # Spike skipping keeps its window in the optimizer state: on/off and the window's size must match; Z may change
@@ -196,7 +210,7 @@ def changed_settings(ctx: RunContext, saved: dict, current: dict) -> list[str]:
         changed.append("skip_step_on_spike/spike_window")
     # Token ids are set from the tokenizer after this check, so they are not compared here.
     shape_of = lambda d: {k: v for k, v in (d or {}).items() if not k.endswith("_token_id")}
-    if shape_of(saved.get("model_config")) != shape_of(ctx.config.to_hf_dict()):
+    if shape_of(saved.get("model_config")) != shape_of(run.config.to_hf_dict()):
         changed.append("model config")
     return changed
 
@@ -224,60 +238,58 @@ def refuse_what_is_not_ours(out) -> None:
         )
 
 
-def mixture_record(ctx: RunContext) -> list[dict] | None:
+def mixture_record(run: Run) -> list[dict] | None:
     """The mixture as run_config.json records it: its sources and (normalised) weights; None for one corpus."""
-    return [source.to_json() for source in ctx.sources] or None
+    return [source.to_json() for source in run.sources] or None
 
 
-def check_mixture(ctx: RunContext, saved: dict) -> None:
+def check_mixture(run: Run, saved: dict) -> None:
     """A resume with other sources or weights is refused in one line unless --allow_mixture_change, which continues
     from the same step: the batches from then on are those the new weights give at those global indices."""
-    before, now = saved.get("mixture"), mixture_record(ctx)
+    before, now = saved.get("mixture"), mixture_record(run)
     if before == now:
         return
     change = describe_change(before, now)
-    if not ctx.args.control.allow_mixture_change:
+    if not run.args.control.allow_mixture_change:
         raise RunError(
-            f"--output_dir {ctx.out} holds a run of another data mixture ({change}); resume with the "
+            f"--output_dir {run.out} holds a run of another data mixture ({change}); resume with the "
             "same sources and weights, use another --output_dir, or pass --allow_mixture_change to "
             "continue from the same step with the new ones"
         )
     log.warning("resuming with a changed data mixture (--allow_mixture_change): %s", change)
 
 
-def prepare_output_dir(ctx: RunContext, verdict: str) -> None:
+def prepare_output_dir(run: Run, found: OutputDir) -> OutputDir:
     """Remove only what a run of ours wrote (and never the checkpoints set aside as damaged): recipes keep their
     config and tokenizer in the output dir (a tokenizer we trained ourselves goes too, or a new corpus would silently
-    reuse it)."""
-    ctx.resuming = verdict == "resume"
-    if ctx.args.control.dry_running:  # writes nothing: the run is set up as if the dir had been cleared
-        if verdict == "clear":
-            ctx.previous = {}
-        return
+    reuse it). -> the output dir as the run then has it (nothing previous once cleared)."""
+    cleared = dataclasses.replace(found, previous={}) if found.verdict == "clear" else found
+    if run.args.control.dry_running:  # writes nothing: the run is set up as if the dir had been cleared
+        return cleared
     if not is_main():
-        return
-    if verdict == "clear":
-        paths = outputs_of_ours(ctx.out)
-        if ctx.previous.get("trained_tokenizer"):
-            paths += [ctx.out / name for name in TOKENIZER_FILES]
+        return found
+    if found.verdict == "clear":
+        paths = outputs_of_ours(run.out)
+        if found.previous.get("trained_tokenizer"):
+            paths += [run.out / name for name in TOKENIZER_FILES]
         for path in paths:
             storage.remove(path)
-        ctx.previous = {}
-    ctx.out.mkdir(parents=True, exist_ok=True)
+    run.out.mkdir(parents=True, exist_ok=True)
+    return cleared
 
 
 @contextlib.contextmanager
-def outputs_undone_on_failure(ctx: RunContext):
+def outputs_undone_on_failure(out: Path, resuming: bool):
     """A fresh run's outputs of ours that appear in the block are removed if it fails (e.g. a tracker's folder when
     the tracker cannot start), so the same or the advised command runs next time instead of being refused."""
-    ours = is_main() and ctx.out.is_dir()  # a dry run makes no output dir
-    before = {p.name for p in ctx.out.iterdir()} if ours else set()
+    ours = is_main() and out.is_dir()  # a dry run makes no output dir
+    before = {p.name for p in out.iterdir()} if ours else set()
     try:
         yield
     except Exception:
-        if ours and not ctx.resuming:
-            for name in ({p.name for p in ctx.out.iterdir()} - before) & set(OUR_OUTPUTS):
-                storage.remove(ctx.out / name)
+        if ours and not resuming:
+            for name in ({p.name for p in out.iterdir()} - before) & set(OUR_OUTPUTS):
+                storage.remove(out / name)
         raise
 
 
@@ -295,43 +307,53 @@ def check_data_format(saved: dict, out) -> None:
         )
 
 
-def write_run_files(ctx: RunContext) -> dict[str, Any]:
+def write_run_files(run: Run, vocabulary: Vocabulary, data: Data, layer_plan: LayerPlan | None) -> dict[str, Any]:
     """The tokenizer (unless one is there: a later export finds it beside the checkpoints) and run_config.json:
     written once the run is known to fit."""
+    config = vocabulary.config
     run_config = {
-        **ctx.args.to_json(),
-        "attention_implementation": ctx.attention,
-        "global_batch": ctx.global_batch,
-        "layer_plan": ctx.layer_plan.record() if ctx.layer_plan else None,
-        "model_config": ctx.config.to_hf_dict(),
-        "trained_tokenizer": ctx.trained_tokenizer,
+        **run.args.to_json(),
+        "attention_implementation": run.attention,
+        "global_batch": run.global_batch,
+        "layer_plan": layer_plan.record() if layer_plan else None,
+        "model_config": config.to_hf_dict(),
+        "trained_tokenizer": vocabulary.trained,
         "checkpoint_format": checkpoint.FORMAT,
         "data_format": pipeline.DATA_FORMAT,
-        "mixture": mixture_record(ctx),
-        "fingerprints": fingerprints(ctx),
+        "mixture": mixture_record(run),
+        "fingerprints": fingerprints(data.train, vocabulary.tokenizer),
     }
     if is_main():
-        if not (ctx.out / "tokenizer.json").exists():
-            save_tokenizer(ctx.tokenizer, ctx.out, ctx.family, model_max_length=ctx.config.max_length)
-        write_json(ctx.out / "run_config.json", run_config)
+        if not (run.out / "tokenizer.json").exists():
+            save_tokenizer(vocabulary.tokenizer, run.out, run.family, model_max_length=config.max_length)
+        write_json(run.out / "run_config.json", run_config)
     return run_config
 
 
-def fingerprints(ctx: RunContext) -> dict[str, Any]:
-    """What a resumed run must find unchanged: the training records (the token cache's or the dataset's key, which
-    hashes the documents, the tokenizer, the lengths and the mode; a mixture's by source) and the tokenizer
-    itself."""
-    train = ctx.data.train if ctx.data else None
-    return {"train_data": train.fingerprint if train else None, "tokenizer": tokenizer_hash(ctx.tokenizer)}
+def fingerprints(train, tokenizer) -> dict[str, Any]:
+    """What a resumed run must find unchanged: the training records (`train`'s: the token cache's or the dataset's
+    key, which hashes the documents, the tokenizer, the lengths and the mode; a mixture's by source) and the
+    tokenizer itself."""
+    return {"train_data": train.fingerprint if train else None, "tokenizer": tokenizer_hash(tokenizer)}
 
 
-def check_fingerprints(ctx: RunContext) -> None:
+def check_resumable(run: Run, output_dir: OutputDir, vocabulary: Vocabulary, data: Data, total_steps: int) -> None:
+    """The data and tokenizer a resumed run finds are those it started with, and its step is within this run's."""
+    check_fingerprints(run, output_dir, fingerprints(data.train, vocabulary.tokenizer))
+    if data.train is not None and output_dir.latest_step > total_steps:  # it would report and export a later model
+        raise RunError(
+            f"--output_dir {run.out} holds a checkpoint at step {output_dir.latest_step}, past this run's "
+            f"{total_steps} steps; give --max_steps {output_dir.latest_step} or more to continue it, or use "
+            "another --output_dir"
+        )
+
+
+def check_fingerprints(run: Run, output_dir: OutputDir, now: dict[str, Any]) -> None:
     """A resume on changed data (a corpus appended to or edited in place) or another tokenizer (even of the same
     size) is refused in one line, unless --allow_data_change. Runs of earlier versions recorded none: accepted."""
-    saved = ctx.previous.get("fingerprints") or {}
-    if not ctx.resuming or not saved:
+    saved = output_dir.previous.get("fingerprints") or {}
+    if not output_dir.resuming or not saved:
         return
-    now = fingerprints(ctx)
     names = {"train_data": "the training data", "tokenizer": "the tokenizer"}
     changed = [
         names[k]
@@ -347,9 +369,9 @@ def check_fingerprints(ctx: RunContext) -> None:
     if not changed:
         return
     what = " and ".join(changed)
-    if not ctx.args.control.allow_data_change:
+    if not run.args.control.allow_data_change:
         raise RunError(
-            f"--output_dir {ctx.out} holds a run of other data: {what} changed since it started "
+            f"--output_dir {run.out} holds a run of other data: {what} changed since it started "
             "(fingerprints in run_config.json); restore them, use another --output_dir, or pass "
             "--allow_data_change to resume on the new data"
         )
@@ -369,13 +391,27 @@ def export_done(out: Path) -> bool:
     return export_complete(out / "hf")
 
 
-def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:
+def missing_outputs(run: Run, data: Data, previous_results: dict) -> list[str]:
     """What a finished run would still have to write: its evaluation or its export."""
     missing = []
-    if ctx.data.validation_splits and ctx.args.control.evaluating and "eval_loss" not in previous_results:
+    if data.validation_splits and run.args.control.evaluating and "eval_loss" not in previous_results:
         missing.append("evaluation")
-    if ctx.tasks is not None and not any(key.startswith(TASK_METRICS + "/") for key in previous_results):
+    if run.tasks is not None and not any(key.startswith(TASK_METRICS + "/") for key in previous_results):
         missing.append("LM-harness tasks")
-    if ctx.args.output.export_hf and not export_done(ctx.out):
+    if run.args.output.export_hf and not export_done(run.out):
         missing.append("export")
     return missing
+
+
+def finished_before(run: Run, output_dir: OutputDir, data: Data, total_steps: int, previous: dict) -> bool:
+    """A finished run found whole (its evaluation and export there): nothing to do."""
+    if data.train is None or output_dir.latest_step < total_steps or missing_outputs(run, data, previous):
+        return False
+    log.info(
+        "the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing to do "
+        "(--overwrite_output_dir starts afresh)",
+        run.out,
+        output_dir.latest_step,
+        total_steps,
+    )
+    return True

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from spmdlm import storage
-from spmdlm.train.watchdog import host_label
+from spmdlm.train.safety.watchdog import host_label
 
 log = logging.getLogger("spmdlm")
 

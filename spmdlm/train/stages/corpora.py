@@ -10,21 +10,56 @@ import contextlib
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
 
 from spmdlm import storage
 from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cache
+from spmdlm.data.objectives import Objective
 from spmdlm.data.tokenization import special_token_ids
 from spmdlm.errors import DataError
-from spmdlm.run_args.sections import DataArgs
-from spmdlm.train.setup import Data, RunContext, is_main
+from spmdlm.families.base import Family
+from spmdlm.run_args.sections import ControlArgs, DataArgs
+from spmdlm.train.stages.resolve import is_main
 
 log = logging.getLogger("spmdlm")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """What the data stage reads and tokenizes with: the data section, whether the run trains and evaluates
+    (`control`), and the tokenizer, family (its special tokens) and objective (the records' length and mode)."""
+
+    data: DataArgs
+    control: ControlArgs
+    tokenizer: Any
+    family: Family
+    objective: Objective
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """The data stage's result: the objective that makes examples of the records, the training split (a mixture's:
+    MixedSplit; None when the run only evaluates), the held-out split (a mixture's: each source's, by name, in
+    `source_validation`, `validation` then None) and the prepared datasets' cards as opened, by directory."""
+
+    objective: Objective
+    train: records.PreparedSplit | mixture.MixedSplit | None
+    validation: records.PreparedSplit | None
+    source_validation: dict[str, records.PreparedSplit] = dataclasses.field(default_factory=dict)
+    dataset_cards: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def validation_splits(self) -> dict[str | None, records.PreparedSplit]:
+        """What evaluation reads: a mixture's splits by source name, or the one corpus's under None."""
+        if self.source_validation:
+            return dict(self.source_validation)
+        return {None: self.validation} if self.validation is not None else {}
+
+
+@dataclasses.dataclass(frozen=True)
 class SourceDocuments:
     """A mixture source's documents; none for a prepared dataset (tokenized already)."""
 
@@ -145,106 +180,98 @@ def warn_if_training_files(validation_files, train_files) -> None:
         )
 
 
-def read_documents(ctx: RunContext):
+def read_documents(data: DataArgs, sources: tuple[mixture.Source, ...]):
     """The documents of the run's corpus (train, validation), or each mixture source's SourceDocuments."""
-    return read_sources(ctx.args.data, ctx.sources) if ctx.sources else read_corpora(ctx.args.data)
+    return read_sources(data, sources) if sources else read_corpora(data)
 
 
-def training_texts(ctx: RunContext, documents) -> list[str]:
+def training_texts(documents, sources: tuple[mixture.Source, ...]) -> list[str]:
     """What a tokenizer trained here learns from: the training documents (of every mixture source)."""
-    return [doc for corpus in documents for doc in corpus.train] if ctx.sources else documents[0]
+    return [doc for corpus in documents for doc in corpus.train] if sources else documents[0]
 
 
-def prepare_data(ctx: RunContext, documents) -> None:
-    """The run's splits from `documents` (read_documents) with the run's tokenizer: ctx.objective, ctx.data and
-    ctx.schedule."""
-    if ctx.sources:
-        setup_mixture_data(ctx, documents)
-    else:
-        setup_data(ctx, *documents)
+def prepare_data(reading: Reading, documents, sources: tuple[mixture.Source, ...] = ()) -> Data:
+    """The run's splits from `documents` (read_documents; a mixture's with its `sources`), tokenized or opened as
+    `reading` says."""
+    if sources:
+        return prepare_mixture_data(reading, documents, sources)
+    if reading.data.dataset_dir:  # prepared by python -m spmdlm.prepare: checked against the tokenizer and lengths
+        train, validation, card = open_prepared(reading, reading.data.dataset_dir)
+        return finish_data(reading, train, validation, cards={reading.data.dataset_dir: card})
+    train_docs, val_docs = documents
+    train = tokenize(reading, train_docs, "train") if reading.control.training else None
+    return finish_data(reading, train, tokenize_validation(reading, val_docs, bool(reading.data.validation_file)))
 
 
-def setup_data(ctx: RunContext, train_docs, val_docs) -> None:
-    args = ctx.args
-    ctx.objective = ctx.family.build_objective(args.objective, ctx.config, ctx.tokenizer)
-    if args.data.dataset_dir:  # prepared by python -m spmdlm.prepare: checked against this run's tokenizer and lengths
-        finish_data(ctx, *open_prepared(ctx, args.data.dataset_dir))
-        return
-    train = tokenize(ctx, train_docs, "train") if args.control.training else None
-    finish_data(ctx, train, tokenize_validation(ctx, val_docs, bool(args.data.validation_file)))
-
-
-def setup_mixture_data(ctx: RunContext, corpora: list[SourceDocuments]) -> None:
+def prepare_mixture_data(reading: Reading, corpora: list[SourceDocuments], sources) -> Data:
     """Each source tokenized (or opened) on its own: its own cache entry or dataset, shared by every mixture."""
-    args = ctx.args
-    ctx.objective = ctx.family.build_objective(args.objective, ctx.config, ctx.tokenizer)
-    train, validation = [], {}
+    train, validation, cards = [], {}, {}
     for corpus in corpora:
         source = corpus.source
         with naming(source):
             if source.dataset_dir:
-                source_train, held_out = open_prepared(ctx, source.dataset_dir)
+                source_train, held_out, cards[source.dataset_dir] = open_prepared(reading, source.dataset_dir)
             else:
-                source_train = tokenize(ctx, corpus.train, "train") if args.control.training else None
-                held_out = tokenize_validation(ctx, corpus.validation, bool(source.validation_file), source.name)
-        train.append(cap_train_samples(args.data, source_train))
+                source_train = tokenize(reading, corpus.train, "train") if reading.control.training else None
+                given = bool(source.validation_file)
+                held_out = tokenize_validation(reading, corpus.validation, given, source.name)
+        train.append(cap_train_samples(reading.data, source_train))
         if held_out is not None:
             validation[source.name] = held_out
-    mixed = mixture.MixedSplit(ctx.sources, tuple(train)) if args.control.training else None
-    finish_data(ctx, mixed, None, validation)
+    mixed = mixture.MixedSplit(sources, tuple(train)) if reading.control.training else None
+    return finish_data(reading, mixed, None, validation, cards)
 
 
-def open_prepared(ctx: RunContext, dataset_dir: str):
-    """(train, validation) of a dataset prepared by python -m spmdlm.prepare, checked against this run's tokenizer
-    and lengths; each only when the run trains or evaluates."""
+def open_prepared(reading: Reading, dataset_dir: str):
+    """(train, validation, card) of a dataset prepared by python -m spmdlm.prepare, checked against this run's
+    tokenizer and lengths; each split only when the run trains or evaluates. The card is what the model card
+    describes, even if the dataset is prepared anew."""
+    objective = reading.objective
     train, validation, card = datasets.open_dataset(
-        dataset_dir, tokenizer=ctx.tokenizer, record_length=ctx.objective.record_length, mode=ctx.objective.preparation
+        dataset_dir, tokenizer=reading.tokenizer, record_length=objective.record_length, mode=objective.preparation
     )
-    ctx.dataset_cards[dataset_dir] = card  # what the model card describes, even if the dataset is prepared anew
-    return train if ctx.args.control.training else None, validation if ctx.args.control.evaluating else None
+    control = reading.control
+    return train if control.training else None, validation if control.evaluating else None, card
 
 
-def tokenize(ctx: RunContext, docs, name: str) -> records.PreparedSplit:
+def tokenize(reading: Reading, docs, name: str) -> records.PreparedSplit:
     """Documents into the token cache (keyed by their content): process 0 writes it, the others then read it."""
-    args = ctx.args
-    ids = special_token_ids(ctx.tokenizer, ctx.family)
-    cache = storage.path(args.data.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
-    cut = records.Cut(
-        ctx.objective.record_length, ids["eos"], ctx.objective.preparation, ids.get("pad"), bos_id=ids.get("bos")
-    )
-    common = dict(cache_dir=cache, workers=args.data.preprocessing_num_workers or 1)
+    data, tok = reading.data, reading.tokenizer
+    ids = special_token_ids(tok, reading.family)
+    cache = storage.path(data.cache_dir or Path.home() / ".cache" / "spmdlm", "--cache_dir")
+    objective = reading.objective
+    cut = records.Cut(objective.record_length, ids["eos"], objective.preparation, ids.get("pad"), bos_id=ids.get("bos"))
+    common = dict(cache_dir=cache, workers=data.preprocessing_num_workers or 1)
     split = (
-        token_cache.prepare_split(
-            docs, ctx.tokenizer, cut, name=name, overwrite_cache=args.data.overwrite_cache, **common
-        )
+        token_cache.prepare_split(docs, tok, cut, name=name, overwrite_cache=data.overwrite_cache, **common)
         if is_main()
         else None
     )
     if jax.process_count() > 1:  # the others wait for process 0's file, then read the same cache
         multihost_utils.sync_global_devices(f"prepared {name}")
         if not is_main():
-            split = token_cache.prepare_split(docs, ctx.tokenizer, cut, name=name, overwrite_cache=False, **common)
+            split = token_cache.prepare_split(docs, tok, cut, name=name, overwrite_cache=False, **common)
     return split
 
 
-def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None = None):
+def tokenize_validation(reading: Reading, docs, given: bool, source: str | None = None):
     """The held-out documents tokenized, or None: not evaluating, none held out, or a hash split too small for one
     example (a warning; a given validation file that small is an error)."""
-    args = ctx.args
-    if not args.control.evaluating:
+    data = reading.data
+    if not reading.control.evaluating:
         return None
     of = f" of source {source}" if source else ""
     if not docs:  # e.g. one document (--text_documents file) falls on the training side of the hash split
-        if args.data.validation_split_percentage and not given:
+        if data.validation_split_percentage and not given:
             log.warning(
                 "no evaluation%s: the held-out %.1f%% of the documents is none of them (the split is per "
                 "document); give a validation file, or more documents",
                 of,
-                args.data.validation_split_percentage,
+                data.validation_split_percentage,
             )
         return None
     try:
-        return tokenize(ctx, docs, "validation")
+        return tokenize(reading, docs, "validation")
     except DataError as e:
         if given:
             raise
@@ -253,7 +280,7 @@ def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None =
             "no evaluation%s: the held-out %.1f%% of the documents is too small (%s); raise "
             "--validation_split_percentage or %s",
             of,
-            args.data.validation_split_percentage,
+            data.validation_split_percentage,
             e,
             fix,
         )
@@ -267,11 +294,13 @@ def cap_train_samples(data: DataArgs, train):
     return train
 
 
-def finish_data(ctx: RunContext, train, validation, source_validation=None) -> None:
-    args = ctx.args
-    train = train if isinstance(train, mixture.MixedSplit) else cap_train_samples(args.data, train)
-    ctx.data = Data(train, validation, source_validation or {})
-    if train is not None:
-        ctx.schedule = pipeline.make_schedule(
-            train.num_records, ctx.global_batch, args.control.num_train_epochs, args.control.max_steps
-        )
+def finish_data(reading: Reading, train, validation, source_validation=None, cards=None) -> Data:
+    train = train if isinstance(train, mixture.MixedSplit) else cap_train_samples(reading.data, train)
+    return Data(reading.objective, train, validation, source_validation or {}, cards or {})
+
+
+def training_schedule(data: Data, control: ControlArgs, global_batch: int) -> pipeline.Schedule | None:
+    """The run's steps and epochs over its training split (None: the run only evaluates)."""
+    if data.train is None:
+        return None
+    return pipeline.make_schedule(data.train.num_records, global_batch, control.num_train_epochs, control.max_steps)

@@ -7,6 +7,7 @@ of target tokens in the whole global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,10 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmdlm.checkpoint import abstract_of
 from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.devices import compiled_stats
+from spmdlm.engine.optim import evaluation_params, spike_counts
 from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
 from spmdlm.run_args.sections import OptimizationArgs
-from spmdlm.train.optim import evaluation_params, spike_counts
 
 
 def cross_entropy_sums(
@@ -132,32 +133,39 @@ def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capaci
     return jax.lax.cond(valid.sum(-1).max() <= capacity, gathered, lambda: head_sums(head, features, labels, **loss))
 
 
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """How a step sums the loss. `loss_chunk` > 0 (--loss_chunk_size) computes it a chunk of positions at a time
+    (`chunked_cross_entropy_sums`); `label_capacity` (the objective's) runs the LM head on labelled positions only
+    (`labelled_positions_sums`): both give the same sums as the plain loss. `unscored`: the objective's label ids
+    left out of the reported figures (`cross_entropy_sums`); `z_loss`: --z_loss."""
+
+    z_loss: float = 0.0
+    loss_chunk: int = 0
+    label_capacity: int | None = None
+    unscored: tuple[int, ...] = ()
+
+
 def loss_sums(
     model: nnx.Module,
     batch: Batch,
     forward: Forward,
     rngs: nnx.Rngs | None = None,
     *,
-    z_loss: float = 0.0,
-    loss_chunk: int = 0,
-    label_capacity: int | None = None,
-    unscored: tuple[int, ...] = (),
+    loss: Loss = Loss(),
     byte_lengths: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
-    """The token-summed loss and metrics of one batch, the model called by its family's `forward`.
-    `loss_chunk` > 0 computes them a chunk of positions at a time (`chunked_cross_entropy_sums`); `label_capacity`
-    (the objective's) runs the LM head on labelled positions only (`labelled_positions_sums`). Both give the same
-    sums as the plain loss. `unscored`: the objective's label ids left out of the reported figures
-    (`cross_entropy_sums`); `byte_lengths`: each id's UTF-8 bytes, for bits per byte (`cross_entropy_sums`)."""
-    labels = batch["labels"]
-    gather = bool(label_capacity) and label_capacity < labels.shape[1]
-    if not gather and not 0 < loss_chunk < labels.shape[1]:
-        return cross_entropy_sums(forward(model, batch, rngs), labels, z_loss, unscored, byte_lengths)
+    """The token-summed loss and metrics of one batch, the model called by its family's `forward`, summed as `loss`
+    says; `byte_lengths`: each id's UTF-8 bytes, for bits per byte (`cross_entropy_sums`)."""
+    labels, capacity, chunk = batch["labels"], loss.label_capacity, loss.loss_chunk
+    gather = bool(capacity) and capacity < labels.shape[1]
+    if not gather and not 0 < chunk < labels.shape[1]:
+        return cross_entropy_sums(forward(model, batch, rngs), labels, loss.z_loss, loss.unscored, byte_lengths)
     features = forward(model, batch, rngs, features_only=True)
-    loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, unscored=unscored, byte_lengths=byte_lengths)
+    head = dict(z_loss=loss.z_loss, loss_chunk=chunk, unscored=loss.unscored, byte_lengths=byte_lengths)
     if gather:
-        return labelled_positions_sums(model.head, features, labels, label_capacity, **loss)
-    return head_sums(model.head, features, labels, **loss)
+        return labelled_positions_sums(model.head, features, labels, capacity, **head)
+    return head_sums(model.head, features, labels, **head)
 
 
 # Each model input and the fields that mark its padding (the first the batch has; none: every token is real).
@@ -195,6 +203,18 @@ def state_shardings(state) -> Any:
     return jax.tree.map(lambda x: x.sharding, state)
 
 
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What the train step adds to the eval step: the optimisation section (evaluation reads its evaluation
+    parameters too: model_for_evaluation), the learning-rate schedule it logs, the accumulation micro-steps and the
+    dropout seed."""
+
+    optim: OptimizationArgs | None = None
+    schedule: optax.Schedule | None = None
+    grad_accum: int = 1
+    dropout_seed: int = 0
+
+
 class Stepper:
     """Compiles and runs the train and eval steps over the flat (model, optimizer) state, which it donates."""
 
@@ -205,24 +225,18 @@ class Stepper:
         mesh: Mesh,
         forward: Forward,
         *,
-        grad_accum: int = 1,
-        z_loss: float = 0.0,
-        dropout_seed: int = 0,
-        schedule: optax.Schedule | None = None,
-        loss_chunk: int = 0,
-        label_capacity: int | None = None,
-        unscored: tuple[int, ...] = (),
-        optim: OptimizationArgs | None = None,
+        loss: Loss = Loss(),
+        training: Training = Training(),
         byte_lengths: np.ndarray | None = None,
     ):
         """`state`: the train state, or the state of a model alone to evaluate (no train step then). `byte_lengths`:
         each vocabulary id's UTF-8 bytes, which evaluation sums for bits per byte."""
         self.graphdef, self.mesh, self.forward = graphdef, mesh, forward
-        self.optim = optim  # evaluation reads its evaluation parameters (model_for_evaluation)
-        self.grad_accum, self.schedule = grad_accum, schedule
-        self.loss = dict(z_loss=z_loss, loss_chunk=loss_chunk, label_capacity=label_capacity, unscored=unscored)
+        self.optim = training.optim  # evaluation reads its evaluation parameters (model_for_evaluation)
+        self.grad_accum, self.schedule = training.grad_accum, training.schedule
+        self.loss = loss
         self.byte_lengths = None if byte_lengths is None else np.asarray(byte_lengths, np.int32)
-        self.dropout_key = jax.random.key(dropout_seed)
+        self.dropout_key = jax.random.key(training.dropout_seed)
         self.shardings = state_shardings(state)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.compiled_train = self._eval = None
@@ -243,7 +257,7 @@ class Stepper:
             def loss_of(p):
                 m = nnx.merge(graph, p, rest)
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(step_key, index))
-                sums = loss_sums(m, micro, self.forward, rngs, **self.loss)
+                sums = loss_sums(m, micro, self.forward, rngs, loss=self.loss)
                 return (sums["loss_sum"] + sums["z_loss_sum"]) * per_token, sums
 
             return jax.grad(loss_of, has_aux=True)(p)
@@ -280,7 +294,7 @@ class Stepper:
         """The loss sums of a batch under the current (evaluation) parameters, with the bytes its labels stand for."""
         model, _ = model_for_evaluation(self.graphdef, state, self.optim)
         byte_lengths = None if self.byte_lengths is None else jnp.asarray(self.byte_lengths)
-        return loss_sums(model, batch, self.forward, **self.loss, byte_lengths=byte_lengths)
+        return loss_sums(model, batch, self.forward, loss=self.loss, byte_lengths=byte_lengths)
 
     # -- compilation ---------------------------------------------------------------------------------------------
     def batch_shardings(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):

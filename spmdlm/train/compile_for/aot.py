@@ -25,13 +25,15 @@ from jax.experimental import topologies
 
 from spmdlm import devices
 from spmdlm.data import pipeline
+from spmdlm.data.objectives import Objective
+from spmdlm.engine.state import DTYPES
 from spmdlm.errors import ArgumentError, DoesNotFit
 from spmdlm.families import objective_for_shapes
 from spmdlm.mesh import MESH_AXES, batch_axis_size
 from spmdlm.run_args import RunArgs
-from spmdlm.train import collectives
-from spmdlm.train.setup import resolve, setup_state
-from spmdlm.train.state import DTYPES, count_parameters
+from spmdlm.train.compile_for import collectives
+from spmdlm.train.stages.program import Model, setup_state
+from spmdlm.train.stages.resolve import Run, resolve
 
 GiB = 2**30
 
@@ -100,12 +102,13 @@ def estimate(args: RunArgs) -> dict[str, Any]:
     slice_devices = tpu_devices(args.devices.compile_for, args.devices.num_slices)
     kind = slice_devices[0].device_kind
     chip = devices.chip(kind)
-    ctx = resolve(args, time.perf_counter(), mesh_devices=slice_devices)
-    ctx.objective = objective_for_shapes(ctx.family, ctx.config, flags=args.objective)
+    run = resolve(args, time.perf_counter(), mesh_devices=slice_devices)
+    objective = objective_for_shapes(run.family, run.config, flags=args.objective)
     start = time.perf_counter()
-    graphdef, state, stepper = setup_state(ctx, abstract=True)  # shapes and shardings, no arrays
+    model = setup_state(run, run.config, objective, 0, abstract=True)  # shapes and shardings, no arrays
+    state, stepper = model.state, model.stepper
     init_seconds = time.perf_counter() - start
-    mesh = ctx.mesh
+    mesh = run.mesh
     hosts = len({d.process_index for d in slice_devices})
     eval_batch = args.control.per_device_eval_batch_size * batch_axis_size(mesh)
     result: dict[str, Any] = {
@@ -119,26 +122,26 @@ def estimate(args: RunArgs) -> dict[str, Any]:
         "mesh": dict(mesh.shape),
         "mesh_spec": args.devices.mesh,
         "dcn_mesh": args.devices.dcn_mesh,
-        "model_type": ctx.family.name,
-        "config": ctx.config_source,
-        "parameters": count_parameters(graphdef, state),
+        "model_type": run.family.name,
+        "config": run.config_source,
+        "parameters": model.parameters,
         "dtype": args.model.dtype,
-        "attention": ctx.attention,
-        "remat": ctx.layer_plan.remat,
+        "attention": run.attention,
+        "remat": model.layer_plan.remat,
         "gradient_accumulation_steps": args.control.gradient_accumulation_steps,
-        "global_batch": ctx.global_batch,
-        "per_host_batch": ctx.global_batch // hosts,
-        "per_device_batch": ctx.per_device_batch,
-        "sequence_lengths": ctx.objective.sequence_lengths(),
+        "global_batch": run.global_batch,
+        "per_host_batch": run.global_batch // hosts,
+        "per_device_batch": run.per_device_batch,
+        "sequence_lengths": objective.sequence_lengths(),
         "eval_batch": eval_batch,
         "state_bytes_per_device": per_device_bytes(state),
         "state_bytes_replicated": global_bytes(state),
         "hbm_bytes_per_device": chip.hbm_bytes if chip else None,
         "peak_flops_per_device": chip.peak_flops if chip else None,
-        "analytic_flops_per_step": ctx.family.train_flops_per_step(ctx.config, ctx.objective, ctx.global_batch),
+        "analytic_flops_per_step": run.family.train_flops_per_step(run.config, objective, run.global_batch),
         "init_compile_seconds": init_seconds,
     }
-    train_spec, eval_spec = (pipeline.batch_spec(ctx.objective, n) for n in (ctx.global_batch, eval_batch))
+    train_spec, eval_spec = (pipeline.batch_spec(objective, n) for n in (run.global_batch, eval_batch))
     result["train"] = _compiled(lambda: stepper.lower_train(state, train_spec).compile())
     result["eval"] = (
         _compiled(lambda: stepper.lower_eval(state, eval_spec).compile())
@@ -146,7 +149,7 @@ def estimate(args: RunArgs) -> dict[str, Any]:
         else None
     )
     result.update(roofline(result))
-    result.update(collective_summary(ctx, graphdef, state, result["train"]))
+    result.update(collective_summary(run, objective, model, result["train"]))
     steps = [step for step in (result["train"], result["eval"]) if step]
     if any("error" in step for step in steps):
         result["fits"] = False  # XLA refused to compile it: more than the chip's HBM
@@ -179,25 +182,25 @@ def _compiled(compile_step) -> dict[str, Any]:
     }
 
 
-def collective_summary(ctx, graphdef, state, train: dict[str, Any]) -> dict[str, Any]:
+def collective_summary(run: Run, objective: Objective, model: Model, train: dict[str, Any]) -> dict[str, Any]:
     """The analytic minimum, and the kinds whose emitted bytes differ from it by over 10% (None: not compiled)."""
-    minimum = minimum_collectives(ctx, graphdef, state)
+    minimum = minimum_collectives(run, objective, model)
     differ = sorted(collectives.differences(train["collectives"], minimum)) if "collectives" in train else None
     return {"collectives_minimum": minimum, "collectives_differ": differ}
 
 
-def minimum_collectives(ctx, graphdef, state) -> dict[str, dict[str, int]]:
-    """The analytic minimum of the train step's collectives on this mesh (spmdlm/train/collectives.py)."""
-    lengths = ctx.objective.sequence_lengths()
+def minimum_collectives(run: Run, objective: Objective, model: Model) -> dict[str, dict[str, int]]:
+    """The analytic minimum of the train step's collectives on this mesh (spmdlm/train/compile_for/collectives.py)."""
+    lengths = objective.sequence_lengths()
     return collectives.analytic_minimum(
-        collectives.model_parameters(graphdef, state),
-        dict(ctx.mesh.shape),
-        remat=ctx.layer_plan.remat,
-        compute_dtype=DTYPES[ctx.args.model.dtype],
-        batch_per_device=ctx.per_device_batch,
+        collectives.model_parameters(model.graphdef, model.state),
+        dict(run.mesh.shape),
+        remat=model.layer_plan.remat,
+        compute_dtype=DTYPES[run.args.model.dtype],
+        batch_per_device=run.per_device_batch,
         lengths=lengths,
-        head_length=ctx.objective.label_capacity or lengths.get("decoder", lengths["input"]),
-        accumulation=ctx.args.control.gradient_accumulation_steps,
+        head_length=objective.label_capacity or lengths.get("decoder", lengths["input"]),
+        accumulation=run.args.control.gradient_accumulation_steps,
     )
 
 

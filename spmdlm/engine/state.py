@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -12,9 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from spmdlm.engine.optim import make_optimizer
 from spmdlm.families.base import Family
 from spmdlm.run_args.sections import OptimizationArgs
-from spmdlm.train.optim import make_optimizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # --dtype: the compute dtype
 
@@ -36,6 +37,18 @@ def create_train_state(build: Callable[[], tuple[nnx.Module, nnx.Optimizer]], me
     return graphdef, state
 
 
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """How the model computes: in `dtype` (--dtype; parameters are float32), its scanned layers rematerialised by
+    `remat` and unrolled `scan_unroll` at a time (0: fully; the layer plan resolves both), attention by
+    `attention` (--attention as resolved)."""
+
+    dtype: str = "float32"
+    remat: str = "dots"
+    scan_unroll: int = 1
+    attention: str = "xla"
+
+
 def build_train_state(
     family: Family,
     config,
@@ -44,24 +57,21 @@ def build_train_state(
     optim: OptimizationArgs = OptimizationArgs(),
     total_steps: int = 1,
     seed: int = 0,
-    dtype: str = "float32",
-    remat: str = "dots",
-    scan_unroll: int = 1,
-    attention: str = "xla",
+    compute: Compute = Compute(),
     abstract: bool = False,
 ):
-    """-> (graphdef, state) of the family's model with its optimizer, initialised from `seed` (parameters float32,
-    computing in `dtype`). `scan_unroll` 0 unrolls the layer scan fully. `abstract` allocates nothing (see
-    `create_train_state`): the target of a restore, or all that a compile-only run needs."""
+    """-> (graphdef, state) of the family's model with its optimizer, initialised from `seed` and computing as
+    `compute` says. `abstract` allocates nothing (see `create_train_state`): the target of a restore, or all that a
+    compile-only run needs."""
 
     def build():
         model = family.make_model(
             config,
             rngs=nnx.Rngs(params=seed),
-            dtype=DTYPES[dtype],
-            remat=remat,
-            scan_unroll=scan_unroll or True,
-            attention=attention,
+            dtype=DTYPES[compute.dtype],
+            remat=compute.remat,
+            scan_unroll=compute.scan_unroll or True,
+            attention=compute.attention,
         )
         return model, nnx.Optimizer(model, make_optimizer(optim, model, max(total_steps, 1)), wrt=nnx.Param)
 

@@ -1,5 +1,5 @@
 """The collectives of a compiled step, read from XLA's optimised HLO text, and the analytic minimum for the mesh
-(docs/tpu.md, "Collectives", has the model and its assumptions). Used by `--compile_for` (spmdlm/train/aot.py).
+(docs/tpu.md, "Collectives", has the model and its assumptions). Used by `--compile_for` (aot.py beside this file).
 
 Bytes are those of the buffer each collective makes whole, on one device: an all-gather's result, a
 reduce-scatter's operand, an all-reduce's or all-to-all's operand (a ring moves about (n-1)/n of it, an all-reduce
