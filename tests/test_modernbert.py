@@ -22,8 +22,9 @@ from flax import nnx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from spmdlm import hf_export
+from spmdlm.data.tokenization import train_tokenizer
 from spmdlm.errors import ConfigError
-from spmdlm.families import checked_config, get_family
+from spmdlm.families import checked_config, get_family, load_config
 from spmdlm.generation import fill_mask
 from spmdlm.launch import main
 from spmdlm.load import load_model
@@ -146,6 +147,23 @@ def test_refused_transformers_options_say_so_in_one_line():
     assert (config.global_attn_every_n_layers, config.global_rope_theta, config.local_rope_theta) == (3, 1000.0, 50.0)
 
 
+def test_the_masking_rate_defaults_to_30_percent_for_this_family_only():
+    tokenizers = {
+        name: train_tokenizer(get_family(name), ["a b c d e f"] * 4, 300) for name in ("modernbert", "roberta")
+    }
+    rates = {
+        name: get_family(name).build_objective(flags, load_config(f"{name}-tiny"), tokenizers[name]).mlm_probability
+        for name in tokenizers
+        for flags in ({}, {"mlm_probability": 0.2})
+        if not flags or name == "modernbert"
+    }
+    assert rates == {"modernbert": 0.2, "roberta": 0.15}
+    modernbert = get_family("modernbert").build_objective({}, load_config("modernbert-tiny"), tokenizers["modernbert"])
+    assert modernbert.mlm_probability == 0.3 and modernbert.mask_id == tokenizers["modernbert"].token_to_id("[MASK]")
+    tokens = tokenizers["modernbert"].encode("a b").tokens
+    assert (tokens[0], tokens[-1]) == ("[CLS]", "[SEP]")  # framed, as the released tokenizer frames
+
+
 # -- a transformers checkpoint, with a tokenizer laid out as the released one ---------------------------------------
 RELEASED_SPECIALS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")  # after the BPE pieces, in this order
 
@@ -241,29 +259,34 @@ def test_a_short_run_learns_and_its_export_fills_masks_as_ours(tmp_path, tiny_co
         "--cache_dir",
         str(cache_dir),
         "--max_seq_length",
-        "64",
+        "32",
+        "--mesh",
+        "data=2,fsdp=2,tensor=2",
         "--per_device_train_batch_size",
-        "2",
+        "4",
         "--per_device_eval_batch_size",
-        "2",
+        "4",
         "--max_steps",
-        "120",
+        "250",
         "--learning_rate",
         "3e-3",
+        "--lr_scheduler_type",
+        "constant",
         "--warmup_steps",
         "10",
+        "--weight_decay",
+        "0",
         "--eval_steps",
-        "60",
+        "125",
         "--logging_steps",
-        "20",
+        "50",
         "--seed",
         "3",
     ]
     assert main(argv) == 0
     evals = [m["eval_loss"] for m in read_metrics(out) if "eval_loss" in m]
+    print("modernbert eval loss", evals)
     assert len(evals) >= 2 and evals[-1] < evals[0] - 1.0, evals
-    run_config = json.loads((out / "run_config.json").read_text())
-    assert run_config["objective"]["mlm_probability"] in (None, 0.3)
 
     sentence = "The lighthouse keeper wrote the same three lines in his log every evening before he lit the[MASK]."
     loaded = load_model(out / "hf", make_mesh("data=-1"))
