@@ -29,6 +29,7 @@ from spmdlm.generation import fill_mask
 from spmdlm.launch import main
 from spmdlm.load import load_model
 from spmdlm.mesh import make_mesh
+from spmdlm.models.stack import PER_LAYER, restack
 
 FIXTURE = FIXTURES["modernbert"]
 CONFIGS = sorted(FIXTURE.configs)
@@ -128,6 +129,37 @@ def test_packed_documents_match_transformers_one_document_at_a_time(name, implem
             alone = torch_model(input_ids=torch.tensor(doc[None])).logits[0].numpy()
         assert np.abs(logits[at : at + len(doc)] - alone).max() <= 1e-5
         at += len(doc)
+
+
+def test_per_layer_and_unrolled_stacks_compute_and_export_the_same():
+    """--scan_unroll per_layer (each layer its own arrays) and 0 (unrolled scan) over the periods and the tail."""
+    config = load_config("modernbert-tiny")
+    assert config.periods == (1, 1)  # layer 0, a period (2 sliding-window layers, a global one), one left over
+    batch = {k: jnp.asarray(v) for k, v in FIXTURE.make_batch(FIXTURE.tiny_config, np.random.default_rng(4)).items()}
+    models = {
+        unroll: get_family("modernbert").make_model(config, rngs=nnx.Rngs(0), scan_unroll=unroll)
+        for unroll in (1, True, PER_LAYER)
+    }
+    logits = {unroll: np.asarray(model(**batch)) for unroll, model in models.items()}
+    for unroll in (True, PER_LAYER):
+        np.testing.assert_allclose(logits[unroll], logits[1], atol=1e-5, rtol=0)
+    scanned, per_layer = (dict(hf_export.hf_tensors(restack(models[u]))) for u in (1, PER_LAYER))
+    assert (
+        scanned.keys() == per_layer.keys() and len({k for k in scanned if k.startswith("model.layers.")}) == 5 * 6 - 1
+    )
+    for name, value in scanned.items():
+        np.testing.assert_array_equal(per_layer[name], value, err_msg=name)
+
+
+def test_the_base_preset_is_the_released_model():
+    """modernbert-base against transformers' defaults (ModernBERT-base's config): the same 149,655,232 parameters."""
+    config = load_config("modernbert-base")
+    model = nnx.eval_shape(lambda: get_family("modernbert").make_model(config, rngs=nnx.Rngs(0)))
+    with torch.device("meta"):
+        reference = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig())
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert count == sum(p.numel() for p in reference.parameters()) == 149_655_232
+    assert config.periods == (7, 0) and config.layer_types == tuple(reference.config.layer_types)
 
 
 def test_refused_transformers_options_say_so_in_one_line():
