@@ -106,6 +106,7 @@ LONG_POSITIONS = {
     "roberta": {"max_position_embeddings": 130},
     "bart": {"max_position_embeddings": 128},
     "t5": {},
+    "modernbert": {"max_position_embeddings": 128},
 }
 
 
@@ -170,8 +171,13 @@ def partition_specs(family: str, mesh_spec: str) -> tuple[dict[str, str], dict[s
     return specs, sizes
 
 
+def presets_of(family: str) -> list[str]:
+    """The shipped presets of a family: files in models/, and the ones it holds itself (Family.presets)."""
+    return preset_names(family) + sorted(families()[family].presets)
+
+
 def tiny_preset(family: str) -> str:
-    return next(name for name in preset_names(family) if name.endswith("tiny"))
+    return next(name for name in presets_of(family) if name.endswith("tiny"))
 
 
 @pytest.mark.parametrize("family", FIXTURES)
@@ -184,7 +190,7 @@ def test_partition_specs_match_golden(family):
     assert all(s == "P()" or s.startswith("P(None") for n, s in specs.items() if ".layers." in n)  # never sharded
 
 
-@pytest.mark.parametrize("family,preset", [(f, p) for f in FIXTURES for p in preset_names(f)])
+@pytest.mark.parametrize("family,preset", [(f, p) for f in FIXTURES for p in presets_of(f)])
 def test_every_preset_builds_abstractly(family, preset):
     config = load_config(preset)
     model = nnx.eval_shape(lambda: families()[family].make_model(config, rngs=nnx.Rngs(0)))
@@ -290,6 +296,7 @@ PACKED = {
     "roberta": {"line_by_line": True, "packing": True},
     "t5": {"document_attention": "isolated"},
     "bart": {"document_attention": "isolated"},
+    "modernbert": {"line_by_line": True, "packing": True},
 }
 
 

@@ -52,14 +52,16 @@ MAX_SEQ_LENGTH = Flag(
     "max_seq_length",
     int,
     None,
-    "encoder length for RoBERTa/T5/BART (default: RoBERTa and BART the model's positions up to 512 and 1024, T5 512)",
+    "encoder length for RoBERTa/ModernBERT/T5/BART (default: RoBERTa, ModernBERT and BART the model's positions up "
+    "to 512, 1024 and 1024, T5 512)",
     bounds=AT_LEAST_ONE,
 )
 MLM_PROBABILITY = Flag(
     "mlm_probability",
     float,
     None,
-    "MLM masking rate / T5 noise density (default 0.15); BART: the HF script's name for --mask_ratio",
+    "MLM masking rate / T5 noise density (default 0.15; ModernBERT 0.3, its recipe's); BART: the HF script's name "
+    "for --mask_ratio",
     bounds=OPEN_UNIT,
 )
 DOCUMENT_ATTENTION = Flag(

@@ -24,7 +24,7 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import AttentionMask, make_attention_mask
-from spmdlm.models.blocks import PostNormBlock
+from spmdlm.models.blocks import PostNormBlock, PostNormSpec
 from spmdlm.models.kv_cache import Cache
 from spmdlm.models.layers import ACTIVATIONS, Bias, Embed, LayerNorm, dropout, make_param
 from spmdlm.models.seq2seq import CacheLayout, EncoderDecoder, EncoderDecoderConfig
@@ -106,16 +106,18 @@ class BartStack(nnx.Module):
         self.layernorm_embedding = LayerNorm(d, eps=LAYER_NORM_EPS, rngs=rngs)
         self.layers = LayerStack(
             lambda r: PostNormBlock(
-                d,
-                getattr(config, f"{stack}_attention_heads"),
-                getattr(config, f"{stack}_ffn_dim"),
-                activation=config.activation_function,
-                eps=LAYER_NORM_EPS,
-                dropout_rate=config.dropout,
-                attention_dropout=config.attention_dropout,
-                activation_dropout=config.activation_dropout,
+                PostNormSpec(
+                    d,
+                    getattr(config, f"{stack}_attention_heads"),
+                    getattr(config, f"{stack}_ffn_dim"),
+                    activation=config.activation_function,
+                    eps=LAYER_NORM_EPS,
+                    dropout_rate=config.dropout,
+                    attention_dropout=config.attention_dropout,
+                    activation_dropout=config.activation_dropout,
+                    init_std=std,
+                ),
                 cross_attention=is_decoder,
-                init_std=std,
                 dtype=dtype,
                 rngs=r,
             ),

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import Attention, AttentionMask, make_attention_mask, segment_positions
+from spmdlm.models.attention import Attention, AttentionMask, AttentionSpec, make_attention_mask, segment_positions
 from spmdlm.models.hf_config import HFConfig
 from spmdlm.models.kv_cache import Cache
-from spmdlm.models.layers import MLP, Embed, LayerNorm, dropout
+from spmdlm.models.layers import MLP, Embed, LayerNorm, MLPSpec, dropout
 from spmdlm.models.stack import LayerStack
 
 
@@ -67,11 +67,9 @@ class Block(nnx.Module):
             d,
             config.n_head,
             d // config.n_head,
-            fused_qkv=True,
-            scale=None if config.scale_attn_weights else 1.0,
+            AttentionSpec(fused_qkv=True, scale=None if config.scale_attn_weights else 1.0, out_init_std=out_std),
             dropout_rate=config.attn_pdrop,
             init_std=std,
-            out_init_std=out_std,
             dtype=dtype,
             rngs=rngs,
         )
@@ -79,9 +77,9 @@ class Block(nnx.Module):
         self.mlp = MLP(
             d,
             config.n_inner or 4 * d,
+            MLPSpec(out_init_std=out_std),
             activation=config.activation_function,
             init_std=std,
-            out_init_std=out_std,
             dtype=dtype,
             rngs=rngs,
         )

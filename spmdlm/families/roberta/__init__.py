@@ -32,23 +32,33 @@ def check_lengths(flags, config) -> None:
         f"{config.max_length} positions (max_position_embeddings {config.max_position_embeddings} "
         "minus RoBERTa's padding offset)",
     )
-    # before any data is read (build_objective checks the same again)
+    check_layout(flags)
+
+
+def check_layout(flags) -> None:
+    """The MLM record layout flags, before any data is read (build_objective checks the same again)."""
     if problem := layout_problem(LINE_BY_LINE.of(flags), PACKING.of(flags), DOCUMENT_ATTENTION.of(flags)):
         raise ArgumentError(problem)
 
 
 def build_objective(flags, config, tokenizer):
-    ids = special_token_ids(tokenizer, FAMILY.tokenizer)  # one-line error if <mask> or another is missing
+    return masked_lm(flags, tokenizer, FAMILY.tokenizer, max_seq_length(flags, config), mlm_probability=0.15)
+
+
+def masked_lm(flags, tokenizer, spec, length: int, *, mlm_probability: float) -> MaskedLM:
+    """The MLM objective of a framed encoder (`spec`: its TokenizerSpec) at `length` tokens; `mlm_probability` is
+    the family's default masking rate, which --mlm_probability overrides."""
+    ids = special_token_ids(tokenizer, spec)  # one-line error if the mask token or another is missing
     try:
         return MaskedLM(
-            max_seq_length(flags, config),
+            length,
             bos_id=ids["bos"],
             eos_id=ids["eos"],
             pad_id=ids["pad"],
             mask_id=ids["mask"],
-            special_ids=all_special_ids(tokenizer, FAMILY.tokenizer),
+            special_ids=all_special_ids(tokenizer, spec),
             vocab_size=tokenizer.get_vocab_size(),
-            mlm_probability=MLM_PROBABILITY.of(flags) or 0.15,
+            mlm_probability=MLM_PROBABILITY.of(flags) or mlm_probability,
             line_by_line=LINE_BY_LINE.of(flags),
             packing=PACKING.of(flags),
             document_attention=DOCUMENT_ATTENTION.of(flags),

@@ -17,7 +17,7 @@ from flax import nnx
 
 from spmdlm.mesh import constrain
 from spmdlm.models.attention import make_attention_mask, segment_positions
-from spmdlm.models.blocks import PostNormBlock
+from spmdlm.models.blocks import PostNormBlock, PostNormSpec
 from spmdlm.models.hf_config import HFConfig
 from spmdlm.models.layers import ACTIVATIONS, Bias, Dense, Embed, LayerNorm, dropout, make_param
 from spmdlm.models.stack import LayerStack
@@ -103,16 +103,18 @@ class RobertaForMaskedLM(nnx.Module):
         self.embeddings_layer_norm = LayerNorm(d, eps=eps, rngs=rngs)
         self.layer = LayerStack(
             lambda r: PostNormBlock(
-                d,
-                config.num_attention_heads,
-                config.intermediate_size,
-                activation=config.hidden_act,
-                eps=eps,
-                dropout_rate=config.hidden_dropout_prob,
-                attention_dropout=config.attention_probs_dropout_prob,
-                activation_dropout=0.0,
+                PostNormSpec(
+                    d,
+                    config.num_attention_heads,
+                    config.intermediate_size,
+                    activation=config.hidden_act,
+                    eps=eps,
+                    dropout_rate=config.hidden_dropout_prob,
+                    attention_dropout=config.attention_probs_dropout_prob,
+                    activation_dropout=0.0,
+                    init_std=std,
+                ),
                 cross_attention=False,
-                init_std=std,
                 dtype=dtype,
                 rngs=r,
             ),

@@ -26,9 +26,9 @@ import numpy as np
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import Attention, AttentionMask, make_attention_mask
+from spmdlm.models.attention import Attention, AttentionMask, AttentionSpec, make_attention_mask
 from spmdlm.models.kv_cache import Cache
-from spmdlm.models.layers import ACTIVATIONS, MLP, Dense, Embed, RMSNorm, dropout
+from spmdlm.models.layers import ACTIVATIONS, MLP, Embed, Float32Dense, MLPSpec, RMSNorm, dropout
 from spmdlm.models.seq2seq import CacheLayout, EncoderDecoder, EncoderDecoderConfig
 from spmdlm.models.stack import LayerStack
 
@@ -149,14 +149,16 @@ class Block(nnx.Module):
             d,
             heads,
             d_kv,
-            use_bias=False,
-            scale=1.0,
-            cross=cross,
-            biased=not cross,
+            AttentionSpec(
+                use_bias=False,
+                scale=1.0,
+                cross=cross,
+                biased=not cross,
+                q_init_std=f * (d * d_kv) ** -0.5,
+                kv_init_std=f * d**-0.5,
+                out_init_std=f * (heads * d_kv) ** -0.5,
+            ),
             dropout_rate=config.dropout_rate,
-            q_init_std=f * (d * d_kv) ** -0.5,
-            kv_init_std=f * d**-0.5,
-            out_init_std=f * (heads * d_kv) ** -0.5,
             dtype=dtype,
             rngs=rngs,
         )
@@ -169,12 +171,10 @@ class Block(nnx.Module):
         self.mlp = MLP(
             d,
             config.d_ff,
+            MLPSpec(gated=True, use_bias=False, out_init_std=f * config.d_ff**-0.5),
             activation=config.dense_act_fn,
-            gated=True,
-            use_bias=False,
             dropout_rate=config.dropout_rate,
             init_std=f * d**-0.5,
-            out_init_std=f * config.d_ff**-0.5,
             dtype=dtype,
             rngs=rngs,
         )
@@ -276,14 +276,13 @@ class T5ForConditionalGeneration(EncoderDecoder):
         self.encoder, self.decoder = stack(False), stack(True)
         # HF draws lm_head from N(0, 1) (it inherits the tied init); d_model**-0.5 keeps the initial logits O(1) on
         # RMS-normalised features, as the scaled tied head of original T5 does.
-        self.lm_head = Dense(
+        self.lm_head = Float32Dense(
             config.d_model,
             config.vocab_size,
             ("embed", "vocab"),
             use_bias=False,
             init_std=f * config.d_model**-0.5,
             dtype=dtype,
-            out_dtype=jnp.float32,
             rngs=rngs,
         )
 
