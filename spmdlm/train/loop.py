@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -64,8 +63,7 @@ def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None
         ):
             if abandoned(stop):
                 return None
-            sums = stepper.eval_step(state, pipeline.to_global(batch, ctx.mesh))
-            totals = sums if not totals else jax.tree.map(jnp.add, totals, sums)
+            totals = eval_step_in_turn(stepper, state, pipeline.to_global(batch, ctx.mesh), totals)
         per_split[name] = totals
     if abandoned(stop):
         return None
@@ -81,6 +79,24 @@ def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None
                 }
             )
     return results
+
+
+def eval_step_in_turn(stepper: Stepper, state, batch, totals: dict[str, Any]) -> dict[str, Any]:
+    """`totals` plus `batch`'s sums, dispatched with at most one eval step in flight: the step before has finished.
+
+    The sums are added inside the step, and the steps do not run ahead. On simulated CPU devices (threads of this
+    process) XLA starts each program's part on each device as a task of one thread pool, and a device that already
+    holds its limit of started programs makes the next start wait for one to finish. With hundreds of steps and
+    eager adds dispatched ahead, a busy host could start a later program before an earlier one on one device; that
+    later program waits for the earlier one's output, which waits in an all-reduce for the device that cannot start
+    it: evaluation stopped for good at `rendezvous ... waiting for all reduce`. One program per batch and one in
+    flight never fill that limit, and cost nothing measurable (the host prepares the next batch meanwhile).
+    """
+    if not totals:
+        totals = stepper.eval_zeros(state, batch)
+    summed = stepper.eval_step(state, batch, totals)
+    jax.block_until_ready(totals)  # the previous step's output: that step has finished
+    return summed
 
 
 def summarise(totals: dict[str, Any]) -> dict[str, float]:
