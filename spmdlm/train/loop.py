@@ -84,13 +84,13 @@ def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None
 def eval_step_in_turn(stepper: Stepper, state, batch, totals: dict[str, Any]) -> dict[str, Any]:
     """`totals` plus `batch`'s sums, dispatched with at most one eval step in flight: the step before has finished.
 
-    The sums are added inside the step, and the steps do not run ahead. On simulated CPU devices (threads of this
-    process) XLA starts each program's part on each device as a task of one thread pool, and a device that already
-    holds its limit of started programs makes the next start wait for one to finish. With hundreds of steps and
-    eager adds dispatched ahead, a busy host could start a later program before an earlier one on one device; that
-    later program waits for the earlier one's output, which waits in an all-reduce for the device that cannot start
-    it: evaluation stopped for good at `rendezvous ... waiting for all reduce`. One program per batch and one in
-    flight never fill that limit, and cost nothing measurable (the host prepares the next batch meanwhile).
+    Why not dispatch ahead: on simulated CPU devices (threads of this process) XLA starts each program's part on
+    each device as a task of one thread pool, and a device that holds its limit of started, unfinished programs
+    makes the next start wait for one of them to finish. A loop that dispatched all of its steps at once let a busy
+    host start later steps on one device before an earlier one; those wait for the earlier one's sums, the earlier
+    one's start waits for them, and its part on the other device waits in an all-reduce for good (`rendezvous ...
+    waiting for all reduce`: a stack dump shows one start blocked on the device's semaphore). One step in flight
+    never reaches that limit; the host prepares the next batch meanwhile, as in training.
     """
     if not totals:
         totals = stepper.eval_zeros(state, batch)

@@ -283,9 +283,8 @@ class Stepper:
         return loss_sums(model, batch, self.forward, **self.loss, byte_lengths=byte_lengths)
 
     def accumulate_eval_fn(self, state, batch: Batch, totals: dict[str, jax.Array]):
-        """`totals` plus eval_fn's sums of `batch`, in the one program: evaluation dispatches nothing between its
-        steps (an eager add there is a second program on every device, which XLA:CPU's simulated devices may start
-        in another order than the steps' collectives: loop.evaluate)."""
+        """`totals` plus eval_fn's sums of `batch`, in the one program: no eager add of sharded arrays between two
+        steps, one program a batch (loop.eval_step_in_turn says why evaluation keeps programs few and in turn)."""
         return jax.tree.map(jnp.add, totals, self.eval_fn(state, batch))
 
     def eval_zeros(self, state, batch: Batch) -> dict[str, jax.Array]:
