@@ -21,10 +21,12 @@ import argparse
 import contextlib
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import jax
 from flax import nnx
 
 from spmdlm import storage
@@ -41,6 +43,7 @@ from spmdlm.train.loop import evaluate
 from spmdlm.train.metrics_log import strict_json
 from spmdlm.train.setup import Run, RunContext, byte_lengths, check_flags_apply, use_tokenizer
 from spmdlm.train.step import Stepper
+from spmdlm.train.watchdog import Watchdog, host_label
 
 log = logging.getLogger("spmdlm")
 
@@ -69,6 +72,7 @@ FLAGS = frozenset(
         "coordinator_address",
         "num_processes",
         "process_id",
+        "hang_timeout_minutes",
     }
 )
 NOTE = (
@@ -126,7 +130,19 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
         raise ArgumentError(
             f"--output_file {own.output_file} exists; give a new path (results are never written over a file)"
         )
+    check_output_folder(own.output_file)
     return own, args
+
+
+def check_output_folder(output_file: str | None) -> None:
+    """--output_file's folder exists before anything is evaluated (the results are not lost at the end)."""
+    if not output_file or storage.is_remote(output_file):
+        return
+    folder = Path(output_file).parent
+    if not folder.is_dir():
+        raise ArgumentError(
+            f"--output_file {output_file}: the folder {folder} does not exist; create it or give another path"
+        )
 
 
 def held_out_given(args: RunArgs) -> bool:
@@ -162,7 +178,7 @@ def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
     loaded = load_model(
         args.model.model_name_or_path, make_mesh(args.devices.mesh), step=own.step, tokenizer=args.model.tokenizer_name
     )
-    found = held_out(args, loaded) if held_out_given(args) else header(args, loaded)
+    found = held_out(args, loaded, own) if held_out_given(args) else header(args, loaded)
     if tasks is not None:
         lm = harness_lm(
             loaded.family,
@@ -188,7 +204,7 @@ def header(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
     }
 
 
-def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
+def held_out(args: RunArgs, loaded: LoadedModel, own: argparse.Namespace) -> dict[str, Any]:
     """The objective's loss, perplexity, accuracy and bits per byte on the held-out text."""
     ctx = context(args, loaded)
     if ctx.sources:
@@ -207,7 +223,16 @@ def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
         unscored=ctx.objective.unscored_label_ids,
         byte_lengths=byte_lengths(ctx),
     )
-    return results(loaded, ctx, evaluate(stepper, state, ctx))
+    with evaluation_watchdog(args, own) as watch:
+        return results(loaded, ctx, evaluate(stepper, state, ctx, watch=watch))
+
+
+def evaluation_watchdog(args: RunArgs, own: argparse.Namespace) -> Watchdog:
+    """The launcher's hang watchdog (--hang_timeout_minutes; docs/operations.md) over the evaluation's batches; its
+    stacks go beside --output_file, else to the temporary directory (the evaluator has no output dir)."""
+    folder = storage.path(own.output_file).parent if own.output_file else Path(tempfile.gettempdir())
+    minutes = args.operations.hang_timeout(jax.process_count())
+    return Watchdog(minutes, folder, host_label(jax.process_index()))
 
 
 def results(loaded: LoadedModel, ctx: RunContext, metrics: dict[str, float]) -> dict[str, Any]:

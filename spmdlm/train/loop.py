@@ -43,10 +43,13 @@ def abandoned(stop: StopOnSignal | None) -> bool:
     return False
 
 
-def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None = None) -> dict[str, float] | None:
+def evaluate(
+    stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None = None, watch: watchdog.Watchdog | None = None
+) -> dict[str, float] | None:
     """Eval metrics over the validation split (a mixture: each source's, as eval/<source>/loss etc., and all of them
     token-weighted under the plain names); None when a stop signal arrived meanwhile (single process: the save comes
-    first, as a preemption's grace period is short; several processes finish it, as every one must)."""
+    first, as a preemption's grace period is short; several processes finish it, as every one must). `watch` hears
+    of each finished batch."""
     args = ctx.args
     global_batch = args.control.per_device_eval_batch_size * batch_axis_size(ctx.mesh)
     per_split: dict[str | None, Any] = {}
@@ -64,6 +67,8 @@ def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None
             if abandoned(stop):
                 return None
             totals = eval_step_in_turn(stepper, state, pipeline.to_global(batch, ctx.mesh), totals)
+            if watch is not None:
+                watch.beat("an evaluation batch")
         per_split[name] = totals
     if abandoned(stop):
         return None

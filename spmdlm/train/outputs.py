@@ -131,8 +131,37 @@ def check_output_dir(ctx: RunContext) -> str:
     if has_checkpoints(ctx, saved):
         check_resume(ctx, saved)
         return "resume"
+    if stopped_before_its_first_checkpoint(ctx, saved):
+        log.info("--output_dir %s holds this run, stopped before its first checkpoint: starting it over", out)
+        return "clear"
     refuse_what_is_not_ours(out)
     return "clear"
+
+
+# What a run leaves before its first checkpoint; an export or eval_results.json means it finished (or got further).
+LEFT_BEFORE_THE_FIRST_CHECKPOINT = {
+    "checkpoints",
+    "tensorboard",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "run_config.json",
+    "trackers.json",
+    "highest_step.json",
+    "wandb",
+    "mlruns",
+}
+
+
+def stopped_before_its_first_checkpoint(ctx: RunContext, saved: dict | None) -> bool:
+    """This same run (the run_config.json of these settings and global batch) stopped before any checkpoint was
+    saved: a watchdog exit, a kill -9. The same command starts it over, as the exit line and the docs promise."""
+    if not saved:
+        return False
+    found = {p.name for p in ctx.out.iterdir() if not p.name.startswith((".hf.tmp-", ".hf.old.tmp-"))}
+    found -= {p.name for p in ctx.out.glob(LEFT_BY_A_HANG)} | RUN_INPUTS
+    if not found <= LEFT_BEFORE_THE_FIRST_CHECKPOINT:
+        return False
+    return not changed_settings(ctx, saved, ctx.args.to_json()) and saved.get("global_batch") == ctx.global_batch
 
 
 def has_checkpoints(ctx: RunContext, saved: dict | None) -> bool:

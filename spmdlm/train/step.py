@@ -24,6 +24,7 @@ from spmdlm.devices import compiled_stats
 from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
 from spmdlm.run_args.sections import OptimizationArgs
+from spmdlm.train import faults
 from spmdlm.train.optim import evaluation_params, spike_counts
 
 
@@ -338,6 +339,7 @@ class Stepper:
         return self.compile_stats
 
     def train_step(self, state, batch: Batch, step: int):
+        faults.maybe_stuck("train")
         with jax.set_mesh(self.mesh):
             return self.compiled_train(state, batch, np.int32(step))
 
@@ -345,5 +347,6 @@ class Stepper:
         """`totals` (eval_zeros at the first batch) plus the sums of `batch`."""
         if self._eval is None:  # compiled at the first batch: evaluation may never run
             self._eval = self.jit_eval(batch)
+        faults.maybe_stuck("eval")
         with jax.set_mesh(self.mesh):
             return self._eval(state, batch, totals)
