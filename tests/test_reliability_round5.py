@@ -1,9 +1,11 @@
 """Reliability, round 5 (issue 54): evaluation never stalls on a simulated mesh, and a stop signal or a hang that
 finds a step stuck in a collective (simulated: spmdlm/train/faults.py) still ends the process in bounded time."""
 
+import importlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,8 +18,9 @@ from conftest import REPO
 from test_evaluate import evaluation_flags, transformers_checkpoint, words
 from test_reliability import flags, launch
 
-from spmdlm import checkpoint
+from spmdlm import checkpoint, storage
 from spmdlm.cli import evaluate
+from spmdlm.data.compression import text_lines
 from spmdlm.mesh import make_mesh
 from spmdlm.train import faults, guard, watchdog
 from spmdlm.train.step import Stepper
@@ -187,3 +190,28 @@ def test_a_folder_holding_an_export_is_pointed_to_it(capsys, tmp_path, cache_dir
     code = evaluate.main(["--model_name_or_path", str(run), *evaluation_flags("gpt2", cache_dir, held_out)])
     err = capsys.readouterr().err
     assert code == 2 and err.strip().splitlines()[-1].endswith(f"give one of those; its export {run / 'hf'} is one")
+
+
+def test_the_lock_of_a_process_that_is_gone_but_not_yet_collected_never_blocks_a_run(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # ends at once; not collected until wait()
+    deadline = time.monotonic() + 60
+    while not storage.is_zombie(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert storage.is_zombie(child.pid) and not storage.pid_alive(child.pid)
+    lock = {"host": socket.gethostname(), "pid": child.pid, "started": "just now"}
+    (tmp_path / guard.LOCK_NAME).write_text(json.dumps(lock))
+    with guard.RunLock(tmp_path):
+        assert json.loads((tmp_path / guard.LOCK_NAME).read_text())["pid"] == os.getpid()
+    child.wait()
+    assert storage.pid_alive(os.getpid())
+
+
+@pytest.mark.parametrize("module", ["gzip", "bz2", "lzma"])
+def test_compressed_text_without_its_suffix_is_read_by_its_magic_bytes(tmp_path, module):
+    text = "a first line\nand a second one\n" * 50
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(importlib.import_module(module).compress(text.encode()))
+    assert "".join(text_lines(path)).split() == text.split()
+    plain = tmp_path / "plain.txt"
+    plain.write_text("BZh9 is how a bzip2 stream starts\n")  # text that merely starts alike stays text
+    assert "".join(text_lines(plain)).split() == ["BZh9", "is", "how", "a", "bzip2", "stream", "starts"]
