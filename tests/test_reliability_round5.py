@@ -20,7 +20,10 @@ from test_reliability import flags, launch
 
 from spmdlm import checkpoint, storage
 from spmdlm.cli import evaluate
+from spmdlm.data import datasets
 from spmdlm.data.compression import text_lines
+from spmdlm.data.readers import expand_files
+from spmdlm.errors import DataError
 from spmdlm.mesh import make_mesh
 from spmdlm.train import faults, guard, watchdog
 from spmdlm.train.step import Stepper
@@ -90,7 +93,7 @@ def test_the_evaluator_has_the_hang_watchdog(tmp_path, cache_dir, gpt2_export):
     proc = start("spmdlm.evaluate", argv, **{faults.STUCK_STEP_ENV: "eval:1"})
     err, _ = proc.communicate(timeout=240)
     assert proc.returncode == watchdog.HANG_EXIT_CODE, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith("error: no step, save or evaluation completed for 0.05 minutes")
+    assert err.strip().splitlines()[-1].startswith("error: no step, save or evaluation completed for 0.05")
     (stacks,) = tmp_path.glob("hang-*.txt")  # beside --output_file
     assert "maybe_stuck" in stacks.read_text()
     assert not results.exists()
@@ -108,7 +111,7 @@ def test_a_sigterm_that_finds_the_evaluator_stuck_ends_it_within_60_s(cache_dir,
 
 def test_the_eval_step_adds_its_sums_to_the_totals_in_one_program():
     """The sums a batch adds are the eval function's, whatever totals they are added to (no eager add between)."""
-    mesh = make_mesh("data=2")
+    mesh = make_mesh("data=8")
     calls = []
 
     class Tiny(Stepper):
@@ -116,14 +119,14 @@ def test_the_eval_step_adds_its_sums_to_the_totals_in_one_program():
             calls.append(1)  # traced once: one program for every batch
             return {"loss_sum": jax.numpy.sum(batch["x"] * state["w"]), "tokens": jax.numpy.sum(batch["x"] > 0)}
 
-    state = {"w": jax.numpy.float32(2.0)}
+    state = {"w": jax.device_put(np.float32(2.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))}
     stepper = Tiny(None, state, mesh, None)
-    batches = [{"x": np.arange(4, dtype=np.float32) + i} for i in range(3)]
+    batches = [{"x": np.arange(8, dtype=np.float32) + i} for i in range(3)]
     totals = stepper.eval_zeros(state, batches[0])
     for batch in batches:
         totals = stepper.eval_step(state, batch, totals)
     assert float(totals["loss_sum"]) == 2.0 * sum(float(b["x"].sum()) for b in batches)
-    assert int(totals["tokens"]) == 11
+    assert int(totals["tokens"]) == 23  # 7 + 8 + 8 positive entries
     assert stepper._eval._cache_size() == 1
 
 
@@ -215,3 +218,19 @@ def test_compressed_text_without_its_suffix_is_read_by_its_magic_bytes(tmp_path,
     plain = tmp_path / "plain.txt"
     plain.write_text("BZh9 is how a bzip2 stream starts\n")  # text that merely starts alike stays text
     assert "".join(text_lines(plain)).split() == ["BZh9", "is", "how", "a", "bzip2", "stream", "starts"]
+
+
+def test_a_symlink_loop_is_named_as_one(tmp_path):
+    (tmp_path / "a.txt").symlink_to(tmp_path / "b.txt")
+    (tmp_path / "b.txt").symlink_to(tmp_path / "a.txt")
+    with pytest.raises(DataError, match=r"a\.txt: is a symlink loop \(it leads back to itself\); point it at a file"):
+        expand_files(str(tmp_path / "a.txt"))
+
+
+def test_a_missing_or_half_written_dataset_dir_is_named_so_not_as_a_missing_tokenizer(tmp_path):
+    with pytest.raises(DataError, match=r"gone: no such directory; prepare one with python -m spmdlm.prepare"):
+        datasets.tokenizer_dir(tmp_path / "gone")
+    half = tmp_path / ".data.tmp-1234"
+    (half / datasets.TOKENIZER_DIR).mkdir(parents=True)  # the tokenizer is written, the card (last) is not
+    with pytest.raises(DataError, match=r"no dataset.json in it: an incomplete dataset \(a preparation that did not"):
+        datasets.tokenizer_dir(half)

@@ -195,7 +195,7 @@ def check_pretrained(ctx: RunContext) -> None:
         if own is not None:
             extend_vocabulary(ctx, own, f"--tokenizer_name {args.model.tokenizer_name}", "leave --tokenizer_name out")
     elif dataset_dir_of(ctx):
-        ctx.tokenizer = load_tokenizer(storage.path(dataset_dir_of(ctx)) / datasets.TOKENIZER_DIR, family)
+        ctx.tokenizer = load_tokenizer(datasets.tokenizer_dir(dataset_dir_of(ctx)), family)
         if own is not None:  # the dataset's ids must mean what they meant to the checkpoint
             extend_vocabulary(
                 ctx, own, f"the tokenizer of --dataset_dir {dataset_dir_of(ctx)}", "prepare the dataset with it"
@@ -326,7 +326,7 @@ def setup_tokenizer(ctx: RunContext, train_docs: list[str]) -> None:
     elif args.model.tokenizer_name:
         tok, origin = load_tokenizer(args.model.tokenizer_name, ctx.family), "given"
     elif dataset_dir := dataset_dir_of(ctx):
-        tok, origin = load_tokenizer(storage.path(dataset_dir) / datasets.TOKENIZER_DIR), "given"
+        tok, origin = load_tokenizer(datasets.tokenizer_dir(dataset_dir)), "given"
     elif (out / "tokenizer.json").exists():
         log.info("reusing the tokenizer in %s", out)
         tok, origin = load_tokenizer(out), "output_dir"
