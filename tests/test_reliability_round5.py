@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO
 from test_evaluate import evaluation_flags, transformers_checkpoint, words
 from test_reliability import flags, launch
+from tokenizers import Tokenizer
 
 from spmdlm import checkpoint, storage
 from spmdlm.cli import evaluate
@@ -234,3 +235,16 @@ def test_a_missing_or_half_written_dataset_dir_is_named_so_not_as_a_missing_toke
     (half / datasets.TOKENIZER_DIR).mkdir(parents=True)  # the tokenizer is written, the card (last) is not
     with pytest.raises(DataError, match=r"no dataset.json in it: an incomplete dataset \(a preparation that did not"):
         datasets.tokenizer_dir(half)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_without_the_training_flag(
+    capsys, tmp_path, cache_dir, gpt2_export
+):
+    tok = Tokenizer.from_file(str(gpt2_export[0] / "tokenizer.json"))
+    tok.add_tokens([f"added{i}" for i in range(600)])
+    assert tok.get_vocab_size() > 512  # the tiny GPT-2's vocab_size
+    tok.save(str(tmp_path / "big.json"))
+    code = evaluate.main(evaluator_argv(gpt2_export, cache_dir, "--tokenizer_name", str(tmp_path / "big.json")))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"error: the tokenizer has {tok.get_vocab_size()} tokens but the model has")
+    assert "--vocab_size" not in err[-1]

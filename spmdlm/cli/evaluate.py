@@ -169,8 +169,21 @@ def context(args: RunArgs, loaded: LoadedModel) -> RunContext:
         args.data.sources(),
     )
     ctx = RunContext(run, loaded.config)
+    check_tokenizer_covered(loaded)
     use_tokenizer(ctx, loaded.tokenizer)
     return ctx
+
+
+def check_tokenizer_covered(loaded: LoadedModel) -> None:
+    """A tokenizer with more ids than the model has embedding rows cannot be evaluated with (the launcher's advice,
+    a larger --vocab_size, is for training a new model)."""
+    size, rows = loaded.tokenizer.get_vocab_size(), loaded.config.vocab_size
+    if size > rows:
+        raise ArgumentError(
+            f"the tokenizer has {size} tokens but the model has {rows} (its vocab_size): ids from {rows} on have no "
+            "embedding; evaluate with the model's own tokenizer (leave out --tokenizer_name) or one of at most "
+            f"{rows} tokens"
+        )
 
 
 def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
