@@ -69,9 +69,11 @@ def load_model(
     if step is not None:
         raise ArgumentError(f"--step applies to a training run's checkpoints; {where} is a transformers directory")
     if not (where / "config.json").is_file():
+        export = where / "hf"  # a run folder without its run_config.json: its export is the model to give
+        pointer = f"; its export {export} is one" if (export / "config.json").is_file() else ""
         raise ConfigError(
             f"{where}: no spmdlm run ({RUN_CONFIG}), checkpoint (RUN/checkpoints/N) or transformers "
-            "directory (config.json) there; give one of those"
+            f"directory (config.json) there; give one of those{pointer}"
         )
     model, config = load_hf(where, mesh=mesh)
     kind = "export" if (where / MARKER).is_file() else "transformers"

@@ -40,11 +40,11 @@ def test_a_stop_during_evaluation_abandons_it_and_saves(capsys, monkeypatch, tmp
     out = tmp_path / "run"
     original, batches = Stepper.eval_step, []
 
-    def eval_then_sigterm(self, state, batch):
+    def eval_then_sigterm(self, state, batch, totals):
         batches.append(1)
         if len(batches) == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # arrives during the first eval batch
-        return original(self, state, batch)
+        return original(self, state, batch, totals)
 
     monkeypatch.setattr(Stepper, "eval_step", eval_then_sigterm)
     code, _, err = launch(

@@ -22,8 +22,11 @@ import argparse
 import contextlib
 import logging
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
+import jax
 from flax import nnx
 
 from spmdlm import storage
@@ -37,6 +40,7 @@ from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.run_args import RunArgs
 from spmdlm.train.reporting.metrics_log import strict_json
+from spmdlm.train.safety.watchdog import Watchdog, host_label
 from spmdlm.train.stages.corpora import Data, Reading, prepare_data, read_corpora, read_sources
 from spmdlm.train.stages.resolve import check_flags_apply
 from spmdlm.train.stages.vocabulary import Vocabulary, vocabulary_of
@@ -68,6 +72,7 @@ FLAGS = frozenset(
         "coordinator_address",
         "num_processes",
         "process_id",
+        "hang_timeout_minutes",
     }
 )
 NOTE = (
@@ -125,7 +130,19 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
         raise ArgumentError(
             f"--output_file {own.output_file} exists; give a new path (results are never written over a file)"
         )
+    check_output_folder(own.output_file)
     return own, args
+
+
+def check_output_folder(output_file: str | None) -> None:
+    """--output_file's folder exists before anything is evaluated (the results are not lost at the end)."""
+    if not output_file or storage.is_remote(output_file):
+        return
+    folder = Path(output_file).parent
+    if not folder.is_dir():
+        raise ArgumentError(
+            f"--output_file {output_file}: the folder {folder} does not exist; create it or give another path"
+        )
 
 
 def held_out_given(args: RunArgs) -> bool:
@@ -137,7 +154,7 @@ def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
     loaded = load_model(
         args.model.model_name_or_path, make_mesh(args.devices.mesh), step=own.step, tokenizer=args.model.tokenizer_name
     )
-    found = held_out(args, loaded) if held_out_given(args) else header(args, loaded)
+    found = held_out(args, loaded, own) if held_out_given(args) else header(args, loaded)
     if tasks is not None:
         lm = harness_lm(
             loaded.family,
@@ -163,7 +180,7 @@ def header(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
     }
 
 
-def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
+def held_out(args: RunArgs, loaded: LoadedModel, own: argparse.Namespace) -> dict[str, Any]:
     """The objective's loss, perplexity, accuracy and bits per byte on the held-out text. The objective flags are
     the command line's (defaults included) whatever the model's kind: one command line gives every model the same
     preprocessing."""
@@ -171,14 +188,37 @@ def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
     args = args.replace(model_type=family.name)
     check_flags_apply(args, family)
     family.check_lengths(args.objective, loaded.config)
+    check_tokenizer_covered(loaded)
     vocabulary = vocabulary_of(loaded.tokenizer, loaded.config, family)
     data = held_out_data(args, vocabulary, family)
     graphdef, state = nnx.split(loaded.model)
     counts = byte_lengths(vocabulary.tokenizer, vocabulary.config.vocab_size)
     stepper = make_stepper(graphdef, state, loaded.mesh, family.forward, loss_of(data.objective), counts)
     splits, max_examples = data.validation_splits, args.data.max_eval_samples
-    metrics = evaluate(stepper, state, held_out_of(splits, data.objective, args.control, loaded.mesh, max_examples))
+    held = held_out_of(splits, data.objective, args.control, loaded.mesh, max_examples)
+    with evaluation_watchdog(args, own) as watch:
+        metrics = evaluate(stepper, state, held, on_batch=lambda: watch.beat("an evaluation batch"))
     return results(args, loaded, metrics)
+
+
+def check_tokenizer_covered(loaded: LoadedModel) -> None:
+    """A tokenizer with more ids than the model has embedding rows cannot be evaluated with (the launcher's advice,
+    a larger --vocab_size, is for training a new model)."""
+    size, rows = loaded.tokenizer.get_vocab_size(), loaded.config.vocab_size
+    if size > rows:
+        raise ArgumentError(
+            f"the tokenizer has {size} tokens but the model has {rows} (its vocab_size): ids from {rows} on have no "
+            "embedding; evaluate with the model's own tokenizer (leave out --tokenizer_name) or one of at most "
+            f"{rows} tokens"
+        )
+
+
+def evaluation_watchdog(args: RunArgs, own: argparse.Namespace) -> Watchdog:
+    """The launcher's hang watchdog (--hang_timeout_minutes; docs/operations.md) over the evaluation's batches; its
+    stacks go beside --output_file, else to the temporary directory (the evaluator has no output dir)."""
+    folder = storage.path(own.output_file).parent if own.output_file else Path(tempfile.gettempdir())
+    minutes = args.operations.hang_timeout(jax.process_count())
+    return Watchdog(minutes, folder, host_label(jax.process_index()))
 
 
 def held_out_data(args: RunArgs, vocabulary: Vocabulary, family: Family) -> Data:

@@ -75,6 +75,8 @@ def read_card(dataset_dir: str | os.PathLike) -> dict:
     path = folder / CARD_NAME
     if not path.is_file():
         what = "no such directory" if not folder.exists() else f"no {CARD_NAME} in it"
+        if folder.exists() and (".tmp-" in folder.name or (folder / TOKENIZER_DIR).exists()):
+            what += ": an incomplete dataset (a preparation that did not finish writes its card last)"
         raise DataError(f"--dataset_dir {folder}: {what}; prepare one with python -m spmdlm.prepare")
     try:
         card = json.loads(path.read_text())
@@ -88,6 +90,13 @@ def read_card(dataset_dir: str | os.PathLike) -> dict:
             f"{CARD_VERSION} (flat token shards, read in batches); prepare it again: {_prepare_again(folder, card)}"
         )
     return card
+
+
+def tokenizer_dir(dataset_dir: str | os.PathLike) -> Path:
+    """The dataset's copy of its tokenizer, once the dataset is known to be whole (a missing or half-written one is
+    named as such, not as a missing tokenizer)."""
+    read_card(dataset_dir)
+    return storage.path(dataset_dir, "--dataset_dir") / TOKENIZER_DIR
 
 
 def _prepare_again(folder, card: dict) -> str:

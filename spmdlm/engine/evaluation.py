@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -78,10 +77,15 @@ def make_stepper(
 
 
 def evaluate(
-    stepper: Stepper, state, held_out: HeldOut, should_stop: Callable[[], bool] = lambda: False
+    stepper: Stepper,
+    state,
+    held_out: HeldOut,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_batch: Callable[[], None] = lambda: None,
 ) -> dict[str, float] | None:
     """Eval metrics over the validation splits (a mixture: each source's, as eval/<source>/loss etc., and all of them
-    token-weighted under the plain names); None when `should_stop` says so between batches (a run's stop signal)."""
+    token-weighted under the plain names); None when `should_stop` says so between batches (a run's stop signal).
+    `on_batch` hears of each finished batch (a hang watchdog's heartbeat)."""
     per_split: dict[str | None, Any] = {}
     for name, split in held_out.splits.items():
         totals: dict[str, Any] = {}
@@ -96,8 +100,8 @@ def evaluate(
         ):
             if should_stop():
                 return None
-            sums = stepper.eval_step(state, pipeline.to_global(batch, stepper.mesh))
-            totals = sums if not totals else jax.tree.map(jnp.add, totals, sums)
+            totals = eval_step_in_turn(stepper, state, pipeline.to_global(batch, stepper.mesh), totals)
+            on_batch()
         per_split[name] = totals
     if should_stop():
         return None
@@ -113,6 +117,24 @@ def evaluate(
                 }
             )
     return results
+
+
+def eval_step_in_turn(stepper: Stepper, state, batch, totals: dict[str, Any]) -> dict[str, Any]:
+    """`totals` plus `batch`'s sums, dispatched with at most one eval step in flight: the step before has finished.
+
+    Why not dispatch ahead: on simulated CPU devices (threads of this process) XLA starts each program's part on
+    each device as a task of one thread pool, and a device that holds its limit of started, unfinished programs
+    makes the next start wait for one of them to finish. A loop that dispatched all of its steps at once let a busy
+    host start later steps on one device before an earlier one; those wait for the earlier one's sums, the earlier
+    one's start waits for them, and its part on the other device waits in an all-reduce for good (`rendezvous ...
+    waiting for all reduce`: a stack dump shows one start blocked on the device's semaphore). One step in flight
+    never reaches that limit; the host prepares the next batch meanwhile, as in training.
+    """
+    if not totals:
+        totals = stepper.eval_zeros(state, batch)
+    summed = stepper.eval_step(state, batch, totals)
+    jax.block_until_ready(totals)  # the previous step's output: that step has finished
+    return summed
 
 
 def summarise(totals: dict[str, Any]) -> dict[str, float]:

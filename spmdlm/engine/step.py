@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmdlm.checkpoint import abstract_of
 from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.devices import compiled_stats
+from spmdlm.engine import faults
 from spmdlm.engine.optim import evaluation_params, spike_counts
 from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
@@ -296,6 +297,17 @@ class Stepper:
         byte_lengths = None if self.byte_lengths is None else jnp.asarray(self.byte_lengths)
         return loss_sums(model, batch, self.forward, loss=self.loss, byte_lengths=byte_lengths)
 
+    def accumulate_eval_fn(self, state, batch: Batch, totals: dict[str, jax.Array]):
+        """`totals` plus eval_fn's sums of `batch`, in the one program: no eager add of sharded arrays between two
+        steps, one program a batch (evaluation.eval_step_in_turn says why evaluation keeps programs few and in turn)."""
+        return jax.tree.map(jnp.add, totals, self.eval_fn(state, batch))
+
+    def eval_zeros(self, state, batch: Batch) -> dict[str, jax.Array]:
+        """Zero sums in the eval step's shapes, replicated: copied from the host, no program run on the devices."""
+        with jax.set_mesh(self.mesh):
+            shapes = jax.eval_shape(self.eval_fn, state, batch)
+        return jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), self.replicated)
+
     # -- compilation ---------------------------------------------------------------------------------------------
     def batch_shardings(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):
         return {k: batch_sharding(self.mesh, len(v.shape)) for k, v in batch_spec.items()}
@@ -320,12 +332,18 @@ class Stepper:
         with jax.set_mesh(self.mesh):
             return fn.lower(abstract_of(state), batch_spec, jax.ShapeDtypeStruct((), jnp.int32))
 
-    def lower_eval(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]):
-        fn = jax.jit(
-            self.eval_fn, in_shardings=(self.shardings, self.batch_shardings(batch_spec)), out_shardings=self.replicated
+    def jit_eval(self, batch_spec: dict[str, jax.ShapeDtypeStruct]):
+        return jax.jit(
+            self.accumulate_eval_fn,
+            in_shardings=(self.shardings, self.batch_shardings(batch_spec), self.replicated),
+            out_shardings=self.replicated,
         )
+
+    def lower_eval(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]):
+        state = abstract_of(state)
         with jax.set_mesh(self.mesh):
-            return fn.lower(abstract_of(state), batch_spec)
+            totals = jax.eval_shape(self.eval_fn, state, batch_spec)
+            return self.jit_eval(batch_spec).lower(state, batch_spec, totals)
 
     def compile_train(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
         """AOT-compile the train step once (what `train_step` runs); -> compile time, memory and XLA's cost."""
@@ -335,13 +353,14 @@ class Stepper:
         return self.compile_stats
 
     def train_step(self, state, batch: Batch, step: int):
+        faults.maybe_stuck("train")
         with jax.set_mesh(self.mesh):
             return self.compiled_train(state, batch, np.int32(step))
 
-    def eval_step(self, state, batch: Batch):
+    def eval_step(self, state, batch: Batch, totals: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """`totals` (eval_zeros at the first batch) plus the sums of `batch`."""
         if self._eval is None:  # compiled at the first batch: evaluation may never run
-            self._eval = jax.jit(
-                self.eval_fn, in_shardings=(self.shardings, self.batch_shardings(batch)), out_shardings=self.replicated
-            )
+            self._eval = self.jit_eval(batch)
+        faults.maybe_stuck("eval")
         with jax.set_mesh(self.mesh):
-            return self._eval(state, batch)
+            return self._eval(state, batch, totals)

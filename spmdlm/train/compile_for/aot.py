@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -51,6 +52,7 @@ def use_cpu_backend() -> None:
 
 def tpu_devices(topology: str, num_slices: int = 1) -> list:
     """The compile-only devices of `num_slices` slices of `topology` (e.g. 'v5e:16x16'), with one-line errors."""
+    check_slice_name(topology)  # before libtpu: a user should not install it to learn that the name was wrong
     if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
         raise ArgumentError(f"--compile_for needs libtpu, which is not installed: {INSTALL_HINT}")
     if num_slices < 1:
@@ -64,10 +66,27 @@ def tpu_devices(topology: str, num_slices: int = 1) -> list:
     except Exception as e:  # libtpu's own message names the problem (unknown chip, shape not a slice)
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ArgumentError(
-            f"--compile_for {topology}: {reason}; give a TPU slice as GENERATION:TOPOLOGY, "
-            "e.g. v3:2x2 (a v3-8), v4:2x2x4, v5e:16x16 (a v5e-256), v5p:4x4x4, v6e:8x8"
+            f"--compile_for {topology}: {reason}; give a TPU slice as GENERATION:TOPOLOGY, {SLICE_EXAMPLES}"
         ) from None
     return list(desc.devices)
+
+
+TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e")
+SLICE_EXAMPLES = "e.g. v3:2x2 (a v3-8), v4:2x2x4, v5e:16x16 (a v5e-256), v5p:4x4x4, v6e:8x8"
+
+
+def check_slice_name(topology: str) -> None:
+    """GENERATION:TOPOLOGY with a generation libtpu knows and 2 or 3 chip counts; libtpu judges the shape itself."""
+    generation, _, shape = topology.partition(":")
+    problem = None
+    if generation.lower() not in TPU_GENERATIONS:
+        problem = f"the TPU generation {generation!r} is not one of {', '.join(TPU_GENERATIONS)}"
+    elif not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){1,2}", shape):
+        problem = f"the topology {shape!r} is not chips per dimension, as 2x2 or 2x2x4"
+    if problem:
+        raise ArgumentError(
+            f"--compile_for {topology}: {problem}; give a TPU slice as GENERATION:TOPOLOGY, {SLICE_EXAMPLES}"
+        )
 
 
 @contextlib.contextmanager

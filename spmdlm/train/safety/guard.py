@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from spmdlm import storage
-from spmdlm.errors import LockError
+from spmdlm.errors import ArgumentError, LockError
 
 log = logging.getLogger("spmdlm")
 
@@ -123,14 +124,19 @@ class StopOnSignal:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._multi = jax.process_count() > 1
+        self._deadline: StopDeadline | None = None
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             for signum in (s for s in STOP_SIGNALS if not (self._multi and s == signal.SIGTERM)):
                 self._previous[signum] = signal.signal(signum, self._handle)
+            if not self._multi:  # several processes: the preemption service and the heartbeat stop them
+                self._deadline = StopDeadline(stop_grace_seconds()).start()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._deadline is not None:
+            self._deadline.close()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
@@ -152,9 +158,77 @@ class StopOnSignal:
                 self.signum = self.signum or signal.SIGTERM
                 return True
             return False
+        if self.signum is not None and self._deadline is not None:
+            self._deadline.close()  # the step ended: the save comes now
         return self.signum is not None
 
     @property
     def requested(self) -> bool:
         """A stop was asked for in this process (an evaluation in progress gives way to the save)."""
         return self.signum is not None
+
+
+STOP_GRACE_ENV = "SPMDLM_STOP_GRACE_SECONDS"
+STOP_GRACE_SECONDS = 60.0  # from a stop signal to the end of the step in which it came, before leaving unsaved
+
+
+def stop_grace_seconds() -> float:
+    value = os.environ.get(STOP_GRACE_ENV, "")
+    try:
+        seconds = float(value) if value else STOP_GRACE_SECONDS
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ArgumentError(f"{STOP_GRACE_ENV}={value!r} must be a positive number of seconds")
+    return seconds
+
+
+class StopDeadline:
+    """A stop signal that finds the step stuck (a collective that never returns) still ends the process: a thread
+    learns of the signal through Python's wakeup fd, written by the C-level handler even while the main thread is
+    blocked in a call that never returns to Python, where the handler itself cannot run. If the step has not ended
+    `seconds` after the signal (`close()`: the save begins), it says so in one line and leaves at once with the
+    signal's status: the last checkpoint is kept, nothing half-saved is left."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._read, self._write = os.pipe()
+        self._closed = threading.Event()
+        self._previous_fd = -1
+        self._thread = threading.Thread(target=self._watch, name="spmdlm-stop-deadline", daemon=True)
+
+    def start(self) -> StopDeadline:
+        os.set_blocking(self._write, False)
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(self._previous_fd)
+        os.write(self._write, b"\0")  # wakes the thread, which closes the pipe
+
+    def _watch(self) -> None:
+        signum = 0
+        while signum not in STOP_SIGNALS and not self._closed.is_set():
+            signum = os.read(self._read, 1)[0]
+        if not self._closed.wait(self.seconds):
+            self._leave(signum)
+        os.close(self._read)
+        os.close(self._write)
+
+    def _leave(self, signum: int) -> None:
+        try:  # the line may find stdout or stderr closed (a scheduler gone): the exit comes regardless
+            sys.stdout.flush()
+            print(
+                f"error: {signal.Signals(signum).name} received, but the step in progress did not end within "
+                f"{self.seconds:g} s (stuck in a collective?): exiting without a save; the last checkpoint is kept "
+                f"and the same command resumes from it ({STOP_GRACE_ENV} sets the wait)",
+                file=sys.stderr,
+                flush=True,
+            )
+        finally:
+            os._exit(128 + signum)

@@ -151,8 +151,37 @@ def check_output_dir(run: Run) -> OutputDir:
     if latest_step := checkpoints_found(out, previous or None):
         check_resume(run, previous)
         return OutputDir("resume", previous, latest_step)
+    if stopped_before_its_first_checkpoint(run, previous):
+        log.info("--output_dir %s holds this run, stopped before its first checkpoint: starting it over", out)
+        return OutputDir("clear", previous)
     refuse_what_is_not_ours(out)
     return OutputDir("clear", previous)
+
+
+# What a run leaves before its first checkpoint; an export or eval_results.json means it finished (or got further).
+LEFT_BEFORE_THE_FIRST_CHECKPOINT = {
+    "checkpoints",
+    "tensorboard",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "run_config.json",
+    "trackers.json",
+    "highest_step.json",
+    "wandb",
+    "mlruns",
+}
+
+
+def stopped_before_its_first_checkpoint(run: Run, saved: dict | None) -> bool:
+    """This same run (the run_config.json of these settings and global batch) stopped before any checkpoint was
+    saved: a watchdog exit, a kill -9. The same command starts it over, as the exit line and the docs promise."""
+    if not saved:
+        return False
+    found = {p.name for p in run.out.iterdir() if not p.name.startswith((".hf.tmp-", ".hf.old.tmp-"))}
+    found -= {p.name for p in run.out.glob(LEFT_BY_A_HANG)} | RUN_INPUTS
+    if not found <= LEFT_BEFORE_THE_FIRST_CHECKPOINT:
+        return False
+    return not changed_settings(run, saved, run.args.to_json()) and saved.get("global_batch") == run.global_batch
 
 
 def checkpoints_found(out: Path, saved: dict | None) -> int:

@@ -132,7 +132,7 @@ def check_pretrained(args: RunArgs, family: Family, config):
             given = f"--tokenizer_name {args.model.tokenizer_name}"
             config, checkpoint_config = extend_vocabulary(own, tokenizer, config, given, "leave --tokenizer_name out")
     elif dataset_dir := dataset_dir_of(args):
-        tokenizer = load_tokenizer(storage.path(dataset_dir) / datasets.TOKENIZER_DIR, family)
+        tokenizer = load_tokenizer(datasets.tokenizer_dir(dataset_dir), family)
         if own is not None:  # the dataset's ids must mean what they meant to the checkpoint
             given = f"the tokenizer of --dataset_dir {dataset_dir}"
             config, checkpoint_config = extend_vocabulary(own, tokenizer, config, given, "prepare the dataset with it")

@@ -9,7 +9,6 @@ import dataclasses
 import logging
 from typing import Any
 
-from spmdlm import storage
 from spmdlm.data import datasets
 from spmdlm.data.tokenization import load_tokenizer, special_token_ids, train_tokenizer
 from spmdlm.families.base import Family
@@ -38,7 +37,7 @@ def setup_tokenizer(run: Run, previous: dict, train_docs: list[str]) -> Vocabula
     elif args.model.tokenizer_name:
         tok, origin = load_tokenizer(args.model.tokenizer_name, run.family), "given"
     elif dataset_dir := dataset_dir_of(args):
-        tok, origin = load_tokenizer(storage.path(dataset_dir) / datasets.TOKENIZER_DIR), "given"
+        tok, origin = load_tokenizer(datasets.tokenizer_dir(dataset_dir)), "given"
     elif (out / "tokenizer.json").exists():
         log.info("reusing the tokenizer in %s", out)
         tok, origin = load_tokenizer(out), "output_dir"
