@@ -16,7 +16,7 @@ import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "spmdlm"
-FAMILY_NAMES = ("gpt2", "roberta", "t5", "bart")
+FAMILY_NAMES = ("gpt2", "roberta", "t5", "bart", "llama", "qwen3")
 MAX_LINES = 600
 LOCAL_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 

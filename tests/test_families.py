@@ -107,6 +107,8 @@ LONG_POSITIONS = {
     "roberta": {"max_position_embeddings": 130},
     "bart": {"max_position_embeddings": 128},
     "t5": {},
+    "llama": {"max_position_embeddings": 128},
+    "qwen3": {"max_position_embeddings": 128},
 }
 
 
@@ -171,8 +173,13 @@ def partition_specs(family: str, mesh_spec: str) -> tuple[dict[str, str], dict[s
     return specs, sizes
 
 
+def family_presets(family: str) -> list[str]:
+    """The shipped presets of a family: files in models/, or its own (`Family.presets`)."""
+    return preset_names(family) + sorted(families()[family].presets)
+
+
 def tiny_preset(family: str) -> str:
-    return next(name for name in preset_names(family) if name.endswith("tiny"))
+    return next(name for name in family_presets(family) if name.endswith("tiny"))
 
 
 @pytest.mark.parametrize("family", FIXTURES)
@@ -185,7 +192,7 @@ def test_partition_specs_match_golden(family):
     assert all(s == "P()" or s.startswith("P(None") for n, s in specs.items() if ".layers." in n)  # never sharded
 
 
-@pytest.mark.parametrize("family,preset", [(f, p) for f in FIXTURES for p in preset_names(f)])
+@pytest.mark.parametrize("family,preset", [(f, p) for f in FIXTURES for p in family_presets(f)])
 def test_every_preset_builds_abstractly(family, preset):
     config = load_config(preset)
     model = nnx.eval_shape(lambda: families()[family].make_model(config, rngs=nnx.Rngs(0)))

@@ -29,6 +29,8 @@ LONGER_POSITIONS = {
     "roberta": dict(max_position_embeddings=LENGTH + 2),
     "bart": dict(max_position_embeddings=LENGTH),
     "t5": {},
+    "llama": {},
+    "qwen3": {},
 }
 
 
