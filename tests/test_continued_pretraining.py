@@ -131,7 +131,7 @@ LAYOUTS = [  # (family, tokenizer layout, weight layout): every tokenizer layout
     ("t5", "spiece.model", "sharded.bin"),
     ("t5", "tokenizer.json", "model.safetensors"),
     ("llama", "tokenizer.json", "sharded.safetensors"),
-    ("llama", "vocab.json", "sharded.bin"),
+    ("llama", "tokenizer.json", "sharded.bin"),
     ("qwen3", "tokenizer.json", "model.safetensors"),
 ]
 
