@@ -298,6 +298,8 @@ PACKED = {
     "roberta": {"line_by_line": True, "packing": True},
     "t5": {"document_attention": "isolated"},
     "bart": {"document_attention": "isolated"},
+    "llama": {"document_attention": "isolated"},
+    "qwen3": {"document_attention": "isolated"},
 }
 
 

@@ -68,7 +68,7 @@ def spans(lengths: list[int]) -> list[slice]:
 
 def batches(family, config, rng):
     """(packed batch, batch of each document alone, the lengths the logits are read over) for the family."""
-    pad_id = getattr(config, "pad_token_id", 0)
+    pad_id = getattr(config, "pad_token_id", None) or 0  # GPT-2 and Llama have none
     vocab = config.vocab_size
     if not family.is_encoder_decoder:
         docs = [rng.integers(3, vocab, n, dtype=np.int32) for n in SINGLE_STACK_DOCS]
