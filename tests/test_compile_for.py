@@ -237,7 +237,11 @@ def test_the_collectives_of_a_compiled_module_are_counted_once_per_execution():
     "config,length,overrides",
     [
         ("llama-3.2-1b", 4096, {}),  # grouped key/value heads (8 for 32), Llama 3's RoPE scaling
-        ("qwen3-tiny", 512, {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 1}),
+        (
+            "qwen3-tiny",
+            512,
+            {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 1, "max_position_embeddings": 512},
+        ),
     ],
     ids=["llama-1b-4x4096", "qwen3-window"],
 )
