@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from spmdlm import storage
+from spmdlm.crashpoints import crash_point
 from spmdlm.data.objectives import DOCUMENT_ATTENTION
 from spmdlm.data.readers import DATASET_CARD, Corpus, ReadStats
 from spmdlm.data.records import (
@@ -288,6 +289,7 @@ def write_dataset(
     tokenizer_copy: Callable[[Path], None],
     unwritable: Callable[[str], Exception],
     replaces: Callable[[Path], bool] | None = None,
+    point: str = "dataset.before_swap",
 ) -> dict:
     """Write the dataset directory `out` whole -> the card `out` then holds. `fill(folder)` writes the shard files
     into a staging directory (storage.staging) and returns the card's "read" and "splits"; then come the tokenizer's
@@ -298,6 +300,7 @@ def write_dataset(
         card = {**head, **fill(tmp)}
         tokenizer_copy(tmp / TOKENIZER_DIR)
         (tmp / CARD_NAME).write_text(json.dumps(card, indent=2, ensure_ascii=False) + "\n")
+        crash_point(point, tmp / CARD_NAME)
         if not storage.swap_in(tmp, out, last=CARD_NAME, replaces=replaces):
             card = _same_or_refuse(out, card)
     return card

@@ -116,6 +116,7 @@ def _build(folder, key: str, documents: list[str], tokenizer, cut: Cut, *, name:
         unwritable=lambda why: DataError(
             f"cannot write the token cache in {local}: {why}; free some space or pass a writable --cache_dir"
         ),
+        point="token_cache.before_swap",
     )
     if local != folder:
         storage.swap_in(local, folder, last=datasets.CARD_NAME)

@@ -313,7 +313,7 @@ def write_run_files(ctx: RunContext) -> dict[str, Any]:
     if is_main():
         if not (ctx.out / "tokenizer.json").exists():
             save_tokenizer(ctx.tokenizer, ctx.out, ctx.family, model_max_length=ctx.config.max_length)
-        write_json(ctx.out / "run_config.json", run_config)
+        write_json(ctx.out / "run_config.json", run_config, "run_config.before_write")
     return run_config
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 from spmdlm import __version__, checkpoint, storage
+from spmdlm.crashpoints import crash_point
 from spmdlm.data import datasets, readers
 from spmdlm.errors import ArgumentError
 from spmdlm.hf_export import TASKS, card_usage_lines, export_complete, save_hf
@@ -53,7 +54,8 @@ TOKENIZER_KINDS = {"bpe": "byte-level BPE", "unigram": "Unigram (SentencePiece)"
 def write_model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | None = None) -> None:
     """README.md of the export in `folder` (local or gs://): the run's model, data, training and `results` (as
     eval_results.json has them; none yet at an intermediate upload, whose `step` the card names)."""
-    storage.write_atomic(storage.path(folder) / CARD_NAME, str(model_card(folder, ctx, results, step=step)))
+    card = str(model_card(folder, ctx, results, step=step))
+    storage.write_atomic(storage.path(folder) / CARD_NAME, card, "model_card.before_write")
 
 
 def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | None = None):
@@ -312,6 +314,7 @@ class Hub:
         try:
             with _local(folder) as local, _quiet_hub_logs():
                 size = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
+                crash_point("hub.before_upload", local)
                 network.bounded(
                     lambda: self.api.upload_folder(
                         repo_id=self.repo_id,

@@ -259,6 +259,7 @@ def export_and_publish(ctx: RunContext, model: Model, reporter: Reporter, result
         write_json(
             ctx.out / "eval_results.json",
             {k: v for k, v in results.items() if is_eval_key(k) or k.startswith(("train_", "goodput"))},
+            "eval_results.before_write",
         )
         reporter.finish(results)
     if ctx.args.output.export_hf and ctx.training and (trained or not export_done(ctx.out)):
