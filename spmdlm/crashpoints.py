@@ -57,6 +57,12 @@ def crash_point(name: str | None, path=None) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path) if path is not None else None)
 
 
+def reset() -> None:
+    """Forget the points passed (the counts of NAME@N, the trail): a test's next in-process run counts afresh."""
+    _passed.clear()
+    trail.clear()
+
+
 def _armed(spec: str | None, name: str) -> bool:
     point, _, nth = (spec or "").partition("@")
     return point == name and _passed[name] == int(nth or 1)

@@ -37,9 +37,12 @@ def hub():
         yield emulator
 
 
+def repo_name(out) -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", out.parent.name)[:60]
+
+
 def run_flags(out, cache_dir, config) -> list[str]:
-    name = re.sub(r"[^A-Za-z0-9-]", "-", out.parent.name)[:60]
-    hub = ("--push_to_hub", "--hub_model_id", name, "--hub_token", "hf_emulated")
+    hub = ("--push_to_hub", "--hub_model_id", repo_name(out), "--hub_token", "hf_emulated")
     return flags(out, cache_dir, config, "--save_steps", "1", *hub)  # the step before the last is committed at its save
 
 
@@ -49,7 +52,7 @@ def reference(tmp_path_factory, cache_dir, tiny_gpt2_config, hub):
     out = tmp_path_factory.mktemp("reference") / "run"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(crashpoints.CRASH_ENV, "none")  # armed for no point: the points passed are recorded
-        crashpoints.trail.clear()
+        crashpoints.reset()
         assert main(run_flags(out, cache_dir, tiny_gpt2_config)) == 0
     trail = list(crashpoints.trail)
     missing = set(RUN_POINTS) - set(trail)
@@ -93,7 +96,7 @@ def test_a_run_killed_at_each_point_finishes_as_if_uninterrupted(
     assert logged(out) == logged(ref)  # every logged step, once
     assert export_done(out) and (out / "hf" / "README.md").is_file() and (out / "loss_curve.png").is_file()
     assert [p.name for p in out.iterdir() if ".tmp" in p.name] == []
-    uploaded = hub.repos[f"{USER}/{out.parent.name}"].files
+    uploaded = hub.repos[f"{USER}/{repo_name(out)}"].files
     assert uploaded[hf_export.MARKER] == (out / "hf" / hf_export.MARKER).read_bytes()
 
 
@@ -115,3 +118,8 @@ def test_a_preparation_killed_before_its_swap_is_done_again_whole(tmp_path, refe
     assert prepare_main(argv(tmp_path / "ds")) == 0
     assert tree(tmp_path / "ds") == tree(tmp_path / "whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "whole"]  # the dead process's sibling is gone
+
+
+def test_the_docs_list_every_crash_point():
+    text = (REPO / "docs" / "troubleshooting.md").read_text().partition("## Crash points")[2]
+    assert re.findall(r"^\| `([a-z_]+\.[a-z_]+)` \|", text, re.MULTILINE) == list(crashpoints.POINTS)

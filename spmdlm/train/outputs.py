@@ -20,7 +20,7 @@ from spmdlm.generation.harness import TASK_METRICS
 from spmdlm.hf_export import export_complete
 from spmdlm.optimizers import declared_flags
 from spmdlm.train.guard import LOCK_NAME
-from spmdlm.train.metrics_log import write_json
+from spmdlm.train.metrics_log import HIGHEST_STEP_FILE, read_records, write_json
 from spmdlm.train.setup import RunContext, is_main
 
 log = logging.getLogger("spmdlm")
@@ -215,13 +215,25 @@ def refuse_what_is_not_ours(out) -> None:
             "pass --overwrite_output_dir to use it anyway or choose another --output_dir"
         )
     earlier = sorted(found & set(OUR_OUTPUTS) - {"checkpoints"})
-    if earlier:
+    if earlier and not killed_in_set_up(out, found, earlier):
         kept = f" ({checkpoint.DAMAGED_DIR}/ is kept either way)" if checkpoint.DAMAGED_DIR in earlier else ""
         raise RunError(
             f"--output_dir {out} holds outputs of an earlier run but no checkpoint to resume "
             f"({', '.join(earlier)}); pass --overwrite_output_dir to replace them{kept}, or choose another "
             "--output_dir"
         )
+
+
+def killed_in_set_up(out, found: set[str], earlier: list[str]) -> bool:
+    """What a run killed before it wrote its run_config.json leaves (its trackers' files, the compile's record in
+    metrics.jsonl; no step): nothing of any run's to keep, so the same command starts over (docs/troubleshooting.md,
+    "Crash points")."""
+    metrics = out / "metrics.jsonl"
+    trained = metrics.is_file() and any("loss" in record for _, record in read_records(metrics))
+    left = "run_config.json" not in found and set(earlier) <= {"tensorboard", "metrics.jsonl", HIGHEST_STEP_FILE}
+    if left and not trained:
+        log.info("%s holds what a run killed during its set-up left (%s): starting over", out, ", ".join(earlier))
+    return left and not trained
 
 
 def mixture_record(ctx: RunContext) -> list[dict] | None:
