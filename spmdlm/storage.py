@@ -373,6 +373,12 @@ def disk_full(p, needed: int | None = None) -> StorageError:
     )
 
 
+def os_error_line(e: OSError) -> str:
+    """What a command line says of an OSError no writer turned into its own line: a full disk as `disk_full`
+    (the path and the bytes), anything else in the OS's words."""
+    return str(disk_full(e.filename)) if no_space(e) and e.filename else str(e)
+
+
 # -- writing a directory whole: into a temporary sibling, then swapped in ---------------------------------------------
 
 

@@ -382,7 +382,7 @@ def export_done(out: Path) -> bool:
 
 
 def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:
-    """What a finished run would still have to write: its evaluation or its export."""
+    """What a finished run would still have to write: its evaluation, its export or the export's model card."""
     missing = []
     if ctx.data.validation_splits and ctx.args.control.evaluating and "eval_loss" not in previous_results:
         missing.append("evaluation")
@@ -390,4 +390,6 @@ def missing_outputs(ctx: RunContext, previous_results: dict) -> list[str]:
         missing.append("LM-harness tasks")
     if ctx.args.output.export_hf and not export_done(ctx.out):
         missing.append("export")
+    elif ctx.args.output.export_hf and not (ctx.out / "hf" / "README.md").is_file():  # killed before it
+        missing.append("model card")
     return missing
