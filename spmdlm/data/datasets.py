@@ -43,7 +43,7 @@ from spmdlm.data.records import (
 )
 from spmdlm.data.sentences import SENTENCE_END
 from spmdlm.data.tokenization import save_tokenizer
-from spmdlm.errors import DataError
+from spmdlm.errors import DataError, UnwritableDataError
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +441,7 @@ def prepare_dataset(
         head,
         lambda folder: _write_dataset(corpus, tokenizer, folder, head, cut, workers=workers, progress=progress),
         tokenizer_copy=lambda folder: save_tokenizer(tokenizer, folder, family, model_max_length=model_max_length),
-        unwritable=lambda why: DataError(
+        unwritable=lambda why: UnwritableDataError(
             f"cannot write the dataset {out}: {why} in {out.parent}; free some space or choose another --out"
         ),
         replaces=lambda old: _card_text(old) == seen,

@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 from spmdlm import storage
 from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cache
 from spmdlm.data.tokenization import special_token_ids
-from spmdlm.errors import DataError
+from spmdlm.errors import DataError, UnwritableDataError
 from spmdlm.run_args.sections import DataArgs
 from spmdlm.train.setup import Data, RunContext, is_main
 
@@ -249,7 +249,7 @@ def tokenize_validation(ctx: RunContext, docs, given: bool, source: str | None =
     try:
         return tokenize(ctx, docs, "validation")
     except DataError as e:
-        if given:
+        if given or isinstance(e, UnwritableDataError):  # a full disk is no reason to run without evaluation
             raise
         fix = "give it a validation_file" if source else "pass --validation_file"
         log.warning(
