@@ -71,7 +71,8 @@ def killed_at(point: str, argv: list[str]) -> subprocess.CompletedProcess:
 def logged(out) -> list[tuple]:
     """The losses metrics.jsonl holds, in order: a re-run logs its own compile and, where it evaluates again, the
     same eval record once more."""
-    losses = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in read_metrics(out) if {"loss", "eval_loss"} & set(r)]
+    records = [r for r in read_metrics(out) if {"loss", "eval_loss"} & r.keys()]
+    losses = [(r["step"], r.get("loss"), r.get("eval_loss")) for r in records]
     return list(dict.fromkeys(losses))
 
 
