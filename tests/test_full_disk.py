@@ -5,7 +5,9 @@ uninterrupted run's model and eval loss. (test_reliability*.py fill real small t
 """
 
 import json
+import logging
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -85,6 +87,9 @@ def test_a_full_disk_while_preparing_leaves_no_dataset(capsys, monkeypatch, tmp_
     ref, _ = reference  # its tokenizer
     argv = ["--tokenizer", str(ref), "--for_model", "gpt2", "--block_size", "16", "--workers", "1",
             "--out", str(tmp_path / "ds"), str(FIXTURES / "overfit.txt")]  # fmt: skip
+    for handler in logging.getLogger().handlers:  # the launcher's runs above bound them to a test's closed capture
+        if isinstance(handler, logging.StreamHandler):
+            monkeypatch.setattr(handler, "stream", sys.stdout)
     monkeypatch.setenv(crashpoints.ENOSPC_ENV, "dataset.before_swap")
     crashpoints.reset()
     assert prepare_main(argv) == 2
