@@ -5,8 +5,9 @@ uninterrupted run's model and eval loss. (test_reliability*.py fill real small t
 """
 
 import json
-import logging
+import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -17,7 +18,6 @@ from test_reliability import flags, launch
 from spmdlm import checkpoint, crashpoints
 from spmdlm.data import datasets
 from spmdlm.launch import main
-from spmdlm.prepare import main as prepare_main
 from spmdlm.train.outputs import export_done
 
 # the Hub upload writes nothing on this disk (and a failed upload is a warning); the dataset is spmdlm.prepare's
@@ -83,18 +83,16 @@ def test_a_full_disk_at_each_write_is_one_line_and_the_rerun_finishes(
     assert export_done(out) and (out / "hf" / "README.md").is_file() and (out / "loss_curve.png").is_file()
 
 
-def test_a_full_disk_while_preparing_leaves_no_dataset(capsys, monkeypatch, tmp_path, reference):
+def test_a_full_disk_while_preparing_leaves_no_dataset(tmp_path, reference):
     ref, _ = reference  # its tokenizer
     argv = ["--tokenizer", str(ref), "--for_model", "gpt2", "--block_size", "16", "--workers", "1",
             "--out", str(tmp_path / "ds"), str(FIXTURES / "overfit.txt")]  # fmt: skip
-    for handler in logging.getLogger().handlers:  # the launcher's runs above bound them to a test's closed capture
-        if isinstance(handler, logging.StreamHandler):
-            monkeypatch.setattr(handler, "stream", sys.stdout)
-    monkeypatch.setenv(crashpoints.ENOSPC_ENV, "dataset.before_swap")
-    crashpoints.reset()
-    assert prepare_main(argv) == 2
-    line = full_disk_line(capsys.readouterr().err)
-    assert str(tmp_path / "ds") in line
+    prepare = lambda env: subprocess.run(  # the launcher's in-process runs above keep the log handlers of their tests
+        [sys.executable, "-m", "spmdlm.prepare", *argv], capture_output=True, text=True, env={**os.environ, **env}
+    )
+    full = prepare({crashpoints.ENOSPC_ENV: "dataset.before_swap"})
+    assert full.returncode == 2
+    errors = "\n".join(line for line in full.stderr.splitlines() if " INFO " not in line)  # prepare logs to stderr
+    assert str(tmp_path / "ds") in full_disk_line(errors)
     assert list(tmp_path.iterdir()) == []  # neither the dataset nor its staging sibling
-    monkeypatch.delenv(crashpoints.ENOSPC_ENV)
-    assert prepare_main(argv) == 0 and (tmp_path / "ds" / datasets.CARD_NAME).is_file()
+    assert prepare({}).returncode == 0 and (tmp_path / "ds" / datasets.CARD_NAME).is_file()
