@@ -87,11 +87,9 @@ def bench(
     start = time.perf_counter()
     card = datasets.prepare_dataset(
         readers.open_corpus([str(corpus)]),
-        tok,
         remote,
         Cut(objective.record_length, ids["eos"], mode, ids.get("pad")),
-        family=family,
-        objective=flags,
+        datasets.ForModel(family, tok, flags),
         workers=1,
         progress=False,
         shard_bytes=4 << 20,

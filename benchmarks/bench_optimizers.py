@@ -55,7 +55,7 @@ def own_flags(optimizer: str, quickstart: dict) -> list[str]:
 
 
 def run(model: str, optimizer: str, args) -> dict:
-    from spmdlm.families import family_choices
+    from spmdlm.cli.launch import family_choices
     from spmdlm.run_args.choices import quickstart
 
     out = Path(tempfile.mkdtemp(prefix=f"bench-optim-{model}-{optimizer}-", dir="/tmp"))

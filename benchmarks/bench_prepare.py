@@ -117,7 +117,7 @@ def sample():
         peak["worker"] = max([peak["worker"], *kids])
         time.sleep(0.05)
 threading.Thread(target=sample, daemon=True).start()
-from spmdlm.data.datasets import prepare_dataset
+from spmdlm.data.datasets import ForModel, prepare_dataset
 from spmdlm.data.readers import open_corpus
 from spmdlm.data.tokenization import load_tokenizer, special_token_ids
 from spmdlm.cli.prepare import resolve_objective
@@ -129,7 +129,7 @@ ids = special_token_ids(tok, family)
 corpus = open_corpus([corpus_path])
 start = time.perf_counter()
 cut = Cut(objective.record_length, ids["eos"], objective.preparation, ids.get("pad"), 5.0)
-card = prepare_dataset(corpus, tok, out, cut, family=family, objective=flags, workers=int(workers), progress=False)
+card = prepare_dataset(corpus, out, cut, ForModel(family, tok, flags), workers=int(workers), progress=False)
 seconds = time.perf_counter() - start
 tokens = sum(s["tokens"] for s in card["splits"].values() if s)
 print(json.dumps({"seconds": seconds, "tokens": tokens, "documents": card["read"]["documents"],
@@ -207,11 +207,9 @@ def bench_read(
     out = folder / f"read-{model}-{seq_len}"
     card = datasets.prepare_dataset(
         readers.open_corpus([str(small)]),
-        tok,
         out,
         Cut(objective.record_length, ids["eos"], mode, ids.get("pad")),
-        family=family,
-        objective=flags,
+        datasets.ForModel(family, tok, flags),
         workers=2,
         progress=False,
     )

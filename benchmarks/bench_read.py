@@ -28,11 +28,11 @@ import numpy as np
 
 from spmdlm.data import pipeline
 from spmdlm.data.objectives.clm import CausalLM
-from spmdlm.data.objectives.denoising import Denoising
 from spmdlm.data.objectives.mlm import MaskedLM
-from spmdlm.data.objectives.t5 import SpanCorruption
 from spmdlm.data.records import TOKEN_DTYPE, PreparedSplit, RecordShards
 from spmdlm.data.sentences import SENTENCE_END
+from spmdlm.families.bart.objective import Denoising
+from spmdlm.families.t5.objective import SpanCorruption
 
 VOCAB = 8192
 BOS, PAD, EOS, UNK, MASK = 0, 1, 2, 3, 4  # RoBERTa/BART's layout; T5's sentinels are the top 100 ids

@@ -275,8 +275,8 @@ class Arm:
     ):
         import jax
 
-        from spmdlm.train.state import count_parameters
-        from spmdlm.train.step import Stepper
+        from spmdlm.engine.state import count_parameters
+        from spmdlm.engine.step import Loss, Stepper, Training
 
         self.variant, self.mesh, self.forward, self.times = variant, mesh, forward, []
         self.losses: list[float] = []
@@ -287,10 +287,8 @@ class Arm:
             state,
             mesh,
             forward,
-            dropout_seed=seed,
-            schedule=schedule,
-            loss_chunk=variant.loss_chunk,
-            label_capacity=label_capacity if variant.labelled_only else None,
+            loss=Loss(loss_chunk=variant.loss_chunk, label_capacity=label_capacity if variant.labelled_only else None),
+            training=Training(schedule=schedule, dropout_seed=seed),
         )
         self.stats: dict[str, Any] = {}
         start = time.perf_counter()
@@ -354,7 +352,7 @@ class Arm:
         import optax
         from flax import nnx
 
-        from spmdlm.train.step import loss_sums
+        from spmdlm.engine.step import loss_sums
 
         model, optimizer = nnx.merge(graphdef, state)
         base_key = self.stepper.dropout_key
@@ -362,7 +360,7 @@ class Arm:
         def train_step(model, optimizer, batch, step):  # Stepper._train_step's math (no accumulation)
             def loss_fn(model):
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(base_key, step), 0))
-                sums = loss_sums(model, batch, self.forward, rngs, **self.stepper.loss)
+                sums = loss_sums(model, batch, self.forward, rngs, loss=self.stepper.loss)
                 return sums["loss_sum"] + sums["z_loss_sum"], sums
 
             grads, sums = nnx.grad(loss_fn, has_aux=True)(model)
@@ -434,11 +432,11 @@ def run_benchmark(args) -> dict[str, Any]:
     import spmdlm
     from spmdlm import devices, flops
     from spmdlm.data.pipeline import batch_spec, to_global
+    from spmdlm.engine.optim import learning_rate_schedule
+    from spmdlm.engine.plan import LayerPlan, plan_layers
+    from spmdlm.engine.state import DTYPES, Compute, build_train_state
     from spmdlm.mesh import MeshError, batch_axis_size, make_mesh
     from spmdlm.run_args.sections import OptimizationArgs
-    from spmdlm.train.optim import learning_rate_schedule
-    from spmdlm.train.plan import LayerPlan, plan_layers
-    from spmdlm.train.state import DTYPES, build_train_state
 
     try:
         mesh = make_mesh(args.mesh)
@@ -464,7 +462,7 @@ def run_benchmark(args) -> dict[str, Any]:
 
     abstract_model = nnx.eval_shape(lambda: family.make_model(config, rngs=nnx.Rngs(0)))
 
-    def plan(variant: Variant) -> LayerPlan:  # auto as the launcher resolves it (spmdlm/train/plan.py)
+    def plan(variant: Variant) -> LayerPlan:  # auto as the launcher resolves it (spmdlm/engine/plan.py)
         return plan_layers(
             variant.remat,
             variant.unroll,
@@ -484,10 +482,7 @@ def run_benchmark(args) -> dict[str, Any]:
             optim=dataclasses.replace(optim, max_grad_norm=variant.clip),
             total_steps=total_steps,
             seed=args.seed,
-            dtype=args.dtype,
-            remat=layers.remat,
-            scan_unroll=layers.scan_unroll,
-            attention=variant.attention,
+            compute=Compute(args.dtype, layers.remat, layers.scan_unroll, variant.attention),
         )
 
     base = Variant(

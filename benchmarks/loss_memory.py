@@ -39,21 +39,20 @@ def main() -> None:
     from bench_train import build_objective
 
     from spmdlm.data.pipeline import batch_spec
+    from spmdlm.engine.state import Compute, build_train_state
+    from spmdlm.engine.step import Loss, Stepper
     from spmdlm.families import families, load_config
     from spmdlm.mesh import make_mesh
-    from spmdlm.train.state import build_train_state
-    from spmdlm.train.step import Stepper
 
     config = load_config(args.config)
     family = families()[config.model_type]
     objective = build_objective(config.model_type, config, args.seq_len)
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
-    graphdef, state = build_train_state(
-        family, config, mesh, total_steps=10, dtype=args.dtype, remat=args.remat, abstract=True
-    )
+    compute = Compute(dtype=args.dtype, remat=args.remat)
+    graphdef, state = build_train_state(family, config, mesh, total_steps=10, compute=compute, abstract=True)
     spec = batch_spec(objective, args.batch_size)
     for chunk in args.chunks:
-        stats = Stepper(graphdef, state, mesh, family.forward, loss_chunk=chunk).compile_train(state, spec)
+        stats = Stepper(graphdef, state, mesh, family.forward, loss=Loss(loss_chunk=chunk)).compile_train(state, spec)
         print(
             json.dumps(
                 {

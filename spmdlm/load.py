@@ -23,15 +23,15 @@ from spmdlm import checkpoint as ckpt
 from spmdlm import hf_export, storage
 from spmdlm.checkpoint import checkpoint_dir
 from spmdlm.data.tokenization import load_tokenizer, tokenizer_layout
+from spmdlm.engine.optim import evaluation_needs_optimizer, optimization_of_run
+from spmdlm.engine.state import build_train_state
+from spmdlm.engine.step import model_for_evaluation
 from spmdlm.errors import ArgumentError, ConfigError, ExportError
 from spmdlm.families import checked_config, get_family
 from spmdlm.families.base import Family
 from spmdlm.hf_export import MARKER, load_hf
 from spmdlm.mesh import make_mesh
 from spmdlm.models.hf_config import HFConfig
-from spmdlm.train.optim import evaluation_needs_optimizer, optimization_of_run
-from spmdlm.train.state import build_train_state
-from spmdlm.train.step import model_for_evaluation
 
 RUN_CONFIG = "run_config.json"
 
@@ -69,9 +69,11 @@ def load_model(
     if step is not None:
         raise ArgumentError(f"--step applies to a training run's checkpoints; {where} is a transformers directory")
     if not (where / "config.json").is_file():
+        export = where / "hf"  # a run folder without its run_config.json: its export is the model to give
+        pointer = f"; its export {export} is one" if (export / "config.json").is_file() else ""
         raise ConfigError(
             f"{where}: no spmdlm run ({RUN_CONFIG}), checkpoint (RUN/checkpoints/N) or transformers "
-            "directory (config.json) there; give one of those"
+            f"directory (config.json) there; give one of those{pointer}"
         )
     model, config = load_hf(where, mesh=mesh)
     kind = "export" if (where / MARKER).is_file() else "transformers"

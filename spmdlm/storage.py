@@ -487,4 +487,25 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, another user's
         pass
-    return True
+    return not is_zombie(pid)
+
+
+def symlink_loop(path) -> bool:
+    """A local symlink that never reaches a file (a -> b -> a): not missing, so not to be called 'no such file'."""
+    if is_remote(path) or not Path(path).is_symlink():
+        return False
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
+def is_zombie(pid: int) -> bool:
+    """A process that has ended but whose parent has not collected it yet (a kill -9 moments ago): it answers
+    os.kill like a live one, but holds nothing. Linux's /proc says so; elsewhere assume not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # the state follows the command name in parentheses

@@ -66,6 +66,20 @@ def _seq2seq_batch(config: dict, rng: np.random.Generator, length: int | None = 
     return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec, "decoder_attention_mask": dec_mask}
 
 
+def _modernbert_batch(config: dict, rng: np.random.Generator, length: int = 20) -> dict[str, np.ndarray]:
+    """Padding on both sides, written as the pad id (transformers counts positions from 0 in every row)."""
+    ids, mask = _padded(rng.integers(3, config["vocab_size"], (4, length)), config.get("pad_token_id", 0))
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _modernbert_config(**kwargs):
+    """Special ids inside the small vocabularies; eager attention (transformers' flash kernels need a GPU)."""
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    config = transformers.ModernBertConfig(**{**ids, **kwargs})
+    config._attn_implementation = "eager"
+    return config
+
+
 def _untie_t5_head(model) -> None:
     """A random HF T5 is tied unless it gets its own lm_head; v1.1 norms are non-trivial gains."""
     with torch.no_grad():
@@ -261,5 +275,166 @@ FIXTURES: dict[str, FamilyFixture] = {
         ),
         run_flags=("--max_seq_length", "32", "--learning_rate", "3e-3"),
         prepare_hf=_perturb_bart_logits_bias,
+    ),
+    "modernbert": FamilyFixture(
+        hf_model_class=transformers.ModernBertForMaskedLM,
+        hf_config_class=_modernbert_config,
+        configs={
+            # 20 tokens, windows of 8 and 6: local layers see part of the row; global ones every 3 and 2 layers
+            "local-global": dict(
+                vocab_size=101,
+                hidden_size=48,
+                intermediate_size=40,
+                num_hidden_layers=5,
+                num_attention_heads=3,
+                global_attn_every_n_layers=3,
+                local_attention=8,
+                global_rope_theta=1000.0,
+                local_rope_theta=50.0,
+            ),
+            "biases": dict(
+                vocab_size=67,
+                hidden_size=32,
+                intermediate_size=56,
+                num_hidden_layers=4,
+                num_attention_heads=2,
+                global_attn_every_n_layers=2,
+                local_attention=6,
+                norm_bias=True,
+                attention_bias=True,
+                mlp_bias=True,
+                classifier_bias=True,
+                hidden_activation="gelu_pytorch_tanh",
+                classifier_activation="silu",
+                norm_eps=1e-6,
+            ),
+            "global-no-decoder-bias": dict(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=24,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                global_attn_every_n_layers=1,
+                decoder_bias=False,
+            ),
+        },
+        make_batch=_modernbert_batch,
+        output_mask="attention_mask",
+        tiny_config=dict(
+            model_type="modernbert",
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            global_attn_every_n_layers=3,
+            local_attention=16,
+            max_position_embeddings=128,
+            pad_token_id=3,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        run_flags=("--max_seq_length", "32", "--learning_rate", "3e-3"),
+    ),
+    "llama": FamilyFixture(
+        hf_model_class=transformers.LlamaForCausalLM,
+        hf_config_class=transformers.LlamaConfig,
+        configs={
+            "gqa-llama3-biases": dict(
+                vocab_size=101,
+                hidden_size=48,
+                intermediate_size=72,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                max_position_embeddings=64,
+                attention_bias=True,
+                mlp_bias=True,
+                rope_parameters=dict(
+                    rope_type="llama3",
+                    rope_theta=500.0,
+                    factor=8.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=16,
+                ),
+            ),
+            "tied-mha": dict(
+                vocab_size=257,
+                hidden_size=40,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=5,
+                max_position_embeddings=32,
+                rms_norm_eps=1e-5,
+                tie_word_embeddings=True,
+            ),
+        },
+        make_batch=_gpt2_batch,
+        output_mask="attention_mask",
+        tiny_config=dict(
+            model_type="llama",
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+        run_flags=("--block_size", "32", "--learning_rate", "3e-3"),
+    ),
+    "qwen3": FamilyFixture(
+        hf_model_class=transformers.Qwen3ForCausalLM,
+        hf_config_class=transformers.Qwen3Config,
+        configs={
+            "window-gqa": dict(
+                vocab_size=103,
+                hidden_size=40,
+                intermediate_size=56,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=12,
+                max_position_embeddings=64,
+                use_sliding_window=True,
+                sliding_window=6,
+                max_window_layers=1,
+                rope_theta=1000.0,
+            ),
+            "tied-biases": dict(
+                vocab_size=128,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=24,
+                max_position_embeddings=40,
+                attention_bias=True,
+                tie_word_embeddings=True,
+            ),
+        },
+        make_batch=_gpt2_batch,
+        output_mask="attention_mask",
+        tiny_config=dict(
+            model_type="qwen3",
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+        ),
+        run_flags=("--block_size", "32", "--learning_rate", "3e-3"),
     ),
 }

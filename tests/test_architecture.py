@@ -5,6 +5,7 @@ Imports neither jax nor spmdlm: it runs in a second and works while the code is 
 """
 
 import ast
+import fnmatch
 import re
 import sys
 from functools import cache
@@ -13,10 +14,12 @@ from typing import NamedTuple
 
 import pytest
 import tomllib
+from setuptools import find_namespace_packages, find_packages
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "spmdlm"
-FAMILY_NAMES = ("gpt2", "roberta", "t5", "bart")
+# The families of the package: one folder each under spmdlm/families/ (docs/architecture.md §2)
+FAMILY_NAMES = tuple(sorted(p.parent.name for p in (REPO / PKG / "families").glob("*/__init__.py")))
 MAX_LINES = 600
 LOCAL_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 
@@ -175,17 +178,18 @@ def long_files(root, floors=None):
 
 # ---- the rooms: what a module may receive, how long a function is, which names say which one ------------------------
 LOW_PACKAGES = ("data", "models", "families")  # below train/: they take the section of the arguments they use
-RUN_ARGUMENTS = ("spmdlm.run_args",)  # the modules of the whole run's arguments
+RUN_ARGUMENTS = "spmdlm.run_args"  # the package of the whole run's arguments: it and every module under it
 MAX_FUNCTION_LINES = 60
-# Module names (stems) that more than one package may use, and why. Besides these, spmdlm.<verb> may share its stem
-# with spmdlm.cli.<verb>, its command line: the `python -m spmdlm.<verb>` shim or the library the verb runs.
-SHARED_STEMS = {
-    **{
-        name: "one model family by name: its network (models/), its wiring (families/) and, for t5, its objective"
-        for name in FAMILY_NAMES
-    },
+# Module names (stems) that more than one package may use, and why, with the modules (fnmatch patterns) that may.
+# Besides these, spmdlm.<verb> may share its stem with spmdlm.cli.<verb>, its command line: the `python -m
+# spmdlm.<verb>` shim or the library the verb runs.
+FAMILY_PARTS = {
+    "model": "a family's network and config class",
+    "hf": "a family's rename table onto transformers and the configs it refuses",
+    "objective": "a family's own objective (the shared ones are spmdlm/data/objectives/)",
 }
-SHARED_STEM_PACKAGES = {name: ("models", "families", "data.objectives") for name in FAMILY_NAMES}
+SHARED_STEMS = {stem: f"one per family folder: {why}" for stem, why in FAMILY_PARTS.items()}
+SHARED_STEM_PACKAGES = {stem: (f"{PKG}.families.*.{stem}",) for stem in FAMILY_PARTS}
 # What a shim may do before it imports its command line: the launcher picks its allocator before JAX loads.
 SHIM_PREAMBLE = (
     "import sys",
@@ -208,7 +212,9 @@ def run_arguments_below_train(root, floors=None):
         if rel.split("/")[1] not in LOW_PACKAGES:
             continue
         found += [
-            f"{rel}:{i.line}: imports {i.target}" for i in scan(root) if i.path == rel and i.target in RUN_ARGUMENTS
+            f"{rel}:{i.line}: imports {i.target}"
+            for i in scan(root)
+            if i.path == rel and (i.target == RUN_ARGUMENTS or i.target.startswith(RUN_ARGUMENTS + "."))
         ]
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -254,8 +260,8 @@ def shared_stems(root, floors=None):
     for stem, modules in sorted(by_stem.items()):
         if len(modules) < 2 or set(modules) == {f"{PKG}.{stem}", f"{PKG}.cli.{stem}"}:
             continue
-        allowed = [f"{PKG}.{package}.{stem}" for package in SHARED_STEM_PACKAGES.get(stem, ())]
-        if stem in SHARED_STEMS and (not allowed or set(modules) <= set(allowed)):
+        allowed = SHARED_STEM_PACKAGES.get(stem, ("*",))
+        if stem in SHARED_STEMS and all(any(fnmatch.fnmatch(m, pattern) for pattern in allowed) for m in modules):
             continue
         found.append(f"{stem}: {', '.join(modules)}")
     return found
@@ -330,12 +336,28 @@ def test_no_two_modules_share_a_name_without_a_reason():
     assert_clean(shared_stems)
 
 
-def test_every_package_is_installed():
-    """pyproject.toml lists the packages a wheel holds: a package missing there imports from a checkout (the editable
-    install) and fails from a wheel."""
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / PKG).rglob("__init__.py")}
-    assert listed - {f"{PKG}.presets"} == found
+def test_every_package_and_preset_is_installed():
+    """pyproject.toml's packages.find finds every package of spmdlm/ (a package it misses imports from a checkout, the
+    editable install, and fails from a wheel), and its package-data globs take every other file (the presets)."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    find = setuptools["packages"]["find"]
+    finder = find_namespace_packages if find.get("namespaces", True) else find_packages
+    listed = finder(
+        where=str(REPO / find.get("where", ["."])[0]), include=find["include"], exclude=find.get("exclude", ())
+    )
+    assert set(listed) == {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / PKG).rglob("__init__.py")}
+    data = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / PKG).rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    }
+    shipped = {
+        f.relative_to(REPO).as_posix()
+        for package, globs in setuptools["package-data"].items()
+        for pattern in globs
+        for f in REPO.joinpath(*package.split(".")).glob(pattern)
+    }
+    assert data and data <= shipped, f"not shipped in the wheel: {sorted(data - shipped)}"
 
 
 def test_python_m_entries_only_run_their_command_line():
@@ -349,17 +371,110 @@ def test_python_m_entries_only_run_their_command_line():
         ("spmdlm.errors", 0),
         ("spmdlm.data.sources", 1),
         ("spmdlm.generation.decoding", 3),
-        ("spmdlm.cli.generate", 4),
-        ("spmdlm.tokenizer", 4),
+        ("spmdlm.cli.generate", 6),
+        ("spmdlm.tokenizer", 6),
         ("spmdlm.hf_export", 2),
-        ("spmdlm.export", 4),
-        ("spmdlm.load", 3),
+        ("spmdlm.export", 6),
+        ("spmdlm.load", 4),
+        ("spmdlm.engine.step", 3),
+        ("spmdlm.network", 0),
+        ("spmdlm.train.stages.resolve", 5),
         ("spmdlm.data.tokenization", 1),
         ("spmdlm.new", None),
     ],
 )
 def test_floor_of_the_table(module, floor):
     assert floor_of(module, read_floors()) == floor
+
+
+# ---- the run: stage results nobody writes, rooms of one job, functions of few parameters -----------------------------
+RUN_PACKAGE = "train"  # the run's stages and their rooms (spmdlm/train)
+MAX_ROOM_FILES = 7  # files of one room (a subfolder of spmdlm/train), __init__.py included
+MAX_PARAMETERS = 8  # of one function, self/cls aside
+# Where MAX_PARAMETERS holds so far (the rest of spmdlm follows as its functions are regrouped)
+EVALUATOR = "cli/evaluate.py"  # python -m spmdlm.evaluate: evaluates from what it loaded, no stand-in run
+RUN_RECORDS = ("Run", "Prepared", "RunContext", "resolve", "run_stages")
+
+
+def _is_frozen_dataclass(decorator) -> bool | None:
+    """True/False for a @dataclass decorator (frozen or not); None for any other decorator."""
+    call = decorator if isinstance(decorator, ast.Call) else None
+    name = ast.unparse(call.func if call else decorator)
+    if name not in ("dataclass", "dataclasses.dataclass"):
+        return None
+    return bool(call) and any(k.arg == "frozen" and ast.unparse(k.value) == "True" for k in call.keywords)
+
+
+def mutable_run_records(root, floors=None):
+    """Dataclasses of spmdlm/train that are not frozen: a stage returns a record that no later stage writes"""
+    found = []
+    for rel, (_, _, tree) in sources(root).items():
+        if rel.split("/")[1] != RUN_PACKAGE:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and False in map(_is_frozen_dataclass, node.decorator_list):
+                found.append(f"{rel}:{node.lineno}: {node.name}")
+    return found
+
+
+def evaluator_runs(root, floors=None):
+    """What python -m spmdlm.evaluate (spmdlm/cli/evaluate.py) takes of a run: a run record it builds or names
+    (Run, Prepared, resolve, ...), or an import of the run's pipeline; it evaluates from what it loaded"""
+    rel = f"{PKG}/{EVALUATOR}"
+    if rel not in sources(root):
+        return []
+    found = [
+        f"{rel}:{i.line}: imports {i.target}"
+        for i in scan(root)
+        if i.path == rel and i.target.startswith((f"{PKG}.{RUN_PACKAGE}.run", f"{PKG}.{RUN_PACKAGE}.prepared"))
+    ]
+    for node in ast.walk(sources(root)[rel][2]):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name in RUN_RECORDS:
+            found.append(f"{rel}:{node.lineno}: {name}")
+    return found
+
+
+def crowded_rooms(root, floors=None):
+    """Rooms (subfolders of spmdlm/train) of more than MAX_ROOM_FILES (7) files; split the room by job"""
+    train = root / PKG / RUN_PACKAGE
+    rooms = sorted(p for p in train.rglob("*") if p.is_dir() and p.name != "__pycache__") if train.is_dir() else []
+    counts = {room: [p for p in room.iterdir() if p.suffix == ".py"] for room in rooms}
+    return [
+        f"{room.relative_to(root).as_posix()}: {len(files)} files"
+        for room, files in counts.items()
+        if len(files) > MAX_ROOM_FILES
+    ]
+
+
+def many_parameters(root, floors=None):
+    """Functions of any module taking more than MAX_PARAMETERS (8), self/cls aside; group related ones
+    in a frozen dataclass"""
+    found = []
+    for rel, (_, _, tree) in sources(root).items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [a.arg for a in _parameters(node)]
+                names = names[1:] if names[:1] in (["self"], ["cls"]) else names
+                if len(names) > MAX_PARAMETERS:
+                    found.append(f"{rel}:{node.lineno}: {node.name}: {len(names)} parameters")
+    return found
+
+
+def test_stage_results_are_frozen():
+    assert_clean(mutable_run_records)
+
+
+def test_the_evaluator_builds_no_run():
+    assert_clean(evaluator_runs)
+
+
+def test_no_room_of_the_run_holds_more_than_seven_files():
+    assert_clean(crowded_rooms)
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    assert_clean(many_parameters)
 
 
 # ---- the checks can fail: planted trees ------------------------------------------------------------------------------
@@ -419,10 +534,16 @@ PLANTED = {
         {
             "config.py": "",
             "data/x.py": "from spmdlm.run_args import RunArgs\ndef f(args): pass\ndef g(*args, section): pass\n",
+            "families/w.py": "from spmdlm.run_args.choices import QUICKSTART_COMMON\n",
             "models/y.py": "def h(run: 'RunArgs'): pass\n",
             "train/z.py": "from spmdlm.run_args import RunArgs\ndef f(args: RunArgs): pass\n",
         },
-        ["spmdlm/data/x.py:1: imports spmdlm.run_args", "spmdlm/data/x.py:2: f(args)", "spmdlm/models/y.py:1: h(run)"],
+        [
+            "spmdlm/data/x.py:1: imports spmdlm.run_args",
+            "spmdlm/data/x.py:2: f(args)",
+            "spmdlm/families/w.py:1: imports spmdlm.run_args.choices",
+            "spmdlm/models/y.py:1: h(run)",
+        ],
     ),
     "long functions": (
         long_functions,
@@ -440,10 +561,19 @@ PLANTED = {
             "models/t5.py": "",
             "families/t5.py": "",
             "train/t5.py": "",
+            "families/t5/model.py": "",
+            "families/bart/model.py": "",
+            "families/bart/hf.py": "",
+            "families/t5/hf.py": "",
+            "generation/hf.py": "",
             "cli/go.py": "",
             "go.py": "",
         },
-        ["t5: spmdlm.families.t5, spmdlm.models.t5, spmdlm.train.t5", "util: spmdlm.a.util, spmdlm.b.util"],
+        [
+            "hf: spmdlm.families.bart.hf, spmdlm.families.t5.hf, spmdlm.generation.hf",
+            "t5: spmdlm.families.t5, spmdlm.models.t5, spmdlm.train.t5",
+            "util: spmdlm.a.util, spmdlm.b.util",
+        ],
     ),
     "shims": (
         shims,
@@ -461,6 +591,47 @@ PLANTED = {
             "spmdlm/run.py: missing, so `python -m spmdlm.run` does not run spmdlm/cli/run.py",
         ],
     ),
+    "frozen records": (
+        mutable_run_records,
+        {
+            "train/stages/a.py": "import dataclasses\n@dataclasses.dataclass\nclass A:\n    x: int\n"
+            "@dataclasses.dataclass(frozen=True)\nclass B:\n    x: int\n",
+            "train/b.py": "from dataclasses import dataclass\n@dataclass(order=True)\nclass C:\n    x: int\n",
+            "data/c.py": "import dataclasses\n@dataclasses.dataclass\nclass D:\n    x: int\n",
+        },
+        ["spmdlm/train/b.py:3: C", "spmdlm/train/stages/a.py:3: A"],
+    ),
+    "evaluator": (
+        evaluator_runs,
+        {
+            "train/run.py": "",
+            "train/stages/resolve.py": "class Run: pass\n",
+            "cli/evaluate.py": "from spmdlm.train import run\nfrom spmdlm.train.stages import resolve\n"
+            "x = resolve.Run(1)\n",
+        },
+        [
+            "spmdlm/cli/evaluate.py:1: imports spmdlm.train.run",
+            "spmdlm/cli/evaluate.py:3: Run",
+            "spmdlm/cli/evaluate.py:3: resolve",
+        ],
+    ),
+    "rooms": (
+        crowded_rooms,
+        {
+            **{f"train/big/m{i}.py": "" for i in range(MAX_ROOM_FILES + 1)},
+            **{f"train/ok/m{i}.py": "" for i in range(MAX_ROOM_FILES)},
+        },
+        [f"spmdlm/train/big: {MAX_ROOM_FILES + 1} files"],
+    ),
+    "parameters": (
+        many_parameters,
+        {
+            "train/a.py": "def f(a, b, c, d, e, f, g, h, i): pass\nclass C:\n"
+            "    def m(self, a, b, c, d, e, f, g, *, h): pass\n",
+            "models/b.py": "def f(a, b, c, d, e, f, g, h, i): pass\n",
+        },
+        ["spmdlm/models/b.py:1: f: 9 parameters", "spmdlm/train/a.py:1: f: 9 parameters"],
+    ),
 }
 
 
@@ -477,7 +648,8 @@ def report(root=REPO):
     """Print the current offenders of every check at once."""
     floors = read_floors()
     checks = (unassigned, upward_imports, cycles, local_imports, family_literals, long_files)
-    for check in (*checks, run_arguments_below_train, long_functions, shared_stems, shims):
+    rooms = (mutable_run_records, evaluator_runs, crowded_rooms, many_parameters)
+    for check in (*checks, run_arguments_below_train, long_functions, shared_stems, shims, *rooms):
         offenders = check(root, floors)
         print(f"{check.__name__}: {len(offenders) or 'clean'}" + "".join(f"\n  {o}" for o in offenders))
 

@@ -141,9 +141,7 @@ def test_export_reconstructs_a_masked_sentence(tmp_path, cache_dir):
 def test_sentence_ends_are_flagged_in_prepared_records(tmp_path):
     docs = ["One sentence here. Another one follows! And a third?", "Second document without punctuation"]
     tok = train_tokenizer(get_family("bart"), docs * 5, 300)
-    split = token_cache.prepare_split(
-        docs, tok, record_length=8, separator_id=2, cache_dir=tmp_path, name="train", mode="sentences"
-    )
+    split = token_cache.prepare_split(docs, tok, records.Cut(8, 2, "sentences"), cache_dir=tmp_path, name="train")
     stream = records.record_source(split).read(np.arange(split.num_records)).reshape(-1)
     ids, ends = stream & (SENTENCE_END - 1), (stream & SENTENCE_END) != 0
     expected = []

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from spmdlm.cli.launch import parse_args
+from spmdlm.cli.launch import family_choices, parse_args
 from spmdlm.errors import ArgumentError
-from spmdlm.families import family_choices
 from spmdlm.run_args import RunArgs
 from spmdlm.run_args.choices import quickstart
 from spmdlm.run_args.sections import (
@@ -201,7 +200,7 @@ def test_remat_defaults_to_auto_and_gradient_checkpointing_means_full():
 
 def test_help_is_grouped_with_each_default_once_and_the_presets_listed():
     from spmdlm.cli.launch import build_parser
-    from spmdlm.models.hf_config import preset_names
+    from spmdlm.families import preset_names
     from spmdlm.run_args import SECTIONS
 
     text = build_parser(family_choices()).format_help()

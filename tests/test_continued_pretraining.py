@@ -25,7 +25,7 @@ from spmdlm.cli.launch import main, parse_args
 from spmdlm.data import datasets, pipeline
 from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.families import get_family
-from spmdlm.train.setup import resolve
+from spmdlm.train.stages.resolve import resolve
 
 WORDS = "lamp keeper harbour boat sail letter apples tide wind north grey cape bay rowed smiled failed".split()
 LINES = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(8 + i % 5)) + f", day {i}." for i in range(300)]
@@ -47,7 +47,7 @@ def hf_model(family: str, **overrides):
     fixture = FIXTURES[family]
     given = ("model_type", "tie_word_embeddings", "feed_forward_proj")  # T5's config class sets the last two
     values = {k: v for k, v in fixture.tiny_config.items() if k not in given}
-    if family == "gpt2":
+    if family in ("gpt2", "llama", "qwen3"):  # one <|endoftext|> at id 0
         values.update(bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = fixture.hf_model_class(fixture.hf_config_class(**{**values, **overrides})).eval()
@@ -130,6 +130,9 @@ LAYOUTS = [  # (family, tokenizer layout, weight layout): every tokenizer layout
     ("bart", "vocab.json", "sharded.safetensors"),
     ("t5", "spiece.model", "sharded.bin"),
     ("t5", "tokenizer.json", "model.safetensors"),
+    ("llama", "tokenizer.json", "sharded.safetensors"),
+    ("llama", "tokenizer.json", "sharded.bin"),
+    ("qwen3", "tokenizer.json", "model.safetensors"),
 ]
 
 
@@ -227,6 +230,8 @@ RUNS = {
     "roberta": ("vocab.json", "sharded.safetensors"),
     "bart": ("vocab.json", "sharded.bin"),
     "t5": ("spiece.model", "pytorch_model.bin"),
+    "llama": ("tokenizer.json", "sharded.safetensors"),
+    "qwen3": ("tokenizer.json", "model.safetensors"),
 }
 
 
@@ -328,10 +333,10 @@ def test_a_tokenizer_extending_the_checkpoints_grows_the_embeddings(tmp_path, co
             "32",
         ]
     )
-    ctx = resolve(args, 0.0)
-    assert ctx.config.vocab_size == size + 3 and ctx.checkpoint_config.vocab_size == size
-    ours, _ = hf_export.load_hf(folder, config=ctx.config)
-    hf_export.save_hf(ours, ctx.config, tmp_path / "hf", tokenizer=ctx.tokenizer)
+    run = resolve(args, 0.0)
+    assert run.config.vocab_size == size + 3 and run.checkpoint_config.vocab_size == size
+    ours, _ = hf_export.load_hf(folder, config=run.config)
+    hf_export.save_hf(ours, run.config, tmp_path / "hf", tokenizer=run.tokenizer)
     grown = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf")
     assert grown.config.vocab_size == size + 3
     for name in ("shared.weight", "lm_head.weight"):

@@ -23,7 +23,7 @@ from test_reliability import flags, launch
 from spmdlm import crashpoints, hf_export
 from spmdlm.launch import main
 from spmdlm.prepare import main as prepare_main
-from spmdlm.train.outputs import export_done
+from spmdlm.train.stages.outputs import export_done
 
 RUN_POINTS = [p for p in crashpoints.POINTS if p != "dataset.before_swap"]  # spmdlm.prepare's: its own test
 

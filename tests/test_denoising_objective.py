@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from spmdlm.data.objectives import example_rng, padding_example
-from spmdlm.data.objectives.denoising import Denoising
 from spmdlm.data.sentences import SENTENCE_END, mark_sentence_ends, sentence_ends
+from spmdlm.families.bart.objective import Denoising
 
 # BART's layout: <s>=0 <pad>=1 </s>=2 <unk>=3 <mask>=4; the decoder starts with </s>.
 BOS, PAD, EOS, UNK, MASK = 0, 1, 2, 3, 4

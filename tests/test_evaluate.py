@@ -26,9 +26,9 @@ from spmdlm.data.tokenization import (
     token_byte_lengths,
     train_tokenizer,
 )
+from spmdlm.engine.step import Stepper
 from spmdlm.families import get_family
 from spmdlm.launch import main as launch
-from spmdlm.train.step import Stepper
 
 STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 TEXT = "Déjà vu: 東京 and naïve cafés — 3.14 ≠ π 🙂 plain ASCII too."
@@ -73,12 +73,12 @@ def test_sentencepiece_pieces_count_the_normalised_text_with_one_leading_space()
 # -- a run's figures and the evaluator ---------------------------------------------------------------------------------
 @pytest.fixture
 def eval_batches(monkeypatch):
-    """Every batch an evaluation step sees, as numpy, with the sums the step returned."""
+    """Every batch an evaluation step sees, as numpy, with the running sums the step returned."""
     seen = []
     original = Stepper.eval_step
 
-    def recording(self, state, batch):
-        sums = original(self, state, batch)
+    def recording(self, state, batch, totals):
+        sums = original(self, state, batch, totals)
         seen.append(({k: np.asarray(v) for k, v in batch.items()}, {k: np.asarray(v) for k, v in sums.items()}))
         return sums
 

@@ -17,8 +17,8 @@ from flax import nnx
 
 from spmdlm.data.tokenization import special_token_ids, train_tokenizer
 from spmdlm.families import get_family, load_config
+from spmdlm.families.t5.model import T5ForConditionalGeneration
 from spmdlm.hf_export import hf_config_dict, save_hf
-from spmdlm.models.t5 import T5ForConditionalGeneration
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ import jax
 from flax import nnx
 from spmdlm.hf_export import hf_config_dict, save_hf
 from spmdlm.families import load_config
-from spmdlm.models.t5 import T5ForConditionalGeneration
+from spmdlm.families.t5.model import T5ForConditionalGeneration
 config = load_config("t5-v1_1-tiny", vocab_size=128, num_layers=1, num_decoder_layers=1)
 save_hf(T5ForConditionalGeneration(config, rngs=nnx.Rngs(jax.random.key(0, impl="rbg"))), config, {str(tmp_path)!r})
 assert "transformers" not in sys.modules

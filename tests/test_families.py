@@ -17,12 +17,11 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from spmdlm import checkpoint, hf_export
-from spmdlm.families import families, get_family, load_config
+from spmdlm.engine.state import Compute, build_train_state
+from spmdlm.families import families, get_family, load_config, preset_names
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 from spmdlm.models.attention import resolve_attention, set_attention
-from spmdlm.models.hf_config import preset_names
-from spmdlm.train.state import build_train_state
 
 GOLDEN = Path(__file__).parent / "golden"
 SHARDED = "data=2,fsdp=2,tensor=2"
@@ -107,6 +106,9 @@ LONG_POSITIONS = {
     "roberta": {"max_position_embeddings": 130},
     "bart": {"max_position_embeddings": 128},
     "t5": {},
+    "modernbert": {"max_position_embeddings": 128},
+    "llama": {"max_position_embeddings": 128},
+    "qwen3": {"max_position_embeddings": 128},
 }
 
 
@@ -171,8 +173,13 @@ def partition_specs(family: str, mesh_spec: str) -> tuple[dict[str, str], dict[s
     return specs, sizes
 
 
+def presets_of(family: str) -> list[str]:
+    """The shipped presets of a family: the files in its folder's presets/, and any it declares (Family.presets)."""
+    return preset_names(family)
+
+
 def tiny_preset(family: str) -> str:
-    return next(name for name in preset_names(family) if name.endswith("tiny"))
+    return next(name for name in presets_of(family) if name.endswith("tiny"))
 
 
 @pytest.mark.parametrize("family", FIXTURES)
@@ -185,7 +192,7 @@ def test_partition_specs_match_golden(family):
     assert all(s == "P()" or s.startswith("P(None") for n, s in specs.items() if ".layers." in n)  # never sharded
 
 
-@pytest.mark.parametrize("family,preset", [(f, p) for f in FIXTURES for p in preset_names(f)])
+@pytest.mark.parametrize("family,preset", [(f, p) for f in FIXTURES for p in presets_of(f)])
 def test_every_preset_builds_abstractly(family, preset):
     config = load_config(preset)
     model = nnx.eval_shape(lambda: families()[family].make_model(config, rngs=nnx.Rngs(0)))
@@ -248,8 +255,8 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.data.tokenization import train_tokenizer
-    from spmdlm.train.state import build_train_state
-    from spmdlm.train.step import Stepper
+    from spmdlm.engine.state import build_train_state
+    from spmdlm.engine.step import Stepper
 
     args, _ = parse_args(["--train_file", "x", *FIXTURES[family].run_flags])
     config = load_config(str(config_path))
@@ -291,6 +298,9 @@ PACKED = {
     "roberta": {"line_by_line": True, "packing": True},
     "t5": {"document_attention": "isolated"},
     "bart": {"document_attention": "isolated"},
+    "modernbert": {"line_by_line": True, "packing": True},
+    "llama": {"document_attention": "isolated"},
+    "qwen3": {"document_attention": "isolated"},
 }
 
 
@@ -391,7 +401,9 @@ def test_bfloat16_runs_the_matmuls_in_bf16_and_keeps_the_rest_float32(family):
     """--dtype bfloat16: float32 parameters and optimizer state; every matmul (attention included) on bf16
     operands; norms, softmax and the logits in float32."""
     config = families()[family].config_class.from_dict(FIXTURES[family].tiny_config)
-    graphdef, state = build_train_state(families()[family], config, make_mesh("data=8"), dtype="bfloat16")
+    graphdef, state = build_train_state(
+        families()[family], config, make_mesh("data=8"), compute=Compute(dtype="bfloat16")
+    )
     assert {leaf.dtype for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)} == {
         jnp.dtype(jnp.float32)
     }

@@ -26,10 +26,10 @@ import pytest
 from spmdlm import devices, flops
 from spmdlm.data.objectives.clm import CausalLM
 from spmdlm.data.pipeline import batch_spec
+from spmdlm.engine.state import Compute, build_train_state
+from spmdlm.engine.step import Stepper
 from spmdlm.families import families, get_family, load_config, objective_for_shapes
 from spmdlm.mesh import make_mesh
-from spmdlm.train.state import build_train_state
-from spmdlm.train.step import Stepper
 
 XLA_OVERHEAD = 0.3  # XLA may count up to 30% more than the model FLOPs on these tiny configs (see above)
 
@@ -62,7 +62,9 @@ def compile_step(config, objective, global_batch: int, mesh):
     # Unrolled layers: XLA's cost analysis counts a while loop's body once, not once per layer. Nothing recomputed
     # (remat none): the formulas count the model's FLOPs, not the recomputation of --remat dots.
     family = get_family(config.model_type)
-    graphdef, state = build_train_state(family, config, mesh, total_steps=10, scan_unroll=0, remat="none")
+    graphdef, state = build_train_state(
+        family, config, mesh, total_steps=10, compute=Compute(remat="none", scan_unroll=0)
+    )
     stepper = Stepper(graphdef, state, mesh, family.forward)
     spec = batch_spec(objective, global_batch)
     stats = stepper.compile_train(state, spec)

@@ -18,7 +18,7 @@ from test_reliability import flags, launch
 from spmdlm import checkpoint, crashpoints
 from spmdlm.data import datasets
 from spmdlm.launch import main
-from spmdlm.train.outputs import export_done
+from spmdlm.train.stages.outputs import export_done
 
 # the Hub upload writes nothing on this disk (and a failed upload is a warning); the dataset is spmdlm.prepare's
 RUN_POINTS = [p for p in crashpoints.POINTS if p not in ("hub.before_upload", "dataset.before_swap")]

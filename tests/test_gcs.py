@@ -227,9 +227,7 @@ def test_a_token_cache_in_a_bucket_is_reused_by_another_host_and_opens_as_a_data
     docs = [f"line {i}: " + " ".join(f"w{(i * j) % 89}" for j in range(25)) for i in range(80)]
     tokenizer = train_tokenizer(get_family("gpt2"), docs, 300)
     cache = storage.path(f"{gcs_bucket}/shared-cache")
-    prepare = lambda tok: token_cache.prepare_split(
-        docs, tok, record_length=17, separator_id=0, cache_dir=cache, name="train"
-    )
+    prepare = lambda tok: token_cache.prepare_split(docs, tok, records.Cut(17, 0), cache_dir=cache, name="train")
     monkeypatch.setenv("SPMDLM_LOCAL_CACHE", str(tmp_path / "host0"))
     built = prepare(tokenizer)  # tokenized here, uploaded from this host's copy
     rows = records.record_source(built).read(np.arange(built.num_records))

@@ -8,8 +8,8 @@ from flax import nnx
 
 from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.data.objectives.clm import CausalLM
-from spmdlm.models.gpt2 import GPT2Config, GPT2LMHeadModel
-from spmdlm.train.step import cross_entropy_sums
+from spmdlm.engine.step import cross_entropy_sums
+from spmdlm.families.gpt2.model import GPT2Config, GPT2LMHeadModel
 
 CONFIG = GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=3)
 

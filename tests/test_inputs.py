@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from spmdlm.data.readers import expand_files, read_documents
-from spmdlm.data.records import record_source
+from spmdlm.data.records import Cut, record_source
 from spmdlm.data.token_cache import prepare_split
 from spmdlm.data.tokenization import train_tokenizer
 from spmdlm.errors import DataError
@@ -137,7 +137,7 @@ def tokenizer():
 
 
 def prepare(tokenizer, cache_dir, **kwargs):
-    return prepare_split(DOCS, tokenizer, record_length=16, separator_id=0, cache_dir=cache_dir, name="train", **kwargs)
+    return prepare_split(DOCS, tokenizer, Cut(16, 0), cache_dir=cache_dir, name="train", **kwargs)
 
 
 def records(split) -> list[np.ndarray]:

@@ -10,9 +10,9 @@ import pytest
 
 from spmdlm.data.objectives import IGNORE_INDEX, example_rng, padding_example
 from spmdlm.data.objectives.clm import CausalLM
-from spmdlm.data.objectives.denoising import Denoising
-from spmdlm.data.objectives.t5 import SpanCorruption, _span_counts, num_noise_spans, random_spans_noise_masks
 from spmdlm.data.sentences import SENTENCE_END
+from spmdlm.families.bart.objective import Denoising
+from spmdlm.families.t5.objective import SpanCorruption, _span_counts, num_noise_spans, random_spans_noise_masks
 
 GPT2_EOS = 0  # <|endoftext|>, the first id of a trained GPT-2 tokenizer
 T5_EOS, T5_START = 1, 0

@@ -1,4 +1,4 @@
-"""--remat auto and --scan_unroll auto (spmdlm/train/plan.py), and the named remat policies they choose among."""
+"""--remat auto and --scan_unroll auto (spmdlm/engine/plan.py), and the named remat policies they choose among."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from spmdlm.engine.plan import NONE_BYTES_FACTOR, REMAT_MEMORY_SHARE, dots_bytes_per_token, plan_layers
 from spmdlm.families import families, load_config
 from spmdlm.models.stack import PER_LAYER, REMAT_POLICIES
-from spmdlm.train.plan import NONE_BYTES_FACTOR, REMAT_MEMORY_SHARE, dots_bytes_per_token, plan_layers
 
 
 def abstract_model(family: str, **overrides):

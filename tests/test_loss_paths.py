@@ -9,8 +9,8 @@ from family_fixtures import FIXTURES
 from flax import nnx
 
 from spmdlm.data.objectives import IGNORE_INDEX
+from spmdlm.engine.step import Loss, loss_sums
 from spmdlm.families import families
-from spmdlm.train.step import loss_sums
 
 
 def tiny_model(family: str, **changes):
@@ -42,8 +42,7 @@ def test_chunked_loss_and_gradients_equal_the_whole_sequence_ones(family):
                 nnx.merge(graph, p, rest),
                 batch,
                 families()[family].forward,
-                z_loss=1e-3,
-                loss_chunk=chunk,
+                loss=Loss(z_loss=1e-3, loss_chunk=chunk),
                 byte_lengths=jnp.asarray(byte_lengths),
             )
             return sums["loss_sum"] + sums["z_loss_sum"], sums
@@ -91,7 +90,7 @@ def test_mlm_head_on_labelled_positions_only_equals_every_position():
                 nnx.merge(graph, p, rest),
                 batch,
                 families()["roberta"].forward,
-                label_capacity=capacity,
+                loss=Loss(label_capacity=capacity),
                 byte_lengths=jnp.arange(config.vocab_size) % 7,
             )
             return sums["loss_sum"], sums
@@ -111,9 +110,9 @@ def test_mlm_head_on_labelled_positions_only_equals_every_position():
 
 def test_chunking_shrinks_the_compiled_steps_temporaries():
     """A vocabulary much wider than the model, as in GPT-2 (50k x 768): the step's temporaries are mostly logits."""
+    from spmdlm.engine.state import build_train_state
+    from spmdlm.engine.step import Stepper
     from spmdlm.mesh import make_mesh
-    from spmdlm.train.state import build_train_state
-    from spmdlm.train.step import Stepper
 
     config, _ = tiny_model("gpt2", vocab_size=8192, n_positions=256)
     family = families()["gpt2"]
@@ -122,7 +121,9 @@ def test_chunking_shrinks_the_compiled_steps_temporaries():
     graphdef, state = build_train_state(family, config, mesh, total_steps=10, abstract=True)
     spec = {k: jax.ShapeDtypeStruct((8, 256), jnp.int32) for k in ("input_ids", "labels")}
     temp = {
-        chunk: Stepper(graphdef, state, mesh, family.forward, loss_chunk=chunk).compile_train(state, spec)["temp_bytes"]
+        chunk: Stepper(graphdef, state, mesh, family.forward, loss=Loss(loss_chunk=chunk)).compile_train(state, spec)[
+            "temp_bytes"
+        ]
         for chunk in (0, 32)
     }
     logits_per_device = 4 * 256 * 8192 * 4 / 2  # batch 8 over data=2, vocab over tensor=2, float32
@@ -132,7 +133,7 @@ def test_chunking_shrinks_the_compiled_steps_temporaries():
 def test_reported_bart_metrics_leave_out_the_special_labels():
     """A hand-built batch: <s> and </s> predicted with certainty, the content wrong. The scored sums (what a BART run
     reports, as the HF script counts) cover the content tokens only; the trained loss covers every label."""
-    from spmdlm.train.step import cross_entropy_sums, head_sums
+    from spmdlm.engine.step import cross_entropy_sums, head_sums
 
     vocab, bos, pad, eos = 6, 0, 1, 2
     labels = jnp.asarray([[bos, 3, 4, eos], [bos, 5, eos, IGNORE_INDEX]], jnp.int32)

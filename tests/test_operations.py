@@ -19,7 +19,9 @@ from spmdlm import storage
 from spmdlm.cli.launch import parse_args
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.run_args.sections import OperationsArgs
-from spmdlm.train import goodput, outputs, profiling, watchdog
+from spmdlm.train.reporting import goodput, profiling
+from spmdlm.train.safety import watchdog
+from spmdlm.train.stages import outputs
 
 
 class FakeClock:
@@ -240,6 +242,6 @@ def test_hang_files_are_a_runs_own_outputs_that_overwrite_removes(tmp_path):
     with pytest.raises(RunError, match=r"holds outputs of an earlier run .*\(run_config.json\)"):
         outputs.refuse_what_is_not_ours(out)
     control = types.SimpleNamespace(dry_running=False)
-    ctx = types.SimpleNamespace(args=types.SimpleNamespace(control=control), out=out, previous={}, resuming=None)
-    outputs.prepare_output_dir(ctx, "clear")
+    run = types.SimpleNamespace(args=types.SimpleNamespace(control=control), out=out)
+    assert outputs.prepare_output_dir(run, outputs.OutputDir("clear", {"max_steps": 2})).previous == {}
     assert out.is_dir() and not any(out.iterdir())

@@ -7,10 +7,10 @@ import optax
 import pytest
 from flax import nnx
 
+from spmdlm.engine.optim import learning_rate_schedule, make_optimizer
+from spmdlm.engine.step import cross_entropy_sums
 from spmdlm.models.layers import Dense, LayerNorm
 from spmdlm.run_args.sections import OptimizationArgs
-from spmdlm.train.optim import learning_rate_schedule, make_optimizer
-from spmdlm.train.step import cross_entropy_sums
 
 
 class Tiny(nnx.Module):
@@ -76,7 +76,7 @@ def test_z_loss_is_the_squared_log_partition():
 
 @pytest.mark.parametrize("scale", [0.1, 10.0])  # below the threshold (unchanged) and above it (clipped)
 def test_clip_by_global_norm_matches_optax(scale):
-    from spmdlm.train.optim import clip_by_global_norm
+    from spmdlm.engine.optim import clip_by_global_norm
 
     grads = {"a": jnp.arange(6.0).reshape(2, 3) * scale, "b": jnp.full((4,), -0.5) * scale}
     ours, ours_state = clip_by_global_norm(1.0).update(grads, clip_by_global_norm(1.0).init(grads))

@@ -15,21 +15,21 @@ from flax import nnx
 
 from spmdlm import checkpoint
 from spmdlm.cli.launch import parse_args
-from spmdlm.errors import ArgumentError
-from spmdlm.families import get_family, load_config
-from spmdlm.mesh import make_mesh
-from spmdlm.models.layers import Bias, Dense, Embed, LayerNorm, Scale
-from spmdlm.run_args import RunArgs
-from spmdlm.run_args.sections import OptimizationArgs
-from spmdlm.train.optim import (
+from spmdlm.engine.optim import (
     MUON_CONSISTENT_RMS,
     evaluation_params,
     learning_rate_schedule,
     make_optimizer,
     muon_dimension_numbers,
 )
-from spmdlm.train.state import build_train_state
-from spmdlm.train.step import Stepper, model_for_evaluation
+from spmdlm.engine.state import Compute, build_train_state
+from spmdlm.engine.step import Stepper, Training, model_for_evaluation
+from spmdlm.errors import ArgumentError
+from spmdlm.families import get_family, load_config
+from spmdlm.mesh import make_mesh
+from spmdlm.models.layers import Bias, Dense, Embed, LayerNorm, Scale
+from spmdlm.run_args import RunArgs
+from spmdlm.run_args.sections import OptimizationArgs
 
 GPT2 = get_family("gpt2")
 TINY_GPT2 = load_config("gpt2-tiny", "gpt2").replace(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
@@ -77,8 +77,12 @@ def run(name: str, tmp_dir: str):
         learning_rate=RATES[name], optim=name, warmup_steps=2, weight_decay=0.01, lr_scheduler_type="constant"
     )
     mesh = make_mesh("data=1", jax.devices()[:1])
-    graphdef, state = build_train_state(GPT2, TINY_GPT2, mesh, optim=cfg, total_steps=STEPS, remat="none")
-    stepper = Stepper(graphdef, state, mesh, GPT2.forward, schedule=learning_rate_schedule(cfg, STEPS))
+    graphdef, state = build_train_state(
+        GPT2, TINY_GPT2, mesh, optim=cfg, total_steps=STEPS, compute=Compute(remat="none")
+    )
+    stepper = Stepper(
+        graphdef, state, mesh, GPT2.forward, training=Training(schedule=learning_rate_schedule(cfg, STEPS))
+    )
     ids = np.random.default_rng(0).integers(0, 64, (4, 16)).astype(np.int32)
     spec = {k: jax.ShapeDtypeStruct(ids.shape, ids.dtype) for k in ("input_ids", "labels")}
     batch = jax.device_put({k: ids for k in spec}, stepper.batch_shardings(spec))  # again and again: the loss falls

@@ -152,13 +152,9 @@ def test_the_cache_key_tells_packed_from_unpacked_and_keeps_the_old_keys(tokeniz
     split = token_cache.prepare_split(
         docs,
         tok,
-        record_length=LENGTH,
-        separator_id=EOS,
+        records.Cut(LENGTH, EOS, "packed_lines", PAD, bos_id=BOS),
         cache_dir=tmp_path,
         name="train",
-        mode="packed_lines",
-        pad_id=PAD,
-        bos_id=BOS,
     )
     assert split.path.parent.name == keys["packed_lines"]
     card = json.loads((split.path.parent / "dataset.json").read_text())

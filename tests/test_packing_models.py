@@ -29,6 +29,9 @@ LONGER_POSITIONS = {
     "roberta": dict(max_position_embeddings=LENGTH + 2),
     "bart": dict(max_position_embeddings=LENGTH),
     "t5": {},
+    "modernbert": {},
+    "llama": {},
+    "qwen3": {},
 }
 
 
@@ -66,7 +69,7 @@ def spans(lengths: list[int]) -> list[slice]:
 
 def batches(family, config, rng):
     """(packed batch, batch of each document alone, the lengths the logits are read over) for the family."""
-    pad_id = getattr(config, "pad_token_id", 0)
+    pad_id = getattr(config, "pad_token_id", None) or 0  # GPT-2 and Llama have none
     vocab = config.vocab_size
     if not family.is_encoder_decoder:
         docs = [rng.integers(3, vocab, n, dtype=np.int32) for n in SINGLE_STACK_DOCS]

@@ -11,12 +11,12 @@ import numpy as np
 from flax import nnx
 
 from spmdlm import checkpoint
+from spmdlm.engine.plan import plan_layers
+from spmdlm.engine.state import Compute, build_train_state
 from spmdlm.families import get_family, load_config
 from spmdlm.mesh import make_mesh
 from spmdlm.models.stack import PER_LAYER, LayerStack, restack, stack_layers
 from spmdlm.run_args.choices import parse_scan_unroll
-from spmdlm.train.plan import plan_layers
-from spmdlm.train.state import build_train_state
 
 BART = get_family("bart")
 TINY_BART = load_config("bart-tiny", "bart").replace(
@@ -85,8 +85,8 @@ def test_checkpoints_restore_across_layouts_and_export_restacks(tmp_path):
     """A train state saved per-layer restores into a scanned one and back (model and optimizer), array for array;
     restack (the end-of-training export) returns the stacked model."""
     mesh = make_mesh("data=1", jax.devices()[:1])
-    per_layer = build_train_state(BART, TINY_BART, mesh, seed=1, scan_unroll=PER_LAYER)
-    scanned = build_train_state(BART, TINY_BART, mesh, seed=2, scan_unroll=1)
+    per_layer = build_train_state(BART, TINY_BART, mesh, seed=1, compute=Compute(scan_unroll=PER_LAYER))
+    scanned = build_train_state(BART, TINY_BART, mesh, seed=2, compute=Compute(scan_unroll=1))
     with jax.set_mesh(mesh):
         for name, (source, (_, target)) in {"a": (per_layer, scanned), "b": (scanned, per_layer)}.items():
             manager = checkpoint.make_manager(tmp_path / name, async_save=False)
@@ -97,5 +97,5 @@ def test_checkpoints_restore_across_layouts_and_export_restacks(tmp_path):
             assert_same(pure(stack_layers(nnx.to_pure_dict(restored))), pure(stack_layers(nnx.to_pure_dict(source[1]))))
             assert jax.tree.structure(nnx.to_pure_dict(restored)) == jax.tree.structure(nnx.to_pure_dict(target))
         model = restack(nnx.merge(*per_layer)[0])
-        stacked = nnx.merge(*build_train_state(BART, TINY_BART, mesh, seed=1, scan_unroll=1))[0]
+        stacked = nnx.merge(*build_train_state(BART, TINY_BART, mesh, seed=1, compute=Compute(scan_unroll=1)))[0]
         assert_same(pure(nnx.to_pure_dict(nnx.state(model))), pure(nnx.to_pure_dict(nnx.state(stacked))))

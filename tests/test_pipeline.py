@@ -23,7 +23,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def split(tokenizer, tmp_path_factory):
     return token_cache.prepare_split(
-        DOCS, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path_factory.mktemp("cache"), name="train"
+        DOCS, tokenizer, records.Cut(17, 0), cache_dir=tmp_path_factory.mktemp("cache"), name="train"
     )
 
 
@@ -62,15 +62,14 @@ def test_second_preparation_reuses_the_cache(split, tokenizer):
             raise AssertionError("the cache should have been reused")
 
     again = token_cache.prepare_split(
-        DOCS, NoTokenizing(), record_length=17, separator_id=0, cache_dir=split.path.parent.parent, name="train"
+        DOCS, NoTokenizing(), records.Cut(17, 0), cache_dir=split.path.parent.parent, name="train"
     )
     assert again == split
     with pytest.raises(AssertionError, match="reused"):  # other content -> a new key -> tokenizes
         token_cache.prepare_split(
             DOCS[:-1],
             NoTokenizing(),
-            record_length=17,
-            separator_id=0,
+            records.Cut(17, 0),
             cache_dir=split.path.parent.parent,
             name="train",
         )

@@ -29,45 +29,41 @@ def plugin_site(tmp_path_factory) -> Path:
     return site
 
 
-def launch(out: Path, site: Path, cache_dir: Path, *flags: str) -> subprocess.CompletedProcess:
+def run_launcher(site: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`python -m spmdlm.launch --model_type opt FLAGS` with the plugin installed as pip would leave it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spmdlm.launch",
-            "--model_type",
-            "opt",
-            "--config_name",
-            "opt-tiny",
-            "--train_file",
-            str(FIXTURES / "overfit.txt"),
-            "--vocab_size",
-            "512",
-            "--block_size",
-            "32",
-            "--per_device_train_batch_size",
-            "2",
-            "--mesh",
-            "data=2,fsdp=4",
-            "--max_steps",
-            "3",
-            "--save_steps",
-            "2",
-            "--logging_steps",
-            "1",
-            "--max_eval_samples",
-            "8",
-            "--cache_dir",
-            str(cache_dir),
-            "--output_dir",
-            str(out),
-            *flags,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    command = [sys.executable, "-m", "spmdlm.launch", "--model_type", "opt", *flags]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+def launch(out: Path, site: Path, cache_dir: Path, *flags: str) -> subprocess.CompletedProcess:
+    return run_launcher(
+        site,
+        "--config_name",
+        "opt-tiny",  # a preset of the plugin's presets/ folder
+        "--train_file",
+        str(FIXTURES / "overfit.txt"),
+        "--vocab_size",
+        "512",
+        "--block_size",
+        "32",
+        "--per_device_train_batch_size",
+        "2",
+        "--mesh",
+        "data=2,fsdp=4",
+        "--max_steps",
+        "3",
+        "--save_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--max_eval_samples",
+        "8",
+        "--cache_dir",
+        str(cache_dir),
+        "--output_dir",
+        str(out),
+        *flags,
     )
 
 
@@ -122,3 +118,31 @@ def test_nothing_in_the_package_names_the_plugin():
     for path in (REPO / "spmdlm").rglob("*.py"):
         text = path.read_text()
         assert "spmdlm_opt" not in text and "OPTFor" not in text and '"opt"' not in text, path
+
+
+@pytest.mark.slow
+def test_one_folder_and_one_entry_point_train_on_the_quick_start(tmp_path, plugin_site, cache_dir):
+    """All a new family takes is its folder (tests/plugins/spmdlm_opt: the family, its network and table, its
+    presets/) and one entry point (the plugin's metadata, `plugin_site`): the embedded quick start, which names only
+    --model_type, trains it with the family's own quick-start flags and preset and exports it."""
+    assert sorted(p.name for p in plugin_site.rglob("*") if p.is_file()) == ["METADATA", "entry_points.txt"]
+    out = tmp_path / "quickstart"
+    flags = [
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--max_eval_samples",
+        "8",
+        "--mesh",
+        "data=2,fsdp=4",
+    ]
+    done = run_launcher(plugin_site, *flags, "--cache_dir", str(cache_dir), "--output_dir", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_config = json.loads((out / "run_config.json").read_text())
+    assert run_config["model_config"]["model_type"] == "opt" and run_config["config_name"] == "opt-tiny"
+    assert run_config["block_size"] == 64 and not run_config["train_file"]  # the quick start's, on the embedded corpus
+    assert [m["step"] for m in read_metrics(out) if "loss" in m and "eval" not in m.get("event", "")][-1] == 2
+    assert (out / "hf" / "spmdlm_export.json").is_file()

@@ -21,16 +21,16 @@ from flax import nnx
 
 from spmdlm import optimizers
 from spmdlm.cli import launch
-from spmdlm.cli.launch import build_parser, parse_args
+from spmdlm.cli.launch import build_parser, family_choices, parse_args
+from spmdlm.engine.optim import learning_rate_schedule
+from spmdlm.engine.state import Compute, build_train_state
+from spmdlm.engine.step import Stepper, Training, loss_sums
 from spmdlm.errors import ArgumentError, ConfigError
-from spmdlm.families import family_choices, get_family, load_config
+from spmdlm.families import get_family, load_config
 from spmdlm.mesh import make_mesh
 from spmdlm.optimizers.entries import Flag
 from spmdlm.run_args.choices import FLAG_BOUNDS, SECTION_FLAGS
 from spmdlm.run_args.sections import OptimizationArgs
-from spmdlm.train.optim import learning_rate_schedule
-from spmdlm.train.state import build_train_state
-from spmdlm.train.step import Stepper, loss_sums
 
 PLUGINS = REPO / "tests" / "plugins"
 ENTRY = "sgd = spmdlm_sgd:OPTIMIZER\n"
@@ -96,8 +96,10 @@ def test_one_step_moves_each_parameter_by_minus_lr_times_its_gradient(installed)
     lr = 0.5
     cfg = OptimizationArgs(optim="sgd", learning_rate=lr, max_grad_norm=0.0, lr_scheduler_type="constant")
     mesh = make_mesh("data=1", jax.devices()[:1])
-    graphdef, state = build_train_state(GPT2, TINY_GPT2, mesh, optim=cfg, total_steps=2, remat="none")
-    stepper = Stepper(graphdef, state, mesh, GPT2.forward, schedule=learning_rate_schedule(cfg, 2), optim=cfg)
+    graphdef, state = build_train_state(GPT2, TINY_GPT2, mesh, optim=cfg, total_steps=2, compute=Compute(remat="none"))
+    stepper = Stepper(
+        graphdef, state, mesh, GPT2.forward, training=Training(optim=cfg, schedule=learning_rate_schedule(cfg, 2))
+    )
     ids = np.random.default_rng(0).integers(0, 64, (4, 16)).astype(np.int32)
     batch = {"input_ids": ids, "labels": ids}
     model, _ = nnx.merge(graphdef, state)

@@ -17,7 +17,7 @@ from spmdlm.data import pipeline
 from spmdlm.data.datasets import open_dataset
 from spmdlm.data.objectives.clm import CausalLM
 from spmdlm.data.readers import open_corpus, read_documents
-from spmdlm.data.records import _chunks, _writer, default_workers, record_source
+from spmdlm.data.records import Cut, _chunks, _writer, default_workers, record_source
 from spmdlm.data.token_cache import prepare_split
 from spmdlm.data.tokenization import save_tokenizer, train_tokenizer
 from spmdlm.errors import DataError
@@ -112,12 +112,9 @@ def test_records_are_those_of_the_launcher_cache(corpus, tokenizers, tmp_path, m
     cached = prepare_split(
         DOCS,
         tok,
-        record_length=record_length,
-        separator_id=card["separator_id"],
+        Cut(record_length, card["separator_id"], mode, card["pad_id"]),
         cache_dir=tmp_path / "cache",
         name="train",
-        mode=mode,
-        pad_id=card["pad_id"],
     )
     np.testing.assert_array_equal(records(train), records(cached))
     assert (train.num_records, train.num_tokens) == (cached.num_records, cached.num_tokens)

@@ -20,7 +20,11 @@ from spmdlm.errors import ArgumentError
 from spmdlm.families import get_family
 from spmdlm.families.base import Generation
 from spmdlm.hf_export import export_complete, save_hf
-from spmdlm.train import corpora, publish, setup
+from spmdlm.train import publish
+from spmdlm.train import run as train_run
+from spmdlm.train.prepared import Prepared
+from spmdlm.train.stages import corpora, resolve
+from spmdlm.train.stages.outputs import OutputDir
 
 TOKEN = "hf_emulated_token"
 CARD_FLAGS = ("--card_license", "apache-2.0", "--card_tags", "tiny,code", "--card_datasets", "someone/stdlib-json")
@@ -72,14 +76,16 @@ def flags(family: str, out: Path, config: Path, cache_dir: Path, *extra: str) ->
     ]
 
 
-def run_context(argv: list[str]) -> setup.RunContext:
-    """The context a run of `argv` has when it finishes, without training: resolved, tokenizer, data."""
+def run_context(argv: list[str]) -> Prepared:
+    """The records a run of `argv` has when it finishes, without training: resolved, tokenizer, data."""
     args, _ = parse_args(argv)
-    ctx = setup.resolve(args, 0.0)
-    ctx.hub = None
-    setup.setup_tokenizer(ctx, (documents := corpora.read_corpora(args.data))[0])
-    corpora.setup_data(ctx, *documents)
-    return ctx
+    return train_run.prepare(resolve.resolve(args, 0.0), OutputDir("fresh"), corpora.read_corpora(args.data))
+
+
+def export_untrained(prepared: Prepared, folder) -> None:
+    """The run's model as initialised, exported to `folder`."""
+    family, config = prepared.run.family, prepared.vocabulary.config
+    save_hf(family.make_model(config, rngs=nnx.Rngs(0)), config, folder, tokenizer=prepared.vocabulary.tokenizer)
 
 
 def run_snippet(card: ModelCard, model_id: str, folder: Path) -> None:
@@ -94,10 +100,10 @@ def run_snippet(card: ModelCard, model_id: str, folder: Path) -> None:
 def test_every_family_gets_a_card_with_its_results_metadata_and_usage(
     family, tmp_path, tiny_configs, cache_dir, capsys
 ):
-    ctx = run_context(flags(family, tmp_path / "run", tiny_configs[family], cache_dir, *CARD_FLAGS))
+    prepared = run_context(flags(family, tmp_path / "run", tiny_configs[family], cache_dir, *CARD_FLAGS))
     folder = tmp_path / "run" / "hf"
-    save_hf(ctx.family.make_model(ctx.config, rngs=nnx.Rngs(0)), ctx.config, folder, tokenizer=ctx.tokenizer)
-    publish.write_model_card(folder, ctx, RESULTS)
+    export_untrained(prepared, folder)
+    publish.write_model_card(folder, prepared, RESULTS)
 
     card = ModelCard.load(folder / "README.md")
     data = card.data
@@ -131,10 +137,10 @@ def test_every_family_gets_a_card_with_its_results_metadata_and_usage(
 
 
 def test_a_card_without_metadata_flags_or_results(tmp_path, tiny_configs, cache_dir):
-    ctx = run_context(flags("gpt2", tmp_path / "run", tiny_configs["gpt2"], cache_dir))
+    prepared = run_context(flags("gpt2", tmp_path / "run", tiny_configs["gpt2"], cache_dir))
     folder = tmp_path / "run" / "hf"
-    save_hf(ctx.family.make_model(ctx.config, rngs=nnx.Rngs(0)), ctx.config, folder, tokenizer=ctx.tokenizer)
-    publish.write_model_card(folder, ctx, {}, step=2)
+    export_untrained(prepared, folder)
+    publish.write_model_card(folder, prepared, {}, step=2)
     data = ModelCard.load(folder / "README.md").data
     assert data.license is None and data.datasets is None and data.eval_results is None
     assert data.tags == ["gpt2", "spmdlm", "text-generation"]
@@ -191,11 +197,11 @@ def test_uploads_create_the_repository_once_and_send_every_file(hub, tmp_path, m
 
 
 def test_an_export_in_a_bucket_gets_its_card_and_is_uploaded(gcs_bucket, hub, tmp_path, tiny_configs, cache_dir):
-    ctx = run_context(flags("gpt2", tmp_path / "run", tiny_configs["gpt2"], cache_dir))
+    prepared = run_context(flags("gpt2", tmp_path / "run", tiny_configs["gpt2"], cache_dir))
     local, remote = tmp_path / "hf", storage.path(f"{gcs_bucket}/publish/hf")
-    save_hf(ctx.family.make_model(ctx.config, rngs=nnx.Rngs(0)), ctx.config, local, tokenizer=ctx.tokenizer)
+    export_untrained(prepared, local)
     storage.upload(local, remote)
-    publish.write_model_card(remote, ctx, RESULTS)
+    publish.write_model_card(remote, prepared, RESULTS)
     card = (remote / "README.md").read_bytes()
     assert f'model_id = "{remote}"'.encode() in card  # the snippet loads the export where it is
     target = publish.Hub("in-a-bucket", endpoint=hub.url, token=TOKEN, private=False, export_dir=remote)
@@ -235,20 +241,20 @@ def test_a_failed_upload_is_one_warning_line(server, hub, tmp_path, caplog, requ
 
 def test_the_run_refuses_a_bad_repository_id_or_no_token_before_it_starts(tmp_path, monkeypatch):
     args, _ = parse_args(["--output_dir", str(tmp_path / "a run"), "--push_to_hub", "--hub_token", TOKEN])
-    ctx = setup.resolve(args, 0.0)
+    run = resolve.resolve(args, 0.0)
     with pytest.raises(ArgumentError, match="output dir's name .* is not a Hub repository id.*--hub_model_id"):
-        publish.hub_for(ctx)
+        publish.hub_for(run)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    ctx.run = dataclasses.replace(ctx.run, args=args.replace(hub_model_id="user/fine", hub_token=None))
+    run = dataclasses.replace(run, args=args.replace(hub_model_id="user/fine", hub_token=None))
     with pytest.raises(ArgumentError, match="needs a Hub token"):
-        publish.hub_for(ctx)
+        publish.hub_for(run)
 
 
 def test_the_token_comes_from_the_login_and_the_endpoint_from_HF_ENDPOINT(hub, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_from_the_environment")
     args, _ = parse_args(["--output_dir", str(tmp_path / "run"), "--push_to_hub"])
-    target = publish.hub_for(setup.resolve(args, 0.0))
+    target = publish.hub_for(resolve.resolve(args, 0.0))
     assert target.repo_id == "run" and target.endpoint == hub.url and target.create()
     assert hub.calls("create")[0].headers["authorization"] == "Bearer hf_from_the_environment"
     assert "visibility" not in hub.calls("create")[0].json()  # not private: the hub's default

@@ -11,10 +11,10 @@ from spmdlm import storage
 from spmdlm.data import pipeline, records, token_cache
 from spmdlm.data.objectives import example_rng
 from spmdlm.data.objectives.clm import CausalLM
-from spmdlm.data.objectives.denoising import Denoising
 from spmdlm.data.objectives.mlm import MaskedLM
-from spmdlm.data.objectives.t5 import SpanCorruption
 from spmdlm.data.sentences import SENTENCE_END
+from spmdlm.families.bart.objective import Denoising
+from spmdlm.families.t5.objective import SpanCorruption
 
 SPECIALS = (0, 1, 2, 3, 4)  # <s> <pad> </s> <unk> <mask>
 FRAMED = dict(bos_id=0, eos_id=2, pad_id=1, mask_id=4, special_ids=SPECIALS)
@@ -128,9 +128,7 @@ def test_a_cache_in_the_previous_layout_is_a_miss_and_rebuilt(tmp_path, caplog):
 
     docs = [f"document {i} " + " ".join(f"w{(i * j) % 97}" for j in range(30)) for i in range(60)]
     tokenizer = train_tokenizer(get_family("gpt2"), docs, 300)
-    prepare = lambda: token_cache.prepare_split(
-        docs, tokenizer, record_length=17, separator_id=0, cache_dir=tmp_path, name="train"
-    )
+    prepare = lambda: token_cache.prepare_split(docs, tokenizer, records.Cut(17, 0), cache_dir=tmp_path, name="train")
     split = prepare()
     rows = records.record_source(split).read(np.arange(split.num_records))
     folder = split.path.parent

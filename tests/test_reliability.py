@@ -19,10 +19,13 @@ from conftest import FIXTURES, final_params, read_metrics
 
 import spmdlm.cli.launch
 from spmdlm import checkpoint, devices
+from spmdlm.engine.step import Stepper
 from spmdlm.launch import main
-from spmdlm.train import corpora, setup
-from spmdlm.train.guard import RunLock
-from spmdlm.train.step import Stepper
+from spmdlm.train import run as train_run
+from spmdlm.train.safety.guard import RunLock
+from spmdlm.train.stages import corpora, resolve
+from spmdlm.train.stages.outputs import OutputDir
+from spmdlm.train.stages.program import setup_state
 
 
 def flags(out, cache_dir, config, *extra) -> list[str]:
@@ -146,19 +149,19 @@ def restore_target(base_run, cache_dir, tiny_gpt2_config):
     from spmdlm.data import pipeline
 
     args, _ = parse_args(flags(base_run, cache_dir, tiny_gpt2_config))
-    ctx = setup.resolve(args, 0.0)
-    train_docs, val_docs = corpora.read_corpora(args.data)
-    setup.setup_tokenizer(ctx, train_docs)
-    corpora.setup_data(ctx, train_docs, val_docs)
-    _, state, _ = setup.setup_state(ctx, abstract=True)
+    run = resolve.resolve(args, 0.0)
+    prepared = train_run.prepare(run, OutputDir("fresh"), corpora.read_corpora(args.data))
+    vocabulary, objective = prepared.vocabulary, prepared.data.objective
+    total_steps, tokenizer = prepared.total_steps, vocabulary.tokenizer
+    model = setup_state(run, vocabulary.config, objective, total_steps, tokenizer=tokenizer, abstract=True)
     iterator = pipeline.train_batches(
-        ctx.data.train,
-        ctx.objective,
+        prepared.data.train,
+        objective,
         seed=args.control.seed,
-        global_batch=ctx.global_batch,
-        num_epochs=ctx.schedule.num_epochs,
+        global_batch=run.global_batch,
+        num_epochs=prepared.schedule.num_epochs,
     )
-    return state, iterator
+    return model.state, iterator
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -286,7 +289,7 @@ def test_sigterm_saves_at_the_current_step_and_the_resume_is_exact(
 
 
 def test_a_second_ctrl_c_quits_at_once():
-    from spmdlm.train.guard import StopOnSignal
+    from spmdlm.train.safety.guard import StopOnSignal
 
     # Python's own Ctrl-C handler, as in a terminal (a shell's background job starts with SIGINT ignored).
     outside = signal.signal(signal.SIGINT, signal.default_int_handler)

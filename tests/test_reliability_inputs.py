@@ -82,7 +82,7 @@ def test_resume_drops_a_torn_last_line_of_metrics_and_samples(
 
 
 def test_report_readers_tolerate_torn_lines(tmp_path, caplog):
-    from spmdlm.train.metrics_log import read_records, repair_torn_tail
+    from spmdlm.train.reporting.metrics_log import read_records, repair_torn_tail
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "lo{"step": 0, "event": "compile"}\n{"step": 3}\n{"step": 4, "l')
@@ -154,7 +154,7 @@ def test_negative_optimiser_values(capsys, tmp_path, cache_dir, tiny_gpt2_config
 
 def test_zero_learning_rate_is_allowed_with_a_warning(caplog, tmp_path, cache_dir, tiny_gpt2_config):
     from spmdlm.cli.launch import parse_args
-    from spmdlm.train import setup
+    from spmdlm.train.stages import resolve as setup
 
     args, _ = parse_args(small_run(tmp_path / "run", cache_dir, tiny_gpt2_config, "--learning_rate", "0"))
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
@@ -165,7 +165,7 @@ def test_zero_learning_rate_is_allowed_with_a_warning(caplog, tmp_path, cache_di
 # -- 4: a validation file that is a training file ---------------------------------------------------------------------
 def test_validation_file_among_the_train_files_warns(caplog, tmp_path, cache_dir, tiny_gpt2_config):
     from spmdlm.cli.launch import parse_args
-    from spmdlm.train import corpora
+    from spmdlm.train.stages import corpora
 
     other = tmp_path / "other.txt"
     other.write_text("some other text\n")

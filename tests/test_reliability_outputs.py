@@ -24,7 +24,7 @@ from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, special_tok
 from spmdlm.families import get_family
 from spmdlm.launch import main
 from spmdlm.prepare import main as prepare_main
-from spmdlm.train.outputs import export_done
+from spmdlm.train.stages.outputs import export_done
 
 _RNG = np.random.default_rng(7)
 _WORDS = [f"w{i}" for i in range(300)] + ["café", "straße"]

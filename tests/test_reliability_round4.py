@@ -109,7 +109,7 @@ def test_prepared_sources_of_two_tokenizers_get_advice_that_works(tmp_path):
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.mixture import read_mixture_file
     from spmdlm.errors import DataError
-    from spmdlm.train.corpora import read_sources
+    from spmdlm.train.stages.corpora import read_sources
 
     for name, sha in (("a", "1" * 64), ("b", "2" * 64), ("c", "1" * 64)):
         fake_dataset(tmp_path / name, sha)
@@ -198,17 +198,15 @@ def test_sample_prompts_keep_the_tokenizer_s_own_bars(gpt2_tokenizer):
 def test_the_validation_split_s_padding_line_says_validation(caplog, tmp_path, gpt2_tokenizer):
     import logging
 
+    from spmdlm.data.records import Cut
     from spmdlm.data.token_cache import prepare_split
 
     with caplog.at_level(logging.INFO, logger="spmdlm"):
         prepare_split(
             ["one line", "two more lines here"],
             gpt2_tokenizer,
-            record_length=8,
-            separator_id=0,
+            Cut(8, 0, "lines", pad_id=0),
             cache_dir=tmp_path,
-            mode="lines",
-            pad_id=0,
             name="validation",
         )
     lines = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]
@@ -220,7 +218,7 @@ def test_one_document_that_leaves_no_held_out_text_says_so(caplog):
     import types
 
     from spmdlm.cli.launch import parse_args
-    from spmdlm.train.corpora import tokenize_validation
+    from spmdlm.train.stages.corpora import tokenize_validation
 
     args, _ = parse_args(["--train_file", "x.txt", "--text_documents", "file"])
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
@@ -248,7 +246,7 @@ def test_a_tracker_that_cannot_start_leaves_the_output_dir_as_it_was(
     capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
 ):
     pytest.importorskip("mlflow", reason="the mlflow extra (pip install -e '.[mlflow]')")
-    from spmdlm.train.outputs import OUR_OUTPUTS
+    from spmdlm.train.stages.outputs import OUR_OUTPUTS
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://nowhere")  # refused by MLflow at once
     out = tmp_path / "run"
@@ -343,23 +341,21 @@ def test_the_model_card_describes_the_dataset_as_opened(tmp_path, prepared, gpt2
 
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.datasets import CARD_NAME
-    from spmdlm.train import corpora, publish
+    from spmdlm.train import publish
+    from spmdlm.train.stages import corpora
 
     out = shutil.copytree(prepared, tmp_path / "ds")
     args, _ = parse_args(["--dataset_dir", str(out)])
-    ctx = types.SimpleNamespace(
-        args=args,
-        tokenizer=gpt2_tokenizer,
-        dataset_cards={},
-        sources=(),
-        objective=types.SimpleNamespace(record_length=17, preparation="stream"),
-    )
-    train, _ = corpora.open_prepared(ctx, str(out))
+    objective = types.SimpleNamespace(record_length=17, preparation="stream")
+    reading = corpora.Reading(args.data, args.control, gpt2_tokenizer, None, objective)
+    data = corpora.prepare_data(reading, ([], []))
     card = json.loads((out / CARD_NAME).read_text())
     card["read"]["files"], card["splits"]["train"]["documents"] = 99, 12345  # prepared anew while training
     (out / CARD_NAME).write_text(json.dumps(card))
-    ctx.data = types.SimpleNamespace(train=train)
-    assert publish._data_lines(ctx)[0] == f"- corpus: the prepared dataset `{out}` (1 files, 20 training documents)"
+    prepared = types.SimpleNamespace(run=types.SimpleNamespace(args=args, sources=()), data=data)
+    assert (
+        publish._data_lines(prepared)[0] == f"- corpus: the prepared dataset `{out}` (1 files, 20 training documents)"
+    )
 
 
 # -- export/generate of checkpoints that do not restore: no folder or flag they do not have ----------------------

@@ -11,7 +11,8 @@ from family_fixtures import FIXTURES
 from spmdlm.cli.launch import parse_args
 from spmdlm.data import pipeline
 from spmdlm.families import objective_for_shapes
-from spmdlm.train.setup import resolve, setup_state
+from spmdlm.train.stages.program import setup_state
+from spmdlm.train.stages.resolve import resolve
 
 MESHES = ("data=2,fsdp=2,tensor=2", "data=4,fsdp=2", "fsdp=8")
 # Less machine-code optimisation (the partitioner, which warns, runs before it either way): compiles ~30% faster.
@@ -25,11 +26,11 @@ def compile_train_step(family: str, config, mesh: str, output_dir) -> None:
         ["--model_type", family, "--config_name", str(config), *FIXTURES[family].run_flags]
         + ["--mesh", mesh, "--per_device_train_batch_size", "2", "--output_dir", str(output_dir)]
     )
-    ctx = resolve(args, time.perf_counter())
-    ctx.objective = objective_for_shapes(ctx.family, ctx.config, flags=args.objective)
-    _, state, stepper = setup_state(ctx, abstract=True)
-    batch = pipeline.batch_spec(ctx.objective, ctx.global_batch)
-    stepper.lower_train(state, batch, compiler_options=FAST_CODEGEN).compile()
+    run = resolve(args, time.perf_counter())
+    objective = objective_for_shapes(run.family, run.config, flags=args.objective)
+    model = setup_state(run, run.config, objective, 0, abstract=True)
+    batch = pipeline.batch_spec(objective, run.global_batch)
+    model.stepper.lower_train(model.state, batch, compiler_options=FAST_CODEGEN).compile()
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 from test_reliability import flags, launch
 
 from spmdlm import checkpoint
-from spmdlm.train.guard import STOP_SIGNALS
-from spmdlm.train.step import Stepper
+from spmdlm.engine.step import Stepper
+from spmdlm.train.safety.guard import STOP_SIGNALS
 
 
 @pytest.mark.parametrize(
@@ -40,11 +40,11 @@ def test_a_stop_during_evaluation_abandons_it_and_saves(capsys, monkeypatch, tmp
     out = tmp_path / "run"
     original, batches = Stepper.eval_step, []
 
-    def eval_then_sigterm(self, state, batch):
+    def eval_then_sigterm(self, state, batch, totals):
         batches.append(1)
         if len(batches) == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # arrives during the first eval batch
-        return original(self, state, batch)
+        return original(self, state, batch, totals)
 
     monkeypatch.setattr(Stepper, "eval_step", eval_then_sigterm)
     code, _, err = launch(

@@ -12,8 +12,8 @@ from conftest import read_metrics
 
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
+from spmdlm.engine.optim import SPIKE_HISTORY, SpikeState, skip_spikes
 from spmdlm.launch import main
-from spmdlm.train.optim import SPIKE_HISTORY, SpikeState, skip_spikes
 
 STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 

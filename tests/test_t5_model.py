@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from spmdlm.families import load_config, load_pretrained_config  # noqa: E402
+from spmdlm.families.t5.model import T5Config, T5ForConditionalGeneration, relative_position_buckets  # noqa: E402
 from spmdlm.hf_export import load_hf, save_hf  # noqa: E402
 from spmdlm.models.hf_config import ConfigError  # noqa: E402
-from spmdlm.models.t5 import T5Config, T5ForConditionalGeneration, relative_position_buckets  # noqa: E402
 
 # Odd head sizes and counts, vocabularies that are not multiples of 8, unequal encoder/decoder depths, bucket
 # settings whose logarithmic range and max_distance clamp are both reached by the sequence lengths below.

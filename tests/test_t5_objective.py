@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from spmdlm.data.objectives.t5 import (
+from spmdlm.families import get_family
+from spmdlm.families.t5.objective import (
     SpanCorruption,
     compute_input_and_target_lengths,
     num_noise_spans,
     random_spans_noise_mask,
 )
-from spmdlm.families import get_family
 
 # Google's layout: <extra_id_k> = 32099 - k in a 32100-token vocab.
 SENTINELS = tuple(range(32099, 31999, -1))

@@ -9,9 +9,10 @@ import pytest
 from spmdlm import prepare
 from spmdlm.cli import tokenizer
 from spmdlm.data import readers, token_cache
+from spmdlm.data.records import Cut
 from spmdlm.data.tokenization import load_tokenizer
 from spmdlm.run_args import RunArgs
-from spmdlm.train import corpora
+from spmdlm.train.stages import corpora
 
 # Three paragraphs, hard-wrapped, separated by one or more blank lines (one of them holding spaces).
 TEXT = (
@@ -62,8 +63,7 @@ def test_the_launcher_reads_blank_line_documents_and_caches_them_apart(corpus, t
         mode: token_cache.prepare_split(
             corpora.read_corpora(args(mode).data)[0],
             tok,
-            record_length=1,
-            separator_id=eos,
+            Cut(1, eos),
             cache_dir=cache_dir,
             name="train",
         )

@@ -17,7 +17,7 @@ from spmdlm.data.tokenization import (
 from spmdlm.errors import ConfigError
 from spmdlm.families import families, get_family
 
-MODEL_TYPES = ["gpt2", "roberta", "bart", "t5"]
+MODEL_TYPES = ["gpt2", "roberta", "bart", "t5", "modernbert"]
 VOCAB_SIZE = 600
 # transformers 5 rebuilds a T5Tokenizer's pipeline from the vocab alone (dropping ours), so t5 saves as the
 # generic class, which keeps tokenizer.json as written.
@@ -26,6 +26,7 @@ HF_CLASS = {
     "roberta": transformers.RobertaTokenizerFast,
     "bart": transformers.BartTokenizerFast,
     "t5": transformers.PreTrainedTokenizerFast,
+    "modernbert": transformers.PreTrainedTokenizerFast,  # the class the released ModernBERT tokenizer names
 }
 PROBES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -132,6 +133,9 @@ def test_special_token_ids_per_model_type(trained):
         "bos": None,
         "mask": None,
     }
+    # ModernBERT's five in the released tokenizer's order, first instead of after the pieces
+    modernbert = {"unk": 0, "bos": 1, "eos": 2, "pad": 3, "mask": 4}
+    assert special_token_ids(trained["modernbert"], get_family("modernbert")) == modernbert
     assert set(families()) == set(MODEL_TYPES)
 
 

@@ -22,9 +22,9 @@ from spmdlm.cli.launch import masked
 from spmdlm.errors import ArgumentError, RunError
 from spmdlm.launch import main
 from spmdlm.run_args import RunArgs
-from spmdlm.train import metrics_log, trackers
-from spmdlm.train import report as report_module
-from spmdlm.train.report import Reporter
+from spmdlm.train.reporting import metrics_log, trackers
+from spmdlm.train.reporting import report as report_module
+from spmdlm.train.reporting.report import Reporter, RunShape
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra (pip install -e '.[wandb]')")
 mlflow = pytest.importorskip("mlflow", reason="the mlflow extra (pip install -e '.[mlflow]')")
@@ -214,12 +214,14 @@ def reporter(out: Path, report_to: str) -> Reporter:
     return Reporter(
         out,
         enabled=True,
-        family=types.SimpleNamespace(train_flops_per_step=lambda *a: 0),
-        config=model,
-        objective=types.SimpleNamespace(sequence_lengths=lambda: {"input_ids": 8}),
-        global_batch=2,
-        mesh=types.SimpleNamespace(size=1, shape={"data": 1}),
-        dtype="float32",
+        shape=RunShape(
+            family=types.SimpleNamespace(train_flops_per_step=lambda *a: 0),
+            config=model,
+            objective=types.SimpleNamespace(sequence_lengths=lambda: {"input_ids": 8}),
+            global_batch=2,
+            mesh=types.SimpleNamespace(size=1, shape={"data": 1}),
+            dtype="float32",
+        ),
         args=RunArgs.of(dict(output_dir=str(out), report_to=report_to)),
     )
 

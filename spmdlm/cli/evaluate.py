@@ -8,8 +8,9 @@ transformers directory of the four families) on held-out text, with its objectiv
 --tasks runs LM-harness tasks (lm-eval; local task YAMLs with --tasks_dir) on the same model through our own JAX
 adapter (spmdlm/generation/harness.py; docs/harness.md), with or without held-out text.
 
-Everything but the model is the launcher's flags and code (spmdlm/train/setup.py: data and objective;
-spmdlm/train/step.py: the eval step; spmdlm/train/loop.py: evaluation): --validation_file, --dataset_dir or
+Everything but the model is the launcher's flags and code (spmdlm/train/stages/vocabulary.py and corpora.py: the
+tokenizer's record and the data; spmdlm/engine/evaluation.py: the eval step and evaluation, built from what was
+loaded, no run): --validation_file, --dataset_dir or
 --data_mixture (each source's held-out text), the objective flags (as given, else the defaults, whatever the model),
 --seed (the masks and spans: two models with one tokenizer see the same ones), --per_device_eval_batch_size.
 Prints the results as JSON (and writes them to --output_file). docs/evaluation.md says what each figure counts.
@@ -21,26 +22,28 @@ import argparse
 import contextlib
 import logging
 import sys
-import time
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import jax
 from flax import nnx
 
 from spmdlm import storage
+from spmdlm.cli.launch import family_choices, setup_devices
 from spmdlm.cli.launch import parse_args as parse_run_args
-from spmdlm.cli.launch import setup_devices
+from spmdlm.engine.evaluation import byte_lengths, evaluate, held_out_of, loss_of, make_stepper
 from spmdlm.errors import ArgumentError, DataError, UserError
-from spmdlm.families import family_choices
+from spmdlm.families.base import Family
 from spmdlm.generation.harness import harness_lm, run_tasks, task_manager
 from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
 from spmdlm.run_args import RunArgs
-from spmdlm.train.corpora import read_corpora, read_sources, setup_data, setup_mixture_data
-from spmdlm.train.loop import evaluate
-from spmdlm.train.metrics_log import strict_json
-from spmdlm.train.setup import Run, RunContext, byte_lengths, check_flags_apply, use_tokenizer
-from spmdlm.train.step import Stepper
+from spmdlm.train.reporting.metrics_log import strict_json
+from spmdlm.train.safety.watchdog import Watchdog, host_label
+from spmdlm.train.stages.corpora import Data, Reading, prepare_data, read_corpora, read_sources
+from spmdlm.train.stages.resolve import check_flags_apply
+from spmdlm.train.stages.vocabulary import Vocabulary, vocabulary_of
 
 log = logging.getLogger("spmdlm")
 
@@ -69,6 +72,7 @@ FLAGS = frozenset(
         "coordinator_address",
         "num_processes",
         "process_id",
+        "hang_timeout_minutes",
     }
 )
 NOTE = (
@@ -126,35 +130,23 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
         raise ArgumentError(
             f"--output_file {own.output_file} exists; give a new path (results are never written over a file)"
         )
+    check_output_folder(own.output_file)
     return own, args
+
+
+def check_output_folder(output_file: str | None) -> None:
+    """--output_file's folder exists before anything is evaluated (the results are not lost at the end)."""
+    if not output_file or storage.is_remote(output_file):
+        return
+    folder = Path(output_file).parent
+    if not folder.is_dir():
+        raise ArgumentError(
+            f"--output_file {output_file}: the folder {folder} does not exist; create it or give another path"
+        )
 
 
 def held_out_given(args: RunArgs) -> bool:
     return args.data.given or bool(args.data.validation_file)
-
-
-def context(args: RunArgs, loaded: LoadedModel) -> RunContext:
-    """The launcher's run context for this model. The objective flags are the command line's (defaults
-    included) whatever the model's kind: one command line gives every model the same preprocessing."""
-    family = loaded.family
-    args = args.replace(model_type=family.name)
-    check_flags_apply(args, family)
-    family.check_lengths(args.objective, loaded.config)
-    run = Run(
-        args,
-        loaded.mesh,
-        Path("."),
-        family,
-        0,
-        0,
-        time.perf_counter(),
-        args.model.model_name_or_path,
-        "xla",
-        args.data.sources(),
-    )
-    ctx = RunContext(run, loaded.config)
-    use_tokenizer(ctx, loaded.tokenizer)
-    return ctx
 
 
 def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
@@ -162,7 +154,7 @@ def run(own: argparse.Namespace, args: RunArgs) -> dict[str, Any]:
     loaded = load_model(
         args.model.model_name_or_path, make_mesh(args.devices.mesh), step=own.step, tokenizer=args.model.tokenizer_name
     )
-    found = held_out(args, loaded) if held_out_given(args) else header(args, loaded)
+    found = held_out(args, loaded, own) if held_out_given(args) else header(args, loaded)
     if tasks is not None:
         lm = harness_lm(
             loaded.family,
@@ -188,29 +180,62 @@ def header(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
     }
 
 
-def held_out(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
-    """The objective's loss, perplexity, accuracy and bits per byte on the held-out text."""
-    ctx = context(args, loaded)
-    if ctx.sources:
-        setup_mixture_data(ctx, read_sources(args.data, ctx.sources, need_train=False))
-    else:
-        setup_data(ctx, *read_corpora(args.data, need_train=False))
-    if not ctx.data.validation_splits:
-        raise DataError("no held-out text to evaluate: give --validation_file (or each source's validation_file)")
+def held_out(args: RunArgs, loaded: LoadedModel, own: argparse.Namespace) -> dict[str, Any]:
+    """The objective's loss, perplexity, accuracy and bits per byte on the held-out text. The objective flags are
+    the command line's (defaults included) whatever the model's kind: one command line gives every model the same
+    preprocessing."""
+    family = loaded.family
+    args = args.replace(model_type=family.name)
+    check_flags_apply(args, family)
+    family.check_lengths(args.objective, loaded.config)
+    check_tokenizer_covered(loaded)
+    vocabulary = vocabulary_of(loaded.tokenizer, loaded.config, family)
+    data = held_out_data(args, vocabulary, family)
     graphdef, state = nnx.split(loaded.model)
-    stepper = Stepper(
-        graphdef,
-        state,
-        ctx.mesh,
-        loaded.family.forward,
-        label_capacity=ctx.objective.label_capacity,
-        unscored=ctx.objective.unscored_label_ids,
-        byte_lengths=byte_lengths(ctx),
-    )
-    return results(loaded, ctx, evaluate(stepper, state, ctx))
+    counts = byte_lengths(vocabulary.tokenizer, vocabulary.config.vocab_size)
+    stepper = make_stepper(graphdef, state, loaded.mesh, family.forward, loss_of(data.objective), counts)
+    splits, max_examples = data.validation_splits, args.data.max_eval_samples
+    held = held_out_of(splits, data.objective, args.control, loaded.mesh, max_examples)
+    with evaluation_watchdog(args, own) as watch:
+        metrics = evaluate(stepper, state, held, on_batch=lambda: watch.beat("an evaluation batch"))
+    return results(args, loaded, metrics)
 
 
-def results(loaded: LoadedModel, ctx: RunContext, metrics: dict[str, float]) -> dict[str, Any]:
+def check_tokenizer_covered(loaded: LoadedModel) -> None:
+    """A tokenizer with more ids than the model has embedding rows cannot be evaluated with (the launcher's advice,
+    a larger --vocab_size, is for training a new model)."""
+    size, rows = loaded.tokenizer.get_vocab_size(), loaded.config.vocab_size
+    if size > rows:
+        raise ArgumentError(
+            f"the tokenizer has {size} tokens but the model has {rows} (its vocab_size): ids from {rows} on have no "
+            "embedding; evaluate with the model's own tokenizer (leave out --tokenizer_name) or one of at most "
+            f"{rows} tokens"
+        )
+
+
+def evaluation_watchdog(args: RunArgs, own: argparse.Namespace) -> Watchdog:
+    """The launcher's hang watchdog (--hang_timeout_minutes; docs/operations.md) over the evaluation's batches; its
+    stacks go beside --output_file, else to the temporary directory (the evaluator has no output dir)."""
+    folder = storage.path(own.output_file).parent if own.output_file else Path(tempfile.gettempdir())
+    minutes = args.operations.hang_timeout(jax.process_count())
+    return Watchdog(minutes, folder, host_label(jax.process_index()))
+
+
+def held_out_data(args: RunArgs, vocabulary: Vocabulary, family: Family) -> Data:
+    """The held-out text (of each mixture source) tokenized with the model's tokenizer, as the launcher does."""
+    objective = family.build_objective(args.objective, vocabulary.config, vocabulary.tokenizer)
+    reading = Reading(args.data, args.control, vocabulary.tokenizer, family, objective)
+    sources = args.data.sources()
+    if sources:
+        data = prepare_data(reading, read_sources(args.data, sources, need_train=False), sources)
+    else:
+        data = prepare_data(reading, read_corpora(args.data, need_train=False))
+    if not data.validation_splits:
+        raise DataError("no held-out text to evaluate: give --validation_file (or each source's validation_file)")
+    return data
+
+
+def results(args: RunArgs, loaded: LoadedModel, metrics: dict[str, float]) -> dict[str, Any]:
     """The eval metrics without their eval_ prefix, each mixture source's under per_source."""
     overall = {key.removeprefix("eval_"): value for key, value in metrics.items() if key.startswith("eval_")}
     per_source: dict[str, dict[str, float]] = {}
@@ -218,10 +243,9 @@ def results(loaded: LoadedModel, ctx: RunContext, metrics: dict[str, float]) -> 
         if key.startswith("eval/"):
             _, source, name = key.split("/", 2)
             per_source.setdefault(source, {})[name] = value
-    args = ctx.args
     return {
         **header(args, loaded),
-        "objective": {flag.name: flag.of(args.objective) for flag in ctx.family.flags},
+        "objective": {flag.name: flag.of(args.objective) for flag in loaded.family.flags},
         "max_eval_samples": args.data.max_eval_samples,
         **overall,
         **({"per_source": per_source} if per_source else {}),

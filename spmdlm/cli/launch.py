@@ -7,8 +7,8 @@ default family's tiny model on the embedded corpus (the Python standard library)
 
 Process set-up happens here, before JAX touches a device: simulated CPU devices when the mesh asks for more than a
 CPU-only machine has, and `jax.distributed.initialize` for multi-host runs (with a bounded wait for a lost process).
-`--compile_for TOPOLOGY` compiles the run for a TPU slice instead of running it (spmdlm/train/aot.py). The run
-itself is spmdlm/train/run.py.
+`--compile_for TOPOLOGY` compiles the run for a TPU slice instead of running it (spmdlm/train/compile_for/aot.py).
+The run itself is spmdlm/train/run.py.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from jax.errors import JaxRuntimeError
 from spmdlm import devices, host, storage
 from spmdlm.data.mixture import name_of, sources_of
 from spmdlm.errors import ArgumentError, ConfigError, DivergenceError, Preempted, UserError, yaml_problem
-from spmdlm.families import family_choices
+from spmdlm.families import families, objective_flags, preset_names
 from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu
+from spmdlm.network import env_seconds
 from spmdlm.optimizers import declared_flags
 from spmdlm.optimizers.entries import Flag
 from spmdlm.run_args import FLAG_SECTION, SECTIONS, RunArgs
@@ -49,8 +50,7 @@ from spmdlm.run_args.choices import (
     quickstart,
 )
 from spmdlm.run_args.sections import DevicesArgs
-from spmdlm.train.aot import run_compile_for, use_cpu_backend
-from spmdlm.train.network import env_seconds
+from spmdlm.train.compile_for.aot import run_compile_for, use_cpu_backend
 from spmdlm.train.run import run
 
 log = logging.getLogger("spmdlm")
@@ -312,6 +312,18 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         # One line that names the problem instead of the full usage block.
         raise ArgumentError(f"{message} (python -m spmdlm.launch --help lists the flags)")
+
+
+def family_choices() -> FamilyChoices:
+    """What the parser needs to know of the registered families (the run's arguments know no registry)."""
+    known = families()
+    return FamilyChoices(
+        objective_flags(),
+        {name: tuple(flag.name for flag in f.flags) for name, f in known.items()},
+        {name: f.quickstart for name, f in known.items()},
+        tuple(preset_names()),
+        {name: f.default_preset for name, f in known.items()},
+    )
 
 
 def _description(choices: FamilyChoices) -> str:

@@ -28,7 +28,7 @@ import re
 import sys
 
 from spmdlm import storage
-from spmdlm.data.datasets import DEFAULT_SHARD_BYTES, prepare_dataset
+from spmdlm.data.datasets import DEFAULT_SHARD_BYTES, ForModel, prepare_dataset
 from spmdlm.data.readers import add_corpus_arguments, corpus_of
 from spmdlm.data.records import Cut
 from spmdlm.data.tokenization import load_tokenizer, special_token_ids
@@ -167,15 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         card = prepare_dataset(
             corpus,
-            tokenizer,
             args.out,
             cut,
-            family=family,
-            objective=applicable,
+            ForModel(family, tokenizer, applicable, args.model_max_length or config.max_length),
             workers=args.workers,
             shard_bytes=args.shard_size,
             overwrite=args.overwrite,
-            model_max_length=args.model_max_length or config.max_length,
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -49,21 +49,39 @@ def formats(path: Path) -> tuple[str, str | None]:
 
 def _open_binary(path: Path):
     """(raw file, readable binary stream): .gz, .xz and .bz2 through the standard library, .zst through zstandard,
-    else the file itself."""
-    _, compression = formats(path)
+    else the file itself. A file without a compression suffix is sniffed by its magic bytes."""
+    raw = path.open("rb")  # a local file, or a gs:// object read through gcsfs
+    compression = formats(path)[1] or sniffed_compression(raw)
+    if compression in _STDLIB_DECOMPRESSORS:
+        return raw, _STDLIB_DECOMPRESSORS[compression](raw)
     if compression == ".zst":
         try:
             import zstandard
         except ImportError:
+            raw.close()
             raise DataError(
                 f"{path}: reading .zst files needs zstandard: pip install zstandard (or {DATASETS_HINT})"
             ) from None
-    raw = path.open("rb")  # a local file, or a gs:// object read through gcsfs
-    if compression in _STDLIB_DECOMPRESSORS:
-        return raw, _STDLIB_DECOMPRESSORS[compression](raw)
-    if compression == ".zst":
         return raw, io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
     return raw, raw
+
+
+# The first bytes of each compressed format (bzip2's: "BZh", the block size, then the block magic of pi's digits)
+MAGIC_BYTES = {
+    b"\x1f\x8b": ".gz",
+    b"\xfd7zXZ\x00": ".xz",
+    b"\x28\xb5\x2f\xfd": ".zst",
+}
+BZIP2_MAGIC = re.compile(rb"BZh[1-9]1AY&SY")
+
+
+def sniffed_compression(raw) -> str | None:
+    """The compression a file without its suffix (corpus.txt holding gzip) has, by its magic bytes; None: plain."""
+    head = raw.read(10)
+    raw.seek(0)
+    if BZIP2_MAGIC.match(head):
+        return ".bz2"
+    return next((suffix for magic, suffix in MAGIC_BYTES.items() if head.startswith(magic)), None)
 
 
 _STDLIB_DECOMPRESSORS = {

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -75,6 +76,8 @@ def read_card(dataset_dir: str | os.PathLike) -> dict:
     path = folder / CARD_NAME
     if not path.is_file():
         what = "no such directory" if not folder.exists() else f"no {CARD_NAME} in it"
+        if folder.exists() and (".tmp-" in folder.name or (folder / TOKENIZER_DIR).exists()):
+            what += ": an incomplete dataset (a preparation that did not finish writes its card last)"
         raise DataError(f"--dataset_dir {folder}: {what}; prepare one with python -m spmdlm.prepare")
     try:
         card = json.loads(path.read_text())
@@ -88,6 +91,13 @@ def read_card(dataset_dir: str | os.PathLike) -> dict:
             f"{CARD_VERSION} (flat token shards, read in batches); prepare it again: {_prepare_again(folder, card)}"
         )
     return card
+
+
+def tokenizer_dir(dataset_dir: str | os.PathLike) -> Path:
+    """The dataset's copy of its tokenizer, once the dataset is known to be whole (a missing or half-written one is
+    named as such, not as a missing tokenizer)."""
+    read_card(dataset_dir)
+    return storage.path(dataset_dir, "--dataset_dir") / TOKENIZER_DIR
 
 
 def _prepare_again(folder, card: dict) -> str:
@@ -397,26 +407,35 @@ def _changes(old: dict, head: dict) -> list[str]:
     return [CHANGE_NAMES.get(k, k) for k in head if k != "key" and old.get(k) != head[k]] or ["settings"]
 
 
+@dataclasses.dataclass(frozen=True)
+class ForModel:
+    """The model a dataset's records serve: its family (its name goes in the card, its tokenizer spec into the copy of
+    the tokenizer), the tokenizer that cuts the records (copied beside them, with `model_max_length`) and the
+    objective flags the records were prepared for (in the card)."""
+
+    family: Any
+    tokenizer: Any
+    objective: dict
+    model_max_length: int = 1024
+
+
 def prepare_dataset(
     corpus: Corpus,
-    tokenizer,
     out: str | os.PathLike,
     cut: Cut,
+    model: ForModel,
     *,
-    family,
-    objective: dict,
     workers: int | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
-    model_max_length: int = 1024,
     progress: bool | None = None,
 ) -> dict:
     """Prepare `corpus` into the dataset directory `out` as `cut` says (its validation_percentage: the documents held
-    out by hash, unless the corpus has a validation split of its own; 0: none) and return its card; a no-op when `out`
-    already holds the dataset of these inputs and settings. Refuses (DataError) a non-empty `out` holding anything
-    else, and a dataset of other inputs or settings unless `overwrite`. `workers` (default: the CPUs) changes speed,
-    not the bytes. `family`: the model family the records serve (its name goes in the card, its tokenizer spec into
-    the copy of the tokenizer)."""
+    out by hash, unless the corpus has a validation split of its own; 0: none) for `model`, and return its card; a
+    no-op when `out` already holds the dataset of these inputs and settings. Refuses (DataError) a non-empty `out`
+    holding anything else, and a dataset of other inputs or settings unless `overwrite`. `workers` (default: the
+    CPUs) changes speed, not the bytes."""
+    tokenizer, family = model.tokenizer, model.family
     out = storage.path(out, "--out") if storage.is_url(out) else Path(out).expanduser()
     corpus = _without_out(corpus, out)
     validation = _validation_plan(corpus, cut.validation_percentage)
@@ -427,7 +446,7 @@ def prepare_dataset(
         validation=validation,
         records_per_shard=records_per_shard(shard_bytes, cut.record_length),
         for_model=family.name,
-        objective=objective,
+        objective=model.objective,
     )
     head["key"] = _key(head)
     found, seen = _found(out, head, overwrite)
@@ -440,7 +459,9 @@ def prepare_dataset(
         out,
         head,
         lambda folder: _write_dataset(corpus, tokenizer, folder, head, cut, workers=workers, progress=progress),
-        tokenizer_copy=lambda folder: save_tokenizer(tokenizer, folder, family, model_max_length=model_max_length),
+        tokenizer_copy=lambda folder: save_tokenizer(
+            tokenizer, folder, family, model_max_length=model.model_max_length
+        ),
         unwritable=lambda why: UnwritableDataError(
             f"cannot write the dataset {out}: {why} in {out.parent}; free some space or choose another --out"
         ),

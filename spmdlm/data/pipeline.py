@@ -39,7 +39,7 @@ def read_options_for(objective: Objective) -> grain.ReadOptions:
 
 
 # What a checkpointed iterator's position counts (run_config.json "data_format"): 1 = examples (spmdlm 0.2),
-# 2 = host batches (HostBatches, MixtureBatches). A resume across formats is refused (train/outputs.py).
+# 2 = host batches (HostBatches, MixtureBatches). A resume across formats is refused (train/stages/outputs.py).
 DATA_FORMAT = 2
 
 

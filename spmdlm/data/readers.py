@@ -169,6 +169,8 @@ def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> l
                 )
             elif match.is_dir():
                 found.extend(_directory_files(match))
+            elif storage.symlink_loop(match):
+                raise DataError(f"{flag} {match}: is a symlink loop (it leads back to itself); point it at a file")
             elif _special(match):  # a FIFO has no size and cannot seek (the manifest samples files) or be re-read
                 raise DataError(
                     f"{flag} {match}: is not a regular file ({_kind(match)}); give a file (write the "

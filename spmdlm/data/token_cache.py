@@ -26,22 +26,19 @@ log = logging.getLogger(__name__)
 def prepare_split(
     documents: Iterable[str],
     tokenizer,
+    cut: Cut,
     *,
-    record_length: int,
-    separator_id: int,
     cache_dir,
     name: str,
     overwrite_cache: bool = False,
-    mode: str = "stream",
-    pad_id: int | None = None,
-    bos_id: int | None = None,
     workers: int = 1,
     progress: bool | None = None,
 ) -> PreparedSplit:
-    """The split `name` ("train", "validation") of `documents` tokenized into fixed-length records: the cached
-    dataset of the same content, or one written now. `workers` > 1 tokenizes in that many processes (same records);
-    `progress` shows a progress bar (None: on a terminal only)."""
-    cut = Cut(record_length, separator_id, mode, pad_id, bos_id=bos_id)
+    """The split `name` ("train", "validation") of `documents` tokenized into the fixed-length records `cut` says
+    (one split: no validation_percentage): the cached dataset of the same content, or one written now. `workers` > 1
+    tokenizes in that many processes (same records); `progress` shows a progress bar (None: on a terminal only)."""
+    if cut.validation_percentage:
+        raise ValueError("the token cache holds one split per call: hold out the validation documents before")
     documents = list(documents)
     if not documents:
         raise DataError(f"the {name} corpus is empty; give a file with text in it")

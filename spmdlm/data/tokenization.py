@@ -124,6 +124,12 @@ def _byte_level_bpe(specials: list[str], lowercase: bool) -> Tokenizer:
         tok.post_processor = processors.RobertaProcessing(
             ("</s>", specials.index("</s>")), ("<s>", specials.index("<s>")), trim_offsets=True, add_prefix_space=False
         )
+    elif "[CLS]" in specials:  # ModernBERT frames every text as [CLS] ... [SEP]
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B [SEP]",
+            special_tokens=[(token, specials.index(token)) for token in ("[CLS]", "[SEP]")],
+        )
     else:  # GPT-2 adds nothing
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -311,8 +317,9 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max
     else:
         config["add_prefix_space"] = False
         if spec.frames_with_bos:
-            special_map.update(sep_token="</s>", cls_token="<s>")
-            config.update(sep_token="</s>", cls_token="<s>", trim_offsets=True)
+            framing = {"sep_token": spec.specials["eos"], "cls_token": spec.specials["bos"]}
+            special_map.update(framing)
+            config.update(framing, trim_offsets=True)
     # tokenizer.json last: a run that finds it in its output dir takes the tokenizer there as whole
     with storage.writing_dir(out_dir) as folder:  # a bucket's files are uploaded at the end
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

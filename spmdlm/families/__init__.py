@@ -7,34 +7,45 @@ pyproject.toml:
     [project.entry-points."spmdlm.families"]
     opt = "my_package.family:FAMILY"
 
-so a new model is added without forking spmdlm (docs/architecture.md, "Adding a model").
+so a new model is added without forking spmdlm (docs/architecture.md, "Adding a model"). A family's presets are the
+JSON files in the `presets/` folder of the package that holds its FAMILY (`spmdlm/families/<name>/presets/*.json`),
+besides any it declares in `Family.presets`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
 import pkgutil
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from spmdlm.data.objectives import Flag, Objective
 from spmdlm.data.tokenization import train_tokenizer
 from spmdlm.errors import ConfigError
 from spmdlm.families.base import Family
-from spmdlm.models.hf_config import HFConfig, preset_names, read_config_source, read_pretrained_config
-from spmdlm.run_args.choices import DEFAULT_MODEL_TYPE, FamilyChoices
+from spmdlm.models.hf_config import (
+    DEFAULT_MODEL_TYPE,
+    HFConfig,
+    read_config_source,
+    read_json,
+    read_pretrained_config,
+)
 
 ENTRY_POINT_GROUP = "spmdlm.families"
 
 
 @functools.cache
 def families() -> dict[str, Family]:
-    """model_type -> Family: this package's, then the entry points' (loaded once, on first use)."""
-    found: dict[str, tuple[Family, str]] = {}
+    """model_type -> Family: this package's, then the entry points' (loaded once, on first use), each with the
+    presets of its `presets/` folder added."""
+    found: dict[str, tuple[Family, str, str]] = {}  # name -> (family, where it was found, the module holding it)
 
-    def add(family, source: str) -> None:
+    def add(family, source: str, module: str) -> None:
         if not isinstance(family, Family):
             raise ConfigError(f"model family {source} is a {type(family).__name__}, not a spmdlm Family")
         if family.name in found:
@@ -42,18 +53,42 @@ def families() -> dict[str, Family]:
                 f"two model families are named {family.name!r}: {found[family.name][1]} and {source}; "
                 "uninstall or rename one"
             )
-        found[family.name] = (family, source)
+        found[family.name] = (family, source, module)
 
     for module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
-        add(importlib.import_module(f"{__name__}.{module}").FAMILY, f"spmdlm.families.{module}")
+        name = f"{__name__}.{module}"
+        add(importlib.import_module(name).FAMILY, name, name)
     for entry in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         source = f"entry point {entry.name} = {entry.value}"
         try:
             family = entry.load()
         except Exception as e:  # a broken plugin: say which, not a traceback from deep inside importlib
             raise ConfigError(f"model family {source} failed to load: {type(e).__name__}: {e}") from None
-        add(family, source)
-    return {name: family for name, (family, _) in found.items()}
+        add(family, source, entry.module)
+    owners: dict[str, str] = {}  # preset name -> its family: a name is one family's only
+    known = {}
+    for name, (family, _, module) in found.items():
+        presets = {**preset_files(module, name), **family.presets}
+        for preset in presets:
+            if owners.setdefault(preset, name) != name:
+                raise ConfigError(
+                    f"model families {owners[preset]} and {name} both have a preset {preset!r}; rename one"
+                )
+        known[name] = dataclasses.replace(family, presets=presets)
+    return known
+
+
+def preset_files(module: str, model_type: str) -> dict[str, dict]:
+    """The JSON presets in the `presets/` folder of `module`'s package, each a config of `model_type`."""
+    folder = Path(sys.modules[module].__file__).parent / "presets"
+    presets = {path.stem: read_json(path, f"preset {path}") for path in sorted(folder.glob("*.json"))}
+    for name, values in presets.items():
+        if values.get("model_type", model_type) != model_type:
+            raise ConfigError(
+                f"preset {folder / name}.json is a {values['model_type']!r} config in the {model_type} family's "
+                "folder; move it to its family's presets/"
+            )
+    return presets
 
 
 def get_family(model_type: str | None) -> Family:
@@ -77,20 +112,14 @@ def objective_flags() -> tuple[Flag, ...]:
 
 
 def all_presets() -> dict[str, dict]:
-    """The families' own presets (shipped presets are files: spmdlm.models.hf_config.preset_names)."""
+    """Every family's presets (`--config_name`), by name."""
     return {name: values for family in families().values() for name, values in family.presets.items()}
 
 
-def family_choices() -> FamilyChoices:
-    """What the launcher's parser needs to know of the families."""
-    known = families()
-    return FamilyChoices(
-        objective_flags(),
-        {name: tuple(flag.name for flag in f.flags) for name, f in known.items()},
-        {name: f.quickstart for name, f in known.items()},
-        tuple(preset_names()) + tuple(sorted(all_presets())),
-        {name: f.default_preset for name, f in known.items()},
-    )
+def preset_names(model_type: str | None = None) -> list[str]:
+    """The presets' names, sorted: all, or those of one model type."""
+    chosen = families().values() if model_type is None else [get_family(model_type)]
+    return sorted(name for family in chosen for name in family.presets)
 
 
 # -- the one config resolution ----------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from spmdlm.errors import ArgumentError
 from spmdlm.models.attention import set_attention
 from spmdlm.models.hf_config import HFConfig
 from spmdlm.models.kv_cache import Cache
+from spmdlm.models.seq2seq import Packing
 
 # -- transformers rename tables ------------------------------------------------------------------------------------
 # A layout change is (ours -> HF, HF -> ours given our per-layer shape).
@@ -117,9 +118,9 @@ def forward_encoder_decoder(model, batch: Batch, rngs: nnx.Rngs | None = None, *
         batch["decoder_input_ids"],
         attention_mask=batch.get("attention_mask"),
         decoder_attention_mask=batch.get("decoder_attention_mask"),
+        packing=Packing(**packing_fields(batch, SEGMENT_FIELDS + DECODER_SEGMENT_FIELDS)),
         rngs=rngs,
         features_only=features_only,
-        **packing_fields(batch, SEGMENT_FIELDS + DECODER_SEGMENT_FIELDS),
     )
 
 

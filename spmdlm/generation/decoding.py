@@ -149,63 +149,73 @@ def encode_prompts(config, tokenizer, prompts: list[str]) -> list[list[int]]:
     return encoded
 
 
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to generate: how many new tokens and continuations, and how each token is chosen (`temperature` 0:
+    greedily). `generate`, `generate_ids` and `generate_tokens` take one, or its fields as keywords."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    num_samples: int = 1
+
+    def sampling(self) -> Sampling:
+        sampling = Sampling(float(self.temperature), int(self.top_k), float(self.top_p))
+        try:
+            sampling.check()
+        except ValueError as e:
+            raise GenerateError(str(e)) from None
+        if self.max_new_tokens < 1:
+            raise GenerateError(f"max_new_tokens ({self.max_new_tokens}) must be at least 1")
+        if self.num_samples < 1:
+            raise GenerateError(f"num_samples ({self.num_samples}) must be at least 1")
+        return sampling
+
+
+def _request(request: Request | None, fields: dict) -> Request:
+    return dataclasses.replace(request or Request(), **fields)
+
+
 def generate_ids(
-    model,
-    config,
-    tokenizer,
-    prompts: list[str],
-    *,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    num_samples: int = 1,
+    model, config, tokenizer, prompts: list[str], request: Request | None = None, **fields
 ) -> list[list[int]]:
     """The new token ids of each prompt's `num_samples` continuations (prompt-major), each up to and including its
-    EOS if it emitted one. `temperature` 0 decodes greedily."""
-    if num_samples < 1:
-        raise GenerateError(f"num_samples ({num_samples}) must be at least 1")
-    rows = [ids for ids in encode_prompts(config, tokenizer, prompts) for _ in range(num_samples)]
-    return generate_tokens(
-        model,
-        config,
-        rows,
-        vocab=tokenizer.get_vocab_size(),
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-    )
+    EOS if it emitted one. `fields`: those of `Request`, over `request`'s."""
+    request = _request(request, fields)
+    request.sampling()
+    rows = [ids for ids in encode_prompts(config, tokenizer, prompts) for _ in range(request.num_samples)]
+    return generate_tokens(model, config, rows, vocab=tokenizer.get_vocab_size(), request=request)
 
 
 def generate_tokens(
-    model,
-    config,
-    rows: list[list[int]],
-    *,
-    vocab: int | None = None,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
+    model, config, rows: list[list[int]], *, vocab: int | None = None, request: Request | None = None, **fields
 ) -> list[list[int]]:
-    """`generate_ids` of prompts given as token ids (framed as the family frames them); only ids below `vocab` (the
-    tokenizer's) are chosen. One compiled program per (rows, prompt bucket, cache slots)."""
+    """`generate_ids` of prompts given as token ids (framed as the family frames them; one continuation each: a
+    request's num_samples is the caller's); only ids below `vocab` (the tokenizer's) are chosen. One compiled program
+    per (rows, prompt bucket, cache slots)."""
     generation = get_family(config.model_type).generation
     if generation not in (Generation.DECODER_ONLY, Generation.ENCODER_DECODER):
         use = "use fill-mask" if generation is Generation.FILL_MASK else "it is trained only"
         raise GenerateError(f"a {config.model_type} model does not generate text; {use}")
-    sampling = Sampling(float(temperature), int(top_k), float(top_p))
-    try:
-        sampling.check()
-    except ValueError as e:
-        raise GenerateError(str(e)) from None
-    if max_new_tokens < 1:
-        raise GenerateError(f"max_new_tokens ({max_new_tokens}) must be at least 1")
+    request = _request(request, fields)
+    sampling = request.sampling()
     specials = Specials.of(config, generation, vocab)
+    ids, mask, first = _prompt_batch(config, rows, specials, request.max_new_tokens)
+    settings = Settings(sampling, jax.random.key(request.seed), jnp.int32(first + request.max_new_tokens))
+    graphdef, params = nnx.split(model)
+    with _on_params_mesh(params):
+        slots = _round_up(first + request.max_new_tokens, SLOT_BUCKET)
+        state = prefill(graphdef, params, ids, mask, slots=slots, specials=specials)
+        tokens = decode(graphdef, params, state, settings, specials=specials)
+    new = np.asarray(tokens)[:, first : first + request.max_new_tokens]
+    ends = [np.flatnonzero(row == specials.eos) for row in new]
+    return [row[: end[0] + 1].tolist() if len(end) else row.tolist() for row, end in zip(new, ends)]
+
+
+def _prompt_batch(config, rows: list[list[int]], specials: Specials, max_new_tokens: int):
+    """The prompts as one padded batch: (ids, mask, the slot of the first new token)."""
     longest = max(map(len, rows))
     ids = np.full((len(rows), min(_round_up(longest, PROMPT_BUCKET), config.max_length)), specials.pad, np.int32)
     mask = np.zeros(ids.shape, np.int32)
@@ -217,55 +227,22 @@ def generate_tokens(
             )
         for row, prompt in enumerate(rows):
             ids[row, ids.shape[1] - len(prompt) :], mask[row, ids.shape[1] - len(prompt) :] = prompt, 1
-        first = ids.shape[1]
-    else:  # the prompt is the encoder's (right padding); the decoder starts from decoder_start
-        if max_new_tokens > config.max_length:
-            raise GenerateError(
-                f"{max_new_tokens} new tokens exceed the {config.max_length} positions of this "
-                f"model's decoder; ask for fewer"
-            )
-        for row, prompt in enumerate(rows):
-            ids[row, : len(prompt)], mask[row, : len(prompt)] = prompt, 1
-        first = 1
-    settings = Settings(sampling, jax.random.key(seed), jnp.int32(first + max_new_tokens))
-    graphdef, params = nnx.split(model)
-    with _on_params_mesh(params):
-        state = prefill(
-            graphdef, params, ids, mask, slots=_round_up(first + max_new_tokens, SLOT_BUCKET), specials=specials
+        return ids, mask, ids.shape[1]
+    # the prompt is the encoder's (right padding); the decoder starts from decoder_start
+    if max_new_tokens > config.max_length:
+        raise GenerateError(
+            f"{max_new_tokens} new tokens exceed the {config.max_length} positions of this "
+            f"model's decoder; ask for fewer"
         )
-        tokens = decode(graphdef, params, state, settings, specials=specials)
-    new = np.asarray(tokens)[:, first : first + max_new_tokens]
-    ends = [np.flatnonzero(row == specials.eos) for row in new]
-    return [row[: end[0] + 1].tolist() if len(end) else row.tolist() for row, end in zip(new, ends)]
+    for row, prompt in enumerate(rows):
+        ids[row, : len(prompt)], mask[row, : len(prompt)] = prompt, 1
+    return ids, mask, 1
 
 
-def generate(
-    model,
-    config,
-    tokenizer,
-    prompts: list[str],
-    *,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    num_samples: int = 1,
-) -> list[str]:
+def generate(model, config, tokenizer, prompts: list[str], request: Request | None = None, **fields) -> list[str]:
     """The text of each prompt's `num_samples` continuations (prompt-major), without the prompt and without EOS,
-    BOS and padding (T5's sentinels are kept: span corruption generates them)."""
-    rows = generate_ids(
-        model,
-        config,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        num_samples=num_samples,
-    )
+    BOS and padding (T5's sentinels are kept: span corruption generates them). `fields`: those of `Request`."""
+    rows = generate_ids(model, config, tokenizer, prompts, _request(request, fields))
     return [continuation_text(config, tokenizer, row) for row in rows]
 
 

@@ -11,6 +11,8 @@ Packed rows (docs/packing.md) carry segment ids: a query sees only keys of its o
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 
 import jax
@@ -21,7 +23,10 @@ from jax.ad_checkpoint import checkpoint_name
 from spmdlm.mesh import constrain
 from spmdlm.models import kernels
 from spmdlm.models.kv_cache import Cache
-from spmdlm.models.layers import Dense, add_broadcast, dropout, einsum_float32
+from spmdlm.models.layers import Dense, RMSNorm, add_broadcast, dropout, einsum_float32
+from spmdlm.models.rope import Rope
+
+log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("xla", *kernels.KERNELS)
 CHOICES = ("auto", *IMPLEMENTATIONS)  # --attention
@@ -36,7 +41,9 @@ class AttentionMask:
     `key_valid` [B, S] (False = padding), `causal` (query t sees keys <= t), packed segments (`q_segments` [B, T],
     `kv_segments` [B, S] int32: a query sees only keys of its own segment; 0 = padding, which real queries never
     see), or `dense`: an explicit boolean [B, 1, T, S] mask (the generation cache's, `kv_cache.Cache.advance`), which
-    only the einsums read. Padded queries are not masked: their outputs are never read (transformers does the same).
+    only the einsums read. `window` (left, right): a sliding window, query t sees keys t-left..t+right (set by the
+    attention layer that has one; within packed rows a segment's tokens are contiguous, so index distance is token
+    distance). Padded queries are not masked: their outputs are never read (transformers does the same).
     """
 
     key_valid: jax.Array | None = None
@@ -44,6 +51,7 @@ class AttentionMask:
     q_segments: jax.Array | None = None
     kv_segments: jax.Array | None = None
     causal: bool = dataclasses.field(default=False, metadata={"static": True})
+    window: tuple[int, int] | None = dataclasses.field(default=None, metadata={"static": True})
 
     @property
     def segmented(self) -> bool:
@@ -60,7 +68,17 @@ class AttentionMask:
         if self.causal:
             causal = jnp.tril(jnp.ones((query_length, key_length), dtype=bool))[None, None]
             mask = causal if mask is None else mask & causal
+        if self.window is not None:
+            band = window_band(jnp.arange(query_length)[:, None], key_length, self.window)
+            mask = band if mask is None else mask & band
         return mask
+
+
+def window_band(queries: jax.Array, key_length: int, window: tuple[int, int]) -> jax.Array:
+    """[1, 1, T, S] bool: key s is within (left, right) = `window` of query position `queries` [T, 1]."""
+    keys = jnp.arange(key_length)[None, :]
+    left, right = window
+    return ((keys >= queries - left) & (keys <= queries + right))[None, None]
 
 
 def make_attention_mask(
@@ -95,13 +113,57 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
-class Attention(nnx.Module):
-    """Multi-head attention (self or cross). Separate q/k/v/o projections, or GPT-2's fused qkv kernel.
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What kind of attention a layer is, beyond its shape (static: part of the model's definition).
 
-    `scale=None` divides scores by sqrt(head_dim); T5 passes scale=1.0 (its init absorbs the scaling).
-    `cross` marks a decoder's attention over the encoder output, whose keys and values generation projects once;
-    `biased` an attention that is given an additive bias (T5's relative positions), which not every kernel takes.
+    `scale=None` divides scores by sqrt(head_dim); T5 passes scale=1.0 (its init absorbs the scaling). `cross` marks
+    a decoder's attention over the encoder output, whose keys and values generation projects once; `biased` an
+    attention that is given an additive bias (T5's relative positions), which not every kernel takes.
+    `num_key_value_heads`: grouped-query attention (each key/value head serves num_heads / it query heads);
+    `rope`: rotary positions on queries and keys; `qk_norm_eps`: a per-head RMSNorm of queries and keys (QK-norm, as
+    Qwen3); `window` (left, right): a sliding window, a query at i sees keys i-left..i+right (with the mask's other
+    parts: causality, segments, padding).
     """
+
+    num_key_value_heads: int | None = None
+    use_bias: bool = True
+    fused_qkv: bool = False  # GPT-2's one qkv kernel
+    scale: float | None = None
+    q_init_std: float | None = None  # None: the layer's init_std
+    kv_init_std: float | None = None
+    out_init_std: float | None = None
+    cross: bool = False
+    biased: bool = False
+    rope: Rope | None = None
+    qk_norm_eps: float | None = None
+    window: tuple[int, int] | None = None
+
+
+@functools.cache
+def _say_kv_replicated(kv_heads: int, tensor: int) -> None:
+    log.info(
+        "grouped-query attention: the %d key/value heads do not divide the tensor axis (%d): their projections are "
+        "replicated over it (the query heads stay sharded)",
+        kv_heads,
+        tensor,
+    )
+
+
+def _kv_heads_axis(kv_heads: int) -> str | None:
+    """The logical axis of the key/value heads: sharded over `tensor` when they divide it, else replicated (said
+    once), rather than split inside a head."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+    if kv_heads % tensor:
+        _say_kv_replicated(kv_heads, tensor)
+        return None
+    return "heads"
+
+
+class Attention(nnx.Module):
+    """Multi-head attention (self or cross). Separate q/k/v/o projections, or GPT-2's fused qkv kernel; the options
+    of an `AttentionSpec` (grouped key/value heads, RoPE, QK-norm, a sliding window)."""
 
     implementation = "xla"  # IMPLEMENTATIONS; set per model by set_attention
 
@@ -110,62 +172,59 @@ class Attention(nnx.Module):
         d_model: int,
         num_heads: int,
         head_dim: int,
+        spec: AttentionSpec = AttentionSpec(),
         *,
-        use_bias: bool = True,
-        fused_qkv: bool = False,
-        scale: float | None = None,
         dropout_rate: float = 0.0,
         init_std: float = 0.02,
-        q_init_std: float | None = None,
-        kv_init_std: float | None = None,
-        out_init_std: float | None = None,
-        cross: bool = False,
-        biased: bool = False,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.num_heads, self.head_dim = num_heads, head_dim
-        self.cross, self.biased = cross, biased
-        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        self.num_kv_heads = spec.num_key_value_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+        if spec.fused_qkv and self.num_kv_heads != num_heads:
+            raise ValueError("a fused qkv projection needs as many key/value heads as query heads")
+        self.cross, self.biased, self.rope, self.window = spec.cross, spec.biased, spec.rope, spec.window
+        self.scale = 1.0 / math.sqrt(head_dim) if spec.scale is None else spec.scale
         self.dropout_rate = dropout_rate
-        inner = num_heads * head_dim
         std = lambda s: init_std if s is None else s
-        if fused_qkv:
-            self.qkv = Dense(
-                d_model,
-                (3, inner),
-                ("embed", "qkv", "heads"),
-                rngs=rngs,
-                use_bias=use_bias,
-                init_std=init_std,
-                dtype=dtype,
-                saved_as="qkv",
-            )
-            self.query = self.key = self.value = None
-        else:
-            self.qkv = None
-            proj = lambda s, name: Dense(
-                d_model, inner, ("embed", "heads"), rngs=rngs, use_bias=use_bias, init_std=s, dtype=dtype, saved_as=name
-            )
-            self.query = proj(std(q_init_std), "query")
-            self.key, self.value = proj(std(kv_init_std), "key"), proj(std(kv_init_std), "value")
+        dense = lambda out, axes, s, name: Dense(
+            d_model, out, axes, rngs=rngs, use_bias=spec.use_bias, init_std=s, dtype=dtype, saved_as=name
+        )
+        inner, kv_inner = num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv = dense((3, inner), ("embed", "qkv", "heads"), init_std, "qkv") if spec.fused_qkv else None
+        self.query = None if spec.fused_qkv else dense(inner, ("embed", "heads"), std(spec.q_init_std), "query")
+        kv_axes = ("embed", "heads" if self.num_kv_heads == num_heads else _kv_heads_axis(self.num_kv_heads))
+        self.key, self.value = (
+            (None, None)
+            if spec.fused_qkv
+            else (dense(kv_inner, kv_axes, std(spec.kv_init_std), name) for name in ("key", "value"))
+        )
+        norm = lambda: RMSNorm(head_dim, eps=spec.qk_norm_eps, rngs=rngs)
+        self.q_norm, self.k_norm = (norm(), norm()) if spec.qk_norm_eps is not None else (None, None)
         self.out = Dense(
             inner,
             d_model,
             ("heads", "embed"),
             rngs=rngs,
-            use_bias=use_bias,
-            init_std=std(out_init_std),
+            use_bias=spec.use_bias,
+            init_std=std(spec.out_init_std),
             dtype=dtype,
             saved_as="attention_out",
         )
 
-    def heads(self, t: jax.Array) -> jax.Array:
-        """[..., heads * head_dim] -> [..., heads, head_dim], heads sharded over `tensor`."""
-        return constrain(t.reshape(*t.shape[:-1], self.num_heads, self.head_dim), "batch", "length", "act_heads", None)
+    def heads(self, t: jax.Array, count: int | None = None) -> jax.Array:
+        """[..., heads * head_dim] -> [..., heads, head_dim], heads sharded over `tensor` (where they divide it)."""
+        count = count or self.num_heads
+        return constrain(t.reshape(*t.shape[:-1], count, self.head_dim), "batch", "length", "act_heads", None)
 
     def keys_values(self, context: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self.heads(self.key(context)), self.heads(self.value(context))
+        key, value = (
+            self.heads(self.key(context), self.num_kv_heads),
+            self.heads(self.value(context), self.num_kv_heads),
+        )
+        return (key if self.k_norm is None else self.k_norm(key)), value
 
     def __call__(
         self,
@@ -174,22 +233,29 @@ class Attention(nnx.Module):
         *,
         mask: AttentionMask | None = None,
         bias: jax.Array | None = None,
+        positions: jax.Array | None = None,
         rngs: nnx.Rngs | None = None,
         cache: Cache | None = None,
     ) -> jax.Array:
         """With a `cache` (generation), self-attention adds x's keys and values to it and attends over all its
-        slots; cross-attention reads the keys and values projected once from the encoder output, not `context`."""
+        slots; cross-attention reads the keys and values projected once from the encoder output, not `context`.
+        `positions` [B|1, T]: each token's position for RoPE (default 0..T-1; with a cache the model's, from
+        `Cache.advance`)."""
         layout = "bshd" if cache is None else "bhsd"  # keys and values: [B, S, heads, head_dim], or as cached
         if cache is not None and self.cross:
-            q, k, v = self.heads(self.query(x)), cache.cross_key, cache.cross_value
+            q, k, v = self._queries(x), cache.cross_key, cache.cross_value
         else:
             if self.qkv is not None:
                 qkv = self.qkv(x)  # sliced, not moved to the front: XLA:CPU then copies no transposed qkv
                 q, k, v = (self.heads(qkv[..., i, :]) for i in range(3))
             else:
-                q, (k, v) = self.heads(self.query(x)), self.keys_values(x if context is None else context)
+                q, (k, v) = self._queries(x), self.keys_values(x if context is None else context)
+            if self.rope is not None:
+                positions = jnp.arange(x.shape[1])[None] if positions is None else positions
+                q, k = self.rope(q, positions), self.rope(k, positions)
             if cache is not None:
                 k, v = cache.write(k, v)
+        mask = self._windowed(mask, cache, x.shape[1])
         dropping = rngs is not None and self.dropout_rate > 0.0  # no kernel has attention dropout
         out = None
         if self.implementation != "xla" and cache is None and not dropping:
@@ -198,7 +264,24 @@ class Attention(nnx.Module):
             out = self._einsums(q, k, v, mask, bias, rngs, layout)
         return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
 
+    def _queries(self, x: jax.Array) -> jax.Array:
+        q = self.heads(self.query(x))
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def _windowed(self, mask: AttentionMask | None, cache: Cache | None, length: int) -> AttentionMask | None:
+        """The mask with this layer's sliding window: a part of the mask the kernels take, or, over the cache's
+        slots (whose real tokens are contiguous, so slot distance is token distance), folded into its dense mask."""
+        if self.window is None:
+            return mask
+        if cache is None:
+            return dataclasses.replace(mask or AttentionMask(), window=self.window)
+        queries = cache.index + jnp.arange(length)[:, None]
+        return dataclasses.replace(mask, dense=mask.dense & window_band(queries, mask.dense.shape[-1], self.window))
+
     def _einsums(self, q, k, v, mask, bias, rngs, layout):
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:  # each key/value head serves `groups` consecutive query heads (transformers' repeat_kv)
+            k, v = (jnp.repeat(t, groups, axis=layout.index("h")) for t in (k, v))
         scores = einsum_float32(f"bthd,{layout}->bhts", q, k) * self.scale
         if bias is not None:
             scores = add_broadcast(scores, bias.astype(jnp.float32))

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from flax import nnx
 
 from spmdlm.mesh import constrain
-from spmdlm.models.attention import Attention
+from spmdlm.models.attention import Attention, AttentionSpec
 from spmdlm.models.layers import MLP, LayerNorm, dropout
+
+
+@dataclasses.dataclass(frozen=True)
+class PostNormSpec:
+    """A post-norm layer's sizes and rates (the same for every layer of a stack)."""
+
+    d_model: int
+    num_heads: int
+    d_ff: int
+    activation: str
+    eps: float
+    dropout_rate: float
+    attention_dropout: float
+    activation_dropout: float
+    init_std: float
 
 
 class PostNormBlock(nnx.Module):
@@ -17,47 +34,33 @@ class PostNormBlock(nnx.Module):
     rename tables map RoBERTa's names onto them.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        *,
-        activation: str,
-        eps: float,
-        dropout_rate: float,
-        attention_dropout: float,
-        activation_dropout: float,
-        cross_attention: bool,
-        init_std: float,
-        dtype,
-        rngs: nnx.Rngs,
-    ):
+    def __init__(self, spec: PostNormSpec, *, cross_attention: bool, dtype, rngs: nnx.Rngs):
+        d_model = spec.d_model
         attention = lambda cross=False: Attention(
             d_model,
-            num_heads,
-            d_model // num_heads,
-            cross=cross,
-            dropout_rate=attention_dropout,
-            init_std=init_std,
+            spec.num_heads,
+            d_model // spec.num_heads,
+            AttentionSpec(cross=cross),
+            dropout_rate=spec.attention_dropout,
+            init_std=spec.init_std,
             dtype=dtype,
             rngs=rngs,
         )
-        norm = lambda: LayerNorm(d_model, eps=eps, rngs=rngs)
+        norm = lambda: LayerNorm(d_model, eps=spec.eps, rngs=rngs)
         self.self_attn, self.self_attn_layer_norm = attention(), norm()
         self.encoder_attn = attention(cross=True) if cross_attention else None
         self.encoder_attn_layer_norm = norm() if cross_attention else None
         self.mlp = MLP(
             d_model,
-            d_ff,
-            activation=activation,
-            dropout_rate=activation_dropout,
-            init_std=init_std,
+            spec.d_ff,
+            activation=spec.activation,
+            dropout_rate=spec.activation_dropout,
+            init_std=spec.init_std,
             dtype=dtype,
             rngs=rngs,
         )
         self.final_layer_norm = norm()
-        self.dropout_rate = dropout_rate
+        self.dropout_rate = spec.dropout_rate
 
     def __call__(self, x, mask, context=None, context_mask=None, *, rngs=None, cache=None):
         rate = self.dropout_rate

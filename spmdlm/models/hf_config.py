@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from spmdlm import storage
 from spmdlm.errors import ConfigError
 
 C = TypeVar("C", bound="HFConfig")
-
-
-def _presets_dir() -> Path:
-    """The presets: `spmdlm/presets` in an installed wheel, the repository's `models/` in a source checkout."""
-    package = Path(__file__).resolve().parents[1]
-    installed = package / "presets"
-    return installed if installed.is_dir() else package.parent / "models"
-
-
-PRESETS_DIR = _presets_dir()
+DEFAULT_MODEL_TYPE = "gpt2"  # the family of a config, and so of a run, that names none (and of the quick start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,18 +42,15 @@ class HFConfig:
 
 
 def read_config_source(config_name: str, presets: Mapping[str, dict] | None = None) -> dict[str, Any]:
-    """`config_name` is a preset name (models/NAME.json, or a key of `presets`: the families' own), a JSON file, or
-    a directory with config.json."""
-    if presets and config_name in presets:
-        return dict(presets[config_name])
+    """`config_name` is a JSON file, a directory with config.json (a resumed run's output dir), or a preset name (a
+    key of `presets`: the families')."""
     given = storage.path(config_name, "--config_name")  # a gs:// JSON file or directory is read from the bucket
-    candidates = [given, given / "config.json"] + (
-        [] if storage.is_url(config_name) else [PRESETS_DIR / f"{config_name}.json"]
-    )
-    for path in candidates:
+    for path in (given, given / "config.json"):
         if path.is_file():
-            return _read_json(path, f"--config_name {config_name}")
-    names = ", ".join(preset_names() + sorted(presets or ()))
+            return read_json(path, f"--config_name {config_name}")
+    if presets and config_name in presets:
+        return copy.deepcopy(dict(presets[config_name]))  # a preset is shared: the caller may change its copy
+    names = ", ".join(sorted(presets or ()))
     raise ConfigError(
         f"--config_name {config_name!r}: no such preset, JSON file or directory with config.json (presets: {names})"
     )
@@ -73,10 +61,10 @@ def read_pretrained_config(path: str) -> dict[str, Any]:
     config_path = storage.path(path, "--model_name_or_path") / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{path}: no config.json; pass a directory written by save_pretrained or save_hf")
-    return _read_json(config_path, str(path))
+    return read_json(config_path, str(path))
 
 
-def _read_json(path, what: str) -> dict[str, Any]:
+def read_json(path, what: str) -> dict[str, Any]:
     try:
         values = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -84,12 +72,3 @@ def _read_json(path, what: str) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"{what}: {path} does not hold a config (a JSON object)")
     return values
-
-
-def preset_names(model_type: str | None = None) -> list[str]:
-    """Names of the shipped presets, all or those of one model type."""
-    names = []
-    for path in sorted(PRESETS_DIR.glob("*.json")):
-        if model_type is None or json.loads(path.read_text()).get("model_type") == model_type:
-            names.append(path.stem)
-    return names

@@ -6,7 +6,9 @@ of `attention.Attention` (`--attention`, chosen by `attention.resolve`):
   its segment ids, sharded by shard_map over the mesh's batch and head axes; off a TPU it runs in Pallas' interpret
   mode (tests).
 Each reads the parts of an `attention.AttentionMask` it takes: packed rows (docs/packing.md) as a boolean mask
-(`dot_product`, cuDNN's mask input) or segment ids (splash), padding as sequence lengths (cuDNN) or segment ids.
+(`dot_product`, cuDNN's mask input) or segment ids (splash), padding as sequence lengths (cuDNN) or segment ids, a
+sliding window as `local_window_size` (or within the boolean mask) or splash's `LocalMask`. Grouped key/value heads
+go to `jax.nn.dot_product_attention` as they are (it groups them itself) and to splash repeated per query head.
 No kernel has attention dropout or the generation cache's layout, and splash takes no bias: such a call computes
 with the einsums (`fused` returns None and says why once).
 """
@@ -65,7 +67,7 @@ def fused(
             k,
             v,
             bias=None if bias is None else bias.astype(q.dtype),
-            mask=mask.array(q.shape[1], k.shape[1]),
+            mask=mask.array(q.shape[1], k.shape[1]),  # the window, if any, is in it
             scale=scale,
             implementation="cudnn" if implementation == "cudnn" else "xla",
         )
@@ -84,6 +86,7 @@ def fused(
         scale=scale,
         is_causal=mask.causal,
         key_value_seq_lengths=kv_lengths,
+        local_window_size=mask.window,
         implementation="cudnn" if implementation == "cudnn" else "xla",
     )
 
@@ -114,13 +117,15 @@ def _splash(q, k, v, mask, scale: float) -> jax.Array:
         valid = valid | ~valid.any(-1, keepdims=True)
         q_segments, kv_segments = jnp.ones((batch, length), jnp.int32), valid.astype(jnp.int32)
     to_heads_first = lambda t: jnp.swapaxes(t, 1, 2)  # the kernel's [heads, length, head_dim] per example
+    if k.shape[2] != heads:  # grouped key/value heads: each serves heads / k.shape[2] consecutive query heads
+        k, v = (jnp.repeat(t, heads // k.shape[2], axis=2) for t in (k, v))
     q, k, v = to_heads_first(q * jnp.asarray(scale, q.dtype)), to_heads_first(k), to_heads_first(v)
     mesh = jax.sharding.get_abstract_mesh()
     platform = jax.default_backend() if mesh.empty or mesh.abstract_device is None else mesh.abstract_device.platform
 
     def attend(q, k, v, q_segments, kv_segments):
         local_heads, local_length = q.shape[1], q.shape[2]
-        head_mask = (splash_mask.CausalMask if mask.causal else splash_mask.FullMask)((local_length, key_length))
+        head_mask = _splash_head_mask(mask, (local_length, key_length))
         block = max(b for b in (512, 256, SPLASH_BLOCK) if local_length % b == 0 and key_length % b == 0)
         kernel = splash.make_splash_mha(
             splash_mask.MultiHeadMask([head_mask] * local_heads),
@@ -147,6 +152,14 @@ def _splash(q, k, v, mask, scale: float) -> jax.Array:
             attend, mesh=mesh, in_specs=(spec, spec, spec, rows, rows), out_specs=spec, check_vma=False
         )
     return to_heads_first(attend(q, k, v, q_segments, kv_segments))
+
+
+def _splash_head_mask(mask, shape: tuple[int, int]):
+    """One head's splash mask: causal, a (causal) sliding window, or full."""
+    if mask.window is not None:
+        left, right = mask.window
+        return splash_mask.LocalMask(shape, window_size=(left, 0 if mask.causal else right), offset=0)
+    return (splash_mask.CausalMask if mask.causal else splash_mask.FullMask)(shape)
 
 
 def splash_uncompilable(device_kind: str, dtype) -> str | None:

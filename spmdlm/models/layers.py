@@ -1,5 +1,6 @@
-"""The layers all four models share: dense, embedding, norms, MLP, dropout. Attention is `attention.Attention`, the
-transformer layer two models share `blocks.PostNormBlock`, the scanned layer stack `stack.LayerStack`.
+"""The layers the models share: dense, embedding, norms, MLP (plain or gated), dropout. Attention is
+`attention.Attention` (RoPE `rope.Rope`), the transformer layer two models share `blocks.PostNormBlock`, the scanned
+layer stack `stack.LayerStack`.
 
 Parameters are float32 and carry a PartitionSpec resolved from logical axis names through `mesh.LOGICAL_RULES`
 when they are created under a mesh (`jax.set_mesh`), so they are born sharded; without a mesh they are plain arrays.
@@ -8,6 +9,7 @@ Matmuls run in the compute `dtype` (bfloat16 on accelerators); norms and softmax
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -146,6 +148,8 @@ class Dense(nnx.Module):
     """y = x @ kernel (+ bias). `out_features` may be a tuple to keep structure (e.g. GPT-2's fused 3×heads).
     `saved_as`: the name (checkpoint_name) of x @ kernel that the remat policies keep or drop (stack.REMAT_POLICIES)."""
 
+    out_dtype = None  # the matmul's output dtype: the compute dtype (Float32Dense: float32)
+
     def __init__(
         self,
         in_features: int,
@@ -156,13 +160,11 @@ class Dense(nnx.Module):
         use_bias: bool = True,
         init_std: float = 0.02,
         dtype=jnp.float32,
-        out_dtype=None,
         saved_as: str | None = None,
     ):
         self.saved_as = saved_as
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         self.dtype = dtype
-        self.out_dtype = out_dtype  # e.g. float32 logits from a bfloat16 matmul (accumulated in float32)
         self.kernel = make_param(nnx.initializers.normal(init_std), rngs.params(), (in_features, *out_shape), axes)
         self.bias = (
             make_param(nnx.initializers.zeros, rngs.params(), out_shape, axes[1:], kind=Bias) if use_bias else None
@@ -184,6 +186,12 @@ class Dense(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+class Float32Dense(Dense):
+    """A Dense whose output is float32 from any compute dtype, accumulated in float32 (an untied LM head's logits)."""
+
+    out_dtype = jnp.float32
 
 
 class Embed(nnx.Module):
@@ -246,8 +254,18 @@ class RMSNorm(nnx.Module):
         return h.astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class MLPSpec:
+    """What kind of feed-forward block, beyond its sizes and activation. `gated`: wo(act(wi_0(x)) * wi_1(x)), the
+    GLU forms (T5 v1.1's gated-gelu, Llama's SwiGLU = silu, GeGLU = gelu), wi_0 the gate and wi_1 the up projection."""
+
+    gated: bool = False
+    use_bias: bool = True
+    out_init_std: float | None = None  # None: the layer's init_std
+
+
 class MLP(nnx.Module):
-    """Feed-forward block: wo(act(wi(x))), or the gated form wo(act(wi_0(x)) * wi_1(x)) of T5 v1.1.
+    """Feed-forward block: wo(act(wi(x))), or the gated form of `MLPSpec`.
 
     `dropout_rate` acts on the hidden activations (before wo); residual dropout is the caller's.
     """
@@ -256,41 +274,25 @@ class MLP(nnx.Module):
         self,
         d_model: int,
         d_ff: int,
+        spec: MLPSpec = MLPSpec(),
         *,
         activation: str,
-        gated: bool = False,
-        use_bias: bool = True,
         dropout_rate: float = 0.0,
         init_std: float = 0.02,
-        out_init_std: float | None = None,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.activation = activation
         self.dropout_rate = dropout_rate
-        dense_in = lambda: Dense(
-            d_model,
-            d_ff,
-            ("embed", "mlp"),
-            rngs=rngs,
-            use_bias=use_bias,
-            init_std=init_std,
-            dtype=dtype,
-            saved_as="mlp_hidden",
+        dense = lambda d_in, d_out, axes, std, name: Dense(
+            d_in, d_out, axes, rngs=rngs, use_bias=spec.use_bias, init_std=std, dtype=dtype, saved_as=name
         )
-        self.wi = None if gated else dense_in()
-        self.wi_0 = dense_in() if gated else None
-        self.wi_1 = dense_in() if gated else None
-        self.wo = Dense(
-            d_ff,
-            d_model,
-            ("mlp", "embed"),
-            rngs=rngs,
-            use_bias=use_bias,
-            init_std=init_std if out_init_std is None else out_init_std,
-            dtype=dtype,
-            saved_as="mlp_out",
-        )
+        dense_in = lambda: dense(d_model, d_ff, ("embed", "mlp"), init_std, "mlp_hidden")
+        self.wi = None if spec.gated else dense_in()
+        self.wi_0 = dense_in() if spec.gated else None
+        self.wi_1 = dense_in() if spec.gated else None
+        out_std = init_std if spec.out_init_std is None else spec.out_init_std
+        self.wo = dense(d_ff, d_model, ("mlp", "embed"), out_std, "mlp_out")
 
     def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
         act = ACTIVATIONS[self.activation]

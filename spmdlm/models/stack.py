@@ -93,10 +93,11 @@ class LayerStack(nnx.Module):
 
         return body(self.layers, x, keys)
 
-    def scan_with_cache(self, x: jax.Array, cache: Cache, *args) -> tuple[jax.Array, Cache]:
+    def scan_with_cache(self, x: jax.Array, cache: Cache, *args, first_layer: int = 0) -> tuple[jax.Array, Cache]:
         """Generation's pass over the layers (no dropout): as __call__, with each layer also given `cache=` the
-        cache, `layer` set to its index, and its slice of the cross-attention keys and values; it writes x's keys
-        and values into the cache. Returns x and the cache with its index moved past x's tokens.
+        cache, `layer` set to its index (counted from `first_layer`: a model of several stacks shares one cache), and
+        its slice of the cross-attention keys and values; it writes x's keys and values into the cache. Returns x and
+        the cache with its index moved past x's tokens.
 
         The self-attention cache is part of the scan's carry, not a scanned input: XLA then updates it in place,
         where scanning slices in and out copied the whole cache every step.
@@ -112,10 +113,11 @@ class LayerStack(nnx.Module):
         cross = (cache.cross_key, cache.cross_value)
         if self.per_layer:
             for i, layer in enumerate(self.layers):
-                x, carried = body(layer, (x, carried), jnp.int32(i), jax.tree.map(lambda a, i=i: a[i], cross))
+                index = jnp.int32(first_layer + i)
+                x, carried = body(layer, (x, carried), index, jax.tree.map(lambda a, i=i: a[i], cross))
         else:
             scanned = nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry, unroll=self.unroll)(body)
-            x, carried = scanned(self.layers, (x, carried), jnp.arange(self.count), cross)
+            x, carried = scanned(self.layers, (x, carried), first_layer + jnp.arange(self.count), cross)
         return x, dataclasses.replace(
             carried, cross_key=cache.cross_key, cross_value=cache.cross_value, index=cache.index + x.shape[1]
         )

@@ -47,7 +47,7 @@ class OptimizerInputs:
 class Optimizer:
     """One `--optim` choice. `build` returns the optimizer's transform, already scaled by the learning rate and with
     its weight decay; gradient clipping and spike skipping are put around it for every optimizer
-    (spmdlm/train/optim.py make_optimizer). `evaluation_params(opt_state, params)`: for an optimizer whose iterate is
+    (spmdlm/engine/optim.py make_optimizer). `evaluation_params(opt_state, params)`: for an optimizer whose iterate is
     not the model to evaluate (schedule-free), the parameters to evaluate, export and sample from; None: `params`."""
 
     name: str
@@ -81,7 +81,7 @@ class ScheduleInputs:
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """One `--lr_scheduler_type` choice: `after` is the rate from the end of the warmup on, as a function of the steps
-    since then (the linear warmup before it is every schedule's: spmdlm/train/optim.py learning_rate_schedule).
+    since then (the linear warmup before it is every schedule's: spmdlm/engine/optim.py learning_rate_schedule).
     `decays`: it falls to a floor, so --min_lr_ratio applies. `check_steps(values, warmup_steps, max_steps)`: its
     rules against the run's length, once that is known."""
 

@@ -91,6 +91,7 @@ class RunArgs:
         self.model.check_family(model_types)
         self.data.check_sources()
         self.optimization.check_steps(self.control.max_steps)
+        self.operations.check_steps(self.control.max_steps)
         if self.control.evaluating and not self.control.training and not self.data.holds_out:
             raise ArgumentError(
                 "nothing to evaluate: --do_eval without training needs held-out documents; give "

@@ -12,14 +12,14 @@ from spmdlm import bounds
 from spmdlm.bounds import Bounds
 from spmdlm.data.objectives import Flag
 from spmdlm.errors import ArgumentError
+from spmdlm.models.hf_config import DEFAULT_MODEL_TYPE as DEFAULT_MODEL_TYPE  # the launcher's default family
 from spmdlm.models.stack import PER_LAYER, REMAT_POLICIES
 from spmdlm.optimizers.entries import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
 from spmdlm.optimizers.schedules.wsd import DECAY_RATIO, DECAY_STEPS
 
 # --remat: what each scanned layer keeps for its backward pass (the policies: models/stack.py REMAT_POLICIES); auto
-# chooses one (spmdlm/train/plan.py).
+# chooses one (spmdlm/engine/plan.py).
 REMAT_CHOICES = ("auto", *REMAT_POLICIES)
-DEFAULT_MODEL_TYPE = "gpt2"  # the family of a run that names none (and of the embedded quick start)
 SEED_MAX = 2**32 - 1  # --seed: Grain's shuffle and random_map take an unsigned 32-bit seed
 # The optimizers' and schedules' own flags (spmdlm/optimizers: --optim's and --lr_scheduler_type's choices, each
 # declaring its flags) that are fields of the optimisation section: those older than the registry, kept where
@@ -112,7 +112,8 @@ def check_objective_flags(values: Mapping[str, Any], flags: tuple[Flag, ...]) ->
 
 @dataclasses.dataclass(frozen=True)
 class FamilyChoices:
-    """What the launcher's parser needs to know of the model families (spmdlm.families.family_choices)."""
+    """What the launcher's parser needs to know of the model families (built from the registry by
+    spmdlm.cli.launch.family_choices: the run's arguments know no registry)."""
 
     objective_flags: tuple[Flag, ...]  # every family's objective flags (one declaration per name)
     family_flags: Mapping[str, tuple[str, ...]]  # model type -> the names of the objective flags that apply

@@ -529,6 +529,16 @@ class OperationsArgs(_Section):
                 "every step would be reported as slow"
             )
 
+    def check_steps(self, max_steps: int) -> None:
+        """The --profile_steps window starts within --max_steps (when given): a trace that is never taken is refused,
+        not silently skipped."""
+        window = self.profile_window
+        if window is not None and 0 < max_steps < window[0]:
+            raise ArgumentError(
+                f"--profile_steps {self.profile_steps} starts after the run's last step (--max_steps {max_steps}): "
+                f"no trace would be taken; give steps within 1-{max_steps}"
+            )
+
     def hang_timeout(self, process_count: int) -> float:
         """--hang_timeout_minutes, or its default: on with several processes (a hung collective waits forever), off
         with one (nothing another host does can hang it, and a hung data read shows in the progress)."""

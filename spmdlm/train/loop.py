@@ -1,11 +1,12 @@
-"""The training loop of every family (steps, logging, evaluation and samples on their cadence, checkpoints, loss
-spikes and divergence, stop signals) and the evaluation it runs: the train and evaluate stages of a run
-(spmdlm/train/run.py lists the stages).
+"""The train and evaluate stages of a run (spmdlm/train/run.py lists the stages): training from the newest good
+checkpoint, or restoring it to evaluate, as one frozen `Trained`; the training loop of every family (steps, logging,
+evaluation and samples on their cadence, checkpoints, loss spikes and divergence, stop signals); the held-out
+evaluation (spmdlm/engine/evaluation.py) and --eval_tasks at the end.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import math
 import re
@@ -13,28 +14,116 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
 from spmdlm.data.mixture import MixedSplit
+from spmdlm.engine.evaluation import evaluate
+from spmdlm.engine.step import Stepper, model_for_evaluation
 from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted
 from spmdlm.families.base import Generation
 from spmdlm.generation import fill_mask, generate
-from spmdlm.generation.harness import flat_metrics, harness_lm, run_tasks
+from spmdlm.generation.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
 from spmdlm.mesh import batch_axis_size
 from spmdlm.run_args import RunArgs
-from spmdlm.train import profiling, publish, watchdog
-from spmdlm.train.guard import StopOnSignal
-from spmdlm.train.report import Reporter
-from spmdlm.train.setup import (
-    RunContext,
-)
-from spmdlm.train.step import Stepper, model_for_evaluation
+from spmdlm.train import publish
+from spmdlm.train.prepared import Prepared
+from spmdlm.train.reporting import profiling
+from spmdlm.train.reporting.report import Reporter
+from spmdlm.train.reporting.trackers import is_eval_key
+from spmdlm.train.safety import watchdog
+from spmdlm.train.safety.guard import StopOnSignal
+from spmdlm.train.stages.program import Model, compile_step
 
 log = logging.getLogger("spmdlm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """The train stage's result: the train state the model is at, its step, whether steps ran in this invocation,
+    and the training's results (train_loss, throughput, a mixture's epochs; a finished run's own kept)."""
+
+    state: Any
+    step: int
+    trained: bool
+    results: dict
+
+
+def train(prepared: Prepared, model: Model, reporter: Reporter, run_config: dict, stats, previous: dict) -> Trained:
+    """Train from the newest good checkpoint (or from scratch) to the last step; evaluation only: restore the
+    newest."""
+    run = prepared.run
+    if not prepared.training:
+        if not prepared.output_dir.resuming:
+            return Trained(model.state, 0, False, {})
+        return restore_for_evaluation(prepared, model)
+    manager = checkpoint.make_manager(
+        run.out,
+        save_interval_steps=1,
+        max_to_keep=run.args.control.save_total_limit,
+        keep_every_n_steps=run.args.control.keep_every_n_steps,
+    )
+    iterator = pipeline.train_batches(
+        prepared.data.train,
+        prepared.data.objective,
+        seed=run.args.control.seed,
+        global_batch=run.global_batch,
+        num_epochs=prepared.schedule.num_epochs,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    state, step, trained, results = model.state, 0, False, {}
+    try:
+        if prepared.output_dir.resuming:
+            with reporter.goodput.span("checkpoint"):
+                state, step = checkpoint.restore_newest_good(manager, state, iterator)
+            log.info("resumed from the checkpoint at step %d", step)
+            reporter.truncate_after(step)
+        if step < prepared.total_steps:
+            if stats is None:  # the finished run's last checkpoint was damaged: train again from an older one
+                compile_step(model, prepared.data.objective, run, reporter)
+            done = train_loop(prepared, model.stepper, state, iterator, manager, reporter, step, run_config)
+            state, trained = done.pop("state"), True
+            results = {**done, **source_epochs(prepared)}
+        else:  # finished before: keep its training results, redo only what is missing
+            results = {k: v for k, v in previous.items() if k.startswith("train_")}
+        with reporter.goodput.span("checkpoint"):
+            checkpoint.check_saved(manager, wait=True)
+    finally:
+        checkpoint.close(manager)
+    return Trained(state, prepared.total_steps, trained, results)
+
+
+def restore_for_evaluation(prepared: Prepared, model: Model) -> Trained:
+    """Evaluation only: the latest checkpoint's state, read in place."""
+    manager = checkpoint.make_manager(prepared.run.out, read_only=True)
+    state, step = checkpoint.restore_newest_good(manager, model.state, move_aside=False)
+    log.info("evaluating the checkpoint at step %d", step)
+    return Trained(state, step, False, {})
+
+
+def evaluate_model(prepared: Prepared, model: Model, trained: Trained, reporter: Reporter, previous: dict) -> dict:
+    """The held-out metrics and --eval_tasks at the end (a finished run's own, where it only redoes what is
+    missing)."""
+    kept = prepared.training and not trained.trained
+    out: dict[str, Any] = {}
+    if prepared.data.validation_splits and prepared.run.args.control.evaluating:
+        if kept and "eval_loss" in previous:
+            out.update({k: v for k, v in previous.items() if is_eval_key(k)})
+        else:
+            with reporter.goodput.span("evaluation"):
+                out.update(metrics := evaluate(model.stepper, trained.state, prepared.held_out()))
+            reporter.log_eval(trained.step, metrics)
+    if prepared.run.tasks is not None:
+        before = {k: v for k, v in previous.items() if k.startswith(TASK_METRICS + "/")}
+        with reporter.goodput.span("evaluation"):
+            metrics = before if kept and before else task_metrics(prepared, model.graphdef, trained.state)
+        if metrics and metrics is not before:
+            reporter.log_tasks(trained.step, metrics)
+        out.update(metrics or {})
+    return out
 
 
 def abandoned(stop: StopOnSignal | None) -> bool:
@@ -44,77 +133,14 @@ def abandoned(stop: StopOnSignal | None) -> bool:
     return False
 
 
-def evaluate(stepper: Stepper, state, ctx: RunContext, stop: StopOnSignal | None = None) -> dict[str, float] | None:
-    """Eval metrics over the validation split (a mixture: each source's, as eval/<source>/loss etc., and all of them
-    token-weighted under the plain names); None when a stop signal arrived meanwhile (single process: the save comes
-    first, as a preemption's grace period is short; several processes finish it, as every one must)."""
-    args = ctx.args
-    global_batch = args.control.per_device_eval_batch_size * batch_axis_size(ctx.mesh)
-    per_split: dict[str | None, Any] = {}
-    for name, split in ctx.data.validation_splits.items():
-        totals: dict[str, Any] = {}
-        for batch in pipeline.eval_batches(
-            split,
-            ctx.objective,
-            seed=args.control.seed,
-            global_batch=global_batch,
-            max_examples=args.data.max_eval_samples,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        ):
-            if abandoned(stop):
-                return None
-            sums = stepper.eval_step(state, pipeline.to_global(batch, ctx.mesh))
-            totals = sums if not totals else jax.tree.map(jnp.add, totals, sums)
-        per_split[name] = totals
-    if abandoned(stop):
-        return None
-    per_split = jax.device_get(per_split)
-    results = summarise(functools.reduce(lambda a, b: jax.tree.map(np.add, a, b), per_split.values()))
-    for name, totals in per_split.items():
-        if name is not None:
-            results.update(
-                {
-                    f"eval/{name}/{key.removeprefix('eval_')}": value
-                    for key, value in summarise(totals).items()
-                    if not key.endswith("_all_positions")
-                }
-            )
-    return results
-
-
-def summarise(totals: dict[str, Any]) -> dict[str, float]:
-    """Loss, perplexity, accuracy, tokens, and bits per byte and bytes (docs/evaluation.md) of eval sums: of the
-    objective's scored labels first, when it has them, then of all positions."""
-
-    def metrics(prefix: str, suffix: str = "") -> dict[str, float]:
-        tokens = max(float(totals[f"{prefix}tokens"]), 1.0)
-        loss = float(totals[f"{prefix}loss_sum"]) / tokens
-        out = {
-            f"eval_loss{suffix}": loss,
-            f"eval_perplexity{suffix}": math.exp(min(loss, 50.0)),
-            f"eval_accuracy{suffix}": float(totals[f"{prefix}correct"]) / tokens,
-            f"eval_tokens{suffix}": tokens,
-        }
-        if f"{prefix}bytes" in totals:  # summed nats over the bytes the labels stand for, in bits
-            size = int(totals[f"{prefix}bytes"])
-            out[f"eval_bits_per_byte{suffix}"] = float(totals[f"{prefix}loss_sum"]) / max(size, 1) / math.log(2)
-            out[f"eval_bytes{suffix}"] = size
-        return out
-
-    if "scored_tokens" not in totals:
-        return metrics("")
-    return {**metrics("scored_"), **metrics("", "_all_positions")}
-
-
 class TasksAbandoned(Exception):
     """A stop signal arrived while LM-harness tasks ran: the save goes first."""
 
 
-def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = None) -> dict[str, float] | None:
+def task_metrics(prepared: Prepared, graphdef, state, stop: StopOnSignal | None = None) -> dict[str, float] | None:
     """--eval_tasks on the parameters evaluation reads, as {eval_tasks/<task>/<metric>: value}; None when a stop
     signal arrived meanwhile (as `evaluate`). Every process takes part (the model is sharded); process 0 reports."""
-    args = ctx.args
+    args = prepared.run.args
     model, _ = model_for_evaluation(graphdef, state, args.optimization)
 
     def interrupt() -> None:
@@ -122,19 +148,19 @@ def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = N
             raise TasksAbandoned
 
     lm = harness_lm(
-        ctx.family,
+        prepared.run.family,
         model,
-        ctx.tokenizer,
-        ctx.mesh,
+        prepared.vocabulary.tokenizer,
+        prepared.run.mesh,
         interrupt=interrupt,
         seed=args.control.seed,
-        batch_size=args.control.per_device_eval_batch_size * batch_axis_size(ctx.mesh),
+        batch_size=args.control.per_device_eval_batch_size * batch_axis_size(prepared.run.mesh),
     )
     try:
         results = run_tasks(
             lm,
             args.reporting.eval_tasks,
-            manager=ctx.tasks,
+            manager=prepared.run.tasks,
             limit=args.reporting.eval_tasks_limit,
             seed=args.control.seed,
         )
@@ -151,9 +177,16 @@ def task_metrics(ctx: RunContext, graphdef, state, stop: StopOnSignal | None = N
 
 
 def train_loop(
-    ctx: RunContext, stepper: Stepper, state, iterator, manager, reporter: Reporter, start_step: int, run_config: dict
+    prepared: Prepared,
+    stepper: Stepper,
+    state,
+    iterator,
+    manager,
+    reporter: Reporter,
+    start_step: int,
+    run_config: dict,
 ) -> dict[str, Any]:
-    args, total_steps = ctx.args, ctx.total_steps
+    args, total_steps = prepared.run.args, prepared.total_steps
     pending: list[dict] = []  # device-side metrics since the last log; fetched only at log time
     reporter.start(start_step, total_steps)
     step = start_step
@@ -163,12 +196,12 @@ def train_loop(
     skipped = 0  # steps skipped as loss spikes so far (--skip_step_on_spike), as last logged
     me, took = jax.process_index(), reporter.goodput.span
     ops = args.operations
-    profiler = profiling.Profiler(ops.profile_window, ops.profile_every, ops.profile_all_hosts, ctx.out, me)
-    watch = watchdog.Watchdog(ops.hang_timeout(jax.process_count()), ctx.out, watchdog.host_label(me))
+    profiler = profiling.Profiler(ops.profile_window, ops.profile_every, ops.profile_all_hosts, prepared.run.out, me)
+    watch = watchdog.Watchdog(ops.hang_timeout(jax.process_count()), prepared.run.out, watchdog.host_label(me))
     with StopOnSignal() as stop, reporter, watch, profiler:
         while step < total_steps:
             with took("data_wait"):
-                batch = pipeline.to_global(next(iterator), ctx.mesh)
+                batch = pipeline.to_global(next(iterator), prepared.run.mesh)
             with profiler.at_step(step + 1, state):
                 state, metrics = stepper.train_step(state, batch, step)
             step += 1
@@ -184,7 +217,7 @@ def train_loop(
             else:
                 reporter.tick(step)
             checkpoint.check_saved(manager, last_saved)  # a failed async save stops the run now, not at the next
-            evaluate_between_steps(ctx, stepper, state, step, reporter, stop, watch)
+            evaluate_between_steps(prepared, stepper, state, step, reporter, stop, watch)
             stopping = stop.should_stop(step)
             if step % args.control.save_steps == 0 or step == total_steps or stopping or clock.due():
                 with took("checkpoint"):
@@ -194,72 +227,72 @@ def train_loop(
                 clock.saved()
                 reporter.sync()  # a bucket output dir: the metrics up to the checkpoint are there with it
                 if not stopping:  # a preemption's grace period is for the checkpoint
-                    publish.push_checkpoint(ctx, stepper.graphdef, state, step, manager)
+                    publish.push_checkpoint(prepared, stepper.graphdef, state, step, manager)
             if stopping:
                 checkpoint.check_saved(manager, step, wait=True)
-                raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(ctx.out) / str(step))
+                raise Preempted(stop.signum, step, checkpoint.checkpoint_dir(prepared.run.out) / str(step))
         reporter.goodput.steps_finished()
         profiler.close(state)
     return {"state": state, "train_loss": train_loss, **reporter.throughput()}
 
 
 def evaluate_between_steps(
-    ctx: RunContext, stepper: Stepper, state, step: int, reporter: Reporter, stop: StopOnSignal, watch
+    prepared: Prepared, stepper: Stepper, state, step: int, reporter: Reporter, stop: StopOnSignal, watch
 ) -> None:
     """What runs after step `step` when it is due: the held-out evaluation, --eval_tasks, the samples."""
-    args, took = ctx.args, reporter.goodput.span
-    before_the_end = step < ctx.total_steps
+    args, took = prepared.run.args, reporter.goodput.span
+    before_the_end = step < prepared.total_steps
     if (
-        ctx.data.validation_splits
+        prepared.data.validation_splits
         and args.control.evaluating
         and step % args.reporting.eval_steps == 0
         and before_the_end
     ):
         with took("evaluation"):
-            metrics = evaluate(stepper, state, ctx, stop)
+            metrics = evaluate(stepper, state, prepared.held_out(), lambda: abandoned(stop))
         watch.beat(f"the evaluation at step {step}")
         if metrics is not None:
             reporter.log_eval(step, metrics)
     tasks_every = args.reporting.eval_tasks_steps
-    if ctx.tasks is not None and tasks_every and step % tasks_every == 0 and before_the_end:
+    if prepared.run.tasks is not None and tasks_every and step % tasks_every == 0 and before_the_end:
         with took("evaluation"):
-            metrics = task_metrics(ctx, stepper.graphdef, state, stop)
+            metrics = task_metrics(prepared, stepper.graphdef, state, stop)
         if metrics:
             reporter.log_tasks(step, metrics)
-    if args.reporting.sample_prompts and (step % args.reporting.sample_every == 0 or step == ctx.total_steps):
+    if args.reporting.sample_prompts and (step % args.reporting.sample_every == 0 or step == prepared.total_steps):
         with took("evaluation"):
-            reporter.log_samples(step, samples(ctx, stepper.graphdef, state, step))
+            reporter.log_samples(step, samples(prepared, stepper.graphdef, state, step))
 
 
-def source_epochs(ctx: RunContext) -> dict[str, Any]:
+def source_epochs(prepared: Prepared) -> dict[str, Any]:
     """A mixture's epochs reached by each source over the run's examples (logged; kept in eval_results.json)."""
-    train = ctx.data.train
+    train = prepared.data.train
     if not isinstance(train, MixedSplit):
         return {}
-    epochs = train.epochs_reached(ctx.args.control.seed, ctx.total_steps * ctx.global_batch)
+    epochs = train.epochs_reached(prepared.run.args.control.seed, prepared.total_steps * prepared.run.global_batch)
     log.info("epochs reached per source: %s", ", ".join(f"{name} {value:.3g}" for name, value in epochs.items()))
     return {"train_source_epochs": epochs}
 
 
-def samples(ctx: RunContext, graphdef, state, step: int) -> list[dict[str, Any]]:
+def samples(prepared: Prepared, graphdef, state, step: int) -> list[dict[str, Any]]:
     """What the model makes of --sample_prompts now: a greedy and a sampled continuation of each (RoBERTa: its top
     candidates for each <mask>). Every process takes part (the model is sharded); process 0 reports."""
-    model, _ = model_for_evaluation(graphdef, state, ctx.args.optimization)
-    prompts = split_prompts(ctx.args.reporting.sample_prompts, ctx.tokenizer)
-    if ctx.family.generation is Generation.FILL_MASK:
+    args, config, tok = prepared.run.args, prepared.vocabulary.config, prepared.vocabulary.tokenizer
+    model, _ = model_for_evaluation(graphdef, state, args.optimization)
+    prompts = split_prompts(args.reporting.sample_prompts, tok)
+    if prepared.run.family.generation is Generation.FILL_MASK:
         return [
             {
                 "prompt": p,
                 "fill_mask": [
-                    [token for token, _, _ in candidates]
-                    for candidates in fill_mask(model, ctx.config, ctx.tokenizer, p, 3)
+                    [token for token, _, _ in candidates] for candidates in fill_mask(model, config, tok, p, 3)
                 ],
             }
             for p in prompts
         ]
-    common = dict(max_new_tokens=min(32, ctx.config.max_length // 2))
-    greedy = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.0, **common)
-    sampled = generate(model, ctx.config, ctx.tokenizer, prompts, temperature=0.8, top_k=50, seed=step, **common)
+    common = dict(max_new_tokens=min(32, config.max_length // 2))
+    greedy = generate(model, config, tok, prompts, temperature=0.0, **common)
+    sampled = generate(model, config, tok, prompts, temperature=0.8, top_k=50, seed=step, **common)
     return [{"prompt": p, "greedy": g, "sampled": s} for p, g, s in zip(prompts, greedy, sampled)]
 
 

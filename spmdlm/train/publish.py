@@ -24,16 +24,21 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 
-from spmdlm import __version__, checkpoint, storage
+from spmdlm import __version__, checkpoint, network, storage
 from spmdlm.crashpoints import crash_point
 from spmdlm.data import datasets, readers
+from spmdlm.engine.step import model_for_evaluation
 from spmdlm.errors import ArgumentError
-from spmdlm.hf_export import TASKS, card_usage_lines, export_complete, save_hf
+from spmdlm.hf_export import TASKS, card_usage_lines, export_complete, export_state, save_hf, what_it_needs
 from spmdlm.mesh import batch_axis_size
-from spmdlm.train import network
-from spmdlm.train.setup import RunContext, is_main
-from spmdlm.train.step import model_for_evaluation
+from spmdlm.train.prepared import Prepared
+from spmdlm.train.reporting.metrics_log import write_json
+from spmdlm.train.reporting.report import Reporter
+from spmdlm.train.reporting.trackers import is_eval_key
+from spmdlm.train.stages.outputs import export_done
+from spmdlm.train.stages.resolve import Run, is_main
 
 log = logging.getLogger("spmdlm")
 
@@ -51,45 +56,45 @@ TOKENIZER_KINDS = {"bpe": "byte-level BPE", "unigram": "Unigram (SentencePiece)"
 
 
 # -- the model card --------------------------------------------------------------------------------------------------
-def write_model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | None = None) -> None:
+def write_model_card(folder, prepared: Prepared, results: dict[str, Any], *, step: int | None = None) -> None:
     """README.md of the export in `folder` (local or gs://): the run's model, data, training and `results` (as
     eval_results.json has them; none yet at an intermediate upload, whose `step` the card names)."""
-    card = str(model_card(folder, ctx, results, step=step))
+    card = str(model_card(folder, prepared, results, step=step))
     storage.write_atomic(storage.path(folder) / CARD_NAME, card, "model_card.before_write")
 
 
-def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | None = None):
+def model_card(folder, prepared: Prepared, results: dict[str, Any], *, step: int | None = None):
     from huggingface_hub import ModelCard
 
-    family = ctx.family
-    model_id = repo_id_of(ctx)
+    family = prepared.run.family
+    model_id = repo_id_of(prepared)
     where = _where(folder)  # the snippet loads the local export unless it is on the Hub
-    data = card_data(ctx, results, model_id)
+    data = card_data(prepared, results, model_id)
     body = "\n".join(
         [
             f"# {model_id}",
             "",
-            _summary(ctx, folder, step),
+            _summary(prepared, folder, step),
             "",
             "## Model",
             "",
-            *_model_lines(ctx, folder),
+            *_model_lines(prepared, folder),
             "",
             "## Training data",
             "",
-            *_data_lines(ctx),
+            *_data_lines(prepared),
             "",
             "## Training procedure",
             "",
-            *_training_lines(ctx),
+            *_training_lines(prepared),
             "",
             "## Evaluation",
             "",
-            *_evaluation_lines(results, step, ctx.total_steps),
+            *_evaluation_lines(results, step, prepared.total_steps),
             "",
             "## How to use",
             "",
-            *card_usage_lines(family, model_id if ctx.hub is not None else where, where),
+            *card_usage_lines(family, model_id if prepared.hub is not None else where, where),
             "",
             f"Trained with spmdlm {__version__} (JAX and Flax NNX pretraining of RoBERTa, GPT-2, T5 and BART).",
             "",
@@ -98,11 +103,11 @@ def model_card(folder, ctx: RunContext, results: dict[str, Any], *, step: int | 
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
 
 
-def card_data(ctx: RunContext, results: dict[str, Any], model_id: str):
+def card_data(prepared: Prepared, results: dict[str, Any], model_id: str):
     """The card's YAML header: the Hub's metadata and `model-index` of the held-out metrics."""
     from huggingface_hub import EvalResult, ModelCardData
 
-    output, family = ctx.args.output, ctx.family
+    output, family = prepared.run.args.output, prepared.run.family
     task = TASKS[family.generation]
     datasets_given = _split(output.card_datasets)
     return ModelCardData(
@@ -134,26 +139,30 @@ def _where(folder) -> str:
     return str(storage.absolute(folder))
 
 
-def repo_id_of(ctx: RunContext) -> str:
+def repo_id_of(prepared: Prepared) -> str:
     """The model's name on the card: its Hub repository (user/name once the repository exists), else the output
     dir's name."""
-    return ctx.hub.repo_id if ctx.hub is not None else default_repo_id(ctx)
+    return prepared.hub.repo_id if prepared.hub is not None else default_repo_id(prepared.run)
 
 
-def default_repo_id(ctx: RunContext) -> str:
-    return ctx.args.output.hub_model_id or storage.absolute(ctx.out).name
+def default_repo_id(run: Run) -> str:
+    return run.args.output.hub_model_id or storage.absolute(run.out).name
 
 
-def _summary(ctx: RunContext, folder, step: int | None) -> str:
+def _summary(prepared: Prepared, folder, step: int | None) -> str:
     what = (
-        f"the model at step {step} of {ctx.total_steps} (an upload during training)"
+        f"the model at step {step} of {prepared.total_steps} (an upload during training)"
         if step is not None
-        else f"the model after {ctx.total_steps} steps"
+        else f"the model after {prepared.total_steps} steps"
     )
-    start = f"from `{ctx.args.model.model_name_or_path}`" if ctx.args.model.model_name_or_path else "from scratch"
+    start = (
+        f"from `{prepared.run.args.model.model_name_or_path}`"
+        if prepared.run.args.model.model_name_or_path
+        else "from scratch"
+    )
     return (
-        f"A {ctx.family.name} model ({_count(parameter_count(folder))} parameters) pretrained {start} with "
-        f"spmdlm: {what}, exported in transformers format for `{ctx.family.hf_auto_class}`."
+        f"A {prepared.run.family.name} model ({_count(parameter_count(folder))} parameters) pretrained {start} with "
+        f"spmdlm: {what}, exported in transformers format for `{prepared.run.family.hf_auto_class}`."
     )
 
 
@@ -165,8 +174,8 @@ def parameter_count(folder) -> int:
     return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
 
 
-def _model_lines(ctx: RunContext, folder) -> list[str]:
-    config, family, tok = ctx.config, ctx.family, ctx.tokenizer
+def _model_lines(prepared: Prepared, folder) -> list[str]:
+    config, family, tok = prepared.vocabulary.config, prepared.run.family, prepared.vocabulary.tokenizer
     counts = list(family.table.layer_counts(config).values())
     layers = (
         f"{counts[0]} encoder and {counts[1]} decoder layers"
@@ -177,31 +186,33 @@ def _model_lines(ctx: RunContext, folder) -> list[str]:
         (getattr(config, name) for name in ("hidden_size", "d_model", "n_embd") if hasattr(config, name)), None
     )
     spec = family.tokenizer
-    origin = "trained on the training corpus" if ctx.trained_tokenizer else "given"
+    origin = "trained on the training corpus" if prepared.vocabulary.trained else "given"
     return [
-        f"- family: {family.name} (`{family.hf_auto_class}`), config {ctx.config_source}",
+        f"- family: {family.name} (`{family.hf_auto_class}`), config {prepared.run.config_source}",
         f"- size: {parameter_count(folder):,} parameters, {layers}" + (f", width {width}" if width else ""),
         f"- positions: {config.max_length}, vocabulary {config.vocab_size:,}",
         f"- tokenizer: {TOKENIZER_KINDS.get(spec.kind, spec.kind)}, {tok.get_vocab_size():,} tokens ({origin})",
     ]
 
 
-def _data_lines(ctx: RunContext) -> list[str]:
-    args, train = ctx.args, ctx.data.train
-    if ctx.sources:
+def _data_lines(prepared: Prepared) -> list[str]:
+    args, train = prepared.run.args, prepared.data.train
+    if prepared.run.sources:
         lines = [
-            f"A weighted mixture of {len(ctx.sources)} sources:",
+            f"A weighted mixture of {len(prepared.run.sources)} sources:",
             "",
             "| source | weight | records | tokens |",
             "| --- | --- | --- | --- |",
         ]
         lines += [
             f"| {s.name} | {s.weight:.3g} | {split.num_records:,} | {split.num_tokens:,} |"
-            for s, split in zip(ctx.sources, train.splits)
+            for s, split in zip(prepared.run.sources, train.splits)
         ]
         return lines
     if args.data.dataset_dir:
-        card = ctx.dataset_cards.get(args.data.dataset_dir) or datasets.read_card(args.data.dataset_dir)  # trained on
+        card = prepared.data.dataset_cards.get(args.data.dataset_dir) or datasets.read_card(
+            args.data.dataset_dir
+        )  # trained on
         files = card["read"].get("files")  # none: a launcher run's token cache
         counts = ([f"{files:,} files"] if files else []) + [
             f"{card['splits']['train']['documents']:,} training documents"
@@ -230,9 +241,10 @@ def _data_lines(ctx: RunContext) -> list[str]:
     ]
 
 
-def _training_lines(ctx: RunContext) -> list[str]:
-    args, mesh, optim = ctx.args, ctx.mesh, ctx.args.optimization
-    lengths = ", ".join(f"{name} {length}" for name, length in ctx.objective.sequence_lengths().items())
+def _training_lines(prepared: Prepared) -> list[str]:
+    run = prepared.run
+    args, mesh, optim = run.args, run.mesh, run.args.optimization
+    lengths = ", ".join(f"{name} {length}" for name, length in prepared.data.objective.sequence_lengths().items())
     optimizer = optim.optim
     if optim.optim != "adafactor":
         optimizer += f" (beta1 {optim.adam_beta1:g}, beta2 {optim.adam_beta2:g}" + (
@@ -240,12 +252,12 @@ def _training_lines(ctx: RunContext) -> list[str]:
         )
     schedule = optim.lr_scheduler_type + (f", floor {optim.min_lr_ratio:g} of the peak" if optim.min_lr_ratio else "")
     device = mesh.devices.flat[0]
-    flags = ", ".join(f"--{flag.name} {flag.of(args.objective)}" for flag in ctx.family.flags)
+    flags = ", ".join(f"--{flag.name} {flag.of(args.objective)}" for flag in run.family.flags)
     axes = {axis: size for axis, size in mesh.shape.items() if size > 1} or dict(mesh.shape)
     kind = f" ({device.device_kind})" if device.device_kind.lower() != device.platform else ""
     return [
-        f"- steps: {ctx.total_steps:,}; global batch {ctx.global_batch} examples ({ctx.per_device_batch} per device x "
-        f"{batch_axis_size(mesh)} batch devices x {args.control.gradient_accumulation_steps} accumulation)",
+        f"- steps: {prepared.total_steps:,}; global batch {run.global_batch} examples ({run.per_device_batch} per "
+        f"device x {batch_axis_size(mesh)} batch devices x {args.control.gradient_accumulation_steps} accumulation)",
         f"- sequence lengths: {lengths}; objective flags: {flags}",
         f"- optimizer: {optimizer}; learning rate {optim.learning_rate:g}, {schedule} schedule, "
         f"{optim.warmup_steps} warmup steps; weight decay {optim.weight_decay:g}; gradient clipping "
@@ -355,16 +367,16 @@ class Hub:
         )
 
 
-def hub_for(ctx: RunContext) -> Hub | None:
+def hub_for(run: Run) -> Hub | None:
     """The run's Hub on process 0 with --push_to_hub, else None. Refuses (ArgumentError, before anything is written)
     a repository id the Hub would refuse and a missing token."""
-    args = ctx.args
+    args = run.args
     if not args.output.push_to_hub or not is_main():
         return None
     from huggingface_hub import get_token
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    repo_id = default_repo_id(ctx)
+    repo_id = default_repo_id(run)
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
@@ -380,45 +392,76 @@ def hub_for(ctx: RunContext) -> Hub | None:
         raise ArgumentError("--push_to_hub needs a Hub token: give --hub_token, set HF_TOKEN or run `hf auth login`")
     endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     network.timeout_s()  # a bad SPMDLM_NETWORK_TIMEOUT: refused now
-    return Hub(repo_id, endpoint=endpoint, token=token, private=args.output.hub_private_repo, export_dir=ctx.out / "hf")
+    return Hub(repo_id, endpoint=endpoint, token=token, private=args.output.hub_private_repo, export_dir=run.out / "hf")
 
 
-def publish_export(ctx: RunContext, results: dict[str, Any]) -> None:
+# -- the end of a run: eval_results.json, the export, the card and the upload ----------------------------------------
+def export_and_publish(prepared: Prepared, graphdef, state, trained: bool, reporter: Reporter, results: dict) -> None:
+    """eval_results.json and the summary; the export (the parameters evaluation reads, of `state`) unless one is
+    there from the same training (`trained`: steps ran in this invocation); the model card, and the upload with
+    --push_to_hub."""
+    run, vocabulary = prepared.run, prepared.vocabulary
+    if is_main():
+        if trained:  # goodput is of an invocation that trained; one that only redoes outputs keeps the run's
+            results.update(reporter.log_goodput(prepared.total_steps))
+        write_json(
+            run.out / "eval_results.json",
+            {k: v for k, v in results.items() if is_eval_key(k) or k.startswith(("train_", "goodput"))},
+            "eval_results.before_write",
+        )
+        reporter.finish(results)
+    if run.args.output.export_hf and prepared.training and (trained or not export_done(run.out)):
+        evaluated = nnx.state(model_for_evaluation(graphdef, state, run.args.optimization))
+        export_state(graphdef, evaluated, vocabulary.config, run.out / "hf", tokenizer=vocabulary.tokenizer)
+        log.info("exported to %s: %s", run.out / "hf", what_it_needs(run.family, run.out / "hf"))
+    publish_export(prepared, results)
+
+
+def finish_again(prepared: Prepared, results: dict[str, Any]) -> dict[str, Any]:
+    """A finished run found whole: re-running it retries its upload."""
+    if prepared.run.args.output.push_to_hub:
+        publish_export(prepared, results)
+    return results
+
+
+def publish_export(prepared: Prepared, results: dict[str, Any]) -> None:
     """The end of a training run: the model card into OUTPUT_DIR/hf (with `results`, as finish() has them), and the
     export uploaded with --push_to_hub. Nothing without a whole export, or in a run that did not train (its context
     does not describe the training)."""
-    folder = ctx.out / "hf"
-    if ctx.data.train is None or not export_complete(folder):
+    folder = prepared.run.out / "hf"
+    if prepared.data.train is None or not export_complete(folder):
         return
-    given_id = ctx.hub.repo_id if ctx.hub is not None else None
+    given_id = prepared.hub.repo_id if prepared.hub is not None else None
     if is_main():  # first, whatever the hub does
-        write_model_card(folder, ctx, results)
-    if ctx.hub is not None and ctx.hub.create():
-        if ctx.hub.repo_id != given_id:  # the card names the repository's full id (user/name), known now
-            write_model_card(folder, ctx, results)
-        ctx.hub.upload(folder, f"{ctx.family.name} after {ctx.total_steps} steps")
+        write_model_card(folder, prepared, results)
+    if prepared.hub is not None and prepared.hub.create():
+        if prepared.hub.repo_id != given_id:  # the card names the repository's full id (user/name), known now
+            write_model_card(folder, prepared, results)
+        prepared.hub.upload(folder, f"{prepared.run.family.name} after {prepared.total_steps} steps")
 
 
-def push_checkpoint(ctx: RunContext, graphdef, state, step: int, manager) -> None:
+def push_checkpoint(prepared: Prepared, graphdef, state, step: int, manager) -> None:
     """After the checkpoint of `step` (every process calls it): --hub_strategy every_save uploads the model as of
     `step`, exported to a temporary folder (every process joins the export's gathers); checkpoint also uploads the
     checkpoint itself under last-checkpoint/ (replacing the one there), once its asynchronous save is complete. The
     final step's model is left to the end's upload (publish_export), which has the evaluation."""
-    args = ctx.args
+    args = prepared.run.args
     if not args.output.push_to_hub or args.output.hub_strategy == "end":
         return
-    if step < ctx.total_steps or not args.output.export_hf:
+    if step < prepared.total_steps or not args.output.export_hf:
         with tempfile.TemporaryDirectory(prefix="spmdlm-hub-") as tmp:
             model, _ = model_for_evaluation(graphdef, state, args.optimization)
-            folder = save_hf(model, ctx.config, Path(tmp) / "hf", tokenizer=ctx.tokenizer)
-            if ctx.hub is not None and ctx.hub.create():
-                write_model_card(folder, ctx, {}, step=step)
-                ctx.hub.upload(folder, f"{ctx.family.name} at step {step} of {ctx.total_steps}")
+            folder = save_hf(
+                model, prepared.vocabulary.config, Path(tmp) / "hf", tokenizer=prepared.vocabulary.tokenizer
+            )
+            if prepared.hub is not None and prepared.hub.create():
+                write_model_card(folder, prepared, {}, step=step)
+                prepared.hub.upload(folder, f"{prepared.run.family.name} at step {step} of {prepared.total_steps}")
     if args.output.hub_strategy == "checkpoint":
         checkpoint.check_saved(manager, step, wait=True)
-        if ctx.hub is not None:
-            ctx.hub.upload(
-                checkpoint.checkpoint_dir(ctx.out) / str(step),
+        if prepared.hub is not None:
+            prepared.hub.upload(
+                checkpoint.checkpoint_dir(prepared.run.out) / str(step),
                 f"checkpoint at step {step}",
                 path_in_repo=CHECKPOINT_DIR_IN_REPO,
                 replace=True,

@@ -52,14 +52,16 @@ MAX_SEQ_LENGTH = Flag(
     "max_seq_length",
     int,
     None,
-    "encoder length for RoBERTa/T5/BART (default: RoBERTa and BART the model's positions up to 512 and 1024, T5 512)",
+    "encoder length for RoBERTa/ModernBERT/T5/BART (default: RoBERTa, ModernBERT and BART the model's positions up "
+    "to 512, 1024 and 1024, T5 512)",
     bounds=AT_LEAST_ONE,
 )
 MLM_PROBABILITY = Flag(
     "mlm_probability",
     float,
     None,
-    "MLM masking rate / T5 noise density (default 0.15); BART: the HF script's name for --mask_ratio",
+    "MLM masking rate / T5 noise density (default 0.15; ModernBERT 0.3, its recipe's); BART: the HF script's name "
+    "for --mask_ratio",
     bounds=OPEN_UNIT,
 )
 DOCUMENT_ATTENTION = Flag(
@@ -89,7 +91,7 @@ class Objective:
     # How records are cut from the corpus (spmdlm.data.records.MODES): documents joined into a stream of records.
     preparation: ClassVar[str] = "stream"
     # An objective that labels few positions (MLM) says how many per example the loss should plan for; the LM head
-    # then runs on those positions only (see train/step.py: loss_sums).
+    # then runs on those positions only (see engine/step.py: loss_sums).
     label_capacity: ClassVar[int | None] = None
     # Label ids the reported loss and accuracy leave out (BART's special tokens, as the HF script counts); trained on.
     unscored_label_ids: ClassVar[tuple[int, ...]] = ()

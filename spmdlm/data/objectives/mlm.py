@@ -126,7 +126,7 @@ class MaskedLM(Vectorised, Framed):
     def label_capacity(self) -> int | None:
         """Labelled positions per example the loss plans for: the chosen count is Binomial(content, p), so mean + 6
         standard deviations (rounded up to a multiple of 8) is exceeded about once in 10^9 examples, and a batch
-        that does exceed it takes the exact all-positions path (train/step.py). None when it saves little."""
+        that does exceed it takes the exact all-positions path (engine/step.py). None when it saves little."""
         n, p = self.record_length, self.mlm_probability
         capacity = 8 * math.ceil((n * p + 6 * math.sqrt(n * p * (1 - p))) / 8)
         return capacity if capacity <= 0.75 * self.max_seq_length else None

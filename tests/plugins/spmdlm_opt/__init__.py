@@ -9,13 +9,15 @@ Positions are 0..T-1 for every row, as GPT-2's: transformers' OPT derives them f
 (cumsum(mask) - 1), which gives the same positions to every real token of a right-padded row (or an unpadded one),
 not to a left-padded row's. Training batches (CausalLM blocks) have no padding. No KV cache (no generation).
 
-Public names: OPTConfig, OPTForCausalLM, TABLE (the rename table onto OPTForCausalLM's state dict), TINY (a tiny
-preset, JSON-ready), forward_flops, check_hf_config.
+Public names: OPTConfig, OPTForCausalLM, TABLE (the rename table onto OPTForCausalLM's state dict), TINY (the tiny
+preset of presets/opt-tiny.json), forward_flops, check_hf_config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import ClassVar
 
 import jax
@@ -233,25 +235,7 @@ TABLE = Table(
 
 
 # -- size and cost -------------------------------------------------------------------------------------------------
-TINY = {
-    "model_type": "opt",
-    "architectures": ["OPTForCausalLM"],
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "ffn_dim": 128,
-    "max_position_embeddings": 130,
-    "activation_function": "relu",
-    "do_layer_norm_before": True,
-    "word_embed_proj_dim": 64,
-    "dropout": 0.0,
-    "attention_dropout": 0.0,
-    "init_std": 0.02,
-    "pad_token_id": 1,
-    "bos_token_id": 2,
-    "eos_token_id": 2,
-}
+TINY = json.loads((Path(__file__).parent / "presets" / "opt-tiny.json").read_text())  # the family's preset
 
 
 def forward_flops(config, lengths: dict[str, int], full_causal_square: bool = False) -> dict[str, float]:

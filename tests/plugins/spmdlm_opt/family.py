@@ -1,6 +1,6 @@
 """The `Family` that plugs OPT into spmdlm, registered from outside the package under the `spmdlm.families` entry
 point group (`opt = spmdlm_opt.family:FAMILY`): causal LM on `--block_size` blocks, exported for transformers'
-`OPTForCausalLM`. Nothing under spmdlm/ names it."""
+`OPTForCausalLM`. Its presets are the JSON files of the package's presets/ folder. Nothing under spmdlm/ names it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from spmdlm.data.objectives.clm import BLOCK_SIZE, CausalLM
 from spmdlm.data.tokenization import TokenizerSpec, special_token_ids
 from spmdlm.errors import ArgumentError
 from spmdlm.families.base import Family, Generation, forward_single_stack
-from spmdlm_opt import TABLE, TINY, OPTConfig, OPTForCausalLM, check_hf_config, forward_flops
+from spmdlm_opt import TABLE, OPTConfig, OPTForCausalLM, check_hf_config, forward_flops
 
 
 def build_objective(flags, config, tokenizer) -> CausalLM:
@@ -47,7 +47,6 @@ FAMILY = Family(
     ),
     objective_class=CausalLM,
     default_preset="opt-tiny",
-    presets={"opt-tiny": TINY},
     quickstart=dict(
         output_dir="runs/opt-tiny-stdlib",
         config_name="opt-tiny",
