@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from spmdlm import storage
+from spmdlm.crashpoints import crash_point
 from spmdlm.errors import CheckpointError, NonFiniteStateError
 from spmdlm.models.stack import stack_layers, unstack_layers
 
@@ -169,15 +170,21 @@ def save(
         config=ocp.args.JsonSave({**run_config, "fingerprints": checksums}),
     )
     try:
-        return manager.save(step, args=args, force=force)
+        crash_point("checkpoint.before_save", checkpoint_dir_of(manager, step))
+        saving = manager.save(step, args=args, force=force)
+        crash_point("checkpoint.during_save", checkpoint_dir_of(manager, step))
+        return saving
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds; the user needs the path and the OS error
-        raise save_error(manager, None, e) from None  # it may be the previous save's failure, surfacing here
+        # it may be the previous save's failure, surfacing here
+        raise save_error(manager, None, e, needed=sum(x.nbytes for x in jax.tree.leaves(items))) from None
 
 
 def check_saved(manager: ocp.CheckpointManager, step: int | None = None, *, wait: bool = False) -> None:
     """Surface a failed asynchronous save now (one line), not at the next save; `wait` for the one in flight."""
     try:
         manager.wait_until_finished() if wait else manager.check_for_errors()
+        if wait:
+            crash_point("checkpoint.after_commit", checkpoint_dir_of(manager, step))
     except Exception as e:  # noqa: BLE001
         raise save_error(manager, step, e) from None
 
@@ -190,7 +197,13 @@ def close(manager: ocp.CheckpointManager) -> None:
         log.debug("closing the checkpoint manager: %s", describe(e))
 
 
-def save_error(manager, step: int | None, error: BaseException) -> CheckpointError:
+def checkpoint_dir_of(manager: ocp.CheckpointManager, step: int | None):
+    return storage.path(str(manager.directory)) / str(step if step is not None else "")
+
+
+def save_error(manager, step: int | None, error: BaseException, needed: int | None = None) -> CheckpointError:
+    """One line: the folder, the OS's words and, for a full disk, the bytes the save needs (`needed`: the arrays'
+    size, where known) and those free."""
     cause = root_cause(error)
     full_disk = (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or "os_error_code='28'" in str(cause)
     hint = (
@@ -203,6 +216,8 @@ def save_error(manager, step: int | None, error: BaseException) -> CheckpointErr
     what = describe(cause)
     if full_disk and "No space left" not in what:
         what = f"No space left on device ({what})"
+    if full_disk:
+        what = f"{what}; {storage.space_note(manager.directory, needed)}"
     return CheckpointError(f"saving the checkpoint {at}in {manager.directory} failed: {what}; {hint}")
 
 

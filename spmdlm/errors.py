@@ -35,6 +35,11 @@ class DataError(UserError):
     """A corpus, cache or dataset directory that cannot be read or used."""
 
 
+class UnwritableDataError(DataError):
+    """A token cache or dataset that cannot be written (a full disk, a folder not writable): the run stops, it never
+    goes on without the split."""
+
+
 class TokenizerError(UserError):
     """A tokenizer that cannot serve the requested model type, or one that cannot be found."""
 

@@ -34,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from spmdlm import storage
+from spmdlm.crashpoints import crash_point
 from spmdlm.data.tokenization import save_tokenizer
 from spmdlm.errors import ExportError
 from spmdlm.families import get_family, load_pretrained_config
@@ -145,6 +146,7 @@ def _write_files(folder: Path, tensors: dict, config: HFConfig, tokenizer) -> No
     if tokenizer is not None:
         save_tokenizer(tokenizer, folder, get_family(config.model_type), model_max_length=config.max_length)
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    crash_point("export.before_marker", folder / MARKER)
     (folder / MARKER).write_text(json.dumps({"format": "spmdlm-export", "files": files}, indent=2) + "\n")
 
 
@@ -205,11 +207,14 @@ def save_hf(model: nnx.Module, config: HFConfig, out_dir: str | Path, tokenizer=
                 storage.upload(file, out / file.name)
         else:
             _publish(tmp, local, whole)
+        crash_point("export.after_swap", out)
     except (OSError, SafetensorError, RuntimeError) as e:
         if not no_space(e):
             raise
+        needed = sum(int(t.nbytes) for t in tensors.values())
         raise ExportError(
-            f"cannot write the export {out}: no space left on device; free some space or choose another --out"
+            f"cannot write the export {out}: no space left on device ({storage.space_note(out, needed)}); free some "
+            "space or choose another --out"
         ) from None
     finally:
         shutil.rmtree(tmp.parent if remote else tmp, ignore_errors=True)

@@ -31,6 +31,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from spmdlm.crashpoints import crash_point
 from spmdlm.errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -179,16 +180,24 @@ def move(source, target) -> None:
         shutil.move(str(source), str(target))
 
 
-def write_atomic(p, data: str | bytes) -> None:
+def write_atomic(p, data: str | bytes, point: str | None = None) -> None:
     """Write a whole file so that a reader never sees half of it: local, write-then-rename; GCS, one upload (an
-    object appears whole or not at all)."""
+    object appears whole or not at all). A full disk: `disk_full`'s line, the file as it was. `point`: the write's
+    name in spmdlm.crashpoints."""
     raw = data.encode() if isinstance(data, str) else data
     if is_remote(p):
         filesystem().pipe_file(_fs_path(p), raw)
         return
     p = Path(p)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_bytes(raw)
+    try:
+        crash_point(point, p)
+        tmp.write_bytes(raw)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)  # a full disk: nothing half-written is left, the file before is kept
+        if no_space(e):
+            raise disk_full(p, len(raw)) from None
+        raise
     os.replace(tmp, p)
 
 
@@ -334,6 +343,42 @@ def no_space(e: BaseException) -> bool:
     return getattr(e, "errno", None) == errno.ENOSPC or "no space left" in text or "os error 28" in text
 
 
+def free_bytes(p) -> int | None:
+    """The bytes free on the local disk that holds `p` (its nearest existing folder); None for a bucket."""
+    if is_remote(p):
+        return None
+    folder = Path(p).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def space_note(p, needed: int | None = None, *, more: bool = False) -> str:
+    """What a full-disk line says of the space: the bytes the write needed (where known; `more`: at least those,
+    what it had written when the disk filled) and those free."""
+    free = free_bytes(p)
+    parts = [f"it needs {'more than ' if more else ''}{needed:,} bytes"] if needed else []
+    parts += [f"{free:,} are free there"] if free is not None else []
+    return ", ".join(parts) or "the bucket refused the write"
+
+
+def disk_full(p, needed: int | None = None) -> StorageError:
+    """The one line of a write that found the disk full: the path, the bytes (`space_note`) and the fix."""
+    return StorageError(
+        f"cannot write {p}: no space left on device ({space_note(p, needed)}); free some space and run the same "
+        "command again"
+    )
+
+
+def os_error_line(e: OSError) -> str:
+    """What a command line says of an OSError no writer turned into its own line: a full disk as `disk_full`
+    (the path and the bytes), anything else in the OS's words."""
+    return str(disk_full(e.filename)) if no_space(e) and e.filename else str(e)
+
+
 # -- writing a directory whole: into a temporary sibling, then swapped in ---------------------------------------------
 
 
@@ -378,7 +423,8 @@ def staging(out, unwritable: Callable[[str], Exception]) -> Iterator[Path]:
     except OSError as e:
         if not no_space(e):
             raise
-        raise unwritable("no space left on device") from None
+        written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+        raise unwritable(f"no space left on device ({space_note(tmp.parent, written, more=True)})") from None
     finally:
         shutil.rmtree(tmp.parent if remote else tmp, ignore_errors=True)
 

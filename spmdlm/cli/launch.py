@@ -31,7 +31,7 @@ import yaml
 from jax._src import distributed
 from jax.errors import JaxRuntimeError
 
-from spmdlm import devices, host
+from spmdlm import devices, host, storage
 from spmdlm.data.mixture import name_of, sources_of
 from spmdlm.errors import ArgumentError, ConfigError, DivergenceError, Preempted, UserError, yaml_problem
 from spmdlm.families import families, objective_flags, preset_names
@@ -275,7 +275,7 @@ def _main(argv: list[str] | None) -> int:
         print("spmdlm: interrupted (nothing saved since the last checkpoint)", file=sys.stderr)
         return 130
     except OSError as e:  # a full disk, a path that is not writable: the OS says what and where
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {storage.os_error_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:
         if _peer_watch is None or not isinstance(e, JaxRuntimeError):

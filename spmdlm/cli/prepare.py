@@ -27,6 +27,7 @@ import logging
 import re
 import sys
 
+from spmdlm import storage
 from spmdlm.data.datasets import DEFAULT_SHARD_BYTES, ForModel, prepare_dataset
 from spmdlm.data.readers import add_corpus_arguments, corpus_of
 from spmdlm.data.records import Cut
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a path that is not writable: the OS says what and where
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {storage.os_error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("spmdlm.prepare: interrupted; nothing was written", file=sys.stderr)

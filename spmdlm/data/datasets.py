@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from spmdlm import storage
+from spmdlm.crashpoints import crash_point
 from spmdlm.data.objectives import DOCUMENT_ATTENTION
 from spmdlm.data.readers import DATASET_CARD, Corpus, ReadStats
 from spmdlm.data.records import (
@@ -43,7 +44,7 @@ from spmdlm.data.records import (
 )
 from spmdlm.data.sentences import SENTENCE_END
 from spmdlm.data.tokenization import save_tokenizer
-from spmdlm.errors import DataError
+from spmdlm.errors import DataError, UnwritableDataError
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +299,7 @@ def write_dataset(
     tokenizer_copy: Callable[[Path], None],
     unwritable: Callable[[str], Exception],
     replaces: Callable[[Path], bool] | None = None,
+    point: str = "dataset.before_swap",
 ) -> dict:
     """Write the dataset directory `out` whole -> the card `out` then holds. `fill(folder)` writes the shard files
     into a staging directory (storage.staging) and returns the card's "read" and "splits"; then come the tokenizer's
@@ -308,6 +310,7 @@ def write_dataset(
         card = {**head, **fill(tmp)}
         tokenizer_copy(tmp / TOKENIZER_DIR)
         (tmp / CARD_NAME).write_text(json.dumps(card, indent=2, ensure_ascii=False) + "\n")
+        crash_point(point, tmp / CARD_NAME)
         if not storage.swap_in(tmp, out, last=CARD_NAME, replaces=replaces):
             card = _same_or_refuse(out, card)
     return card
@@ -459,7 +462,7 @@ def prepare_dataset(
         tokenizer_copy=lambda folder: save_tokenizer(
             tokenizer, folder, family, model_max_length=model.model_max_length
         ),
-        unwritable=lambda why: DataError(
+        unwritable=lambda why: UnwritableDataError(
             f"cannot write the dataset {out}: {why} in {out.parent}; free some space or choose another --out"
         ),
         replaces=lambda old: _card_text(old) == seen,

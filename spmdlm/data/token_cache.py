@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from spmdlm import storage
 from spmdlm.data import datasets
 from spmdlm.data.records import Cut, PreparedSplit, progress_bar, tokenize_into
-from spmdlm.errors import DataError
+from spmdlm.errors import DataError, UnwritableDataError
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,10 @@ def _build(folder, key: str, documents: list[str], tokenizer, cut: Cut, *, name:
         {**head, "key": key},
         lambda tmp: _tokenize(documents, tokenizer, cut, tmp, head["records_per_shard"], name, workers, progress),
         tokenizer_copy=lambda tmp: _save_tokenizer(tokenizer, tmp),
-        unwritable=lambda why: DataError(
+        unwritable=lambda why: UnwritableDataError(
             f"cannot write the token cache in {local}: {why}; free some space or pass a writable --cache_dir"
         ),
+        point="token_cache.before_swap",
     )
     if local != folder:
         storage.swap_in(local, folder, last=datasets.CARD_NAME)

@@ -18,6 +18,7 @@ import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from spmdlm import storage
+from spmdlm.crashpoints import crash_point
 from spmdlm.data.records import in_pieces
 from spmdlm.errors import TokenizerError
 
@@ -319,10 +320,12 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max
             framing = {"sep_token": spec.specials["eos"], "cls_token": spec.specials["bos"]}
             special_map.update(framing)
             config.update(framing, trim_offsets=True)
+    # tokenizer.json last: a run that finds it in its output dir takes the tokenizer there as whole
     with storage.writing_dir(out_dir) as folder:  # a bucket's files are uploaded at the end
-        tok.save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         (folder / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
+        crash_point("tokenizer.during_write", folder / "tokenizer.json")
+        tok.save(str(folder / "tokenizer.json"))
 
 
 def _hf_class(tok: Tokenizer, spec: TokenizerSpec) -> str:

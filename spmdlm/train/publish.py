@@ -27,6 +27,7 @@ import jax
 from flax import nnx
 
 from spmdlm import __version__, checkpoint, network, storage
+from spmdlm.crashpoints import crash_point
 from spmdlm.data import datasets, readers
 from spmdlm.engine.step import model_for_evaluation
 from spmdlm.errors import ArgumentError
@@ -58,7 +59,8 @@ TOKENIZER_KINDS = {"bpe": "byte-level BPE", "unigram": "Unigram (SentencePiece)"
 def write_model_card(folder, prepared: Prepared, results: dict[str, Any], *, step: int | None = None) -> None:
     """README.md of the export in `folder` (local or gs://): the run's model, data, training and `results` (as
     eval_results.json has them; none yet at an intermediate upload, whose `step` the card names)."""
-    storage.write_atomic(storage.path(folder) / CARD_NAME, str(model_card(folder, prepared, results, step=step)))
+    card = str(model_card(folder, prepared, results, step=step))
+    storage.write_atomic(storage.path(folder) / CARD_NAME, card, "model_card.before_write")
 
 
 def model_card(folder, prepared: Prepared, results: dict[str, Any], *, step: int | None = None):
@@ -324,6 +326,7 @@ class Hub:
         try:
             with _local(folder) as local, _quiet_hub_logs():
                 size = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
+                crash_point("hub.before_upload", local)
                 network.bounded(
                     lambda: self.api.upload_folder(
                         repo_id=self.repo_id,
@@ -404,6 +407,7 @@ def export_and_publish(prepared: Prepared, graphdef, state, trained: bool, repor
         write_json(
             run.out / "eval_results.json",
             {k: v for k, v in results.items() if is_eval_key(k) or k.startswith(("train_", "goodput"))},
+            "eval_results.before_write",
         )
         reporter.finish(results)
     if run.args.output.export_hf and prepared.training and (trained or not export_done(run.out)):

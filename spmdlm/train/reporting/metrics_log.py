@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdlm import storage
+from spmdlm.crashpoints import crash_point
 
 log = logging.getLogger("spmdlm")
 
@@ -40,9 +41,10 @@ def strict_json(value: Any, **kwargs) -> str:
     return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
 
 
-def write_json(path: Path, value: Any) -> None:
-    """Written whole or not at all (write-then-rename; one upload to a bucket), so a crash never leaves half a file."""
-    storage.write_atomic(path, strict_json(value, indent=2))
+def write_json(path: Path, value: Any, point: str | None = None) -> None:
+    """Written whole or not at all (write-then-rename; one upload to a bucket), so a crash never leaves half a file;
+    `point`: its name in spmdlm.crashpoints."""
+    storage.write_atomic(path, strict_json(value, indent=2), point)
 
 
 def read_records(path: Path) -> list[tuple[str, dict]]:
@@ -140,8 +142,15 @@ class MetricsLog:
         if name not in self._repaired:
             repair_torn_tail(path)
             self._repaired.add(name)
-        with open(path, "a") as f:
-            f.write(strict_json(value) + "\n")
+        line = strict_json(value) + "\n"
+        try:
+            crash_point("metrics.before_append", path)
+            with open(path, "a") as f:
+                f.write(line)
+        except OSError as e:
+            if not storage.no_space(e):
+                raise
+            raise storage.disk_full(path, len(line.encode())) from None
 
     def records(self, name: str = "metrics.jsonl") -> list[dict]:
         path = self.out / name
@@ -152,7 +161,7 @@ class MetricsLog:
         for path in (self.out / "metrics.jsonl", self.out / "samples.jsonl"):
             if self.enabled and path.exists():
                 lines = [line for line, record in read_records(path) if record["step"] <= step]
-                path.write_text("".join(line + "\n" for line in lines))
+                storage.write_atomic(path, "".join(line + "\n" for line in lines))  # a crash keeps all or none
 
     def reached(self, step: int) -> None:
         """Record that the run reached `step` (every step: a few bytes; a crash leaves the last one written)."""

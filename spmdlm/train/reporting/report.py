@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from spmdlm import devices, storage
+from spmdlm.crashpoints import crash_point
 from spmdlm.data.objectives import Objective
 from spmdlm.errors import RunError
 from spmdlm.families.base import Family
@@ -113,11 +115,16 @@ def plot_loss_curve(records: list[dict], title: str, path: Path, target) -> None
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    tmp = path.with_name(f"{path.name}.tmp")  # a killed write leaves no torn picture under the plot's name
     try:
-        fig.savefig(path, dpi=110)
+        crash_point("loss_plot.before_write", path)
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)
     except OSError as e:  # matplotlib's message names no path
+        tmp.unlink(missing_ok=True)
+        space = f" ({storage.space_note(path)})" if storage.no_space(e) else ""
         raise RunError(
-            f"cannot write {target / path.name}: {e.strerror or e}; free space and "
+            f"cannot write {target / path.name}: {e.strerror or e}{space}; free space and "
             "run the same command again to finish (the checkpoints are kept)"
         ) from None
     finally:

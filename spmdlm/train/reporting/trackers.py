@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdlm import network, storage
+from spmdlm.crashpoints import crash_point
 from spmdlm.errors import ArgumentError, RunError
 
 log = logging.getLogger("spmdlm")
@@ -132,10 +133,12 @@ class EventLog:
 
     def _io(self, write):
         try:
+            crash_point("tensorboard.before_write", self.folder)
             return write()
         except OSError as e:
+            space = f" ({storage.space_note(self.folder)})" if storage.no_space(e) else ""
             raise RunError(
-                f"cannot write TensorBoard events in {self.folder}: {e.strerror or e}; free space or "
+                f"cannot write TensorBoard events in {self.folder}: {e.strerror or e}{space}; free space or "
                 "choose another --output_dir (the checkpoints saved so far are kept)"
             ) from None
 

@@ -19,7 +19,7 @@ from spmdlm import storage
 from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cache
 from spmdlm.data.objectives import Objective
 from spmdlm.data.tokenization import special_token_ids
-from spmdlm.errors import DataError
+from spmdlm.errors import DataError, UnwritableDataError
 from spmdlm.families.base import Family
 from spmdlm.run_args.sections import ControlArgs, DataArgs
 from spmdlm.train.stages.resolve import is_main
@@ -273,7 +273,7 @@ def tokenize_validation(reading: Reading, docs, given: bool, source: str | None 
     try:
         return tokenize(reading, docs, "validation")
     except DataError as e:
-        if given:
+        if given or isinstance(e, UnwritableDataError):  # a full disk is no reason to run without evaluation
             raise
         fix = "give it a validation_file" if source else "pass --validation_file"
         log.warning(

@@ -21,7 +21,7 @@ from spmdlm.errors import RunError
 from spmdlm.generation.harness import TASK_METRICS
 from spmdlm.hf_export import export_complete
 from spmdlm.optimizers import declared_flags
-from spmdlm.train.reporting.metrics_log import write_json
+from spmdlm.train.reporting.metrics_log import HIGHEST_STEP_FILE, read_records, write_json
 from spmdlm.train.safety.guard import LOCK_NAME
 from spmdlm.train.stages.corpora import Data
 from spmdlm.train.stages.resolve import Run, is_main
@@ -258,13 +258,25 @@ def refuse_what_is_not_ours(out) -> None:
             "pass --overwrite_output_dir to use it anyway or choose another --output_dir"
         )
     earlier = sorted(found & set(OUR_OUTPUTS) - {"checkpoints"})
-    if earlier:
+    if earlier and not killed_in_set_up(out, found, earlier):
         kept = f" ({checkpoint.DAMAGED_DIR}/ is kept either way)" if checkpoint.DAMAGED_DIR in earlier else ""
         raise RunError(
             f"--output_dir {out} holds outputs of an earlier run but no checkpoint to resume "
             f"({', '.join(earlier)}); pass --overwrite_output_dir to replace them{kept}, or choose another "
             "--output_dir"
         )
+
+
+def killed_in_set_up(out, found: set[str], earlier: list[str]) -> bool:
+    """What a run killed before it wrote its run_config.json leaves (its trackers' files, the compile's record in
+    metrics.jsonl; no step): nothing of any run's to keep, so the same command starts over (docs/troubleshooting.md,
+    "Crash points")."""
+    metrics = out / "metrics.jsonl"
+    trained = metrics.is_file() and any("loss" in record for _, record in read_records(metrics))
+    left = "run_config.json" not in found and set(earlier) <= {"tensorboard", "metrics.jsonl", HIGHEST_STEP_FILE}
+    if left and not trained:
+        log.info("%s holds what a run killed during its set-up left (%s): starting over", out, ", ".join(earlier))
+    return left and not trained
 
 
 def mixture_record(run: Run) -> list[dict] | None:
@@ -355,7 +367,7 @@ def write_run_files(run: Run, vocabulary: Vocabulary, data: Data, layer_plan: La
     if is_main():
         if not (run.out / "tokenizer.json").exists():
             save_tokenizer(vocabulary.tokenizer, run.out, run.family, model_max_length=config.max_length)
-        write_json(run.out / "run_config.json", run_config)
+        write_json(run.out / "run_config.json", run_config, "run_config.before_write")
     return run_config
 
 
@@ -421,7 +433,7 @@ def export_done(out: Path) -> bool:
 
 
 def missing_outputs(run: Run, data: Data, previous_results: dict) -> list[str]:
-    """What a finished run would still have to write: its evaluation or its export."""
+    """What a finished run would still have to write: its evaluation, its export or the export's model card."""
     missing = []
     if data.validation_splits and run.args.control.evaluating and "eval_loss" not in previous_results:
         missing.append("evaluation")
@@ -429,6 +441,8 @@ def missing_outputs(run: Run, data: Data, previous_results: dict) -> list[str]:
         missing.append("LM-harness tasks")
     if run.args.output.export_hf and not export_done(run.out):
         missing.append("export")
+    elif run.args.output.export_hf and not (run.out / "hf" / "README.md").is_file():  # killed before it
+        missing.append("model card")
     return missing
 
 
