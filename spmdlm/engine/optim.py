@@ -78,7 +78,7 @@ class EmaState(NamedTuple):
     inner: optax.OptState
 
 
-def keep_average(inner: optax.GradientTransformation, decay: float, start: int) -> optax.GradientTransformationExtraArgs:
+def keep_average(inner: optax.GradientTransformation, decay: float, start: int) -> optax.GradientTransformation:
     """`inner`, keeping an exponential moving average of the parameters it produces: after update n (1, 2, ...) the
     average is the new parameters while n <= `start`, else decay x average + (1 - decay) x new parameters (from the
     initial parameters, without bias correction). In the optimizer state: checkpointed, sharded like the
