@@ -2,19 +2,29 @@
 the average against a NumPy one of the recorded trajectory, sharded as the parameters, resumed bitwise, evaluated
 as eval_ema_*, exported (loads in transformers, its logits ours); the mean of checkpoints against NumPy's."""
 
+import json
+from pathlib import Path
+
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
+from conftest import read_metrics
+from family_fixtures import STDLIB_JSON
 from flax import nnx
+from safetensors.numpy import load_file
 
-from spmdlm import checkpoint
+from spmdlm import checkpoint, load
+from spmdlm.cli.export import main as export_main
 from spmdlm.engine.optim import ema_params, learning_rate_schedule
 from spmdlm.engine.state import Compute, build_train_state
 from spmdlm.engine.step import Stepper, Training
 from spmdlm.errors import ArgumentError
 from spmdlm.families import get_family, load_config
+from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 from spmdlm.run_args.sections import OptimizationArgs
 
@@ -118,3 +128,85 @@ def test_decay_outside_zero_one_is_refused(decay):
 def test_schedule_free_refuses_an_average():
     with pytest.raises(ArgumentError, match="--ema_decay with --optim schedule_free_adamw"):
         OptimizationArgs(optim="schedule_free_adamw", ema_decay=0.9).check()
+
+
+# -- a run with --ema_decay: evaluated, exported, averaged -------------------------------------------------------------
+def launch_ema_run(out: Path, config: Path, cache_dir: Path, *extra: str) -> int:
+    return main(
+        [
+            *("--train_file", STDLIB_JSON, "--config_name", str(config), "--output_dir", str(out)),
+            *("--cache_dir", str(cache_dir), "--block_size", "32", "--global_batch_size", "16", "--mesh", "data=8"),
+            *("--max_steps", "6", "--save_steps", "2", "--eval_steps", "3", "--logging_steps", "3"),
+            *("--learning_rate", "3e-3", "--max_eval_samples", "16", "--per_device_eval_batch_size", "2"),
+            *("--ema_decay", "0.5", "--ema_start", "1", "--seed", "3", *extra),
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory, tiny_gpt2_config, cache_dir) -> Path:
+    out = tmp_path_factory.mktemp("ema") / "run"
+    assert launch_ema_run(out, tiny_gpt2_config, cache_dir) == 0
+    return out
+
+
+def test_the_average_is_evaluated_beside_the_parameters_and_the_card_says_which_is_exported(ema_run):
+    evals = [m for m in read_metrics(ema_run) if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [3, 6]
+    for m in evals:
+        assert {"eval_ema_loss", "eval_ema_perplexity", "eval_ema_accuracy"} <= m.keys()
+        assert m["eval_ema_loss"] != m["eval_loss"]
+    results = json.loads((ema_run / "eval_results.json").read_text())
+    assert results["eval_ema_loss"] == pytest.approx(evals[-1]["eval_ema_loss"])
+    card = (ema_run / "hf" / "README.md").read_text()
+    assert "weights: the trained parameters (raw); their moving average (--ema_decay 0.5 from step 1" in card
+
+
+def our_logits(model, ids: np.ndarray) -> np.ndarray:
+    return np.asarray(GPT2.forward(model, {"input_ids": jnp.asarray(ids)}))
+
+
+def test_the_average_exports_and_its_logits_in_transformers_are_ours(ema_run, tmp_path):
+    mesh = make_mesh("data=-1")
+    assert export_main(["--checkpoint", str(ema_run), "--out", str(tmp_path / "ema"), "--weights", "ema"]) == 0
+    ours, _, _, steps, what = load.load_weights(ema_run, None, mesh, load.Weights("ema"))
+    raw = load.load_run(ema_run, None, mesh)[0]
+    assert steps == [6] and "moving average" in what
+    assert (
+        "moving average of the parameters (--ema_decay 0.5) of the checkpoint at step 6"
+        in (tmp_path / "ema" / "README.md").read_text()
+    )
+    ids = np.random.default_rng(0).integers(0, 512, (2, 32))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ema").eval()
+    with torch.no_grad():
+        logits = theirs(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(logits, our_logits(ours, ids), rtol=0, atol=1e-4)
+    assert np.max(np.abs(logits - our_logits(raw, ids))) > 1e-3  # the average, not the parameters
+
+
+def model_params(model) -> dict:
+    return flat(nnx.state(model, nnx.Param))
+
+
+def test_three_checkpoints_average_to_their_numpy_mean_and_the_card_names_them(ema_run, tmp_path):
+    mesh = make_mesh("data=-1")
+    each = [model_params(load.load_run(ema_run, step, mesh)[0]) for step in (2, 4, 6)]
+    mean, _, _, steps, _ = load.load_weights(ema_run, None, mesh, load.Weights(average_last=3))
+    assert steps == [2, 4, 6]
+    got = model_params(mean)
+    assert got.keys() == each[0].keys()
+    for key in got:
+        expected = np.mean([params[key].astype(np.float64) for params in each], axis=0)
+        np.testing.assert_allclose(got[key], expected, rtol=0, atol=1e-6, err_msg=key)
+    assert export_main(["--checkpoint", str(ema_run), "--out", str(tmp_path / "mean"), "--average_steps", "2,4,6"]) == 0
+    card = (tmp_path / "mean" / "README.md").read_text()
+    assert "the mean of the parameters of the 3 checkpoints at steps 2, 4, 6" in card
+    exported = load_file(tmp_path / "mean" / "model.safetensors")["transformer.wte.weight"]
+    np.testing.assert_allclose(exported, next(v for k, v in got.items() if "wte" in k), rtol=0, atol=0)
+
+
+def test_averaging_refuses_steps_the_run_did_not_save(ema_run, tmp_path, capsys):
+    assert export_main(["--checkpoint", str(ema_run), "--out", str(tmp_path / "x"), "--average_steps", "2,5"]) == 2
+    assert "--average_steps: no checkpoint at step 5" in capsys.readouterr().err
+    assert export_main(["--checkpoint", str(ema_run), "--out", str(tmp_path / "y"), "--average_last", "9"]) == 2
+    assert "--average_last 9: the run has 3 checkpoints" in capsys.readouterr().err
