@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import read_metrics
+from conftest import read_metrics, run_killed_after_first_checkpoint
 from family_fixtures import STDLIB_JSON
 from flax import nnx
 from safetensors.numpy import load_file
@@ -210,3 +210,20 @@ def test_averaging_refuses_steps_the_run_did_not_save(ema_run, tmp_path, capsys)
     assert "--average_steps: no checkpoint at step 5" in capsys.readouterr().err
     assert export_main(["--checkpoint", str(ema_run), "--out", str(tmp_path / "y"), "--average_last", "9"]) == 2
     assert "--average_last 9: the run has 3 checkpoints" in capsys.readouterr().err
+
+
+def test_a_killed_run_resumes_its_average_bitwise_and_keeps_its_decay(
+    ema_run, tmp_path, monkeypatch, tiny_gpt2_config, cache_dir, capsys
+):
+    killed = tmp_path / "killed"
+    run_killed_after_first_checkpoint(monkeypatch, lambda: launch_ema_run(killed, tiny_gpt2_config, cache_dir))
+    assert [p.name for p in (killed / "checkpoints").iterdir() if p.name.isdigit()] == ["2"]
+    assert launch_ema_run(killed, tiny_gpt2_config, cache_dir, "--ema_decay", "0.6") != 0
+    assert "ema_decay/ema_start" in capsys.readouterr().err
+    assert launch_ema_run(killed, tiny_gpt2_config, cache_dir) == 0
+    mesh = make_mesh("data=-1")
+    average = lambda run: model_params(load.load_weights(run, 6, mesh, load.Weights("ema"))[0])
+    expected, got = average(ema_run), average(killed)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
