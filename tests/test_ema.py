@@ -227,3 +227,7 @@ def test_a_killed_run_resumes_its_average_bitwise_and_keeps_its_decay(
     assert got.keys() == expected.keys()
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    for steps, error in (("2", "give two steps or more"), ("2,x", "separated by commas")):
+        assert export_main(["--checkpoint", str(ema_run), "--out", str(tmp_path / "z"), "--average_steps", steps]) == 2
+        assert error in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in "xyz")
