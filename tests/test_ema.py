@@ -9,6 +9,7 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 import transformers
@@ -19,7 +20,7 @@ from safetensors.numpy import load_file
 
 from spmdlm import checkpoint, load
 from spmdlm.cli.export import main as export_main
-from spmdlm.engine.optim import ema_params, learning_rate_schedule
+from spmdlm.engine.optim import ema_params, keep_average, learning_rate_schedule, skip_spikes
 from spmdlm.engine.state import Compute, build_train_state
 from spmdlm.engine.step import Stepper, Training
 from spmdlm.errors import ArgumentError
@@ -231,3 +232,16 @@ def test_a_killed_run_resumes_its_average_bitwise_and_keeps_its_decay(
         assert export_main(["--checkpoint", str(ema_run), "--out", str(tmp_path / "z"), "--average_steps", steps]) == 2
         assert error in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in "xyz")
+
+
+def test_a_skipped_step_leaves_the_average_as_it_was():
+    tx = skip_spikes(keep_average(optax.sgd(0.1), DECAY, 0), z=3.0, window=16)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    update = jax.jit(lambda g, s, loss: tx.update(g, s, params, loss=loss))
+    _, skipped = update({"w": jnp.ones(3)}, state, jnp.nan)
+    np.testing.assert_array_equal(skipped.inner.average["w"], np.ones(3))
+    assert int(skipped.inner.count) == 0 and int(skipped.skipped) == 1
+    _, taken = update({"w": jnp.ones(3)}, state, 2.0)  # params 1 - 0.1 = 0.9: the average 0.8 x 1 + 0.2 x 0.9
+    np.testing.assert_allclose(taken.inner.average["w"], np.full(3, 0.98), rtol=1e-6)
+    assert int(taken.inner.count) == 1
