@@ -392,7 +392,6 @@ RUN_PACKAGE = "train"  # the run's stages and their rooms (spmdlm/train)
 MAX_ROOM_FILES = 7  # files of one room (a subfolder of spmdlm/train), __init__.py included
 MAX_PARAMETERS = 8  # of one function, self/cls aside
 # Where MAX_PARAMETERS holds so far (the rest of spmdlm follows as its functions are regrouped)
-FEW_PARAMETERS = ("train", "engine", "cli", "load.py")
 EVALUATOR = "cli/evaluate.py"  # python -m spmdlm.evaluate: evaluates from what it loaded, no stand-in run
 RUN_RECORDS = ("Run", "Prepared", "RunContext", "resolve", "run_stages")
 
@@ -449,12 +448,10 @@ def crowded_rooms(root, floors=None):
 
 
 def many_parameters(root, floors=None):
-    """Functions of FEW_PARAMETERS' modules taking more than MAX_PARAMETERS (8), self/cls aside; group related ones
+    """Functions of any module taking more than MAX_PARAMETERS (8), self/cls aside; group related ones
     in a frozen dataclass"""
     found = []
     for rel, (_, _, tree) in sources(root).items():
-        if not rel.removeprefix(f"{PKG}/").startswith(FEW_PARAMETERS):
-            continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 names = [a.arg for a in _parameters(node)]
@@ -633,7 +630,7 @@ PLANTED = {
             "    def m(self, a, b, c, d, e, f, g, *, h): pass\n",
             "models/b.py": "def f(a, b, c, d, e, f, g, h, i): pass\n",
         },
-        ["spmdlm/train/a.py:1: f: 9 parameters"],
+        ["spmdlm/models/b.py:1: f: 9 parameters", "spmdlm/train/a.py:1: f: 9 parameters"],
     ),
 }
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from spmdlm.families import all_presets
 from spmdlm.launch import main
 from spmdlm.mesh import MeshError, make_mesh
 
@@ -229,3 +230,48 @@ def test_the_collectives_of_a_compiled_module_are_counted_once_per_execution():
     minimum["reduce-scatter"]["bytes"] = counted["reduce-scatter"]["bytes"] * 2  # half of it emitted
     minimum["all-reduce"]["bytes"] = 0  # none expected
     assert differences(counted, minimum) == {"reduce-scatter": -0.5, "all-reduce": float("inf")}
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "config,length,overrides,mesh",
+    [
+        # grouped key/value heads (8 for 32), Llama 3's RoPE scaling. Replicated (data=4) its 13.8 GiB of state
+        # leave no room: the train step asked for 23.1 GiB of a v5e's 15.75 (measured); fsdp shards the state.
+        ("llama-3.2-1b", 4096, {}, ("--mesh", "fsdp=4", "--gradient_checkpointing")),
+        (
+            "qwen3-tiny",
+            512,
+            {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 1, "max_position_embeddings": 512},
+            ("--mesh", "data=4"),
+        ),
+    ],
+    ids=["llama-1b-4x4096", "qwen3-window"],
+)
+def test_llama_and_qwen3_compile_for_a_v5e_with_splash(capsys, tmp_path, config, length, overrides, mesh):
+    """Issue 51: the Llama-1B preset at 4 x 4096 with the splash kernel; Qwen3's sliding window as splash's
+    LocalMask."""
+    if overrides:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**all_presets()[config], **overrides}))
+        config = str(path)
+    code, r, text = compile_for(
+        capsys,
+        tmp_path,
+        config,
+        "--compile_for",
+        "v5e:2x2",
+        *mesh,
+        "--per_device_train_batch_size",
+        "1",
+        "--block_size",
+        str(length),
+        "--dtype",
+        "bfloat16",
+        "--attention",
+        "splash",
+        "--do_eval",
+        "false",
+    )
+    assert code == 0, text
+    assert r["attention"] == "splash" and r["train"]["total_bytes"] > 0 and r["global_batch"] == 4

@@ -47,7 +47,7 @@ def hf_model(family: str, **overrides):
     fixture = FIXTURES[family]
     given = ("model_type", "tie_word_embeddings", "feed_forward_proj")  # T5's config class sets the last two
     values = {k: v for k, v in fixture.tiny_config.items() if k not in given}
-    if family == "gpt2":
+    if family in ("gpt2", "llama", "qwen3"):  # one <|endoftext|> at id 0
         values.update(bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = fixture.hf_model_class(fixture.hf_config_class(**{**values, **overrides})).eval()
@@ -130,6 +130,9 @@ LAYOUTS = [  # (family, tokenizer layout, weight layout): every tokenizer layout
     ("bart", "vocab.json", "sharded.safetensors"),
     ("t5", "spiece.model", "sharded.bin"),
     ("t5", "tokenizer.json", "model.safetensors"),
+    ("llama", "tokenizer.json", "sharded.safetensors"),
+    ("llama", "tokenizer.json", "sharded.bin"),
+    ("qwen3", "tokenizer.json", "model.safetensors"),
 ]
 
 
@@ -227,6 +230,8 @@ RUNS = {
     "roberta": ("vocab.json", "sharded.safetensors"),
     "bart": ("vocab.json", "sharded.bin"),
     "t5": ("spiece.model", "pytorch_model.bin"),
+    "llama": ("tokenizer.json", "sharded.safetensors"),
+    "qwen3": ("tokenizer.json", "model.safetensors"),
 }
 
 

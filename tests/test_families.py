@@ -107,6 +107,8 @@ LONG_POSITIONS = {
     "bart": {"max_position_embeddings": 128},
     "t5": {},
     "modernbert": {"max_position_embeddings": 128},
+    "llama": {"max_position_embeddings": 128},
+    "qwen3": {"max_position_embeddings": 128},
 }
 
 
@@ -172,8 +174,8 @@ def partition_specs(family: str, mesh_spec: str) -> tuple[dict[str, str], dict[s
 
 
 def presets_of(family: str) -> list[str]:
-    """The shipped presets of a family: files in models/, and the ones it holds itself (Family.presets)."""
-    return preset_names(family) + sorted(families()[family].presets)
+    """The shipped presets of a family: the files in its folder's presets/, and any it declares (Family.presets)."""
+    return preset_names(family)
 
 
 def tiny_preset(family: str) -> str:
@@ -297,6 +299,8 @@ PACKED = {
     "t5": {"document_attention": "isolated"},
     "bart": {"document_attention": "isolated"},
     "modernbert": {"line_by_line": True, "packing": True},
+    "llama": {"document_attention": "isolated"},
+    "qwen3": {"document_attention": "isolated"},
 }
 
 

@@ -55,6 +55,39 @@ CONFIGS = {
         decoder_ffn_dim=128,
         max_position_embeddings=64,
     ),
+    # grouped-query attention, head_dim other than hidden/heads, an untied head, Llama 3's RoPE scaling
+    "llama": dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=64,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500.0,
+            factor=4.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8,
+        ),
+    ),
+    # QK-norm and, from layer 1 on, a window of 4 tokens: shorter than the prompts plus the new tokens
+    "qwen3": dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+    ),
     "roberta": dict(
         vocab_size=320,
         hidden_size=64,
@@ -160,7 +193,7 @@ def hf_greedy(path, config, prompts: list[str]) -> list[list[int]]:
     return [through_eos(row, config.eos_token_id) for row in new]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "t5", "bart"])
+@pytest.mark.parametrize("family", ["gpt2", "t5", "bart", "llama", "qwen3"])
 def test_greedy_equals_transformers_batched_and_alone(family, exports):
     """Ten prompts of different lengths in one padded batch, against transformers' padded batch and against each
     prompt alone (no padding). GPT-2 also alone on our side; the others' batch of one is the same code (their
@@ -215,7 +248,7 @@ def test_gpt2_text_and_samples(exports):
     assert sample(1, top_p=0.9, top_k=20) == sample(1, top_p=0.9, top_k=20) != sample(1)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "t5", "bart"])
+@pytest.mark.parametrize("family", ["gpt2", "t5", "bart", "llama", "qwen3"])
 def test_cache_equals_full_recompute(family, exports):
     """Logits of a prefill plus one-token steps through the cache vs the training forward pass on whole sequences.
     GPT-2 is fed left-padded rows: the cached positions must skip the padding."""

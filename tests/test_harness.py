@@ -99,9 +99,11 @@ def hf_backend(path, config_json: dict) -> HFLM:
 
 
 # GPT-2 sharded over data and tensor axes with all three tasks; T5 on one device (its compiles are the slow ones)
-# without generation, whose encoder-decoder path the hf backend lets run on past max_gen_toks (docs/harness.md)
+# without generation, whose encoder-decoder path the hf backend lets run on past max_gen_toks (docs/harness.md);
+# Qwen3 (grouped key/value heads over the tensor axis, a sliding window) with all three
 @pytest.mark.parametrize(
-    "family_name, devices, mesh_spec, tasks", [("gpt2", 8, "data=4,tensor=2", TASKS), ("t5", 1, "data=1", TASKS[:2])]
+    "family_name, devices, mesh_spec, tasks",
+    [("gpt2", 8, "data=4,tensor=2", TASKS), ("t5", 1, "data=1", TASKS[:2]), ("qwen3", 8, "data=4,tensor=2", TASKS)],
 )
 def test_tasks_equal_lm_eval_hf_backend_on_the_export(family_name, devices, mesh_spec, tasks, tmp_path, capsys):
     family = get_family(family_name)

@@ -30,6 +30,8 @@ LONGER_POSITIONS = {
     "bart": dict(max_position_embeddings=LENGTH),
     "t5": {},
     "modernbert": {},
+    "llama": {},
+    "qwen3": {},
 }
 
 
@@ -67,7 +69,7 @@ def spans(lengths: list[int]) -> list[slice]:
 
 def batches(family, config, rng):
     """(packed batch, batch of each document alone, the lengths the logits are read over) for the family."""
-    pad_id = getattr(config, "pad_token_id", 0)
+    pad_id = getattr(config, "pad_token_id", None) or 0  # GPT-2 and Llama have none
     vocab = config.vocab_size
     if not family.is_encoder_decoder:
         docs = [rng.integers(3, vocab, n, dtype=np.int32) for n in SINGLE_STACK_DOCS]

@@ -5,9 +5,6 @@ presets/: its --config_name presets). docs/modernbert.md says where we follow tr
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from spmdlm.data.objectives import MAX_SEQ_LENGTH
 from spmdlm.data.objectives.mlm import MaskedLM
 from spmdlm.data.tokenization import TokenizerSpec
@@ -28,10 +25,6 @@ TOKENIZER = TokenizerSpec(
     trained_order=("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"),
     frames_with_bos=True,
 )
-
-PRESETS = {
-    path.stem: json.loads(path.read_text()) for path in sorted((Path(__file__).parent / "presets").glob("*.json"))
-}
 
 
 def max_seq_length(flags, config) -> int:
@@ -73,7 +66,6 @@ FAMILY = Family(
     tokenizer=TOKENIZER,
     objective_class=MaskedLM,
     default_preset="modernbert-base",
-    presets=PRESETS,
     quickstart=dict(
         config_name="modernbert-tiny",
         max_seq_length=128,
