@@ -447,23 +447,23 @@ def card_usage_lines(family: Family, model_id: str, folder) -> list[str]:
     return lines
 
 
-def write_export_card(out, config: HFConfig, checkpoint: str, step: int | None) -> None:
-    """README.md of an export made by `python -m spmdlm.export`: what it is and how to use it (the training run's
-    own card, with data and results, is the one in its OUTPUT_DIR/hf)."""
+def write_export_card(out, config: HFConfig, checkpoint: str, what: str) -> None:
+    """README.md of an export made by `python -m spmdlm.export`: what it is (`what`: which weights of which
+    checkpoints, spmdlm.load.Weights.describe) and how to use it (the training run's own card, with data and
+    results, is the one in its OUTPUT_DIR/hf)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     family, out = get_family(config.model_type), storage.path(out)
     task = TASKS[family.generation]
     data = ModelCardData(library_name="transformers", pipeline_tag=task, tags=[family.name, "spmdlm", task])
-    which = f"step {step}" if step is not None else "the newest verified step"
     where = str(out) if storage.is_remote(out) else str(Path(out).absolute())
     body = "\n".join(
         [
             f"# {Path(where).name}",
             "",
-            f"A {family.name} model (`{family.hf_auto_class}`) exported by `python -m spmdlm.export` from "
-            f"the checkpoint at {which} of the spmdlm run `{checkpoint}` (the run's own card, with its data "
-            "and results, is its `hf/README.md`).",
+            f"A {family.name} model (`{family.hf_auto_class}`) exported by `python -m spmdlm.export`: {what}, of "
+            f"the spmdlm run `{checkpoint}` (the run's own card, with its data and results, is its "
+            "`hf/README.md`).",
             "",
             "## How to use",
             "",

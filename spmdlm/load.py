@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -25,7 +26,7 @@ from spmdlm.checkpoint import checkpoint_dir
 from spmdlm.data.tokenization import load_tokenizer, tokenizer_layout
 from spmdlm.engine.optim import evaluation_needs_optimizer, optimization_of_run
 from spmdlm.engine.state import build_train_state
-from spmdlm.engine.step import model_for_evaluation
+from spmdlm.engine.step import model_for_evaluation, with_average
 from spmdlm.errors import ArgumentError, ConfigError, ExportError
 from spmdlm.families import checked_config, get_family
 from spmdlm.families.base import Family
@@ -95,9 +96,49 @@ def _run_and_step(where, step: int | None):
 # -- a training run's checkpoint: the model it evaluated, and its export --------------------------------------------
 
 
-def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass the --output_dir of a training run"):
-    """(model, config, tokenizer dir or None, step) of a training run's checkpoint: the newest that verifies (a
-    damaged newer one is reported and left in place), or `step`. `hint` ends the error when `run_dir` holds no run."""
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """Which parameters of a run's checkpoints to load (python -m spmdlm.export --weights, --average_last,
+    --average_steps): `kind` "raw", those the run evaluated (step.model_for_evaluation), or "ema", their average
+    (--ema_decay); with `average_last` N or `average_steps`, the mean of those checkpoints' (each of `kind`)."""
+
+    kind: str = "raw"
+    average_last: int = 0
+    average_steps: tuple[int, ...] = ()
+
+    def steps_of(self, manager, step: int | None) -> list[int] | None:
+        """The checkpoints to average, oldest first (None: one checkpoint, `step` or the newest good one)."""
+        if self.average_last < 0:
+            raise ArgumentError(f"--average_last {self.average_last}: give a number of checkpoints, e.g. 3")
+        if not self.average_last and not self.average_steps:
+            return None
+        if step is not None:
+            raise ArgumentError("--step names one checkpoint; --average_last/--average_steps name several: give one")
+        saved = sorted(ckpt.all_complete_steps(manager, move_aside=False))
+        if self.average_steps:
+            missing = [s for s in self.average_steps if s not in saved]
+            if missing:
+                raise ExportError(f"--average_steps: no checkpoint at step {missing[0]}; saved: {saved}")
+            return sorted(set(self.average_steps))
+        if self.average_last > len(saved):
+            raise ExportError(f"--average_last {self.average_last}: the run has {len(saved)} checkpoints ({saved})")
+        return saved[-self.average_last :]
+
+    def describe(self, steps: list[int], ema_decay: float | None) -> str:
+        """What the export holds, in the words of its card."""
+        what = (
+            f"the exponential moving average of the parameters (--ema_decay {ema_decay:g})"
+            if self.kind == "ema"
+            else "the parameters"
+        )
+        if len(steps) == 1:
+            return f"{what} of the checkpoint at step {steps[0]}"
+        return f"the mean of {what} of the {len(steps)} checkpoints at steps {', '.join(map(str, steps))}"
+
+
+def open_run(run_dir: str | Path, hint: str) -> tuple[dict, HFConfig, str | Path | None]:
+    """(run_config.json, the model's config, the tokenizer it trained with) of a training run's --output_dir;
+    `hint` ends the error when `run_dir` holds no run."""
     run_dir = storage.path(run_dir, "--checkpoint")
     run_config_path = run_dir / "run_config.json"
     if not run_config_path.is_file():
@@ -108,32 +149,68 @@ def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass t
         raise ckpt.CheckpointError(f"{run_config_path} is not valid JSON ({e})") from None
     ckpt.check_format(run_config, run_dir)
     config = checked_config(run_config.get("model_config") or {}, None, str(run_config_path))
-    family = get_family(config.model_type)
-    model, step = _evaluation_model(
-        ckpt.make_manager(run_dir, read_only=True), step, family, config, mesh, optimization_of_run(run_config)
-    )
     # The tokenizer the run trained with: saved beside its checkpoints (an older run's: --tokenizer_name, else the
     # --model_name_or_path it started from).
     given = [run_dir, run_config.get("tokenizer_name"), run_config.get("model_name_or_path")]
     tokenizer_dir = next(
         (p for p in given if p and (storage.path(p).is_file() or tokenizer_layout(storage.path(p)))), None
     )
-    return model, config, tokenizer_dir, step
+    return run_config, config, tokenizer_dir
 
 
-def _evaluation_model(manager, step: int | None, family, config, mesh, optim) -> tuple[nnx.Module, int]:
-    """(the checkpoint's model holding the parameters the run evaluated and exported (step.model_for_evaluation),
-    its step): restored with its optimizer state where those are read from it (schedule-free AdamW's average)."""
+def load_run(run_dir: str | Path, step: int | None, mesh, *, hint: str = "pass the --output_dir of a training run"):
+    """(model, config, tokenizer directory, step) of a training run's newest good checkpoint (a complete one; a
+    damaged newer one is reported and left in place), or `step`. `hint` ends the error when `run_dir` holds no run."""
+    model, config, tokenizer_dir, steps, _ = load_weights(run_dir, step, mesh, Weights(), hint=hint)
+    return model, config, tokenizer_dir, steps[-1]
+
+
+def load_weights(
+    run_dir, step: int | None, mesh, weights: Weights, *, hint: str = "pass a training run's --output_dir"
+):
+    """(model, config, tokenizer directory, the steps it comes from, what it holds in words) of a training run's
+    checkpoints as `weights` chooses: one checkpoint's (`step`, or the newest good one), or the mean of several."""
+    run_config, config, tokenizer_dir = open_run(run_dir, hint)
+    optim = optimization_of_run(run_config)
+    if weights.kind == "ema" and optim.ema_decay is None:
+        raise ExportError(f"--weights ema: the run {run_dir} kept no average of its parameters (--ema_decay)")
+    family = get_family(config.model_type)
+    manager = ckpt.make_manager(storage.path(run_dir), read_only=True)
+    load_one = lambda at: _evaluation_model(manager, at, family, config, mesh, optim, weights.kind == "ema")
+    steps = weights.steps_of(manager, step)
+    if steps is None:
+        model, at = load_one(step)
+        steps = [at]
+    else:
+        model = _mean_model(load_one(steps[0])[0], steps[1:], lambda at: load_one(at)[0])
+    return model, config, tokenizer_dir, steps, weights.describe(steps, optim.ema_decay)
+
+
+def _mean_model(model: nnx.Module, others: list[int], load_one) -> nnx.Module:
+    """`model` holding the mean of its parameters and those of the checkpoints at `others` (each `load_one(step)`'s
+    model), summed in float32 one checkpoint at a time: two copies of the parameters at most."""
+    total = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(model, nnx.Param))
+    for step in others:
+        total = jax.tree.map(jnp.add, total, nnx.state(load_one(step), nnx.Param))
+    count = len(others) + 1
+    nnx.update(model, jax.tree.map(lambda t, p: (t / count).astype(p.dtype), total, nnx.state(model, nnx.Param)))
+    return model
+
+
+def _evaluation_model(manager, step: int | None, family, config, mesh, optim, ema: bool) -> tuple[nnx.Module, int]:
+    """(the checkpoint's model holding the parameters the run evaluated and exported (step.model_for_evaluation), or
+    with `ema` their average, its step): restored with its optimizer state where those are read from it
+    (schedule-free AdamW's average, the --ema_decay average)."""
     restore = (
         (lambda target, **kw: ckpt.restore_newest_good(manager, target, move_aside=False, **kw))
         if step is None
         else (lambda target, **kw: ckpt.restore(manager, step, target, **kw))
     )
     with jax.set_mesh(mesh):
-        if evaluation_needs_optimizer(optim):
+        if ema or evaluation_needs_optimizer(optim):
             graphdef, abstract = build_train_state(family, config, mesh, optim=optim, abstract=True)
             state, step = restore(abstract)
-            return model_for_evaluation(graphdef, state, optim)[0], step
+            return model_for_evaluation(graphdef, with_average(graphdef, state) if ema else state, optim)[0], step
         graphdef, abstract = nnx.get_abstract_model(lambda: family.make_model(config, rngs=nnx.Rngs(0)), mesh)
         state, step = restore(abstract, model_only=True)
         return nnx.merge(graphdef, state), step
@@ -145,7 +222,10 @@ def export_checkpoint(
     step: int | None = None,
     mesh_spec: str = "data=-1",
     overwrite: bool = False,
+    weights: Weights = Weights(),
 ) -> Path:
+    """A run's checkpoint (`step`, or the newest good one; or the mean of several: `weights`) as a transformers
+    directory `out` with a card that says which weights it holds and from which steps."""
     out = storage.path(out, "--out")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory")
@@ -155,10 +235,10 @@ def export_checkpoint(
     )
     if out.exists() and any(out.iterdir()) and not overwrite and not unfinished:
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
-    model, config, tokenizer_dir, step = load_run(checkpoint, step, make_mesh(mesh_spec))
+    model, config, tokenizer_dir, _, what = load_weights(checkpoint, step, make_mesh(mesh_spec), weights)
     tokenizer = load_tokenizer(tokenizer_dir, get_family(config.model_type)) if tokenizer_dir else None
     hf_export.save_hf(model, config, out, tokenizer=tokenizer, release=True)
     if jax.process_index() == 0:
-        hf_export.write_export_card(out, config, str(checkpoint), step)
+        hf_export.write_export_card(out, config, str(checkpoint), what)
         print(hf_export.what_it_needs(get_family(config.model_type), out))
     return out

@@ -19,7 +19,7 @@ from spmdlm.data import pipeline
 from spmdlm.data.objectives import Objective
 from spmdlm.data.records import PreparedSplit
 from spmdlm.data.tokenization import token_byte_lengths
-from spmdlm.engine.step import Loss, Stepper, Training
+from spmdlm.engine.step import Loss, Stepper, Training, with_average
 from spmdlm.families.base import Forward
 from spmdlm.mesh import batch_axis_size
 from spmdlm.run_args.sections import ControlArgs, OptimizationArgs
@@ -85,7 +85,34 @@ def evaluate(
 ) -> dict[str, float] | None:
     """Eval metrics over the validation splits (a mixture: each source's, as eval/<source>/loss etc., and all of them
     token-weighted under the plain names); None when `should_stop` says so between batches (a run's stop signal).
-    `on_batch` hears of each finished batch (a hang watchdog's heartbeat)."""
+    `on_batch` hears of each finished batch (a hang watchdog's heartbeat). A run that keeps an average of its
+    parameters (--ema_decay) is evaluated with it too, by the same eval step: eval_ema_loss, eval/<source>/ema_loss
+    etc."""
+    results = evaluate_weights(stepper, state, held_out, should_stop, on_batch)
+    averaged = with_average(stepper.graphdef, state) if results and stepper.optim and stepper.optim.ema_decay else None
+    if averaged is None:
+        return results
+    of_average = evaluate_weights(stepper, averaged, held_out, should_stop, on_batch)
+    if of_average is None:
+        return None
+    return {**results, **{ema_key(key): value for key, value in of_average.items()}}
+
+
+def ema_key(key: str) -> str:
+    """The name of an evaluation result of the average: eval_loss -> eval_ema_loss, eval/<source>/loss ->
+    eval/<source>/ema_loss (TensorBoard: eval/ema_loss)."""
+    head, _, name = key.rpartition("/")
+    return f"{head}/ema_{name}" if head else f"eval_ema_{key.removeprefix('eval_')}"
+
+
+def evaluate_weights(
+    stepper: Stepper,
+    state,
+    held_out: HeldOut,
+    should_stop: Callable[[], bool],
+    on_batch: Callable[[], None],
+) -> dict[str, float] | None:
+    """`evaluate` of the parameters in `state` (the eval step's: model_for_evaluation)."""
     per_split: dict[str | None, Any] = {}
     for name, split in held_out.splits.items():
         totals: dict[str, Any] = {}

@@ -57,13 +57,58 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def make_optimizer(cfg: OptimizationArgs, model: nnx.Module, total_steps: int) -> optax.GradientTransformation:
-    """Gradient clipping (--max_grad_norm), then the optimizer cfg names (its `build`, spmdlm/optimizers/), then
-    --skip_step_on_spike around both."""
+    """Gradient clipping (--max_grad_norm), then the optimizer cfg names (its `build`, spmdlm/optimizers/), the
+    parameters' average (--ema_decay) after them, then --skip_step_on_spike around all (a skipped step leaves the
+    average as it was)."""
     optimizer = optimizers()[cfg.optimizer]
     inputs = OptimizerInputs(model, learning_rate_schedule(cfg, total_steps), cfg.weight_decay, cfg.flags_of(optimizer))
     clip = [clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm and cfg.max_grad_norm > 0 else []
     tx = optax.chain(*clip, optimizer.build(inputs))
+    if cfg.ema_decay is not None:
+        tx = keep_average(tx, cfg.ema_decay, cfg.ema_start)
     return skip_spikes(tx, cfg.skip_step_on_spike, cfg.spike_window) if cfg.skip_step_on_spike else tx
+
+
+# -- the parameters' exponential moving average ------------------------------------------------------------------------
+class EmaState(NamedTuple):
+    """The average of the parameters (float32, in their tree, so sharded as they are) and the updates it has seen."""
+
+    count: jax.Array  # int32: updates applied so far
+    average: optax.Params
+    inner: optax.OptState
+
+
+def keep_average(inner: optax.GradientTransformation, decay: float, start: int) -> optax.GradientTransformation:
+    """`inner`, keeping an exponential moving average of the parameters it produces: after update n (1, 2, ...) the
+    average is the new parameters while n <= `start`, else decay x average + (1 - decay) x new parameters (from the
+    initial parameters, without bias correction). In the optimizer state: checkpointed, sharded like the
+    parameters (a tree of their shapes) and resumed exactly, at no cost to code outside the optimizer."""
+
+    def init(params):
+        average = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
+        return EmaState(jnp.zeros((), jnp.int32), average, inner.init(params))
+
+    def update(updates, state: EmaState, params=None, **extra):
+        if params is None:
+            raise ValueError("keep_average needs the parameters (optax's update(..., params))")
+        new_updates, new_inner = inner.update(updates, state.inner, params, **extra)
+        count = state.count + 1
+
+        def averaged(average, p, u):  # the parameters exactly as optax.apply_updates makes them, in float32
+            new = (p + u).astype(jnp.float32)
+            return jnp.where(count > start, decay * average + (1.0 - decay) * new, new)
+
+        average = jax.tree.map(averaged, state.average, params, new_updates)
+        return new_updates, EmaState(count, average, new_inner)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def ema_params(opt_state):
+    """The parameters' average (pure arrays in the parameters' tree) of an optimizer state made with --ema_decay;
+    None for others."""
+    found = states_of(opt_state, EmaState)
+    return found[0].average if found else None
 
 
 # -- loss spikes -------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from spmdlm.checkpoint import abstract_of
 from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.devices import compiled_stats
 from spmdlm.engine import faults
-from spmdlm.engine.optim import evaluation_params, spike_counts
+from spmdlm.engine.optim import ema_params, evaluation_params, spike_counts
 from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
 from spmdlm.run_args.sections import OptimizationArgs
@@ -198,6 +198,18 @@ def model_for_evaluation(graphdef, state, optim: OptimizationArgs | None = None)
     if optim is not None:
         nnx.update(model, evaluation_params(optim, optimizer.opt_state, nnx.state(model, nnx.Param)))
     return model, optimizer
+
+
+def with_average(graphdef, state):
+    """The train state with its model's parameters replaced by their average (--ema_decay: optim.keep_average), for
+    the same eval step, export or samples as the parameters themselves; None when the run keeps no average. The
+    optimizer state is shared, not copied: the result costs no memory beyond the average it already holds."""
+    model, optimizer = nnx.merge(graphdef, state, copy=True)
+    average = ema_params(optimizer.opt_state)
+    if average is None:
+        return None
+    nnx.update(model, average)
+    return nnx.state((model, optimizer))
 
 
 def state_shardings(state) -> Any:

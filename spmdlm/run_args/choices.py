@@ -75,6 +75,8 @@ FLAG_BOUNDS: Mapping[str, Bounds] = {
     "min_lr_ratio": Bounds(0, 1, hint="a fraction of --learning_rate"),
     "z_loss": Bounds(0, hint="0 = off, e.g. 1e-4 as T5X: a negative one rewards a large log-partition"),
     "loss_chunk_size": Bounds(0, hint="0 = all positions at once"),
+    "ema_decay": Bounds(0, 1, above=True, below=True, hint="e.g. 0.999: the weight of the average so far"),
+    "ema_start": Bounds(0, bounds.MAX_STEPS, hint="the step from which the average accumulates"),
     "process_id": Bounds(0),
     # -- operations (profiler, goodput, watchdog)
     "profile_every": _AT_LEAST_1,

@@ -348,6 +348,12 @@ class OptimizationArgs(_Section):
     )
     spike_window: int = _field(100, "steps of the running window --skip_step_on_spike measures against")
     max_consecutive_skips: int = _field(5, "stop as a divergence (exit 3) after this many skipped steps in a row")
+    ema_decay: float | None = _field(
+        None,
+        "keep an exponential moving average of the parameters with this decay, e.g. 0.999 (float32, sharded like "
+        "them, in the checkpoint): evaluated beside them as eval_ema_*; export it with spmdlm.export --weights ema",
+    )
+    ema_start: int = _field(0, "the average copies the parameters up to this step and averages from the next on")
     remat: str = _field(
         "auto",
         "what each layer keeps for its backward pass: dots = its weight matmuls' outputs, the "
@@ -393,6 +399,11 @@ class OptimizationArgs(_Section):
         parse_scan_unroll(self.scan_unroll)
         if self.remat not in REMAT_CHOICES:
             raise ArgumentError(f"--remat must be one of {', '.join(REMAT_CHOICES)}, got {self.remat!r}")
+        if self.ema_decay is not None and known[self.optimizer].evaluation_params is not None:
+            raise ArgumentError(
+                f"--ema_decay with --optim {self.optimizer}: it evaluates an average of its own already; leave "
+                "--ema_decay out or choose another --optim"
+            )
 
     def check_schedule(self) -> None:
         """--lr_scheduler_type, and the flags only some schedules take."""

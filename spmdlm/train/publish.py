@@ -29,6 +29,7 @@ from flax import nnx
 from spmdlm import __version__, checkpoint, network, storage
 from spmdlm.crashpoints import crash_point
 from spmdlm.data import datasets, readers
+from spmdlm.engine.optim import evaluation_needs_optimizer
 from spmdlm.engine.step import model_for_evaluation
 from spmdlm.errors import ArgumentError
 from spmdlm.hf_export import TASKS, card_usage_lines, export_complete, export_state, save_hf, what_it_needs
@@ -263,9 +264,22 @@ def _training_lines(prepared: Prepared) -> list[str]:
         f"{optim.warmup_steps} warmup steps; weight decay {optim.weight_decay:g}; gradient clipping "
         f"{optim.max_grad_norm:g}",
         f"- dtype: {args.model.dtype}; seed {args.control.seed}",
+        f"- weights: {_weights_line(optim)}",
         f"- mesh: {', '.join(f'{axis}={size}' for axis, size in axes.items())} over {mesh.size} {device.platform} "
         f"devices{kind}" + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""),
     ]
+
+
+def _weights_line(optim) -> str:
+    """Which parameters this export holds (the run's `hf/`: those it evaluated, step.model_for_evaluation)."""
+    if evaluation_needs_optimizer(optim):
+        return f"the average {optim.optim} evaluates (not its iterate)"
+    if optim.ema_decay is None:
+        return "the trained parameters"
+    return (
+        f"the trained parameters (raw); their moving average (--ema_decay {optim.ema_decay:g} from step "
+        f"{optim.ema_start}, evaluated as eval_ema_*) is in the checkpoints: `python -m spmdlm.export --weights ema`"
+    )
 
 
 def _evaluation_lines(results: dict[str, Any], step: int | None, total_steps: int) -> list[str]:

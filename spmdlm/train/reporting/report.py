@@ -261,6 +261,7 @@ class Reporter:
             f"eval at step {step}: loss {metrics['eval_loss']:.4f} | perplexity "
             f"{metrics['eval_perplexity']:.2f} | accuracy {metrics['eval_accuracy']:.4f}"
             + (f" | bits/byte {metrics['eval_bits_per_byte']:.4f}" if "eval_bits_per_byte" in metrics else "")
+            + (f" | EMA loss {metrics['eval_ema_loss']:.4f}" if "eval_ema_loss" in metrics else "")
             + (f" | loss by source: {', '.join(sources)}" if sources else "")
         )
         self.sync(force=False)

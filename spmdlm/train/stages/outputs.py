@@ -237,6 +237,10 @@ def changed_settings(run: Run, saved: dict, current: dict) -> list[str]:
     )
     if spikes(saved) != spikes(current):
         changed.append("skip_step_on_spike/spike_window")
+    # The parameters' average (--ema_decay) is in the optimizer state and goes on as it began (older runs: off)
+    ema = lambda d: (d.get("ema_decay"), d.get("ema_start", 0) if d.get("ema_decay") else None)
+    if ema(saved) != ema(current):
+        changed.append("ema_decay/ema_start")
     # Token ids are set from the tokenizer after this check, so they are not compared here.
     shape_of = lambda d: {k: v for k, v in (d or {}).items() if not k.endswith("_token_id")}
     if shape_of(saved.get("model_config")) != shape_of(run.config.to_hf_dict()):
