@@ -100,9 +100,18 @@ def test_a_config_json_means_what_transformers_reads_from_it(model_type):
     quirk = {"tie_word_embeddings"} if model_type == "t5" else set()
     if quirk:
         assert theirs.scale_decoder_outputs is ours.tie_word_embeddings is False
+    # transformers 5 reads an absent rope_scaling as its rope_parameters (the theta and the default type): compared
+    # as what it means, the rotary frequencies of rope_theta unscaled
+    if model_type in ("llama", "qwen3"):
+        quirk.add("rope_scaling")
+        assert ours.rope_scaling is None
+        assert theirs.rope_scaling == {"rope_theta": ours.rope_theta, "rope_type": "default"}
     compared = [f.name for f in dataclasses.fields(ours) if hasattr(theirs, f.name) and f.name not in quirk]
     assert len(compared) >= 10
-    assert {name: getattr(ours, name) for name in compared} == {name: getattr(theirs, name) for name in compared}
+    as_read = lambda value: list(value) if isinstance(value, tuple) else value  # noqa: E731 (a JSON list either way)
+    assert {name: as_read(getattr(ours, name)) for name in compared} == {
+        name: as_read(getattr(theirs, name)) for name in compared
+    }
     if said:  # what spmdlm cannot honour: refused in one line, not read differently
         with pytest.raises(ConfigError, match="^T5 feed_forward_proj 'relu' \\(absent: transformers' default\\)"):
             checked_config({"model_type": model_type}, None, "config.json")

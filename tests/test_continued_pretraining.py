@@ -217,6 +217,8 @@ def test_a_tokenizer_that_moves_the_checkpoints_ids_is_refused(tmp_path, corpus,
     assert "does not extend the tokenizer of --model_name_or_path" in err and "add_tokens" in err
     # a prepared dataset's tokenizer the same: its ids must mean what they meant to the checkpoint
     save_tokenizer(other, tmp_path / "data" / datasets.TOKENIZER_DIR, get_family("gpt2"), model_max_length=64)
+    card = {"format": datasets.CARD_FORMAT, "version": datasets.CARD_VERSION}  # a whole dataset: its card is there
+    (tmp_path / "data" / datasets.CARD_NAME).write_text(json.dumps(card))
     capsys.readouterr()
     argv = ["--model_name_or_path", str(folder), "--dataset_dir", str(tmp_path / "data"), "--output_dir", "/absent/o"]
     assert main(argv) == 2

@@ -137,9 +137,8 @@ def transformers_checkpoint(family: str, folder: Path) -> Path:
         for k, v in fixture.tiny_config.items()
         if k not in ("model_type", "feed_forward_proj", "tie_word_embeddings")
     }
-    config = fixture.hf_config_class(
-        **values, **{f"{role}_token_id": i for role, i in ids.items() if i is not None and role != "mask"}
-    )
+    specials = {f"{role}_token_id": i for role, i in ids.items() if i is not None and role != "mask"}
+    config = fixture.hf_config_class(**{**values, **specials})  # the tokenizer's ids win over the fixture's
     if family == "t5":
         config.decoder_start_token_id = ids["pad"]
     torch.manual_seed(0)

@@ -38,6 +38,8 @@ class Qwen3Config(LlamaConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if not self.use_sliding_window:  # as transformers reads it: no window when windows are off
+            object.__setattr__(self, "sliding_window", None)
         if self.layer_types is None:
             windowed = self.use_sliding_window and self.sliding_window is not None
             kinds = [
