@@ -33,6 +33,7 @@ from flax import nnx
 
 from spmdlm.models.attention import Attention
 from spmdlm.models.layers import MLP, Dense
+from spmdlm.models.seq2seq import EncoderDecoder
 from spmdlm.models.stack import PER_LAYER, LayerStack
 from spmdlm.run_args.choices import parse_scan_unroll
 
@@ -107,8 +108,11 @@ def plan_layers(
         depths, width = [stack.count for stack in stacks], min((residual_width(stack) for stack in stacks), default=0)
         if platform != "cpu":
             layers, why = 1, "a GPU or TPU"
-        elif len(depths) < 2:
-            layers, why = 1, "a single layer stack"
+        elif not isinstance(model, EncoderDecoder):  # measured for encoder-decoders (module docstring)
+            layers, why = (
+                1,
+                "one decoder or encoder (its stacks scanned)" if len(depths) > 1 else "a single layer stack",
+            )
         elif max(depths) > UNROLL_MAX_LAYERS or width > UNROLL_MAX_WIDTH:
             layers, why = 1, f"more than {UNROLL_MAX_LAYERS} layers per stack or wider than {UNROLL_MAX_WIDTH}"
         else:
