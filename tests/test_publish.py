@@ -107,7 +107,10 @@ def test_every_family_gets_a_card_with_its_results_metadata_and_usage(
 
     card = ModelCard.load(folder / "README.md")
     data = card.data
-    task = {"roberta": "fill-mask", "gpt2": "text-generation"}.get(family, "text2text-generation")
+    kind = get_family(family).generation  # what the family's export is for, as its card says
+    task = {Generation.FILL_MASK: "fill-mask", Generation.DECODER_ONLY: "text-generation"}.get(
+        kind, "text2text-generation"
+    )
     assert data.library_name == "transformers" and data.pipeline_tag == task and data.license == "apache-2.0"
     assert data.tags == [family, "spmdlm", task, "tiny", "code"] and data.datasets == ["someone/stdlib-json"]
     assert data.model_name == "run"
@@ -126,11 +129,14 @@ def test_every_family_gets_a_card_with_its_results_metadata_and_usage(
     assert "global batch 16 examples (2 per device x 8 batch devices x 1 accumulation)" in text
     assert "mesh: data=8 over 8 cpu devices" in text and f"`{STDLIB_JSON}`" in text
     assert "| eval_loss | 2.5 |" in text and "Trained with spmdlm " in text
-    expected = {"roberta": 'pipeline("fill-mask"', "gpt2": "AutoModelForCausalLM.from_pretrained"}
-    assert expected.get(family, "AutoModelForSeq2SeqLM.from_pretrained") in text
+    expected = {
+        Generation.FILL_MASK: 'pipeline("fill-mask"',
+        Generation.DECODER_ONLY: "AutoModelForCausalLM.from_pretrained",
+    }
+    assert expected.get(kind, "AutoModelForSeq2SeqLM.from_pretrained") in text
     assert hf_export.TORCH_CPU_INSTALL in text  # transformers' side needs PyTorch; spmdlm.generate does not
     assert f"python -m spmdlm.generate --model_name_or_path {folder}" in text
-    assert ("--fill_mask" in text) == (family == "roberta")
+    assert ("--fill_mask" in text) == (kind == Generation.FILL_MASK)
     capsys.readouterr()
     run_snippet(card, str(folder), folder)  # the local export, as nothing was pushed
     assert capsys.readouterr().out  # it printed what the (random) model made of the example
