@@ -222,7 +222,8 @@ def test_one_document_that_leaves_no_held_out_text_says_so(caplog):
 
     args, _ = parse_args(["--train_file", "x.txt", "--text_documents", "file"])
     with caplog.at_level(logging.WARNING, logger="spmdlm"):
-        assert tokenize_validation(types.SimpleNamespace(args=args), [], False) is None
+        reading = types.SimpleNamespace(data=args.data, control=args.control)  # what the data stage reads of the run
+        assert tokenize_validation(reading, [], False) is None
     assert "no evaluation: the held-out 5.0% of the documents is none of them" in caplog.text
 
 
