@@ -115,7 +115,7 @@ def test_lowercase_round_trip(model_type, texts, tmp_path):
     assert_same_ids(tok, hf)
 
 
-def test_special_token_ids_per_model_type(trained):
+def test_special_token_ids_per_model_type(trained, texts):
     assert special_token_ids(trained["gpt2"], get_family("gpt2")) == {
         "bos": 0,
         "eos": 0,
@@ -136,7 +136,12 @@ def test_special_token_ids_per_model_type(trained):
     # ModernBERT's five in the released tokenizer's order, first instead of after the pieces
     modernbert = {"unk": 0, "bos": 1, "eos": 2, "pad": 3, "mask": 4}
     assert special_token_ids(trained["modernbert"], get_family("modernbert")) == modernbert
-    assert set(families()) == set(MODEL_TYPES)
+    # Llama and Qwen3 train GPT-2's byte-level BPE with <|endoftext|> first (their round trips through transformers:
+    # tests/test_llama.py, tests/test_continued_pretraining.py)
+    for decoder in ("llama", "qwen3"):
+        tok = train_tokenizer(get_family(decoder), texts, VOCAB_SIZE)
+        assert special_token_ids(tok, get_family(decoder)) == {"bos": 0, "eos": 0, "unk": 0, "pad": None, "mask": None}
+    assert set(families()) == {*MODEL_TYPES, "llama", "qwen3"}
 
 
 def test_t5_sentinels_follow_google_layout(trained, tmp_path):
@@ -210,5 +215,5 @@ def test_training_errors(model_type, vocab_size, texts, match):
 
 
 def test_an_unknown_family_is_refused_by_the_registry():
-    with pytest.raises(ConfigError, match="model_type 'llama' is not supported; choose one of bart, gpt2"):
-        get_family("llama")
+    with pytest.raises(ConfigError, match="model_type 'falcon' is not supported; choose one of bart, gpt2"):
+        get_family("falcon")
