@@ -68,3 +68,21 @@ def test_a_stop_during_evaluation_abandons_it_and_saves(capsys, monkeypatch, tmp
     assert checkpoint.make_manager(out, read_only=True).all_steps() == [2]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert not any("eval_loss" in r for r in records), records  # nothing half-evaluated is reported
+
+
+def test_the_stop_deadline_leaves_no_descriptor_behind():
+    """The deadline's pipe is closed once, after its thread has ended: a thread closing it by number while the
+    main thread still writes to it closed whatever file had meanwhile reused the number (the next test's)."""
+    from spmdlm.train.safety.guard import StopOnSignal
+
+    opened = set(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with StopOnSignal() as stop:
+            deadline = stop._deadline
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert stop.should_stop(0) and stop.signum == signal.SIGUSR1
+            assert not deadline._thread.is_alive()
+        with StopOnSignal():  # no signal: left on exit
+            pass
+    assert set(os.listdir("/proc/self/fd")) == opened
+    assert signal.set_wakeup_fd(-1) == -1  # the process's wakeup fd is restored

@@ -209,7 +209,15 @@ class StopDeadline:
         self._closed.set()
         if threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(self._previous_fd)
-        os.write(self._write, b"\0")  # wakes the thread, which closes the pipe
+        try:
+            os.write(self._write, b"\0")  # wakes the thread if it still waits for a signal
+        except BlockingIOError:
+            pass  # the pipe is full: the thread has bytes to wake on
+        # The pipe is closed here, after the thread has ended, never by the thread: a descriptor closed while
+        # another thread may still use it can be reused meanwhile by a file opened elsewhere, and closed under it.
+        self._thread.join()
+        os.close(self._read)
+        os.close(self._write)
 
     def _watch(self) -> None:
         signum = 0
@@ -217,8 +225,6 @@ class StopDeadline:
             signum = os.read(self._read, 1)[0]
         if not self._closed.wait(self.seconds):
             self._leave(signum)
-        os.close(self._read)
-        os.close(self._write)
 
     def _leave(self, signum: int) -> None:
         try:  # the line may find stdout or stderr closed (a scheduler gone): the exit comes regardless
