@@ -393,7 +393,7 @@ MAX_ROOM_FILES = 7  # files of one room (a subfolder of spmdlm/train), __init__.
 MAX_PARAMETERS = 8  # of one function, self/cls aside
 # Where MAX_PARAMETERS holds so far (the rest of spmdlm follows as its functions are regrouped)
 EVALUATOR = "cli/evaluate.py"  # python -m spmdlm.evaluate: evaluates from what it loaded, no stand-in run
-RUN_RECORDS = ("Run", "Prepared", "RunContext", "resolve", "run_stages")
+RUN_RECORDS = ("Run", "Prepared", "Trained", "resolve", "run_stages")
 
 
 def _is_frozen_dataclass(decorator) -> bool | None:
