@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from family_fixtures import FIXTURES
-from test_evaluate import evaluation_flags, words
+from test_evaluate import evaluation_flags, transformers_checkpoint, words
 
 from spmdlm.cli import evaluate
 from spmdlm.cli.launch import main
@@ -81,3 +81,17 @@ def test_camembert_reads_as_roberta_and_umt5_is_refused_naming_why():
     assert config.to_hf_dict()["model_type"] == "camembert"
     with pytest.raises(ConfigError, match=r"^ckpt holds a 'umt5' model: .*its own relative position bias[^\n]*$"):
         checked_config({**FIXTURES["t5"].tiny_config, "model_type": "umt5"}, None, "ckpt")
+
+
+# -- an empty --validation_file ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["", "\n\n  \n"], ids=["0-bytes", "blank-lines"])
+def test_an_empty_validation_file_is_named_as_empty_and_nothing_is_written(text, tmp_path, capsys):
+    folder = transformers_checkpoint("gpt2", tmp_path / "hf")
+    (tmp_path / "heldout.txt").write_text(text)
+    capsys.readouterr()
+    argv = ["--model_name_or_path", str(folder), "--validation_file", str(tmp_path / "heldout.txt")]
+    assert evaluate.main([*argv, "--block_size", "32", "--output_file", str(tmp_path / "results.json")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not (tmp_path / "results.json").exists()
+    named = f"error: --validation_file {tmp_path / 'heldout.txt'} is empty (no text, or only blank lines)"
+    assert captured.err == f"{named}; give held-out text\n"

@@ -175,7 +175,7 @@ def header(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
         "model": args.model.model_name_or_path,
         "kind": loaded.kind,
         "step": loaded.step,
-        "model_type": loaded.family.name,
+        "model_type": loaded.config.model_type,  # as the model says: xlm-roberta, not the family roberta
         "seed": args.control.seed,
     }
 
