@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,9 @@ import torch
 import transformers
 from family_fixtures import FIXTURES
 from test_evaluate import evaluation_flags, transformers_checkpoint, words
+from test_reliability import DAMAGE, flags
 
+from spmdlm import checkpoint
 from spmdlm.cli import evaluate
 from spmdlm.cli.launch import main
 from spmdlm.data.tokenization import save_tokenizer, train_tokenizer
@@ -95,3 +98,46 @@ def test_an_empty_validation_file_is_named_as_empty_and_nothing_is_written(text,
     assert captured.out == "" and not (tmp_path / "results.json").exists()
     named = f"error: --validation_file {tmp_path / 'heldout.txt'} is empty (no text, or only blank lines)"
     assert captured.err == f"{named}; give held-out text\n"
+
+
+# -- falling back from damaged checkpoints: one line each, no traceback ----------------------------------------------
+def restore_leaving_orphans(restore):
+    """The real restore; where it fails, what orbax's abandoned reads log when their callbacks find the event loop
+    closed (timing-dependent on a loaded host, so sent here as they arrive: from asyncio and concurrent.futures)."""
+
+    def restoring(*args, **kwargs):
+        try:
+            return restore(*args, **kwargs)
+        except checkpoint.CheckpointError:
+            closed = RuntimeError("Event loop is closed")
+            for name, message in (("asyncio", "Exception in callback"), ("concurrent.futures", "exception calling")):
+                for _ in range(5):
+                    logging.getLogger(name).error(message, exc_info=(RuntimeError, closed, None))
+            raise
+
+    return restoring
+
+
+def test_the_evaluator_falls_back_past_damaged_checkpoints_in_one_line_each(
+    tmp_path, cache_dir, tiny_gpt2_config, monkeypatch, capsys
+):
+    out = tmp_path / "run"
+    assert main(flags(out, cache_dir, tiny_gpt2_config)) == 0  # checkpoints at steps 2 and 4
+    held_out = tmp_path / "heldout.txt"
+    held_out.write_text("\n".join(words(40)) + "\n")
+    monkeypatch.setattr(checkpoint, "restore", restore_leaving_orphans(checkpoint.restore))
+    argv = ["--model_name_or_path", str(out), "--validation_file", str(held_out), "--block_size", "16"]
+    steps = sorted((out / "checkpoints").iterdir(), key=lambda step: int(step.name))
+    DAMAGE["data_file_deleted"](steps[-1])
+    capsys.readouterr()
+    assert evaluate.main([*argv, "--max_eval_samples", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Event loop is closed" not in err
+    assert [line.split(" ", 2)[1] for line in err.splitlines()].count("WARNING") == 1
+    assert [line for line in err.splitlines() if " INFO " not in line][0].endswith("trying the previous one")
+    DAMAGE["data_file_deleted"](steps[0])  # all damaged: the two warnings and one short error line
+    assert evaluate.main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if " INFO " not in line]
+    assert len(lines) == 3 and "Traceback" not in "\n".join(lines)
+    assert lines[2].startswith(f"error: no checkpoint in {out / 'checkpoints'} can be restored")
+    assert len(lines[2].removeprefix("error: ")) - len(str(out / "checkpoints")) <= 200  # less the folder it names
