@@ -141,3 +141,20 @@ def test_the_evaluator_falls_back_past_damaged_checkpoints_in_one_line_each(
     assert len(lines) == 3 and "Traceback" not in "\n".join(lines)
     assert lines[2].startswith(f"error: no checkpoint in {out / 'checkpoints'} can be restored")
     assert len(lines[2].removeprefix("error: ")) - len(str(out / "checkpoints")) <= 200  # less the folder it names
+
+
+# -- an edited vocab_size in config.json ---------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab_size", [400, 600], ids=["below-the-tokenizer", "above-the-weights"])
+def test_an_edited_vocab_size_is_named_not_blamed_on_the_tokenizer(vocab_size, tmp_path, capsys):
+    folder = transformers_checkpoint("roberta", tmp_path / "hf")  # 512 embedding rows, a 512-token tokenizer
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
+    capsys.readouterr()
+    argv = ["--model_name_or_path", str(folder), "--train_file", "/absent/corpus.txt", "--output_dir", "/absent/out"]
+    assert main([*argv, "--max_seq_length", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {folder}: config.json's vocab_size ({vocab_size}) does not match the checkpoint's embedding (512 "
+        "rows); set it back to 512 (to add tokens, extend the tokenizer and pass it as --tokenizer_name: the "
+        "embedding grows)\n"
+    )
