@@ -318,12 +318,20 @@ def restore_newest_good(
             f"{storage.path(str(manager.directory)).parent / DAMAGED_DIR}); start afresh with "
             "--overwrite_output_dir"
         )
-    # export and generate read only: nothing moved, and the cause is often a model other than run_config.json's
-    newest = f" ({failures[0]})" if failures else ""
+    # export, generate and evaluate read only: nothing moved, and the cause is often a model other than
+    # run_config.json's. The newest's cause, cut short: each one's whole cause is in its warning line above.
+    newest = f" ({shortened(str(failures[0]), CAUSE_CHARS)})" if failures else ""
     raise CheckpointError(
         f"no checkpoint in {manager.directory} can be restored into the model its run_config.json "
         f"describes{newest}; check that the checkpoints are this run's"
     )
+
+
+CAUSE_CHARS = 70  # of a cause repeated in a closing error line (tensorstore's name whole files and byte ranges)
+
+
+def shortened(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[: chars - 1] + "…"
 
 
 def all_complete_steps(manager: ocp.CheckpointManager, *, move_aside: bool) -> list[int]:

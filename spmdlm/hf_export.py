@@ -36,7 +36,7 @@ from safetensors.numpy import save_file
 from spmdlm import storage
 from spmdlm.crashpoints import crash_point
 from spmdlm.data.tokenization import save_tokenizer
-from spmdlm.errors import ExportError
+from spmdlm.errors import ConfigError, ExportError
 from spmdlm.families import get_family, load_pretrained_config
 from spmdlm.families.base import Family, Generation
 from spmdlm.hf_weights import CheckpointTensors
@@ -274,6 +274,25 @@ def check_checkpoint(path: str | Path, config: HFConfig) -> None:
     """Every check of a checkpoint's weights against its config that needs no tensor read (matched_rules)."""
     with CheckpointTensors(storage.path(path, "--model_name_or_path")) as tensors:
         matched_rules(tensors, config)
+
+
+def check_vocab_size(path: str | Path, config: HFConfig) -> None:
+    """config.json's vocab_size against the rows of the checkpoint's embeddings (read from the files' headers): an
+    edited vocab_size is named as such, before the tokenizer is checked against it."""
+    table, shapes = get_family(config.model_type).table, _param_shapes(config)
+    with CheckpointTensors(storage.path(path, "--model_name_or_path")) as tensors:
+        names = tensors.names()
+        rows = []  # of each embedding that config.json's vocab_size sizes (positions of that size are not told apart)
+        for rule in table.expand(config):
+            name = rule.hf if rule.hf in names else rule.hf.removeprefix(table.hf_prefix)
+            if rule.ours.endswith(".embedding") and _rule_shape(shapes, rule)[0] == config.vocab_size and name in names:
+                rows.append(tensors.shape(name)[0])
+    if rows and config.vocab_size not in rows:
+        raise ConfigError(
+            f"{path}: config.json's vocab_size ({config.vocab_size}) does not match the checkpoint's embedding "
+            f"({rows[0]} rows); set it back to {rows[0]} (to add tokens, extend the tokenizer and pass it as "
+            "--tokenizer_name: the embedding grows)"
+        )
 
 
 def grown(value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

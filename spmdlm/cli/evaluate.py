@@ -30,7 +30,7 @@ import jax
 from flax import nnx
 
 from spmdlm import storage
-from spmdlm.cli.launch import family_choices, setup_devices
+from spmdlm.cli.launch import family_choices, setup_devices, setup_logging
 from spmdlm.cli.launch import parse_args as parse_run_args
 from spmdlm.engine.evaluation import byte_lengths, evaluate, held_out_of, loss_of, make_stepper
 from spmdlm.errors import ArgumentError, DataError, UserError
@@ -175,7 +175,7 @@ def header(args: RunArgs, loaded: LoadedModel) -> dict[str, Any]:
         "model": args.model.model_name_or_path,
         "kind": loaded.kind,
         "step": loaded.step,
-        "model_type": loaded.family.name,
+        "model_type": loaded.config.model_type,  # as the model says: xlm-roberta, not the family roberta
         "seed": args.control.seed,
     }
 
@@ -258,13 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         own, args = parse(argv)
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the results
             setup_devices(args.devices)
-        logging.basicConfig(
-            level=logging.INFO,
-            format="%(asctime)s %(levelname)s %(message)s",
-            datefmt="%H:%M:%S",
-            stream=sys.stderr,
-            force=True,
-        )
+        # the launcher's: orbax's and asyncio's records of a damaged checkpoint it falls back from are not shown
+        setup_logging(stream=sys.stderr)
         found = run(own, args)
         text = strict_json(found, indent=2)
         if own.output_file:

@@ -192,10 +192,16 @@ class PeerWatch:
 _peer_watch: PeerWatch | None = None
 
 
-def setup_logging() -> None:
+def setup_logging(stream=None) -> None:
+    """Our log lines on `stream` (default stdout; the evaluator's stderr, its stdout being the results), the
+    libraries' at WARNING and without tracebacks (_reported_by_us)."""
     level = logging.INFO if jax.process_index() == 0 else logging.WARNING
     logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, force=True
+        level=level,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=stream or sys.stdout,
+        force=True,
     )
     for noisy in (
         "absl",
@@ -203,6 +209,7 @@ def setup_logging() -> None:
         "orbax",
         "grain",
         "asyncio",
+        "concurrent.futures",
         "datasets",
         "huggingface_hub",
         "filelock",
@@ -214,10 +221,13 @@ def setup_logging() -> None:
 
 
 def _reported_by_us(record: logging.LogRecord) -> bool:
-    """orbax logs a failed asynchronous save from its threads, with tracebacks, as several ERROR lines (and asyncio
-    its orphaned futures); the run reports that failure itself in one line. Other records keep just their message."""
+    """orbax logs a failed asynchronous save or read from its threads, with tracebacks, as several ERROR lines (and
+    asyncio and concurrent.futures its orphaned futures); the run reports that failure itself in one line. Other
+    records keep just their message."""
     if record.levelno >= logging.ERROR and ("orbax" in record.pathname or record.name == "asyncio"):
         return False
+    if record.exc_info and str(record.exc_info[1]) == "Event loop is closed":
+        return False  # the callback of a read orbax abandoned (a damaged checkpoint it fell back from), firing late
     record.exc_info, record.exc_text, record.stack_info = None, None, None
     return True
 

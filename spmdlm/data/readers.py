@@ -333,11 +333,13 @@ def read_documents(
     stats: ReadStats | None = None,
     text_documents: str = "line",
     text_format: str | None = None,
+    warn_empty: bool = True,
 ) -> Iterator[str]:
     """The non-empty documents of the files: a text file's lines, paragraphs or whole text (`text_documents`), or
     the `text_column` ("text") field of a record. Each file's format is `file_format`'s.
 
-    `stats`, if given, counts the files, documents, replaced bytes and skipped empty lines and files.
+    `stats`, if given, counts the files, documents, replaced bytes and skipped empty lines and files; `warn_empty`
+    False leaves the files that hold no text to the caller (counted in `stats`), e.g. to refuse them as a whole.
     """
     stats = stats if stats is not None else ReadStats()
     for path in files:
@@ -351,7 +353,8 @@ def read_documents(
         stats.bytes_done += storage.size(path)
         if not count:
             stats.empty_files += 1
-            log.warning("%s holds no text; skipped", path)
+            if warn_empty:
+                log.warning("%s holds no text; skipped", path)
 
 
 def embedded_corpus_files() -> list[Path]:

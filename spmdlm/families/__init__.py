@@ -92,10 +92,32 @@ def preset_files(module: str, model_type: str) -> dict[str, dict]:
 
 
 def get_family(model_type: str | None) -> Family:
+    """The family of a model_type: its own name, or one of the model types its architecture was released as."""
     known = families()
-    if model_type not in known:
-        raise ConfigError(f"model_type {model_type!r} is not supported; choose one of {', '.join(known)}")
-    return known[model_type]
+    if model_type in known:
+        return known[model_type]
+    for family in known.values():
+        if model_type in family.released_as:
+            return family
+    raise ConfigError(f"model_type {model_type!r} is not supported; choose one of {', '.join(known)}")
+
+
+def released_types() -> dict[str, str]:
+    """Every model type spmdlm reads -> the family that reads it."""
+    return {
+        **{name: name for name in families()},
+        **{other: name for name, family in families().items() for other in family.released_as},
+    }
+
+
+@functools.cache
+def released_config_class(model_type: str) -> type:
+    """The config class of a model type its family was released as: the family's fields, its own model_type and
+    transformers class, so the export is the checkpoint's own (an xlm-roberta run exports an XLMRobertaForMaskedLM)."""
+    family = get_family(model_type)
+    base = family.config_class
+    name = "".join(part.capitalize() for part in model_type.split("-")) + base.__name__
+    return type(name, (base,), {"model_type": model_type, "architecture": family.released_as[model_type]})
 
 
 def objective_flags() -> tuple[Flag, ...]:
@@ -141,15 +163,19 @@ def load_pretrained_config(path: str) -> HFConfig:
 def checked_config(values: dict, model_type: str | None, source: str, overrides: dict | None = None) -> HFConfig:
     """The family's config of HF config `values` (from `source`, named in errors), after the family's checks."""
     model_type = values.get("model_type", model_type)
-    if model_type not in families():
+    for family in families().values():
+        if model_type in family.refused_types:
+            raise ConfigError(f"{source} holds a {model_type!r} model: {family.refused_types[model_type]}")
+    if model_type not in released_types():
         found = ", ".join(values.get("architectures") or []) or "no architectures listed"
         raise ConfigError(
-            f"{source} holds a {model_type!r} model ({found}); supported model types: {', '.join(families())}"
+            f"{source} holds a {model_type!r} model ({found}); supported model types: {', '.join(released_types())}"
         )
-    family = families()[model_type]
+    family = get_family(model_type)
     family.check_hf_config(values)
     values = {**values, **{k: v for k, v in (overrides or {}).items() if v is not None}}
-    return family.config_class.from_dict(values)
+    own = family.config_class if model_type == family.name else released_config_class(model_type)
+    return own.from_dict(values)
 
 
 def objective_for_shapes(

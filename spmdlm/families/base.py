@@ -181,6 +181,11 @@ class Family:
     forward: Forward  # how the shared train and eval step call the model on a batch
     generation: Generation  # what spmdlm.generate may ask of the model
     check_hf_config: Callable[[dict], None] = lambda values: None  # refuses HF configs we cannot reproduce
+    # Other model types released with this architecture (e.g. xlm-roberta): model_type -> its transformers class.
+    # Their checkpoints load as they ship, and the export keeps their own model_type and class.
+    released_as: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Released model types close to this one that it cannot reproduce: model_type -> why (a one-line refusal)
+    refused_types: dict[str, str] = dataclasses.field(default_factory=dict)
     presets: dict[str, dict] = dataclasses.field(default_factory=dict)  # its own --config_name presets, by name
 
     @property

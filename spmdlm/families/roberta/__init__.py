@@ -103,4 +103,5 @@ FAMILY = Family(
     forward=forward_single_stack,
     generation=Generation.FILL_MASK,
     check_hf_config=check_hf_config,
+    released_as={"xlm-roberta": "XLMRobertaForMaskedLM", "camembert": "CamembertForMaskedLM"},
 )

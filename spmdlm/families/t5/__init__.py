@@ -104,4 +104,9 @@ FAMILY = Family(
     forward=forward_encoder_decoder,
     generation=Generation.ENCODER_DECODER,
     check_hf_config=check_hf_config,
+    released_as={"mt5": "MT5ForConditionalGeneration"},  # T5 v1.1 on a multilingual vocabulary
+    refused_types={
+        "umt5": "UMT5 gives every layer its own relative position bias, where T5 (and spmdlm's T5) has one per stack "
+        "in its first layer; spmdlm cannot reproduce it (T5 v1.1 and mT5 checkpoints load)"
+    },
 )

@@ -114,17 +114,26 @@ def read_corpora(
 
 
 def read_validation(data: DataArgs, validation_file: str, flag: str, train_files=()) -> list[str]:
-    """The documents of held-out files (`flag` names them in errors); a warning if they are training files too."""
+    """The documents of held-out files (`flag` names them in errors); a warning if they are training files too.
+    Held-out files with no text at all are refused: nothing could be evaluated on them."""
     validation_files = readers.expand_files(validation_file, flag)
     warn_if_training_files(validation_files, train_files)
-    return list(
+    stats = readers.ReadStats()
+    documents = list(
         readers.read_documents(
             validation_files,
             text_column=data.text_column,
+            stats=stats,
             text_documents=data.text_documents,
             text_format=data.text_format,
+            warn_empty=False,
         )
     )
+    if not documents:
+        raise DataError(f"{flag} {validation_file} is empty (no text, or only blank lines); give held-out text")
+    if stats.empty_files:
+        log.warning("%s: %d of its %d files hold no text; skipped", flag, stats.empty_files, stats.files)
+    return documents
 
 
 def read_sources(

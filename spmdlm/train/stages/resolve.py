@@ -124,6 +124,7 @@ def check_pretrained(args: RunArgs, family: Family, config):
     or a prepared dataset's; never one trained here. Then the weights are checked against the config.
     -> (the tokenizer, the config with the vocabulary it needs, the checkpoint's own config where that grew)."""
     path = storage.path(args.model.model_name_or_path, "--model_name_or_path")
+    hf_export.check_vocab_size(path, config)  # an edited config.json, not the tokenizer, is then the one to blame
     own = load_tokenizer(path, family) if tokenizer_layout(path) else None
     checkpoint_config = None
     if args.model.tokenizer_name:

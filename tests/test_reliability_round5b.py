@@ -1,0 +1,160 @@
+"""Reliability, round 5 (issue 54), the second audit's refusals: released model types read as they ship, an empty
+--validation_file, a fallback past corrupt checkpoints without tracebacks, and an edited vocab_size named."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from family_fixtures import FIXTURES
+from test_evaluate import evaluation_flags, transformers_checkpoint, words
+from test_reliability import DAMAGE, flags
+
+from spmdlm import checkpoint
+from spmdlm.cli import evaluate
+from spmdlm.cli.launch import main
+from spmdlm.data.tokenization import save_tokenizer, train_tokenizer
+from spmdlm.errors import ConfigError
+from spmdlm.families import checked_config, get_family
+
+# -- released model types of our architectures ------------------------------------------------------------------------
+RELEASED = {  # model_type -> (family, its transformers model and config classes, the Auto class that loads it)
+    "xlm-roberta": ("roberta", transformers.XLMRobertaForMaskedLM, transformers.XLMRobertaConfig, "MaskedLM"),
+    "mt5": ("t5", transformers.MT5ForConditionalGeneration, transformers.MT5Config, "Seq2SeqLM"),
+}
+
+
+def released_checkpoint(model_type: str, folder: Path):
+    """A random transformers model saved as its model_type ships (untied mT5 head, as google/mt5-* are), with a
+    tokenizer trained here."""
+    family, model_class, config_class, _ = RELEASED[model_type]
+    fixture = FIXTURES[family]
+    given = ("model_type", "feed_forward_proj", "tie_word_embeddings")
+    values = {k: v for k, v in fixture.tiny_config.items() if k not in given}
+    if family == "t5":
+        values.update(tie_word_embeddings=False, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = model_class(config_class(**values)).eval()
+    fixture.prepare_hf(model)
+    model.save_pretrained(folder)
+    if family == "t5":  # as released: config.json says untied (transformers 5 writes its forced `true`)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    save_tokenizer(train_tokenizer(get_family(family), words(), 400), folder, get_family(family), 64)
+    return model
+
+
+def logits(model, family: str) -> np.ndarray:
+    batch = FIXTURES[family].make_batch(model.config.to_dict(), np.random.default_rng(0))
+    with torch.no_grad():
+        return model(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
+
+
+@pytest.mark.parametrize("model_type", list(RELEASED))
+def test_a_released_model_type_continues_evaluates_and_exports_as_itself(model_type, tmp_path, cache_dir):
+    family, model_class, _, auto = RELEASED[model_type]
+    folder, out, held_out = tmp_path / "checkpoint", tmp_path / "out", tmp_path / "heldout.txt"
+    model = released_checkpoint(model_type, folder)
+    held_out.write_text("\n".join(words(60)) + "\n")
+    flags = list(FIXTURES[family].run_flags)
+    flags[flags.index("--learning_rate") + 1] = "0"
+    argv = ["--model_name_or_path", str(folder), "--train_file", str(held_out), "--output_dir", str(out)]
+    assert main([*argv, "--cache_dir", str(cache_dir), *flags, "--global_batch_size", "8", "--max_steps", "1"]) == 0
+    exported = json.loads((out / "hf" / "config.json").read_text())
+    assert exported["model_type"] == model_type and exported["architectures"] == [model_class.__name__]
+    reloaded = getattr(transformers, f"AutoModelFor{auto}").from_pretrained(out / "hf").eval()
+    assert type(reloaded) is model_class
+    np.testing.assert_allclose(logits(reloaded, family), logits(model, family), rtol=0, atol=1e-5)
+    if model_type == "xlm-roberta":  # the evaluator reads it as shipped (its loader is the one mT5's run took)
+        results = tmp_path / "results.json"
+        evaluate_argv = ["--model_name_or_path", str(folder), "--output_file", str(results)]
+        assert evaluate.main([*evaluate_argv, *evaluation_flags(family, cache_dir, held_out)]) == 0
+        assert np.isfinite(json.loads(results.read_text())["loss"])
+
+
+def test_camembert_reads_as_roberta_and_umt5_is_refused_naming_why():
+    config = checked_config({**FIXTURES["roberta"].tiny_config, "model_type": "camembert"}, None, "ckpt")
+    assert get_family(config.model_type).name == "roberta"
+    assert config.to_hf_dict()["architectures"] == ["CamembertForMaskedLM"]
+    assert config.to_hf_dict()["model_type"] == "camembert"
+    with pytest.raises(ConfigError, match=r"^ckpt holds a 'umt5' model: .*its own relative position bias[^\n]*$"):
+        checked_config({**FIXTURES["t5"].tiny_config, "model_type": "umt5"}, None, "ckpt")
+
+
+# -- an empty --validation_file ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["", "\n\n  \n"], ids=["0-bytes", "blank-lines"])
+def test_an_empty_validation_file_is_named_as_empty_and_nothing_is_written(text, tmp_path, capsys):
+    folder = transformers_checkpoint("gpt2", tmp_path / "hf")
+    (tmp_path / "heldout.txt").write_text(text)
+    capsys.readouterr()
+    argv = ["--model_name_or_path", str(folder), "--validation_file", str(tmp_path / "heldout.txt")]
+    assert evaluate.main([*argv, "--block_size", "32", "--output_file", str(tmp_path / "results.json")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not (tmp_path / "results.json").exists()
+    named = f"error: --validation_file {tmp_path / 'heldout.txt'} is empty (no text, or only blank lines)"
+    assert captured.err == f"{named}; give held-out text\n"
+
+
+# -- falling back from damaged checkpoints: one line each, no traceback ----------------------------------------------
+def restore_leaving_orphans(restore):
+    """The real restore; where it fails, what orbax's abandoned reads log when their callbacks find the event loop
+    closed (timing-dependent on a loaded host, so sent here as they arrive: from asyncio and concurrent.futures)."""
+
+    def restoring(*args, **kwargs):
+        try:
+            return restore(*args, **kwargs)
+        except checkpoint.CheckpointError:
+            closed = RuntimeError("Event loop is closed")
+            for name, message in (("asyncio", "Exception in callback"), ("concurrent.futures", "exception calling")):
+                for _ in range(5):
+                    logging.getLogger(name).error(message, exc_info=(RuntimeError, closed, None))
+            raise
+
+    return restoring
+
+
+def test_the_evaluator_falls_back_past_damaged_checkpoints_in_one_line_each(
+    tmp_path, cache_dir, tiny_gpt2_config, monkeypatch, capsys
+):
+    out = tmp_path / "run"
+    assert main(flags(out, cache_dir, tiny_gpt2_config)) == 0  # checkpoints at steps 2 and 4
+    held_out = tmp_path / "heldout.txt"
+    held_out.write_text("\n".join(words(40)) + "\n")
+    monkeypatch.setattr(checkpoint, "restore", restore_leaving_orphans(checkpoint.restore))
+    argv = ["--model_name_or_path", str(out), "--validation_file", str(held_out), "--block_size", "16"]
+    steps = sorted((out / "checkpoints").iterdir(), key=lambda step: int(step.name))
+    DAMAGE["data_file_deleted"](steps[-1])
+    capsys.readouterr()
+    assert evaluate.main([*argv, "--max_eval_samples", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Event loop is closed" not in err
+    assert [line.split(" ", 2)[1] for line in err.splitlines()].count("WARNING") == 1
+    assert [line for line in err.splitlines() if " INFO " not in line][0].endswith("trying the previous one")
+    DAMAGE["data_file_deleted"](steps[0])  # all damaged: the two warnings and one short error line
+    assert evaluate.main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if " INFO " not in line]
+    assert len(lines) == 3 and "Traceback" not in "\n".join(lines)
+    assert lines[2].startswith(f"error: no checkpoint in {out / 'checkpoints'} can be restored")
+    assert len(lines[2].removeprefix("error: ")) - len(str(out / "checkpoints")) <= 200  # less the folder it names
+
+
+# -- an edited vocab_size in config.json ---------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab_size", [400, 600], ids=["below-the-tokenizer", "above-the-weights"])
+def test_an_edited_vocab_size_is_named_not_blamed_on_the_tokenizer(vocab_size, tmp_path, capsys):
+    folder = transformers_checkpoint("roberta", tmp_path / "hf")  # 512 embedding rows, a 512-token tokenizer
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
+    capsys.readouterr()
+    argv = ["--model_name_or_path", str(folder), "--train_file", "/absent/corpus.txt", "--output_dir", "/absent/out"]
+    assert main([*argv, "--max_seq_length", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {folder}: config.json's vocab_size ({vocab_size}) does not match the checkpoint's embedding (512 "
+        "rows); set it back to 512 (to add tokens, extend the tokenizer and pass it as --tokenizer_name: the "
+        "embedding grows)\n"
+    )
