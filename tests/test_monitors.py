@@ -127,6 +127,12 @@ def test_a_layer_past_the_factor_of_its_median_is_warned_about(caplog):
     for step in range(8, 8 + WINDOW):  # the median follows the last WINDOW records: a new level stops the warnings
         watch.check({"step": step, **calm, "monitor/grad_norm/layer_1": 9.0})
     assert watch.check({"step": 30, **calm, "monitor/grad_norm/layer_1": 30.0}) == []
+    resumed = StabilityWatch(4.0)  # a resumed run: the records before the checkpoint are its history
+    for step in range(1, LEAST_HISTORY + 1):
+        resumed.remember({"step": step, **calm})
+    assert [g.split()[0] for g in resumed.check({"step": 6, **calm, "monitor/grad_norm/layer_0": 5.0})] == [
+        "monitor/grad_norm/layer_0"
+    ]
 
 
 @pytest.mark.parametrize("flag,value", [("monitor_every", -1), ("monitor_warn_factor", 1.0)])

@@ -261,6 +261,8 @@ class Reporter:
         run again), and the steps up to the highest the run before reached count as restart loss."""
         self.goodput.recompute_through = self.metrics.highest_step()
         self.metrics.truncate_after(step)
+        for record in self.metrics.records() if self.enabled else ():  # the monitors' medians go on where they were
+            self.stability.remember(record)
 
     def compile_stats(self, stats: dict[str, Any]):
         if not self.enabled:

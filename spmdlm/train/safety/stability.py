@@ -27,6 +27,12 @@ class StabilityWatch:
         self.factor = factor
         self.history: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=window))
 
+    def remember(self, record: dict) -> None:
+        """A record logged before a resume: its values join their history, unjudged."""
+        for key, value in record.items():
+            if watched(key) and value is not None:
+                self.history[key].append(value)
+
     def check(self, record: dict) -> list[str]:
         """The watched values of `record` (a metrics.jsonl monitor record) past `factor` x their median so far, as
         'key value (N.Nx its median M)'; each then joins its history. One warning line names them all."""
