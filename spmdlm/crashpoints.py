@@ -31,7 +31,7 @@ POINTS = (
     "checkpoint.during_save",  # orbax's asynchronous write started, not yet committed
     "checkpoint.after_commit",  # the step's folder renamed into place
     "eval_results.before_write",
-    "loss_plot.before_write",  # loss_curve.png
+    "loss_plot.before_write",  # loss_curve.png (and plots/monitors.png)
     "export.before_marker",  # hf/'s files written to its hidden sibling, spmdlm_export.json not yet
     "export.after_swap",  # hf/ renamed into place, its model card not yet written
     "model_card.before_write",

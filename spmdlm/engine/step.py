@@ -8,6 +8,7 @@ of target tokens in the whole global batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spmdlm.checkpoint import abstract_of
 from spmdlm.data.objectives import IGNORE_INDEX
 from spmdlm.devices import compiled_stats
-from spmdlm.engine import faults
+from spmdlm.engine import faults, monitors
 from spmdlm.engine.optim import ema_params, evaluation_params, spike_counts
 from spmdlm.families.base import Batch, Forward
 from spmdlm.mesh import batch_sharding, constrain
@@ -35,13 +36,15 @@ def cross_entropy_sums(
     z_loss: float = 0.0,
     unscored: tuple[int, ...] = (),
     byte_lengths: jax.Array | None = None,
+    monitor: bool = False,
 ) -> dict[str, jax.Array]:
     """Summed fp32 cross-entropy, optional T5X z-loss (coef · logsumexp²), token count and correct predictions.
 
     With `unscored` label ids (BART's special tokens), the same sums over the other labels too (`scored_*`): the
     figures a run reports, as the HF script does, while it trains on every label. With `byte_lengths` (int32 [V],
     data.tokenization.token_byte_lengths), the UTF-8 bytes the counted labels stand for (`bytes`): bits per byte's
-    denominator."""
+    denominator. `monitor` (the stability monitors: engine/monitors.py): also the largest logit of the counted
+    positions (`logits_max`, merged by `merge_sums` as a max) and the sum of their logsumexp² (`lse_square_sum`)."""
     logits = logits.astype(jnp.float32)
     valid = labels != IGNORE_INDEX
     safe_labels = jnp.where(valid, labels, 0)
@@ -49,7 +52,8 @@ def cross_entropy_sums(
     target = jnp.take_along_axis(logits, safe_labels[..., None], axis=-1)[..., 0]
     # Reuses the row max logsumexp already took instead of a separate argmax pass (~5% of a CPU step);
     # an exact tie for the top logit counts as correct.
-    hit = target >= jnp.max(logits, axis=-1)
+    row_max = jnp.max(logits, axis=-1)
+    hit = target >= row_max
 
     def sums(counted, prefix=""):
         weights = counted.astype(jnp.float32)
@@ -63,9 +67,22 @@ def cross_entropy_sums(
         return out
 
     out = {**sums(valid), "z_loss_sum": z_loss * jnp.sum(jnp.square(lse) * valid)}
+    if monitor:
+        out["logits_max"] = jnp.max(jnp.where(valid, row_max, -jnp.inf))
+        out["lse_square_sum"] = jnp.sum(jnp.square(lse) * valid)
     if unscored:
         out.update(sums(valid & ~jnp.isin(labels, jnp.asarray(unscored, labels.dtype)), "scored_"))
     return out
+
+
+def merge_sums(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Two batches' (or chunks') sums as one batch's: added, but a `*_max` is the larger."""
+    return {k: jnp.maximum(a[k], b[k]) if k.endswith("_max") else a[k] + b[k] for k in a}
+
+
+def empty_sums(shapes: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """What `merge_sums` starts from: zeros, and -inf for a `*_max`."""
+    return {k: jnp.full(v.shape, -jnp.inf if k.endswith("_max") else 0, v.dtype) for k, v in shapes.items()}
 
 
 def chunked_cross_entropy_sums(
@@ -76,6 +93,7 @@ def chunked_cross_entropy_sums(
     z_loss: float = 0.0,
     unscored: tuple[int, ...] = (),
     byte_lengths: jax.Array | None = None,
+    monitor: bool = False,
 ) -> dict[str, jax.Array]:
     """`cross_entropy_sums(head(features), labels)` computed `chunk` positions at a time, so only one chunk's
     logits [B, chunk, V] exist at once, forward and backward (each chunk's logits are recomputed for its gradient
@@ -92,12 +110,12 @@ def chunked_cross_entropy_sums(
 
     @jax.checkpoint
     def chunk_sums(x, y):
-        return cross_entropy_sums(head(x), y, z_loss, unscored, byte_lengths)
+        return cross_entropy_sums(head(x), y, z_loss, unscored, byte_lengths, monitor)
 
     def body(total, xy):
-        return jax.tree.map(jnp.add, total, chunk_sums(*xy)), None
+        return merge_sums(total, chunk_sums(*xy)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(chunk_sums, features[0], labels[0]))
+    zeros = empty_sums(jax.eval_shape(chunk_sums, features[0], labels[0]))
     return jax.lax.scan(body, zeros, (features, labels))[0]
 
 
@@ -110,11 +128,12 @@ def head_sums(
     loss_chunk: int = 0,
     unscored: tuple[int, ...] = (),
     byte_lengths: jax.Array | None = None,
+    monitor: bool = False,
 ) -> dict[str, jax.Array]:
     """Loss sums of the LM head over `features` [B, T, d], all positions at once or `loss_chunk` at a time."""
     if 0 < loss_chunk < labels.shape[1]:
-        return chunked_cross_entropy_sums(head, features, labels, loss_chunk, z_loss, unscored, byte_lengths)
-    return cross_entropy_sums(head(features), labels, z_loss, unscored, byte_lengths)
+        return chunked_cross_entropy_sums(head, features, labels, loss_chunk, z_loss, unscored, byte_lengths, monitor)
+    return cross_entropy_sums(head(features), labels, z_loss, unscored, byte_lengths, monitor)
 
 
 def labelled_positions_sums(head, features: jax.Array, labels: jax.Array, capacity: int, **loss) -> dict:
@@ -139,12 +158,14 @@ class Loss:
     """How a step sums the loss. `loss_chunk` > 0 (--loss_chunk_size) computes it a chunk of positions at a time
     (`chunked_cross_entropy_sums`); `label_capacity` (the objective's) runs the LM head on labelled positions only
     (`labelled_positions_sums`): both give the same sums as the plain loss. `unscored`: the objective's label ids
-    left out of the reported figures (`cross_entropy_sums`); `z_loss`: --z_loss."""
+    left out of the reported figures (`cross_entropy_sums`); `z_loss`: --z_loss; `monitor`: the sums the stability
+    monitors read too (the monitor steps' variant: Stepper)."""
 
     z_loss: float = 0.0
     loss_chunk: int = 0
     label_capacity: int | None = None
     unscored: tuple[int, ...] = ()
+    monitor: bool = False
 
 
 def loss_sums(
@@ -161,9 +182,12 @@ def loss_sums(
     labels, capacity, chunk = batch["labels"], loss.label_capacity, loss.loss_chunk
     gather = bool(capacity) and capacity < labels.shape[1]
     if not gather and not 0 < chunk < labels.shape[1]:
-        return cross_entropy_sums(forward(model, batch, rngs), labels, loss.z_loss, loss.unscored, byte_lengths)
+        logits = forward(model, batch, rngs)
+        return cross_entropy_sums(logits, labels, loss.z_loss, loss.unscored, byte_lengths, loss.monitor)
     features = forward(model, batch, rngs, features_only=True)
-    head = dict(z_loss=loss.z_loss, loss_chunk=chunk, unscored=loss.unscored, byte_lengths=byte_lengths)
+    head = dict(
+        z_loss=loss.z_loss, loss_chunk=chunk, unscored=loss.unscored, byte_lengths=byte_lengths, monitor=loss.monitor
+    )
     if gather:
         return labelled_positions_sums(model.head, features, labels, capacity, **head)
     return head_sums(model.head, features, labels, **head)
@@ -219,17 +243,22 @@ def state_shardings(state) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Training:
     """What the train step adds to the eval step: the optimisation section (evaluation reads its evaluation
-    parameters too: model_for_evaluation), the learning-rate schedule it logs, the accumulation micro-steps and the
-    dropout seed."""
+    parameters too: model_for_evaluation), the learning-rate schedule it logs, the accumulation micro-steps, the
+    dropout seed and --monitor_every (the steps that run the monitor variant: Stepper.train_step)."""
 
     optim: OptimizationArgs | None = None
     schedule: optax.Schedule | None = None
     grad_accum: int = 1
     dropout_seed: int = 0
+    monitor_every: int = 0
 
 
 class Stepper:
-    """Compiles and runs the train and eval steps over the flat (model, optimizer) state, which it donates."""
+    """Compiles and runs the train and eval steps over the flat (model, optimizer) state, which it donates.
+
+    With --monitor_every N a second variant of the train step, compiled beside it, runs every Nth step: the same
+    step that also returns the stability monitors (engine/monitors.py) among its metrics. The other steps run the
+    plain program, unchanged: no monitor is computed or fetched there (benchmarks/bench_monitors.py)."""
 
     def __init__(
         self,
@@ -247,18 +276,21 @@ class Stepper:
         self.graphdef, self.mesh, self.forward = graphdef, mesh, forward
         self.optim = training.optim  # evaluation reads its evaluation parameters (model_for_evaluation)
         self.grad_accum, self.schedule = training.grad_accum, training.schedule
+        self.monitor_every = training.monitor_every
         self.loss = loss
         self.byte_lengths = None if byte_lengths is None else np.asarray(byte_lengths, np.int32)
         self.dropout_key = jax.random.key(training.dropout_seed)
         self.shardings = state_shardings(state)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.compiled_train = self._eval = None
+        self.compiled_train = self.compiled_monitor = self._eval = None
         self.compile_stats: dict[str, Any] = {}
 
     # -- the step functions (pure; traced once) ------------------------------------------------------------------
-    def train_fn(self, state, batch: Batch, step: jax.Array):
-        """One optimizer step: (state, global batch, step number) -> (new state, metric sums)."""
+    def train_fn(self, state, batch: Batch, step: jax.Array, monitor: bool = False):
+        """One optimizer step: (state, global batch, step number) -> (new state, metric sums); `monitor`: with the
+        stability monitors (`monitor/...`) among the metrics."""
         model, optimizer = nnx.merge(self.graphdef, state)
+        loss = dataclasses.replace(self.loss, monitor=True) if monitor else self.loss
         graph, params, rest = nnx.split(model, nnx.Param, ...)
         step_key = jax.random.fold_in(self.dropout_key, step)
         # The loss is divided by the global batch's target tokens before differentiating, not the gradients after:
@@ -270,7 +302,7 @@ class Stepper:
             def loss_of(p):
                 m = nnx.merge(graph, p, rest)
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(step_key, index))
-                sums = loss_sums(m, micro, self.forward, rngs, loss=self.loss)
+                sums = loss_sums(m, micro, self.forward, rngs, loss=loss)
                 return (sums["loss_sum"] + sums["z_loss_sum"]) * per_token, sums
 
             return jax.grad(loss_of, has_aux=True)(p)
@@ -287,20 +319,24 @@ class Stepper:
                 # The barrier keeps XLA from hoisting fsdp's weight all-gathers out of the loop, which would hold
                 # a whole unsharded copy of the parameters for the entire step.
                 p = jax.lax.optimization_barrier(p)
-                return (jax.tree.map(jnp.add, acc, micro_grads(p, *inputs)), p), None
+                grads, sums = micro_grads(p, *inputs)
+                return ((jax.tree.map(jnp.add, acc[0], grads), merge_sums(acc[1], sums)), p), None
 
-            zeros = jax.tree.map(
-                jnp.zeros_like, jax.eval_shape(lambda: micro_grads(params, jax.tree.map(lambda x: x[0], micro), 0))
-            )
+            shapes = jax.eval_shape(lambda: micro_grads(params, jax.tree.map(lambda x: x[0], micro), 0))
+            zeros = (jax.tree.map(jnp.zeros_like, shapes[0]), empty_sums(shapes[1]))
             ((grads, sums), _), _ = jax.lax.scan(body, (zeros, params), (micro, jnp.arange(k)))
         metrics = dict(sums, grad_norm=optax.global_norm(grads), real_tokens=real_tokens(batch))
         if self.schedule is not None:
             metrics["learning_rate"] = self.schedule(step)
+        before = monitors.named_leaves(params) if monitor else None  # (captured: the update replaces them)
         if self.optim is not None and self.optim.skip_step_on_spike:  # optim.skip_spikes judges this loss
             optimizer.update(model, grads, loss=sums["loss_sum"] / jnp.maximum(sums["tokens"], 1.0))
             metrics.update(spike_counts(optimizer.opt_state))
         else:
             optimizer.update(model, grads)
+        if monitor:
+            metrics.update(monitors.monitor_metrics(grads, before, nnx.state(model, nnx.Param), sums))
+            del metrics["logits_max"], metrics["lse_square_sum"]  # reported as monitors only
         return nnx.state((model, optimizer)), metrics
 
     def eval_fn(self, state, batch: Batch):
@@ -331,11 +367,13 @@ class Stepper:
         *,
         donate: bool = True,
         compiler_options: dict[str, Any] | None = None,
+        monitor: bool = False,
     ):
         """The train step lowered for `state`'s shapes and shardings (arrays or ShapeDtypeStructs) and a batch of
-        `batch_spec`; `.compile()` it. `compiler_options`: XLA's, e.g. for benchmarks."""
+        `batch_spec`; `.compile()` it. `compiler_options`: XLA's, e.g. for benchmarks; `monitor`: the variant with
+        the stability monitors."""
         fn = jax.jit(
-            self.train_fn,
+            functools.partial(self.train_fn, monitor=monitor),
             in_shardings=(self.shardings, self.batch_shardings(batch_spec), self.replicated),
             out_shardings=(self.shardings, self.replicated),
             donate_argnums=0 if donate else (),
@@ -358,16 +396,28 @@ class Stepper:
             return self.jit_eval(batch_spec).lower(state, batch_spec, totals)
 
     def compile_train(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-        """AOT-compile the train step once (what `train_step` runs); -> compile time, memory and XLA's cost."""
+        """AOT-compile the train step once (what `train_step` runs), and its monitor variant with --monitor_every;
+        -> compile time, memory (the larger of the two programs') and XLA's cost (the plain step's)."""
         start = time.perf_counter()
         self.compiled_train = self.lower_train(state, batch_spec).compile()
-        self.compile_stats = {"compile_seconds": time.perf_counter() - start, **compiled_stats(self.compiled_train)}
+        self.compile_stats = compiled_stats(self.compiled_train)
+        if self.monitor_every:
+            self.compiled_monitor = self.lower_train(state, batch_spec, monitor=True).compile()
+            for key, value in compiled_stats(self.compiled_monitor).items():
+                if key.endswith("_bytes"):
+                    self.compile_stats[key] = max(self.compile_stats.get(key, 0), value)
+        self.compile_stats = {"compile_seconds": time.perf_counter() - start, **self.compile_stats}
         return self.compile_stats
+
+    def monitors_at(self, step: int) -> bool:
+        """Whether the step from `step` (0-based; logged as step + 1) runs the monitor variant."""
+        return bool(self.monitor_every) and (step + 1) % self.monitor_every == 0
 
     def train_step(self, state, batch: Batch, step: int):
         faults.maybe_stuck("train")
+        compiled = self.compiled_monitor if self.monitors_at(step) else self.compiled_train
         with jax.set_mesh(self.mesh):
-            return self.compiled_train(state, batch, np.int32(step))
+            return compiled(state, batch, np.int32(step))
 
     def eval_step(self, state, batch: Batch, totals: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """`totals` (eval_zeros at the first batch) plus the sums of `batch`."""

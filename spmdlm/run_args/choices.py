@@ -77,6 +77,8 @@ FLAG_BOUNDS: Mapping[str, Bounds] = {
     "loss_chunk_size": Bounds(0, hint="0 = all positions at once"),
     "ema_decay": Bounds(0, 1, above=True, below=True, hint="e.g. 0.999: the weight of the average so far"),
     "ema_start": Bounds(0, bounds.MAX_STEPS, hint="the step from which the average accumulates"),
+    "monitor_every": Bounds(0, bounds.MAX_STEPS, hint="0 = off, else a number of steps, e.g. 100"),
+    "monitor_warn_factor": Bounds(1, above=True, hint="a multiple of the recent median, e.g. 4"),
     "process_id": Bounds(0),
     # -- operations (profiler, goodput, watchdog)
     "profile_every": _AT_LEAST_1,

@@ -268,8 +268,7 @@ class ReportingArgs(_Section):
     eval_tasks_steps: int | None = _field(None, "also run --eval_tasks every N steps (default: only at the end)")
     eval_tasks_dir: str | None = _field(
         None,
-        "a directory of local task YAMLs for --eval_tasks (lm-eval's "
-        "dataset_path: json with data_files: works offline)",
+        "a folder of local task YAMLs for --eval_tasks (lm-eval's dataset_path: json with data_files: works offline)",
     )
     eval_tasks_limit: int | None = _field(None, "at most N examples of each --eval_tasks task")
     report_to: str = _field(
@@ -278,6 +277,8 @@ class ReportingArgs(_Section):
         "wandb, mlflow, or none (wandb and mlflow: pip install -e '.[wandb]' / '.[mlflow]')",
     )
     run_name: str | None = _field(None, "the run's name in the trackers (default: the output dir's name)")
+    monitor_every: int = _field(0, "log the stability monitors every N steps (0 = off; docs/training.md)")
+    monitor_warn_factor: float = _field(4.0, "warn when a layer's gradient norm exceeds F x its recent median")
 
     def check(self) -> None:
         given = [

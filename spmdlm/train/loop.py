@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
 from spmdlm.data.mixture import MixedSplit
+from spmdlm.engine import monitors
 from spmdlm.engine.evaluation import evaluate
 from spmdlm.engine.step import Stepper, model_for_evaluation
 from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted
@@ -205,6 +206,8 @@ def train_loop(
             with profiler.at_step(step + 1, state):
                 state, metrics = stepper.train_step(state, batch, step)
             step += 1
+            if stepper.monitors_at(step - 1):  # fetched now: only a monitor step waits for its step
+                reporter.log_monitors(step, jax.device_get(pop_monitors(metrics)))
             reporter.goodput.step_done(step, metrics)  # waits for the step before: its completion is timed
             watch.beat(f"step {step - 1}")
             pending.append(metrics)
@@ -234,6 +237,11 @@ def train_loop(
         reporter.goodput.steps_finished()
         profiler.close(state)
     return {"state": state, "train_loss": train_loss, **reporter.throughput()}
+
+
+def pop_monitors(metrics: dict) -> dict:
+    """A monitor step's `monitor/...` metrics, taken out of the ones the logging step sums."""
+    return {key: metrics.pop(key) for key in [k for k in metrics if k.startswith(monitors.PREFIX)]}
 
 
 def evaluate_between_steps(

@@ -19,12 +19,14 @@ import numpy as np
 from spmdlm import devices, storage
 from spmdlm.crashpoints import crash_point
 from spmdlm.data.objectives import Objective
+from spmdlm.engine import monitors
 from spmdlm.errors import RunError
 from spmdlm.families.base import Family
 from spmdlm.run_args import RunArgs
 from spmdlm.train.reporting import goodput, trackers
 from spmdlm.train.reporting.metrics_log import MetricsLog
 from spmdlm.train.reporting.progress import Progress
+from spmdlm.train.safety.stability import StabilityWatch
 
 log = logging.getLogger("spmdlm")
 
@@ -115,6 +117,14 @@ def plot_loss_curve(records: list[dict], title: str, path: Path, target) -> None
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    save_figure(fig, path, target / path.name)
+
+
+def save_figure(fig, path: Path, shown_as) -> None:
+    """`fig` as the PNG `path`, written whole or not at all, then closed (`shown_as`: its path in the output dir,
+    named when it cannot be written)."""
+    import matplotlib.pyplot as plt
+
     tmp = path.with_name(f"{path.name}.tmp")  # a killed write leaves no torn picture under the plot's name
     try:
         crash_point("loss_plot.before_write", path)
@@ -124,11 +134,52 @@ def plot_loss_curve(records: list[dict], title: str, path: Path, target) -> None
         tmp.unlink(missing_ok=True)
         space = f" ({storage.space_note(path)})" if storage.no_space(e) else ""
         raise RunError(
-            f"cannot write {target / path.name}: {e.strerror or e}{space}; free space and "
-            "run the same command again to finish (the checkpoints are kept)"
+            f"cannot write {shown_as}: {e.strerror or e}{space}; free space and run the same command again to "
+            "finish (the checkpoints are kept)"
         ) from None
     finally:
         plt.close(fig)
+
+
+def plot_monitors(records: list[dict], title: str, path: Path, target) -> None:
+    """The stability monitors of metrics.jsonl's `records` (--monitor_every), drawn into `path` (plots/monitors.png):
+    gradient norm per layer and per group, update-to-parameter ratio per group, the logits' max and z-loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monitored = [r for r in records if any(k.startswith(monitors.PREFIX) for k in r)]
+    panels = (
+        ("gradient norm per layer", lambda k: "/layer_" in k and k.startswith("monitor/grad_norm/"), True),
+        ("gradient norm per group", lambda k: "/layer_" not in k and k.startswith("monitor/grad_norm/"), True),
+        ("update / parameter RMS per group", lambda k: k.startswith("monitor/update_ratio/"), True),
+        ("logits' max and z-loss", lambda k: k in ("monitor/logits_max", "monitor/z_loss"), False),
+    )
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (name, shown, log_scale) in zip(axes.flat, panels):
+        keys = sorted({k for r in monitored for k in r if shown(k)}, key=_natural)
+        for key in keys:
+            points = [(r["step"], r[key]) for r in monitored if r.get(key) is not None]
+            ax.plot(*zip(*points), label=key.removeprefix(monitors.PREFIX), lw=1)
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+        if log_scale and keys:
+            ax.set_yscale("log")
+        if 0 < len(keys) <= 12:
+            ax.legend(fontsize=6)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(fig, path, target / "plots" / path.name)
+
+
+def _natural(key: str) -> tuple:
+    """layer_2 before layer_10."""
+    head, _, tail = key.rpartition("_")
+    return (head, int(tail)) if tail.isdigit() else (key, -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +231,7 @@ class Reporter:
         )
         run_name = (args and args.reporting.run_name) or storage.absolute(out).name  # --output_dir . has a name too
         self.title = plot_title(run_name, config.model_type, shape.mesh.shape)
+        self.stability = StabilityWatch(args.reporting.monitor_warn_factor if args is not None else 4.0)
         self._trackers = trackers.Trackers(trackers.build(targets, self.metrics.out, run_name, run_config))
 
     @property
@@ -209,6 +261,8 @@ class Reporter:
         run again), and the steps up to the highest the run before reached count as restart loss."""
         self.goodput.recompute_through = self.metrics.highest_step()
         self.metrics.truncate_after(step)
+        for record in self.metrics.records() if self.enabled else ():  # the monitors' medians go on where they were
+            self.stability.remember(record)
 
     def compile_stats(self, stats: dict[str, Any]):
         if not self.enabled:
@@ -247,6 +301,15 @@ class Reporter:
             self.progress.show(step, shown)
             self.sync(force=False)
         return record["loss"]
+
+    def log_monitors(self, step: int, values: dict[str, Any]):
+        """A monitor step's fetched monitors (engine/monitors.py): metrics.jsonl and the trackers, and the warning
+        of a layer's gradient norm grown past --monitor_warn_factor x its recent median."""
+        if not self.enabled:
+            return
+        record = {"step": step, **monitors.flat_record(values)}
+        self._write(record)
+        self.stability.check(record)
 
     def log_eval(self, step: int, metrics: dict[str, float]):
         if not self.enabled:
@@ -306,7 +369,11 @@ class Reporter:
         self._trackers.log(record)
 
     def plot_loss_curve(self) -> None:
-        plot_loss_curve(self.metrics.records(), self.title, self.out / "loss_curve.png", self.target)
+        """loss_curve.png, and plots/monitors.png when the run logged monitors."""
+        records = self.metrics.records()
+        plot_loss_curve(records, self.title, self.out / "loss_curve.png", self.target)
+        if any(k.startswith(monitors.PREFIX) for r in records for k in r):
+            plot_monitors(records, self.title, self.out / "plots" / "monitors.png", self.target)
 
     def __enter__(self) -> Reporter:
         return self

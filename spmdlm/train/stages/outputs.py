@@ -74,6 +74,8 @@ LOGGED_CHANGES = (
     "dtype",
     "sample_prompts",
     "sample_every",
+    "monitor_every",
+    "monitor_warn_factor",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # What a run may find in its output dir besides its own outputs: the recipes' config and tokenizer, and the lock.
@@ -93,6 +95,7 @@ OUR_OUTPUTS = (
     "samples.jsonl",
     "eval_results.json",
     "loss_curve.png",
+    "plots",  # plots/monitors.png (--monitor_every)
     "hf",
     "run_config.json",
     "trackers.json",

@@ -62,7 +62,9 @@ def setup_state(run: Run, config, objective: Objective, total_steps: int, *, tok
     if args.model.model_name_or_path and not abstract:
         state = hf_export.load_hf_into_state(args.model.model_name_or_path, graphdef, state, run.checkpoint_config)
     schedule = learning_rate_schedule(optim, steps)
-    training = Training(optim, schedule, args.control.gradient_accumulation_steps, args.control.seed)
+    training = Training(
+        optim, schedule, args.control.gradient_accumulation_steps, args.control.seed, args.reporting.monitor_every
+    )
     stepper = make_stepper(
         graphdef,
         state,
