@@ -102,6 +102,11 @@ def test_every_recipe_parses_names_its_family_and_is_in_the_readme(recipe):
     assert f"| `{recipe.name}` |" in (recipe.parent / "README.md").read_text()
 
 
+def test_a_preset_config_name_alone_takes_its_own_familys_quickstart():
+    args, _ = parse_args(["--config_name", "modernbert-base", "--max_seq_length", "256"])
+    assert args.objective["block_size"] is None and args.objective["max_seq_length"] == 256
+
+
 def test_defaults_never_crash():
     args, _ = parse_args(["--train_file", "x.txt"])
     assert (
