@@ -1,13 +1,14 @@
 """spmdlm vs Hugging Face transformers (PyTorch) training throughput, same model, batch and optimizer, one process.
 
-    python benchmarks/compare_hf.py --model gpt2 --config gpt2-tiny --mesh data=1 --steps 10 [--torch_compile]
+    python benchmarks/compare_hf.py --model gpt2 --config gpt2-tiny --mesh data=1 --steps 10 [--torch_compile|--both]
 
 Ours runs first (bench_train.py's measurement, base variant only), then transformers: the same config (HF names),
 the same synthetic batch (same numpy seed), the same loss (token-summed fp32 cross-entropy over the same targets,
 divided by the token count), AdamW with the same hyperparameters (lr, betas, eps, weight decay on matrices and
 embeddings only, linear decay of the lr to 0 over warmup+steps, global-norm clipping at 1.0), eager unless
---torch_compile. Prints one JSON line, then one line for people. OpenMP threads sleep when idle
-(OMP_WAIT_POLICY=PASSIVE, see --omp_wait_policy): spinning ones collapse when the host is shared.
+--torch_compile (--both: eager, then torch.compile on a fresh model). Prints one JSON line, then one line for
+people. OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE, see --omp_wait_policy): spinning ones collapse when
+the host is shared.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import bench_train  # noqa: E402
 
 def extra_flags(p):
     p.add_argument("--torch_compile", action="store_true", help="torch.compile the transformers model")
+    p.add_argument("--both", action="store_true", help="transformers eager, then torch.compile (a fresh model)")
     p.add_argument("--torch_threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
         "--omp_wait_policy",
@@ -50,7 +52,7 @@ def hf_model(config):
     return model
 
 
-def run_hf(args, config, objective, global_batch: int) -> dict:
+def run_hf(args, config, objective, global_batch: int, torch_compile: bool) -> dict:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -77,7 +79,7 @@ def run_hf(args, config, objective, global_batch: int) -> dict:
         eps=1e-8,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / total_steps))
-    forward = torch.compile(model) if args.torch_compile else model
+    forward = torch.compile(model) if torch_compile else model
     labels = batch["labels"]
 
     def step() -> float:
@@ -97,7 +99,7 @@ def run_hf(args, config, objective, global_batch: int) -> dict:
         return float(loss_sum.detach()) / float(tokens)
 
     start = time.perf_counter()
-    losses = [step() for _ in range(max(args.warmup, 1 if args.torch_compile else 0))]
+    losses = [step() for _ in range(max(args.warmup, 1 if torch_compile else 0))]
     warmup_s = time.perf_counter() - start
     times = []
     for _ in range(args.steps):
@@ -116,7 +118,7 @@ def run_hf(args, config, objective, global_batch: int) -> dict:
         "warmup_s": warmup_s,
         "parameters": n_params,
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "torch_compile": args.torch_compile,
+        "torch_compile": torch_compile,
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "loss_first": losses[0],
@@ -139,8 +141,9 @@ def main(argv=None):
     objective = bench_train.build_objective(args.model, config, args.seq_len)
     del arms  # free our state before torch allocates its own
     gc.collect()
-    theirs = run_hf(args, config, objective, ours["global_batch"])
-    ratio = ours["tokens_per_s"]["median"] / theirs["tokens_per_s"]["median"]
+    theirs = run_hf(args, config, objective, ours["global_batch"], args.torch_compile and not args.both)
+    compiled = run_hf(args, config, objective, ours["global_batch"], True) if args.both else None
+    ours_tps = ours["tokens_per_s"]["median"]
     keep = ("variant", "tokens_per_s", "step_time_s", "compile_s", "mfu", "parameters", "loss_first", "loss_last")
     record = {
         "model": args.model,
@@ -155,17 +158,24 @@ def main(argv=None):
         "host": ours["host"],
         "ours": {k: ours[k] for k in keep},
         "hf": theirs,
-        "ratio_ours_over_hf": ratio,
+        "ratio_ours_over_hf": ours_tps / theirs["tokens_per_s"]["median"],
         "versions": {**ours["versions"], **theirs["versions"]},
         "settings": vars(args),
     }
+    if compiled:
+        record["hf_compile"] = compiled
+        record["ratio_ours_over_hf_compile"] = ours_tps / compiled["tokens_per_s"]["median"]
     print(json.dumps(record))
-    how = "torch.compile" if args.torch_compile else "eager"
     per_example = ours["tokens_per_step"] // ours["global_batch"]
     print(
         f"{args.model} {ours['config']} batch {ours['global_batch']}x{per_example} {args.dtype}: "
-        f"spmdlm {ours['tokens_per_s']['median']:,.0f} tok/s vs transformers ({how}) "
-        f"{theirs['tokens_per_s']['median']:,.0f} tok/s -> {ratio:.2f}x"
+        f"spmdlm {ours_tps:,.0f} tok/s vs transformers "
+        + "; ".join(
+            f"({'torch.compile' if arm['torch_compile'] else 'eager'}) {arm['tokens_per_s']['median']:,.0f} tok/s "
+            f"-> {ours_tps / arm['tokens_per_s']['median']:.2f}x"
+            for arm in (theirs, compiled)
+            if arm
+        )
     )
 
 

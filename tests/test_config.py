@@ -10,6 +10,7 @@ import pytest
 
 from spmdlm.cli.launch import family_choices, parse_args
 from spmdlm.errors import ArgumentError
+from spmdlm.families import all_presets
 from spmdlm.run_args import RunArgs
 from spmdlm.run_args.choices import quickstart
 from spmdlm.run_args.sections import (
@@ -87,6 +88,23 @@ def test_t5_recipe_is_accepted_unchanged():
     assert (
         args.control.training and args.control.evaluating
     )  # the recipe gives neither --do_train nor --do_eval: both run
+
+
+RECIPES = sorted((Path(__file__).parent.parent / "launch" / "recipes").glob("*.json"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[path.stem for path in RECIPES])
+def test_every_recipe_parses_names_its_family_and_is_in_the_readme(recipe):
+    args, _ = parse_args([str(recipe)])
+    # BART's keeps the HF command's missing --model_type: the config's model_type decides
+    assert args.model.model_type in (None, all_presets()[args.model.config_name]["model_type"])
+    assert args.model.dtype == "bfloat16" and args.devices.mesh
+    assert f"| `{recipe.name}` |" in (recipe.parent / "README.md").read_text()
+
+
+def test_a_preset_config_name_alone_takes_its_own_familys_quickstart():
+    args, _ = parse_args(["--config_name", "modernbert-base", "--max_seq_length", "256"])
+    assert args.objective["block_size"] is None and args.objective["max_seq_length"] == 256
 
 
 def test_defaults_never_crash():

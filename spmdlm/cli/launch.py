@@ -34,7 +34,7 @@ from jax.errors import JaxRuntimeError
 from spmdlm import devices, host, storage
 from spmdlm.data.mixture import name_of, sources_of
 from spmdlm.errors import ArgumentError, ConfigError, DivergenceError, Preempted, UserError, yaml_problem
-from spmdlm.families import families, objective_flags, preset_names
+from spmdlm.families import all_presets, families, objective_flags, preset_names
 from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu
 from spmdlm.network import env_seconds
 from spmdlm.optimizers import declared_flags
@@ -398,6 +398,13 @@ def entry_flags(choices: FamilyChoices) -> list[Flag]:
     return flags
 
 
+def _quickstart_family(args: RunArgs) -> str:
+    """The family whose quick start fills the flags not given: --model_type's, else a preset --config_name's (so
+    `--config_name modernbert-base` alone does not get GPT-2's --block_size)."""
+    preset = all_presets().get(args.model.config_name or "", {})
+    return args.model.model_type or preset.get("model_type", DEFAULT_MODEL_TYPE)
+
+
 def parse_args(argv: list[str] | None = None, choices: FamilyChoices | None = None) -> tuple[RunArgs, set[str]]:
     """-> (args, names given explicitly). A first argument ending in .json/.yaml is a file of flags; flags after
     it override its values. `choices`: the families' (default: the registry's)."""
@@ -413,7 +420,7 @@ def parse_args(argv: list[str] | None = None, choices: FamilyChoices | None = No
     flags = {k: v for k, v in given.items() if k in FLAG_SECTION}
     args = RunArgs.of({**flags, "entry_flags": optimizers_own}, objective=objective)
     if args.uses_embedded_corpus:
-        defaults = quickstart(choices, args.model.model_type or DEFAULT_MODEL_TYPE)
+        defaults = quickstart(choices, _quickstart_family(args))
         # --optim and --adafactor are one choice: either given replaces the quick start's (T5's adafactor)
         taken = set(given) | (OPTIMIZER_FLAGS if OPTIMIZER_FLAGS & set(given) else set())
         args = args.replace(**{k: v for k, v in defaults.items() if k not in taken})
