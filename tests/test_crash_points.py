@@ -47,13 +47,16 @@ def run_flags(out, cache_dir, config) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir, tiny_gpt2_config, hub):
+def reference(tmp_path_factory, tiny_gpt2_config, hub):
     """The uninterrupted run, and the points it passed in order (every point of a run passed once at least)."""
     out = tmp_path_factory.mktemp("reference") / "run"
+    # a token cache of its own: the session's may hold this corpus already (an earlier test in this worker), and a
+    # run that reuses it never passes the cache's points
+    own_cache = tmp_path_factory.mktemp("reference-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(crashpoints.CRASH_ENV, "none")  # armed for no point: the points passed are recorded
         crashpoints.reset()
-        assert main(run_flags(out, cache_dir, tiny_gpt2_config)) == 0
+        assert main(run_flags(out, own_cache, tiny_gpt2_config)) == 0
     trail = list(crashpoints.trail)
     missing = set(RUN_POINTS) - set(trail)
     assert not missing, f"a run never passes {missing}"
