@@ -93,13 +93,10 @@ def preset_files(module: str, model_type: str) -> dict[str, dict]:
 
 def get_family(model_type: str | None) -> Family:
     """The family of a model_type: its own name, or one of the model types its architecture was released as."""
-    known = families()
-    if model_type in known:
-        return known[model_type]
-    for family in known.values():
-        if model_type in family.released_as:
-            return family
-    raise ConfigError(f"model_type {model_type!r} is not supported; choose one of {', '.join(known)}")
+    name = released_types().get(model_type)
+    if name is None:
+        raise ConfigError(f"model_type {model_type!r} is not supported; choose one of {', '.join(families())}")
+    return families()[name]
 
 
 def released_types() -> dict[str, str]:
