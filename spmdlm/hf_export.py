@@ -249,6 +249,9 @@ def matched_rules(tensors: CheckpointTensors, config: HFConfig):
     rules = list(table.expand(config))
     absent = {rule.hf for rule in rules if rule.hf not in alias}
     missing = sorted(n for n in absent if not any(re.search(p, n) for p in table.optional))
+    for pattern, meaning in table.absent_means:
+        if any(re.search(pattern, n) for n in missing):
+            raise ExportError(f"{path}: this {config.model_type} checkpoint {meaning}")
     if missing:
         raise ExportError(f"{path}: missing tensors {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     used = {alias[rule.hf] for rule in rules if rule.hf not in absent}

@@ -12,10 +12,12 @@ import pytest
 import torch
 import transformers
 from family_fixtures import FIXTURES
+from safetensors import safe_open
 from test_evaluate import evaluation_flags, transformers_checkpoint, words
+from test_families import assert_close_where_read, our_logits
 from test_reliability import DAMAGE, flags
 
-from spmdlm import checkpoint
+from spmdlm import checkpoint, hf_export
 from spmdlm.cli import evaluate
 from spmdlm.cli.launch import main
 from spmdlm.data.tokenization import save_tokenizer, train_tokenizer
@@ -29,9 +31,10 @@ RELEASED = {  # model_type -> (family, its transformers model and config classes
 }
 
 
-def released_checkpoint(model_type: str, folder: Path):
-    """A random transformers model saved as its model_type ships (untied mT5 head, as google/mt5-* are), with a
-    tokenizer trained here."""
+def released_checkpoint(model_type: str, folder: Path, head: str = "as released"):
+    """A random transformers model saved as its model_type ships, with a tokenizer trained here. An mT5's `head`: "as
+    released" (its own lm_head, config.json saying untied, as google/mt5-* are), "as saved" (its own, config.json as
+    transformers 5 writes it: tied), "tied" (shared's, as transformers 5 creates the model, saved as it is)."""
     family, model_class, config_class, _ = RELEASED[model_type]
     fixture = FIXTURES[family]
     given = ("model_type", "feed_forward_proj", "tie_word_embeddings")
@@ -40,9 +43,10 @@ def released_checkpoint(model_type: str, folder: Path):
         values.update(tie_word_embeddings=False, decoder_start_token_id=0)
     torch.manual_seed(0)
     model = model_class(config_class(**values)).eval()
-    fixture.prepare_hf(model)
+    if head != "tied":
+        fixture.prepare_hf(model)
     model.save_pretrained(folder)
-    if family == "t5":  # as released: config.json says untied (transformers 5 writes its forced `true`)
+    if family == "t5" and head == "as released":  # config.json says untied (transformers 5 writes its forced `true`)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     save_tokenizer(train_tokenizer(get_family(family), words(), 400), folder, get_family(family), 64)
@@ -75,6 +79,32 @@ def test_a_released_model_type_continues_evaluates_and_exports_as_itself(model_t
         evaluate_argv = ["--model_name_or_path", str(folder), "--output_file", str(results)]
         assert evaluate.main([*evaluate_argv, *evaluation_flags(family, cache_dir, held_out)]) == 0
         assert np.isfinite(json.loads(results.read_text())["loss"])
+
+
+def test_an_mt5_saved_by_transformers_5_reads_with_its_own_head_and_one_tied_to_shared_is_refused(tmp_path, capsys):
+    folder = tmp_path / "as-saved"
+    model = released_checkpoint("mt5", folder, head="as saved")
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is True  # transformers 5's words
+    assert "lm_head.weight" in safe_open(folder / "model.safetensors", "np").keys()
+    theirs = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder).eval()  # untied: the logits of the saved model
+    np.testing.assert_allclose(logits(theirs, "t5"), logits(model, "t5"), rtol=0, atol=1e-6)
+    ours, config = hf_export.load_hf(folder)
+    assert config.model_type == "mt5"
+    batch = FIXTURES["t5"].make_batch(model.config.to_dict(), np.random.default_rng(0))
+    assert_close_where_read(our_logits(ours, batch), logits(model, "t5"), batch, "t5")
+    exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(hf_export.save_hf(ours, config, tmp_path / "hf"))
+    assert type(exported) is transformers.MT5ForConditionalGeneration
+    np.testing.assert_allclose(logits(exported.eval(), "t5"), logits(model, "t5"), rtol=0, atol=1e-5)
+
+    tied = tmp_path / "tied"  # as transformers 5 creates an mT5: its head is shared, so the file has none
+    released_checkpoint("mt5", tied, head="tied")
+    assert "lm_head.weight" not in safe_open(tied / "model.safetensors", "np").keys()
+    capsys.readouterr()
+    argv = ["--model_name_or_path", str(tied), "--train_file", "/absent/corpus.txt", "--output_dir", "/absent/out"]
+    assert main([*argv, "--max_seq_length", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tied}: this mt5 checkpoint has its lm_head tied to shared (no lm_head.weight")
+    assert err.count("\n") == 1 and "model.lm_head.weight = torch.nn.Parameter(" in err
 
 
 def test_camembert_reads_as_roberta_and_umt5_is_refused_naming_why():

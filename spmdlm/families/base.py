@@ -57,6 +57,8 @@ class Table:
     hf_prefix: str = ""  # the base model's prefix, absent in checkpoints saved from the bare base model
     ignore: tuple[str, ...] = ()  # regexes of HF tensors we do not need (tied copies, buffers)
     optional: tuple[str, ...] = ()  # regexes of HF tensors a checkpoint may lack (then zeros, as transformers does)
+    # (regex of an HF tensor, what a checkpoint without it holds and what to do): the refusal says it, not "missing"
+    absent_means: tuple[tuple[str, str], ...] = ()
 
     def expand(self, config) -> Iterator[TensorRule]:
         counts = self.layer_counts(config)

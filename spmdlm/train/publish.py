@@ -7,7 +7,9 @@ shows) around a body written from the run's context; what it says about the mode
 
 Uploads go from process 0, through HfApi (create_repo once, then upload_folder), each bounded in time (network.py: a
 hub that does not answer is a failure like any other). A failed upload is one warning line and changes nothing
-local: the run goes on, its exit code and outputs are what they would have been without it.
+local: the run goes on, its exit code and outputs are what they would have been without it. That includes a full disk
+where an upload writes on this host (hf_xet's cache, a bucket export's local copy, the temporary export of an upload
+during training): the warning names the folder and its space.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from spmdlm.crashpoints import crash_point
 from spmdlm.data import datasets, readers
 from spmdlm.engine.optim import evaluation_needs_optimizer
 from spmdlm.engine.step import model_for_evaluation
-from spmdlm.errors import ArgumentError
+from spmdlm.errors import ArgumentError, UserError
 from spmdlm.hf_export import TASKS, card_usage_lines, export_complete, export_state, save_hf, what_it_needs
 from spmdlm.mesh import batch_axis_size
 from spmdlm.train.prepared import Prepared
@@ -327,7 +329,7 @@ class Hub:
                         lambda: self.api.create_repo(self.repo_id, private=self.private or None, exist_ok=True)
                     )
             except Exception as e:  # noqa: BLE001 - any failure (network, HTTP, auth) must leave the run as it is
-                self._warn("creating the repository", e)
+                self.warn("creating the repository", e)
                 return False
             self.repo_id, self.created = url.repo_id, True
         return self.created
@@ -340,7 +342,7 @@ class Hub:
         try:
             with _local(folder) as local, _quiet_hub_logs():
                 size = sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
-                crash_point("hub.before_upload", local)
+                crash_point("hub.before_upload", _staging(folder, local))
                 network.bounded(
                     lambda: self.api.upload_folder(
                         repo_id=self.repo_id,
@@ -352,7 +354,7 @@ class Hub:
                     network.timeout_s() + size / network.UPLOAD_BYTES_PER_S,
                 )
         except Exception as e:  # noqa: BLE001 - as in create
-            self._warn(f"uploading {what} to", e)
+            self.warn(f"uploading {what} to", e)
             return False
         log.info(
             "uploaded %s to %s/%s%s",
@@ -363,14 +365,19 @@ class Hub:
         )
         return True
 
-    def _warn(self, what: str, error: Exception) -> None:
+    def warn(self, what: str, error: Exception) -> None:
+        """The one line of a failed upload: `what` failed, why, and the fix."""
         status = getattr(getattr(error, "response", None), "status_code", None)
-        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        fix = (
-            "check the token (--hub_token, HF_TOKEN or `hf auth login`) and its write access to the repository"
-            if status in (401, 403)
-            else f"re-run the same command to retry, or upload with `hf upload {self.repo_id} {self.export_dir}`"
-        )
+        retry = f"re-run the same command to retry, or upload with `hf upload {self.repo_id} {self.export_dir}`"
+        if storage.no_space(error):
+            first, fix = _full_disk_clause(error), f"free some space there, then {retry}"
+        else:
+            first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            fix = (
+                "check the token (--hub_token, HF_TOKEN or `hf auth login`) and its write access to the repository"
+                if status in (401, 403)
+                else retry
+            )
         log.warning(
             "--push_to_hub: %s %s on %s failed: %s; the run and its outputs are unaffected; %s",
             what,
@@ -379,6 +386,28 @@ class Hub:
             first,
             fix,
         )
+
+
+def _staging(folder, local: Path) -> Path:
+    """Where uploading `folder` writes on this host: a bucket folder's local copy, else hf_xet's cache."""
+    return local if storage.is_remote(folder) else _xet_cache()
+
+
+def _xet_cache() -> Path:
+    """hf_xet's cache (HF_XET_CACHE, default HF_HOME/xet), where upload_folder stages what it sends."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_XET_CACHE)
+
+
+def _full_disk_clause(error: Exception) -> str:
+    """A full disk met by an upload, in one clause: the folder and its space. Our writers' lines (the temporary
+    export's, its card's) say it themselves before their fix; an OSError names its file; hf_xet's errors name none:
+    its cache, where it stages."""
+    if isinstance(error, UserError):
+        return str(error).partition("; ")[0]
+    where = getattr(error, "filename", None) or _xet_cache()
+    return f"cannot write {where}: no space left on device ({storage.space_note(where)})"
 
 
 def hub_for(run: Run) -> Hub | None:
@@ -463,14 +492,7 @@ def push_checkpoint(prepared: Prepared, graphdef, state, step: int, manager) -> 
     if not args.output.push_to_hub or args.output.hub_strategy == "end":
         return
     if step < prepared.total_steps or not args.output.export_hf:
-        with tempfile.TemporaryDirectory(prefix="spmdlm-hub-") as tmp:
-            model, _ = model_for_evaluation(graphdef, state, args.optimization)
-            folder = save_hf(
-                model, prepared.vocabulary.config, Path(tmp) / "hf", tokenizer=prepared.vocabulary.tokenizer
-            )
-            if prepared.hub is not None and prepared.hub.create():
-                write_model_card(folder, prepared, {}, step=step)
-                prepared.hub.upload(folder, f"{prepared.run.family.name} at step {step} of {prepared.total_steps}")
+        _push_model(prepared, graphdef, state, step)
     if args.output.hub_strategy == "checkpoint":
         checkpoint.check_saved(manager, step, wait=True)
         if prepared.hub is not None:
@@ -480,6 +502,24 @@ def push_checkpoint(prepared: Prepared, graphdef, state, step: int, manager) -> 
                 path_in_repo=CHECKPOINT_DIR_IN_REPO,
                 replace=True,
             )
+
+
+def _push_model(prepared: Prepared, graphdef, state, step: int) -> None:
+    """The model as of `step` exported to a temporary folder (every process joins the export's gathers, process 0
+    writes), with its card, and uploaded. A full disk there (TMPDIR) fails this upload, not the run: one warning."""
+    hub, what = prepared.hub, f"{prepared.run.family.name} at step {step} of {prepared.total_steps}"
+    try:
+        with tempfile.TemporaryDirectory(prefix="spmdlm-hub-") as tmp:
+            model, _ = model_for_evaluation(graphdef, state, prepared.run.args.optimization)
+            vocabulary = prepared.vocabulary
+            folder = save_hf(model, vocabulary.config, Path(tmp) / "hf", tokenizer=vocabulary.tokenizer)
+            if hub is not None and hub.create():
+                write_model_card(folder, prepared, {}, step=step)
+                hub.upload(folder, what)
+    except (OSError, UserError) as e:  # save_hf's and the card's full-disk lines, or the folder's own OSError
+        if hub is None or not storage.no_space(e):
+            raise
+        hub.warn(f"uploading {what} to", e)
 
 
 @contextlib.contextmanager
@@ -498,7 +538,7 @@ def _local(folder) -> Iterator[Path]:
 @contextlib.contextmanager
 def _quiet_hub_logs() -> Iterator[None]:
     """huggingface_hub's own log lines while it works (each HTTP request, retries in smaller commits, unchanged
-    files): a failure is reported once, by Hub._warn."""
+    files): a failure is reported once, by Hub.warn."""
     loggers = [logging.getLogger(name) for name in ("huggingface_hub", "httpx", "httpx2")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:

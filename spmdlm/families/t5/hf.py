@@ -6,6 +6,14 @@ from spmdlm.errors import ConfigError
 from spmdlm.families.base import LINEAR, SAME, Table
 from spmdlm.families.t5.model import dense_activation, hf_scales_decoder_outputs
 
+# A T5 or mT5 that transformers 5 created and saved: its head is shared's, so the file has no lm_head.weight.
+TIED_HEAD = (
+    "has its lm_head tied to shared (no lm_head.weight: transformers 5 ties the head of a T5 or mT5 it created, "
+    "whatever config.json says); spmdlm's T5 is T5 v1.1, whose head is its own (as google/t5-v1_1-* and "
+    "google/mt5-* ship): give it one before saving, model.lm_head.weight = "
+    "torch.nn.Parameter(model.shared.weight.detach().clone())"
+)
+
 
 # torch Linear weights are (out, in): LINEAR. {i} counts encoder blocks, {j} decoder blocks.
 def _attention_rules(hf: str, ours: str):
@@ -50,8 +58,8 @@ TABLE = Table(
         *_stack_rules("encoder", "i", is_decoder=False),
         *_stack_rules("decoder", "j", is_decoder=True),
         # Untied in v1.1: written and read separately from shared. transformers 5 forces T5Config.tie_word_embeddings
-        # to True whatever config.json says (there it only decides the output scaling), so loading any v1.1 checkpoint,
-        # its own save_pretrained output included, warns that it will not tie the two; it then loads them untied.
+        # (and MT5Config's) to True whatever config.json says (for T5 it then only decides the output scaling): it
+        # ties lm_head to shared unless the checkpoint holds an lm_head.weight that differs (TIED_HEAD otherwise).
         ("lm_head.weight", "lm_head.kernel", LINEAR),
     ),
     layer_counts=lambda c: {"i": c.num_layers, "j": c.num_decoder_layers},
@@ -59,6 +67,7 @@ TABLE = Table(
         r"^(encoder|decoder)\.embed_tokens\.weight$",  # tied copies of shared
         r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",
     ),  # unused by HF too
+    absent_means=((r"^lm_head\.weight$", TIED_HEAD),),
 )
 
 

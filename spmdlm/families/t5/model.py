@@ -34,7 +34,11 @@ from spmdlm.models.stack import LayerStack
 
 
 def hf_scales_decoder_outputs(values: dict[str, Any]) -> bool:
-    """Whether transformers would multiply the decoder output by d_model**-0.5 (original, tied T5) for this dict."""
+    """Whether transformers would multiply the decoder output by d_model**-0.5 (original, tied T5) for this dict.
+    Never for mT5: transformers 5's MT5 has no such scaling, and its config drops tie_word_embeddings (it writes true
+    for every mT5; released ones say false); whether the head is tied, the weights say (hf.py, TIED_HEAD)."""
+    if values.get("model_type") == "mt5":
+        return False
     if "scale_decoder_outputs" in values:
         return bool(values["scale_decoder_outputs"])
     return values.get("tie_word_embeddings", True) is not False
