@@ -302,7 +302,8 @@ class Stepper:
             def loss_of(p):
                 m = nnx.merge(graph, p, rest)
                 rngs = nnx.Rngs(dropout=jax.random.fold_in(step_key, index))
-                sums = loss_sums(m, micro, self.forward, rngs, loss=loss)
+                sums_of = lambda: loss_sums(m, micro, self.forward, rngs, loss=loss)
+                sums = monitors.with_probes(m, sums_of) if monitor else sums_of()
                 return (sums["loss_sum"] + sums["z_loss_sum"]) * per_token, sums
 
             return jax.grad(loss_of, has_aux=True)(p)
@@ -335,8 +336,7 @@ class Stepper:
         else:
             optimizer.update(model, grads)
         if monitor:
-            metrics.update(monitors.monitor_metrics(grads, before, nnx.state(model, nnx.Param), sums))
-            del metrics["logits_max"], metrics["lse_square_sum"]  # reported as monitors only
+            metrics = monitors.with_monitors(metrics, grads, before, nnx.state(model, nnx.Param), self.grad_accum)
         return nnx.state((model, optimizer)), metrics
 
     def eval_fn(self, state, batch: Batch):

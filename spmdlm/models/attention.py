@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdlm.mesh import constrain
-from spmdlm.models import kernels
+from spmdlm.models import kernels, probes
 from spmdlm.models.kv_cache import Cache
 from spmdlm.models.layers import Dense, RMSNorm, add_broadcast, dropout, einsum_float32
 from spmdlm.models.rope import Rope
@@ -72,6 +72,24 @@ class AttentionMask:
             band = window_band(jnp.arange(query_length)[:, None], key_length, self.window)
             mask = band if mask is None else mask & band
         return mask
+
+    def rows(self, queries: jax.Array, key_length: int) -> jax.Array:
+        """`array`'s rows of the queries at positions `queries` [t] alone, [B|1, 1, t, S]: a block of queries at a
+        time, without the whole mask (the monitors' side computation, kernels.logit_max). A position past the
+        last query reads the last one's segment."""
+        if self.dense is not None:
+            return jnp.take(self.dense, queries, axis=2, mode="clip")
+        rows = jnp.ones((1, 1, queries.shape[0], key_length), bool)
+        if self.key_valid is not None:
+            rows = rows & self.key_valid[:, None, None, :].astype(bool)
+        if self.segmented:
+            own = jnp.take(self.q_segments, queries, axis=1, mode="clip")
+            rows = rows & (own[:, None, :, None] == self.kv_segments[:, None, None, :])
+        if self.causal:
+            rows = rows & (queries[:, None] >= jnp.arange(key_length)[None, :])[None, None]
+        if self.window is not None:
+            rows = rows & window_band(queries[:, None], key_length, self.window)
+        return rows
 
 
 def window_band(queries: jax.Array, key_length: int, window: tuple[int, int]) -> jax.Array:
@@ -262,7 +280,16 @@ class Attention(nnx.Module):
             out = kernels.fused(self.implementation, q, k, v, mask or AttentionMask(), bias, self.scale)
         if out is None:
             out = self._einsums(q, k, v, mask, bias, rngs, layout)
+        elif probes.active():  # a kernel's scores never exist: the monitors' largest is computed beside it
+            probes.record(self.logit_probe, kernels.logit_max(q, k, mask or AttentionMask(), bias, self.scale))
         return self.out(out.reshape(*out.shape[:-2], self.num_heads * self.head_dim))
+
+    @property
+    def logit_probe(self) -> str:
+        """The name its largest logit is recorded under in the monitor variant (models/probes.py): the largest
+        score softmax sees, q·k·scale plus the bias if any (T5's relative positions), over the (query, key) pairs
+        the mask allows (a padded query's row included: its keys are masked as any row's)."""
+        return probes.CROSS_LOGIT_MAX if self.cross else probes.LOGIT_MAX
 
     def _queries(self, x: jax.Array) -> jax.Array:
         q = self.heads(self.query(x))
@@ -286,6 +313,8 @@ class Attention(nnx.Module):
         if bias is not None:
             scores = add_broadcast(scores, bias.astype(jnp.float32))
         dense = None if mask is None else mask.array(*scores.shape[-2:])
+        if probes.active():
+            probes.record(self.logit_probe, probes.masked_max(scores, dense))
         if dense is not None:
             scores = jnp.where(dense, scores, jnp.finfo(jnp.float32).min)
         probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(q.dtype), "attention_weights")

@@ -170,3 +170,38 @@ def splash_uncompilable(device_kind: str, dtype) -> str | None:
             f"{device_kind}"
         )
     return None
+
+
+def logit_max(q: jax.Array, k: jax.Array, mask, bias: jax.Array | None, scale: float, block: int = 256) -> jax.Array:
+    """The largest attention logit (q·k·scale, plus `bias`) over the (query, key) pairs `mask` (an
+    `attention.AttentionMask`) allows: the stability monitors' figure for a call a kernel computed, whose scores
+    never exist. Only the monitor variant of the train step computes it, `block` queries at a time, so that at most
+    [B, heads, block, S] float32 scores exist at once; grouped key/value heads are matched to their query heads
+    without repeating them. Not differentiated."""
+    q, k = jax.lax.stop_gradient((q, k))
+    batch, length, heads, dim = q.shape
+    key_length, kv_heads = k.shape[1], k.shape[2]
+    block = min(block, length)
+    count = -(-length // block)
+
+    def blocks(t: jax.Array, axis: int) -> jax.Array:
+        """`t` cut into `count` blocks along `axis` (padded), the blocks on a new leading axis."""
+        t = jnp.pad(t, [(0, count * block - length if a == axis else 0) for a in range(t.ndim)])
+        t = t.reshape(*t.shape[:axis], count, block, *t.shape[axis + 1 :])
+        return jnp.moveaxis(t, axis, 0)
+
+    per_query = bias is not None and bias.shape[-2] == length  # else one row, broadcast over the queries
+
+    def block_max(inputs):
+        index, q_block, bias_block = inputs
+        queries = index * block + jnp.arange(block)
+        grouped = q_block.reshape(batch, block, kv_heads, heads // kv_heads, dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k, preferred_element_type=jnp.float32)
+        scores = scores.reshape(batch, heads, block, key_length) * scale
+        if bias is not None:
+            scores = scores + (bias_block if per_query else bias).astype(jnp.float32)
+        allowed = mask.rows(queries, key_length) & (queries < length)[:, None]
+        return jnp.max(jnp.where(allowed, scores, -jnp.inf))
+
+    bias_blocks = blocks(bias, bias.ndim - 2) if per_query else None
+    return jnp.max(jax.lax.map(block_max, (jnp.arange(count), blocks(q, 1), bias_blocks)))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from spmdlm.models import probes
 from spmdlm.models.kv_cache import Cache
 
 # What each layer keeps for its backward pass (the launcher's --remat), as jax.checkpoint policies over the names the
@@ -74,20 +75,36 @@ class LayerStack(nnx.Module):
                 var.set_metadata(logical_axes=("layers", *var.get_metadata()["logical_axes"]))
 
     def __call__(self, x: jax.Array, *args, rngs: nnx.Rngs | None = None) -> jax.Array:
+        """x through the layers. In the monitor variant's forward pass (`probes.active()`), the stack also sows what
+        its layers recorded (models/probes.py): `nnx.Intermediate`s named by probes.NAMES, [layers] each."""
         keys = None if rngs is None else jax.random.split(rngs.dropout(), self.count)
 
         def apply(layer, x, key):
             return layer(x, *args, rngs=None if key is None else nnx.Rngs(dropout=key))
 
+        if not probes.active():
+            return self._through_layers(apply, x, keys)
+        recorded = probes.LayerRecords(apply)
+        x, values = self._through_layers(recorded, x, keys, side_outputs=True)
+        for name, value in recorded.per_layer(values).items():
+            self.sow(nnx.Intermediate, name, value)
+        return x
+
+    def _through_layers(self, apply: Callable, x: jax.Array, keys, side_outputs: bool = False):
+        """`apply(layer, x, key)` layer after layer, each rematerialised by the stack's policy; with `side_outputs`
+        apply returns (x, values) and this (x, values stacked over the layers)."""
         if self.remat != "none":
             apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
 
         if self.per_layer:
+            outputs = []
             for i, layer in enumerate(self.layers):
-                x = apply(layer, x, None if keys is None else keys[i])
-            return x
+                out = apply(layer, x, None if keys is None else keys[i])
+                x = out[0] if side_outputs else out
+                outputs.append(out[1] if side_outputs else None)
+            return (x, jax.tree.map(lambda *v: jnp.stack(v), *outputs)) if side_outputs else x
 
-        @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry, unroll=self.unroll)
+        @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0) if side_outputs else nnx.Carry, unroll=self.unroll)
         def body(layer, x, key):
             return apply(layer, x, key)
 

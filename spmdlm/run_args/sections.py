@@ -278,7 +278,7 @@ class ReportingArgs(_Section):
     )
     run_name: str | None = _field(None, "the run's name in the trackers (default: the output dir's name)")
     monitor_every: int = _field(0, "log the stability monitors every N steps (0 = off; docs/training.md)")
-    monitor_warn_factor: float = _field(4.0, "warn when a layer's gradient norm exceeds F x its recent median")
+    monitor_warn_factor: float = _field(4.0, "warn when a layer's grad norm or attention logit passes F x its median")
 
     def check(self) -> None:
         given = [

@@ -143,7 +143,8 @@ def save_figure(fig, path: Path, shown_as) -> None:
 
 def plot_monitors(records: list[dict], title: str, path: Path, target) -> None:
     """The stability monitors of metrics.jsonl's `records` (--monitor_every), drawn into `path` (plots/monitors.png):
-    gradient norm per layer and per group, update-to-parameter ratio per group, the logits' max and z-loss."""
+    gradient norm per layer and per group, update-to-parameter ratio per group, the logits' max and z-loss, the
+    largest attention logit and the output RMS of each layer."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,8 +156,10 @@ def plot_monitors(records: list[dict], title: str, path: Path, target) -> None:
         ("gradient norm per group", lambda k: "/layer_" not in k and k.startswith("monitor/grad_norm/"), True),
         ("update / parameter RMS per group", lambda k: k.startswith("monitor/update_ratio/"), True),
         ("logits' max and z-loss", lambda k: k in ("monitor/logits_max", "monitor/z_loss"), False),
+        ("largest attention logit per layer", lambda k: k.startswith(("monitor/attn_", "monitor/cross_attn_")), False),
+        ("output RMS per layer", lambda k: k.startswith("monitor/act_rms/"), True),
     )
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10), sharex=True)
     for ax, (name, shown, log_scale) in zip(axes.flat, panels):
         keys = sorted({k for r in monitored for k in r if shown(k)}, key=_natural)
         for key in keys:
@@ -168,7 +171,7 @@ def plot_monitors(records: list[dict], title: str, path: Path, target) -> None:
             ax.set_yscale("log")
         if 0 < len(keys) <= 12:
             ax.legend(fontsize=6)
-    for ax in axes[1]:
+    for ax in axes[-1]:
         ax.set_xlabel("step")
     fig.suptitle(title)
     fig.tight_layout()
@@ -304,7 +307,7 @@ class Reporter:
 
     def log_monitors(self, step: int, values: dict[str, Any]):
         """A monitor step's fetched monitors (engine/monitors.py): metrics.jsonl and the trackers, and the warning
-        of a layer's gradient norm grown past --monitor_warn_factor x its recent median."""
+        of a layer's gradient norm or largest attention logit grown past --monitor_warn_factor x its recent median."""
         if not self.enabled:
             return
         record = {"step": step, **monitors.flat_record(values)}

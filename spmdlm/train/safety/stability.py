@@ -1,6 +1,7 @@
-"""The stability monitors' warning (--monitor_warn_factor): a layer's gradient norm that grows past that multiple of
-its recent median says an instability is starting, often well before the loss spikes. Kept on the host, over the
-monitor records the run logs (engine/monitors.py computes them inside the train step)."""
+"""The stability monitors' warning (--monitor_warn_factor): a layer's gradient norm or largest attention logit that
+grows past that multiple of its recent median says an instability is starting, often well before the loss spikes
+(the logit growth QK-norm is against). Kept on the host, over the monitor records the run logs (engine/monitors.py
+computes them inside the train step)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ log = logging.getLogger("spmdlm")
 
 WINDOW = 20  # monitor records a value's median is taken over
 LEAST_HISTORY = 5  # records a value needs before it is judged: no warning off one or two early values
-WATCHED = ("monitor/grad_norm/",)  # of these, the per-layer values (`.../layer_<i>`) are judged
+# Of these, the per-layer values (`.../layer_<i>`) are judged, each against its own median when that is positive (an
+# attention logit's median may be at or below 0, where no multiple of it says growth).
+WATCHED = ("monitor/grad_norm/", "monitor/attn_logit_max/", "monitor/cross_attn_logit_max/")
 
 
 def watched(key: str) -> bool:
@@ -43,8 +46,8 @@ class StabilityWatch:
             history = self.history[key]
             if len(history) >= LEAST_HISTORY:
                 median = float(np.median(history))
-                if value > self.factor * median:
-                    grown.append(f"{key} {value:.4g} ({value / max(median, 1e-30):.1f}x its median {median:.4g})")
+                if median > 0 and value > self.factor * median:
+                    grown.append(f"{key} {value:.4g} ({value / median:.1f}x its median {median:.4g})")
             history.append(value)
         if grown:
             log.warning(
