@@ -53,7 +53,7 @@ def test_each_stage_takes_the_largest_per_device_batch_that_divides_it():
     assert plan_stages(BatchRamp.parse("0:96"), 8, 1, 8) == (BatchStage(0, 96, 6, 2),)  # 12 a device: 6 x 2
     assert plan_stages(BatchRamp.parse("0:56"), 8, 1, 4) == (BatchStage(0, 56, 1, 7),)  # 7 a device: 1 x 7
     assert largest_stage(stages) == stages[2]  # 16 a device, the most accumulation
-    assert [stage_at(stages, s).global_batch for s in (0, 1999, 2000, 8999, 9000, 10**6)] == [64, 256, 256, 512, 96, 96]
+    assert [stage_at(stages, s).global_batch for s in (0, 1999, 2000, 8999, 9000, 10**6)] == [64, 64, 256, 512, 96, 96]
 
 
 def test_a_batch_the_devices_or_processes_do_not_divide_is_refused_with_the_fix():
