@@ -242,8 +242,8 @@ def test_a_run_config_written_before_the_sections_reads_back_whole():
     into its section with the value recorded, and is written again as it was (a resume compares them)."""
     saved = json.loads((Path(__file__).parent / "golden" / "run_config_before_sections.json").read_text())
     now = RunArgs.of_run(saved).to_json()
-    newer = set(now) - set(saved)  # flags added since that file: the operations section, the EMA's, the monitors'
-    added = {"ema_decay", "ema_start", "monitor_every", "monitor_warn_factor"}
+    newer = set(now) - set(saved)  # flags added since that file: the operations section, the EMA's, the monitors',
+    added = {"ema_decay", "ema_start", "monitor_every", "monitor_warn_factor", "batch_size_ramp"}  # the batch ramp
     assert newer == {field.name for field in dataclasses.fields(OperationsArgs)} | added
     assert {k: now[k] for k in newer} == {k: v for k, v in RunArgs().to_json().items() if k in newer}
     assert {k: v for k, v in now.items() if k not in newer} == {k: saved[k] for k in now if k not in newer}

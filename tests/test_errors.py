@@ -64,6 +64,19 @@ def test_batch_not_divisible_by_the_batch_axes(capsys, out):
     assert "not divisible by the 8 batch devices" in message
 
 
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (("--batch_size_ramp", "0:16,100:20"), "entry 100:20: 20 sequences do not divide among the 8 batch devices"),
+        (("--batch_size_ramp", "5:16"), "the first entry must be at step 0"),
+        (("--batch_size_ramp", "0:16", "--gradient_accumulation_steps", "2"), "leave --gradient_accumulation_steps"),
+    ],
+)
+def test_a_batch_size_ramp_that_cannot_work(capsys, out, flags, said):
+    message = run_failing(capsys, out, "--train_file", str(FIXTURES / "overfit.txt"), "--mesh", "data=8", *flags)
+    assert said in message
+
+
 def test_block_longer_than_positions(capsys, out, tiny_gpt2_config):
     message = run_failing(
         capsys,

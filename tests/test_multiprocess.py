@@ -1,5 +1,6 @@
 """Two processes × 4 CPU devices (gloo) train exactly like one process × 8 devices: the multi-host path works,
-with the output dir and the token cache in a bucket (the GCS emulator of conftest.py) as on a TPU pod."""
+with the output dir and the token cache in a bucket (the GCS emulator of conftest.py) as on a TPU pod, across a
+--batch_size_ramp's change of batch."""
 
 import json
 import os
@@ -36,6 +37,8 @@ def test_two_processes_match_one(tmp_path, tiny_gpt2_config, gcs_bucket):
         "32",
         "--max_steps",
         "4",
+        "--batch_size_ramp",  # 32 then 64 sequences: each host's rows of each batch size, as one process reads them
+        "0:32,2:64",
         "--save_steps",
         "2",
         "--logging_steps",

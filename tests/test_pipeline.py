@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from spmdlm.data import datasets, pipeline, readers, records, token_cache
+from spmdlm.data.batch_ramp import BatchRamp
 from spmdlm.data.objectives.clm import CausalLM
 from spmdlm.data.tokenization import load_tokenizer, train_tokenizer
 from spmdlm.errors import DataError
@@ -128,6 +129,51 @@ def test_restored_iterator_continues_the_sequence(split):
     state = it.get_state()
     expected = [next(it)["input_ids"] for _ in range(2)]
     fresh = pipeline.train_batches(split, CausalLM(16), seed=0, global_batch=8, num_epochs=3)
+    fresh.set_state(state)
+    for want in expected:
+        np.testing.assert_array_equal(next(fresh)["input_ids"], want)
+
+
+RAMP = BatchRamp.parse("0:4,3:8,5:16")  # batches of 4, 4, 4, 8, 8, 16, 16, ...
+
+
+@pytest.mark.parametrize("process_count", [1, 2, 4])
+def test_a_ramp_reads_each_example_once_on_any_host_count(split, process_count):
+    """Global batch s of a ramp is examples [start(s), start(s) + B(s)), start(s) the batches before it; host p
+    reads its contiguous rows of it. Over the same examples a ramp reads the set of indices a fixed batch reads:
+    each exactly once, no gaps, whatever the number of hosts; the rows are the records of those indices."""
+    steps = 8  # 4 * 3 + 8 * 2 + 16 * 3 = 76 examples
+    hosts = [
+        pipeline.HostBatches(
+            split, seed=3, global_batch=RAMP, num_epochs=1, process_index=p, process_count=process_count
+        )
+        for p in range(process_count)
+    ]
+    read = [[host[s] for host in hosts] for s in range(steps)]
+    for s, parts in enumerate(read):  # the hosts' rows, in order, are the global batch
+        joined = np.concatenate([part.indices for part in parts])
+        start = RAMP.examples_before(s)
+        np.testing.assert_array_equal(joined, np.arange(start, start + RAMP.batch_at(s)))
+        assert {len(part.indices) for part in parts} == {RAMP.batch_at(s) // process_count}
+    ramped = np.concatenate([part.indices for parts in read for part in parts])
+    fixed_source = pipeline.HostBatches(split, seed=3, global_batch=4, num_epochs=1)
+    fixed = np.concatenate([fixed_source[s].indices for s in range(76 // 4)])
+    assert len(ramped) == len(set(ramped.tolist())) == 76  # no example twice
+    np.testing.assert_array_equal(np.sort(ramped), np.sort(fixed))  # the same examples, no gaps
+    order, source = pipeline.EpochOrder(split.num_records, seed=3), records.record_source(split)
+    last = read[-1][-1]
+    np.testing.assert_array_equal(last.records, source.read(order(last.indices)))
+    assert len(hosts[0]) == RAMP.steps_within(split.num_records)  # the steps one epoch holds
+
+
+def test_a_ramp_iterator_resumes_at_its_step(split):
+    """The checkpointed position is the step: restored mid-ramp, the iterator goes on with the same batches."""
+    make = lambda: pipeline.train_batches(split, CausalLM(16), seed=0, global_batch=RAMP, num_epochs=2)
+    it = make()
+    assert [next(it)["input_ids"].shape[0] for _ in range(4)] == [4, 4, 4, 8]
+    state = it.get_state()
+    expected = [next(it)["input_ids"] for _ in range(3)]
+    fresh = make()
     fresh.set_state(state)
     for want in expected:
         np.testing.assert_array_equal(next(fresh)["input_ids"], want)

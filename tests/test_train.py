@@ -1,12 +1,13 @@
 """End-to-end runs of the launcher in-process: meshes agree, resume is exact, a tiny model overfits."""
 
 import json
+import math
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, read_metrics, run_killed_after_first_checkpoint
+from conftest import FIXTURES, final_params, read_metrics, run_killed_after_first_checkpoint
 
 from spmdlm.launch import main
 
@@ -195,6 +196,44 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path, tiny_gpt2_config
         == 0
     )
     np.testing.assert_allclose(train_losses(accumulated), train_losses(big), rtol=1e-5)
+
+
+def test_a_batch_size_ramp_resumed_mid_ramp_is_bitwise_the_uninterrupted_run(
+    tmp_path, tiny_gpt2_config, cache_dir, monkeypatch, capsys
+):
+    """--batch_size_ramp 0:8,3:16 on 4 batch devices (at most 2 per device): 2 x 1 then 2 x 2 accumulation, one
+    line at each change. Stopped at step 4 (in the second stage) and resumed, the run ends with the same parameters
+    and losses, bit for bit; the learning rate of each step is the schedule at its final-batch step (examples / 16);
+    the tokens seen count the real batches; a resume with another ramp is refused."""
+    args = ("--mesh", "data=4,tensor=2", "--batch_size_ramp", "0:8,3:16", "--max_steps", "6", "--do_train")
+    args += ("--save_steps", "4", "--lr_scheduler_type", "linear")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert launch(whole, tiny_gpt2_config, cache_dir, *args) == 0
+    changes = [
+        line.split(" INFO ", 1)[-1] for line in capsys.readouterr().out.splitlines() if ": global batch " in line
+    ]
+    assert changes == [
+        "step 0: global batch 8 (2 per device x 4 batch devices x 1 accumulation; --batch_size_ramp 0:8,3:16)",
+        "step 3: global batch 16 (2 per device x 4 batch devices x 2 accumulation; --batch_size_ramp 0:8,3:16)",
+    ]
+    run_killed_after_first_checkpoint(monkeypatch, lambda: launch(resumed, tiny_gpt2_config, cache_dir, *args))
+    assert launch(resumed, tiny_gpt2_config, cache_dir, *args) == 0
+    assert train_losses(resumed) == train_losses(whole)
+    ours, theirs = final_params(resumed), final_params(whole)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+    records = [m for m in read_metrics(whole) if "loss" in m]
+    seen = np.cumsum([8, 8, 8, 16, 16, 16])
+    assert [m["tokens_seen"] for m in records] == (seen * 32).tolist()  # --block_size 32
+    x, horizon = np.concatenate([[0], seen[:-1]]) / 16, math.ceil(seen[-1] / 16)  # final-batch steps: 0 .. 3.5 of 5
+    expected = 3e-3 * np.where(x < 2, x / 2, 1 - (x - 2) / (horizon - 2))  # --warmup_steps 2, then linear to 0
+    np.testing.assert_allclose([m["learning_rate"] for m in records], expected, rtol=1e-6)
+    assert json.loads((whole / "run_config.json").read_text())["batch_size_ramp"] == "0:8,3:16"
+    other = [*args[:3], "0:8,2:16", *args[4:]]
+    assert launch(resumed, tiny_gpt2_config, cache_dir, *other) == 2
+    assert "other settings (batch_size_ramp)" in capsys.readouterr().err
 
 
 def test_resume_onto_another_mesh_and_evaluate_only(tmp_path, tiny_gpt2_config, cache_dir, monkeypatch):

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from spmdlm.bounds import MAX_STEPS
+from spmdlm.data.batch_ramp import BatchRamp
 from spmdlm.data.mixture import SOURCE_STREAM, MixedSplit, MixtureOrder
 from spmdlm.data.objectives import Objective, padding_example
 from spmdlm.data.records import PreparedSplit, TokenRecords
@@ -78,20 +79,33 @@ class RecordBatch:
 
 
 class _HostRows:
-    """Element s of a batch source: this process's contiguous rows of global batch s, as global example indices."""
+    """Element s of a batch source: this process's contiguous rows of global batch s, as global example indices.
+    `global_batch`: one size, or a `BatchRamp` (batch s is then examples [start(s), start(s) + B(s)), start(s) the
+    examples of the batches before it: each example once across the ramp)."""
 
-    def __init__(self, num_records: int, *, global_batch: int, num_epochs: int, process_index: int, process_count: int):
-        if global_batch % process_count:
-            raise ValueError(f"global batch {global_batch} is not divisible by {process_count} processes")
-        self.global_batch, self.local = global_batch, global_batch // process_count
-        self.offset = process_index * self.local
-        self._len = num_records * num_epochs // global_batch
+    def __init__(
+        self,
+        num_records: int,
+        *,
+        global_batch: int | BatchRamp,
+        num_epochs: int,
+        process_index: int,
+        process_count: int,
+    ):
+        self.ramp = global_batch if isinstance(global_batch, BatchRamp) else BatchRamp.fixed(global_batch)
+        for size in self.ramp.sizes:
+            if size % process_count:
+                raise ValueError(f"global batch {size} is not divisible by {process_count} processes")
+        self.process_index, self.process_count = process_index, process_count
+        self._len = self.ramp.steps_within(num_records * num_epochs)
 
     def __len__(self) -> int:
         return self._len
 
     def indices(self, step: int) -> np.ndarray:
-        return step * self.global_batch + self.offset + np.arange(self.local, dtype=np.int64)
+        local = self.ramp.batch_at(step) // self.process_count
+        start = self.ramp.examples_before(step) + self.process_index * local
+        return start + np.arange(local, dtype=np.int64)
 
 
 class HostBatches(_HostRows):
@@ -102,7 +116,7 @@ class HostBatches(_HostRows):
         split: PreparedSplit,
         *,
         seed: int,
-        global_batch: int,
+        global_batch: int | BatchRamp,
         num_epochs: int,
         process_index: int = 0,
         process_count: int = 1,
@@ -132,7 +146,7 @@ class MixtureBatches(_HostRows):
         mixed: MixedSplit,
         *,
         seed: int,
-        global_batch: int,
+        global_batch: int | BatchRamp,
         num_epochs: int,
         process_index: int = 0,
         process_count: int = 1,
@@ -173,7 +187,7 @@ def train_batches(
     objective: Objective,
     *,
     seed: int,
-    global_batch: int,
+    global_batch: int | BatchRamp,
     num_epochs: int,
     process_index: int = 0,
     process_count: int = 1,
@@ -239,19 +253,27 @@ def batch_spec(objective: Objective, global_batch: int) -> dict[str, jax.ShapeDt
 class Schedule:
     """How many steps a run takes, from epochs or max_steps."""
 
-    steps_per_epoch: int
+    steps_per_epoch: int  # of the final batch (a ramp's earlier batches fit more steps into its first epoch)
     total_steps: int
     num_epochs: int  # whole epochs of data the iterator must provide
 
 
-def make_schedule(num_records: int, global_batch: int, num_train_epochs: float, max_steps: int) -> Schedule:
-    steps_per_epoch = num_records // global_batch
-    if steps_per_epoch == 0:
+def make_schedule(num_records: int, global_batch: int | BatchRamp, num_train_epochs: float, max_steps: int) -> Schedule:
+    """The run's steps: --max_steps, else --num_train_epochs of the data (with a ramp, the steps whose examples fit
+    in that many epochs' examples)."""
+    ramp = global_batch if isinstance(global_batch, BatchRamp) else BatchRamp.fixed(global_batch)
+    steps_per_epoch = num_records // ramp.final
+    if num_records < max(ramp.sizes):
         raise DataError(
-            f"the training set has {num_records} examples, fewer than one global batch of {global_batch}; "
-            "lower --per_device_train_batch_size or give more data"
+            f"the training set has {num_records} examples, fewer than one global batch of {max(ramp.sizes)}; "
+            "lower --per_device_train_batch_size (or the --batch_size_ramp sizes) or give more data"
         )
-    total = max_steps if max_steps and max_steps > 0 else int(steps_per_epoch * num_train_epochs)
+    if max_steps and max_steps > 0:
+        total = max_steps
+    elif ramp.ramps:
+        total = ramp.steps_within(int(num_records * num_train_epochs))
+    else:
+        total = int(steps_per_epoch * num_train_epochs)
     if total <= 0:
         raise DataError(f"--num_train_epochs {num_train_epochs} gives no training steps; raise it or set --max_steps")
     if total > MAX_STEPS:
@@ -259,4 +281,5 @@ def make_schedule(num_records: int, global_batch: int, num_train_epochs: float, 
             f"--num_train_epochs {num_train_epochs} gives {total} steps, more than the {MAX_STEPS} a step "
             "counter holds; lower it or set --max_steps"
         )
-    return Schedule(steps_per_epoch, total, num_epochs=-(-total // steps_per_epoch))
+    epochs = -(-ramp.examples_before(total) // num_records) if ramp.ramps else -(-total // steps_per_epoch)
+    return Schedule(steps_per_epoch, total, num_epochs=epochs)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from spmdlm.data.batch_ramp import RampedSteps
 from spmdlm.optimizers import lr_schedules, optimizers
 from spmdlm.optimizers.entries import OptimizerInputs, ScheduleInputs, states_of
 from spmdlm.optimizers.muon import MUON_CONSISTENT_RMS, muon_dimension_numbers  # noqa: F401 (the tests' names)
@@ -27,9 +28,14 @@ def optimization_of_run(run_config: dict) -> OptimizationArgs:
     return RunArgs.of_run(run_config).optimization.resolved()
 
 
-def learning_rate_schedule(cfg: OptimizationArgs, total_steps: int) -> optax.Schedule:
+def learning_rate_schedule(cfg: OptimizationArgs, total_steps: int | RampedSteps) -> optax.Schedule:
     """Linear warmup from 0 to the peak over --warmup_steps, then the schedule --lr_scheduler_type names (its `after`,
-    spmdlm/optimizers/schedules/) from the end of the warmup on."""
+    spmdlm/optimizers/schedules/) from the end of the warmup on. A run whose batch ramps (`RampedSteps`) runs it in
+    final-batch steps: step s is at examples_before(s) / the final batch, the warmup and the decay counted so too."""
+    if isinstance(total_steps, RampedSteps):
+        ramp = total_steps.ramp
+        in_final_batches = learning_rate_schedule(cfg, ramp.schedule_steps(total_steps.total))
+        return lambda count: in_final_batches(ramp.final_batch_steps(count))
     warmup = min(cfg.warmup_steps, total_steps)
     schedule = lr_schedules()[cfg.lr_scheduler_type]
     after = schedule.after(
@@ -56,7 +62,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def make_optimizer(cfg: OptimizationArgs, model: nnx.Module, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(
+    cfg: OptimizationArgs, model: nnx.Module, total_steps: int | RampedSteps
+) -> optax.GradientTransformation:
     """Gradient clipping (--max_grad_norm), then the optimizer cfg names (its `build`, spmdlm/optimizers/), the
     parameters' average (--ema_decay) after them, then --skip_step_on_spike around all (a skipped step leaves the
     average as it was)."""

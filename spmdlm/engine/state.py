@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from spmdlm.data.batch_ramp import RampedSteps
 from spmdlm.engine.optim import make_optimizer
 from spmdlm.families.base import Family
 from spmdlm.run_args.sections import OptimizationArgs
@@ -55,7 +56,7 @@ def build_train_state(
     mesh: Mesh,
     *,
     optim: OptimizationArgs = OptimizationArgs(),
-    total_steps: int = 1,
+    total_steps: int | RampedSteps = 1,
     seed: int = 0,
     compute: Compute = Compute(),
     abstract: bool = False,
@@ -73,7 +74,8 @@ def build_train_state(
             scan_unroll=compute.scan_unroll or True,
             attention=compute.attention,
         )
-        return model, nnx.Optimizer(model, make_optimizer(optim, model, max(total_steps, 1)), wrt=nnx.Param)
+        steps = total_steps if isinstance(total_steps, RampedSteps) else max(total_steps, 1)
+        return model, nnx.Optimizer(model, make_optimizer(optim, model, steps), wrt=nnx.Param)
 
     return create_train_state(build, mesh, abstract=abstract)
 

@@ -284,11 +284,13 @@ class Stepper:
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.compiled_train = self.compiled_monitor = self._eval = None
         self.compile_stats: dict[str, Any] = {}
+        # (global batch, accumulation) -> its (train, monitor) programs and their stats: a batch-size ramp's stages
+        self._programs: dict[tuple[int, int], tuple[Any, Any, dict[str, Any]]] = {}
 
     # -- the step functions (pure; traced once) ------------------------------------------------------------------
-    def train_fn(self, state, batch: Batch, step: jax.Array, monitor: bool = False):
+    def train_fn(self, state, batch: Batch, step: jax.Array, monitor: bool = False, grad_accum: int | None = None):
         """One optimizer step: (state, global batch, step number) -> (new state, metric sums); `monitor`: with the
-        stability monitors (`monitor/...`) among the metrics."""
+        stability monitors (`monitor/...`) among the metrics; `grad_accum`: its micro-steps (default: Training's)."""
         model, optimizer = nnx.merge(self.graphdef, state)
         loss = dataclasses.replace(self.loss, monitor=True) if monitor else self.loss
         graph, params, rest = nnx.split(model, nnx.Param, ...)
@@ -308,11 +310,11 @@ class Stepper:
 
             return jax.grad(loss_of, has_aux=True)(p)
 
-        if self.grad_accum == 1:
+        k = grad_accum or self.grad_accum
+        if k == 1:
             grads, sums = micro_grads(params, batch, 0)
         else:
             # Row r of device-local data goes to micro-step r % k, so every micro-batch stays evenly sharded.
-            k = self.grad_accum
             micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), batch)
 
             def body(carry, inputs):
@@ -368,12 +370,13 @@ class Stepper:
         donate: bool = True,
         compiler_options: dict[str, Any] | None = None,
         monitor: bool = False,
+        grad_accum: int | None = None,
     ):
         """The train step lowered for `state`'s shapes and shardings (arrays or ShapeDtypeStructs) and a batch of
         `batch_spec`; `.compile()` it. `compiler_options`: XLA's, e.g. for benchmarks; `monitor`: the variant with
-        the stability monitors."""
+        the stability monitors; `grad_accum`: its micro-steps (default: Training's)."""
         fn = jax.jit(
-            functools.partial(self.train_fn, monitor=monitor),
+            functools.partial(self.train_fn, monitor=monitor, grad_accum=grad_accum),
             in_shardings=(self.shardings, self.batch_shardings(batch_spec), self.replicated),
             out_shardings=(self.shardings, self.replicated),
             donate_argnums=0 if donate else (),
@@ -395,18 +398,26 @@ class Stepper:
             totals = jax.eval_shape(self.eval_fn, state, batch_spec)
             return self.jit_eval(batch_spec).lower(state, batch_spec, totals)
 
-    def compile_train(self, state, batch_spec: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-        """AOT-compile the train step once (what `train_step` runs), and its monitor variant with --monitor_every;
+    def compile_train(
+        self, state, batch_spec: dict[str, jax.ShapeDtypeStruct], grad_accum: int | None = None
+    ) -> dict[str, Any]:
+        """AOT-compile the train step for batches of `batch_spec` in `grad_accum` micro-steps (default: Training's),
+        and its monitor variant with --monitor_every: what `train_step` runs from now on. Each (global batch,
+        accumulation) is compiled once and kept (a batch-size ramp returns to none, but switches between them);
         -> compile time, memory (the larger of the two programs') and XLA's cost (the plain step's)."""
-        start = time.perf_counter()
-        self.compiled_train = self.lower_train(state, batch_spec).compile()
-        self.compile_stats = compiled_stats(self.compiled_train)
-        if self.monitor_every:
-            self.compiled_monitor = self.lower_train(state, batch_spec, monitor=True).compile()
-            for key, value in compiled_stats(self.compiled_monitor).items():
-                if key.endswith("_bytes"):
-                    self.compile_stats[key] = max(self.compile_stats.get(key, 0), value)
-        self.compile_stats = {"compile_seconds": time.perf_counter() - start, **self.compile_stats}
+        k = grad_accum or self.grad_accum
+        key = (next(iter(batch_spec.values())).shape[0], k)
+        if key not in self._programs:
+            start = time.perf_counter()
+            train = self.lower_train(state, batch_spec, grad_accum=k).compile()
+            stats, monitor = compiled_stats(train), None
+            if self.monitor_every:
+                monitor = self.lower_train(state, batch_spec, monitor=True, grad_accum=k).compile()
+                for name, value in compiled_stats(monitor).items():
+                    if name.endswith("_bytes"):
+                        stats[name] = max(stats.get(name, 0), value)
+            self._programs[key] = (train, monitor, {"compile_seconds": time.perf_counter() - start, **stats})
+        self.compiled_train, self.compiled_monitor, self.compile_stats = self._programs[key]
         return self.compile_stats
 
     def monitors_at(self, step: int) -> bool:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from spmdlm import bounds
+from spmdlm.data.batch_ramp import RAMP_HELP, check_ramp
 from spmdlm.data.mixture import sources_of
 from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP, TEXT_FORMAT_HELP, TEXT_FORMATS
 from spmdlm.errors import ArgumentError
@@ -184,22 +185,19 @@ class ControlArgs(_Section):
 
     output_dir: str | None = _field(
         None,
-        "where checkpoints, logs, metrics and the export go (default: "
-        "runs/MODEL-DATA, named after the preset or config and the data, e.g. "
-        "runs/roberta-tiny-fortunes)",
+        "where checkpoints, logs, metrics and the export go (default: runs/MODEL-DATA, named after the preset or "
+        "config and the data, e.g. runs/roberta-tiny-fortunes)",
     )
     overwrite_output_dir: bool = _field(False, "start afresh in a non-empty output dir instead of refusing")
     allow_data_change: bool = _field(
         False,
-        "resume although the training data or the tokenizer changed since the run "
-        "started (run_config.json records their fingerprints): the batches from then "
-        "on are those of the new data, not an uninterrupted run's",
+        "resume although the training data or the tokenizer changed since the run started (run_config.json records "
+        "their fingerprints): the batches from then on are those of the new data, not an uninterrupted run's",
     )
     allow_mixture_change: bool = _field(
         False,
-        "resume although the mixture's sources or weights changed since the "
-        "run started: it continues from the same step, the batches from then on "
-        "being those the new weights give",
+        "resume although the mixture's sources or weights changed since the run started: it continues from the "
+        "same step, the batches from then on being those the new weights give",
     )
     do_train: bool | None = _field(None, "train (default: on unless only --do_eval is given)")
     do_eval: bool | None = _field(None, "evaluate (default: on unless only --do_train is given)")
@@ -213,6 +211,7 @@ class ControlArgs(_Section):
         "examples per optimizer step over all devices (T5X/MaxText style); "
         "overrides --per_device_train_batch_size and must divide evenly",
     )
+    batch_size_ramp: str | None = _field(None, RAMP_HELP)
     save_steps: int = _field(500, "checkpoint every N steps")
     save_total_limit: int | None = _field(None, "keep at most N checkpoints")
     save_every_minutes: float = _field(
@@ -229,6 +228,7 @@ class ControlArgs(_Section):
     def check(self) -> None:
         if self.num_train_epochs <= 0 and self.max_steps <= 0:
             raise ArgumentError("--num_train_epochs must be positive (or set --max_steps)")
+        check_ramp(self.batch_size_ramp, self.global_batch_size, self.gradient_accumulation_steps)
 
     @property
     def training(self) -> bool:

@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
+from spmdlm.data.batch_ramp import stage_at
 from spmdlm.data.mixture import MixedSplit
 from spmdlm.engine import monitors
 from spmdlm.engine.evaluation import evaluate
@@ -36,7 +37,7 @@ from spmdlm.train.reporting.report import Reporter
 from spmdlm.train.reporting.trackers import is_eval_key
 from spmdlm.train.safety import watchdog
 from spmdlm.train.safety.guard import StopOnSignal
-from spmdlm.train.stages.program import Model, compile_step
+from spmdlm.train.stages.program import Model, check_memory, compile_step
 
 log = logging.getLogger("spmdlm")
 
@@ -70,7 +71,7 @@ def train(prepared: Prepared, model: Model, reporter: Reporter, run_config: dict
         prepared.data.train,
         prepared.data.objective,
         seed=run.args.control.seed,
-        global_batch=run.global_batch,
+        global_batch=run.ramp,
         num_epochs=prepared.schedule.num_epochs,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
@@ -190,8 +191,7 @@ def train_loop(
     args, total_steps = prepared.run.args, prepared.total_steps
     pending: list[dict] = []  # device-side metrics since the last log; fetched only at log time
     reporter.start(start_step, total_steps)
-    step = start_step
-    last_saved = start_step
+    step = last_saved = start_step
     train_loss = float("nan")
     clock = SaveClock(args.control.save_every_minutes)
     skipped = 0  # steps skipped as loss spikes so far (--skip_step_on_spike), as last logged
@@ -201,6 +201,7 @@ def train_loop(
     watch = watchdog.Watchdog(ops.hang_timeout(jax.process_count()), prepared.run.out, watchdog.host_label(me))
     with StopOnSignal() as stop, reporter, watch, profiler:
         while step < total_steps:
+            start_stage(prepared, stepper, state, (step, start_step), reporter)
             with took("data_wait"):
                 batch = pipeline.to_global(next(iterator), prepared.run.mesh)
             with profiler.at_step(step + 1, state):
@@ -237,6 +238,31 @@ def train_loop(
         reporter.goodput.steps_finished()
         profiler.close(state)
     return {"state": state, "train_loss": train_loss, **reporter.throughput()}
+
+
+def start_stage(prepared: Prepared, stepper: Stepper, state, steps: tuple[int, int], reporter: Reporter) -> None:
+    """At `steps` (the step about to run, the loop's first): where a --batch_size_ramp stage begins (or where the
+    loop begins, in one), its program made current (compiled the first time, and refused like the first when it
+    cannot fit) and one line saying its batch. Nothing without a ramp: the step compiled before the loop is the
+    only one."""
+    run, (step, first) = prepared.run, steps
+    if not run.ramp.ramps or (step not in run.ramp.steps and step != first):
+        return
+    stage = stage_at(run.stages, step)
+    with reporter.goodput.span("compile"):
+        spec = pipeline.batch_spec(prepared.data.objective, stage.global_batch)
+        stats = stepper.compile_train(state, spec, stage.accumulation)
+    check_memory(stats, stage.per_device)
+    reporter.goodput.slow.forget()  # steps of another size: the slow-step median starts over
+    log.info(
+        "step %d: global batch %d (%d per device x %d batch devices x %d accumulation; --batch_size_ramp %s)",
+        step,
+        stage.global_batch,
+        stage.per_device,
+        batch_axis_size(run.mesh),
+        stage.accumulation,
+        run.ramp.spec(),
+    )
 
 
 def pop_monitors(metrics: dict) -> dict:
@@ -277,7 +303,8 @@ def source_epochs(prepared: Prepared) -> dict[str, Any]:
     train = prepared.data.train
     if not isinstance(train, MixedSplit):
         return {}
-    epochs = train.epochs_reached(prepared.run.args.control.seed, prepared.total_steps * prepared.run.global_batch)
+    examples = prepared.run.ramp.examples_before(prepared.total_steps)
+    epochs = train.epochs_reached(prepared.run.args.control.seed, examples)
     log.info("epochs reached per source: %s", ", ".join(f"{name} {value:.3g}" for name, value in epochs.items()))
     return {"train_source_epochs": epochs}
 

@@ -259,8 +259,9 @@ def _training_lines(prepared: Prepared) -> list[str]:
     axes = {axis: size for axis, size in mesh.shape.items() if size > 1} or dict(mesh.shape)
     kind = f" ({device.device_kind})" if device.device_kind.lower() != device.platform else ""
     return [
-        f"- steps: {prepared.total_steps:,}; global batch {run.global_batch} examples ({run.per_device_batch} per "
-        f"device x {batch_axis_size(mesh)} batch devices x {args.control.gradient_accumulation_steps} accumulation)",
+        f"- steps: {prepared.total_steps:,}; global batch {run.global_batch} examples ({run.stages[-1].per_device} "
+        f"per device x {batch_axis_size(mesh)} batch devices x {run.stages[-1].accumulation} accumulation)"
+        + (f", ramped up by --batch_size_ramp {run.ramp.spec()}" if run.ramp.ramps else ""),
         f"- sequence lengths: {lengths}; objective flags: {flags}",
         f"- optimizer: {optimizer}; learning rate {optim.learning_rate:g}, {schedule} schedule, "
         f"{optim.warmup_steps} warmup steps; weight decay {optim.weight_decay:g}; gradient clipping "

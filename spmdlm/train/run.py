@@ -83,7 +83,7 @@ def prepare(run: Run, output_dir: OutputDir, documents, hub=None) -> Prepared:
     """The tokenizer and data stages, and the step schedule over the data."""
     vocabulary = setup_tokenizer(run, output_dir.previous, training_texts(documents, run.sources))
     data = prepare_data(reading(run, vocabulary), documents, run.sources)
-    schedule = training_schedule(data, run.args.control, run.global_batch)
+    schedule = training_schedule(data, run.args.control, run.ramp)
     return Prepared(run, output_dir, vocabulary, data, schedule, hub)
 
 
@@ -95,7 +95,9 @@ def reading(run: Run, vocabulary: Vocabulary) -> Reading:
 
 
 def make_reporter(run: Run, vocabulary: Vocabulary, data) -> Reporter:
-    shape = RunShape(run.family, vocabulary.config, data.objective, run.global_batch, run.mesh, run.args.model.dtype)
+    shape = RunShape(
+        run.family, vocabulary.config, data.objective, run.global_batch, run.mesh, run.args.model.dtype, run.ramp
+    )
     return Reporter(run.out, enabled=is_main(), shape=shape, run_start=run.run_start, args=run.args)
 
 

@@ -26,6 +26,7 @@ from jax.experimental import topologies
 
 from spmdlm import devices
 from spmdlm.data import pipeline
+from spmdlm.data.batch_ramp import largest_stage
 from spmdlm.data.objectives import Objective
 from spmdlm.engine.state import DTYPES
 from spmdlm.errors import ArgumentError, DoesNotFit
@@ -127,7 +128,7 @@ def estimate(args: RunArgs) -> dict[str, Any]:
     model = setup_state(run, run.config, objective, 0, abstract=True)  # shapes and shardings, no arrays
     state, stepper = model.state, model.stepper
     init_seconds = time.perf_counter() - start
-    mesh = run.mesh
+    mesh, stage = run.mesh, largest_stage(run.stages)  # a --batch_size_ramp's stage that needs the most memory
     hosts = len({d.process_index for d in slice_devices})
     eval_batch = args.control.per_device_eval_batch_size * batch_axis_size(mesh)
     result: dict[str, Any] = {
@@ -147,21 +148,21 @@ def estimate(args: RunArgs) -> dict[str, Any]:
         "dtype": args.model.dtype,
         "attention": run.attention,
         "remat": model.layer_plan.remat,
-        "gradient_accumulation_steps": args.control.gradient_accumulation_steps,
-        "global_batch": run.global_batch,
-        "per_host_batch": run.global_batch // hosts,
-        "per_device_batch": run.per_device_batch,
+        "gradient_accumulation_steps": stage.accumulation,
+        "global_batch": stage.global_batch,
+        "per_host_batch": stage.global_batch // hosts,
+        "per_device_batch": stage.per_device,
         "sequence_lengths": objective.sequence_lengths(),
         "eval_batch": eval_batch,
         "state_bytes_per_device": per_device_bytes(state),
         "state_bytes_replicated": global_bytes(state),
         "hbm_bytes_per_device": chip.hbm_bytes if chip else None,
         "peak_flops_per_device": chip.peak_flops if chip else None,
-        "analytic_flops_per_step": run.family.train_flops_per_step(run.config, objective, run.global_batch),
+        "analytic_flops_per_step": run.family.train_flops_per_step(run.config, objective, stage.global_batch),
         "init_compile_seconds": init_seconds,
     }
-    train_spec, eval_spec = (pipeline.batch_spec(objective, n) for n in (run.global_batch, eval_batch))
-    result["train"] = _compiled(lambda: stepper.lower_train(state, train_spec).compile())
+    train_spec, eval_spec = (pipeline.batch_spec(objective, n) for n in (stage.global_batch, eval_batch))
+    result["train"] = _compiled(lambda: stepper.lower_train(state, train_spec, grad_accum=stage.accumulation).compile())
     result["eval"] = (
         _compiled(lambda: stepper.lower_eval(state, eval_spec).compile())
         if args.control.evaluating and "error" not in result["train"]
@@ -216,10 +217,10 @@ def minimum_collectives(run: Run, objective: Objective, model: Model) -> dict[st
         dict(run.mesh.shape),
         remat=model.layer_plan.remat,
         compute_dtype=DTYPES[run.args.model.dtype],
-        batch_per_device=run.per_device_batch,
+        batch_per_device=largest_stage(run.stages).per_device,
         lengths=lengths,
         head_length=objective.label_capacity or lengths.get("decoder", lengths["input"]),
-        accumulation=run.args.control.gradient_accumulation_steps,
+        accumulation=largest_stage(run.stages).accumulation,
     )
 
 

@@ -42,6 +42,11 @@ class SlowSteps:
         self.held_back = 0
         self.last_warning = -float("inf")
 
+    def forget(self) -> None:
+        """The steps from now on are of another size (a --batch_size_ramp stage): measured against their own."""
+        self.recent.clear()
+        self.slow_before = False
+
     def check(self, step: int, seconds: float) -> bool:
         """Whether `step` (taking `seconds`) is slow; warns as the class says."""
         median = statistics.median(self.recent) if len(self.recent) >= 5 else float("inf")

@@ -18,6 +18,7 @@ import numpy as np
 
 from spmdlm import devices, storage
 from spmdlm.crashpoints import crash_point
+from spmdlm.data.batch_ramp import BatchRamp
 from spmdlm.data.objectives import Objective
 from spmdlm.engine import monitors
 from spmdlm.errors import RunError
@@ -39,11 +40,21 @@ def plot_title(run_name: str, model_type: str, mesh_shape) -> str:
 
 class Throughput:
     """Tokens per second (all slots, and the non-padding ones), TFLOP/s per device and MFU of the steps between
-    logging steps; their medians at the end."""
+    logging steps; their medians at the end; the tokens seen so far. `tokens_per_step` and `flops_per_step` are of
+    the final global batch of `ramp` (a batch-size ramp's earlier steps count as the fraction of it they take)."""
 
-    def __init__(self, *, tokens_per_step: int, flops_per_step: float, peak_flops: float | None, devices: int):
+    def __init__(
+        self,
+        *,
+        tokens_per_step: int,
+        flops_per_step: float,
+        peak_flops: float | None,
+        devices: int,
+        ramp: BatchRamp | None = None,
+    ):
         self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
         self.peak_flops, self.devices = peak_flops, devices
+        self.ramp = ramp or BatchRamp.fixed(1)
         self._rates: list[float] = []
         self._real_rates: list[float] = []
         self.start(0)
@@ -59,7 +70,9 @@ class Throughput:
         taken = [m for m in pending if not m.get("consecutive_skips", 0)] or pending
         sums = {k: float(np.sum([m[k] for m in taken])) for k in ("loss_sum", "tokens", "correct", "z_loss_sum")}
         real_tokens = float(np.sum([m["real_tokens"] for m in pending]))
-        steps, seconds = step - self._last_step, max(now - self._last_time, 1e-9)
+        # final-batch steps: the steps themselves without a ramp
+        steps = (self.ramp.examples_before(step) - self.ramp.examples_before(self._last_step)) / self.ramp.final
+        seconds = max(now - self._last_time, 1e-9)
         tokens_per_s = steps * self.tokens_per_step / seconds
         self._rates.append(tokens_per_s)
         # Non-padding input tokens: what a packed run gains over a padded one (tokens_per_second counts every slot)
@@ -74,6 +87,7 @@ class Throughput:
             "tokens_per_second": tokens_per_s,
             "real_tokens_per_second": real_tokens / seconds,
             "padding_fraction": 1.0 - real_tokens / max(steps * self.tokens_per_step, 1),
+            "tokens_seen": self.ramp.examples_before(step) * self.tokens_per_step // self.ramp.final,
         }
         if sums["z_loss_sum"]:
             record["z_loss"] = sums["z_loss_sum"] / max(sums["tokens"], 1.0)
@@ -193,9 +207,10 @@ class RunShape:
     family: Family
     config: Any
     objective: Objective
-    global_batch: int
+    global_batch: int  # a batch-size ramp's final batch
     mesh: Any
     dtype: str
+    ramp: BatchRamp | None = None  # the global batch of each step (None: `global_batch` throughout)
 
 
 class Reporter:
@@ -226,6 +241,7 @@ class Reporter:
             flops_per_step=shape.family.train_flops_per_step(config, shape.objective, global_batch),
             peak_flops=devices.peak_flops_per_device(shape.dtype),
             devices=shape.mesh.size,
+            ramp=shape.ramp or BatchRamp.fixed(global_batch),
         )
         run_config = (
             {**args.to_json(), "global_batch": global_batch, "model_config": config.to_hf_dict()}

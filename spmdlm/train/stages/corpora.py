@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 
 from spmdlm import storage
 from spmdlm.data import datasets, mixture, pipeline, readers, records, token_cache
+from spmdlm.data.batch_ramp import BatchRamp
 from spmdlm.data.objectives import Objective
 from spmdlm.data.tokenization import special_token_ids
 from spmdlm.errors import DataError, UnwritableDataError
@@ -308,7 +309,7 @@ def finish_data(reading: Reading, train, validation, source_validation=None, car
     return Data(reading.objective, train, validation, source_validation or {}, cards or {})
 
 
-def training_schedule(data: Data, control: ControlArgs, global_batch: int) -> pipeline.Schedule | None:
+def training_schedule(data: Data, control: ControlArgs, global_batch: int | BatchRamp) -> pipeline.Schedule | None:
     """The run's steps and epochs over its training split (None: the run only evaluates)."""
     if data.train is None:
         return None

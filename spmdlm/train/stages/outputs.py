@@ -54,6 +54,7 @@ COMMON_RESUME_KEYS = (
     "adafactor",
     "optim",
     "gradient_accumulation_steps",
+    "batch_size_ramp",  # which examples each step reads, and where the schedule is (older runs: none)
 )
 LOGGED_CHANGES = (
     "learning_rate",

@@ -15,6 +15,7 @@ from flax import nnx
 
 from spmdlm import devices, hf_export
 from spmdlm.data import pipeline
+from spmdlm.data.batch_ramp import RampedSteps, largest_stage
 from spmdlm.data.objectives import Objective
 from spmdlm.engine.evaluation import byte_lengths, loss_of, make_stepper
 from spmdlm.engine.optim import learning_rate_schedule
@@ -47,6 +48,8 @@ def setup_state(run: Run, config, objective: Objective, total_steps: int, *, tok
     --model_name_or_path gets that checkpoint's weights. `tokenizer`: for bits per byte (None: --compile_for)."""
     args = run.args
     optim, steps = args.optimization, max(total_steps, 1)
+    if run.ramp.ramps:  # the schedule counts final-batch steps (docs/training.md, Batch-size ramp)
+        steps = RampedSteps(steps, run.ramp)
     layer_plan = choose_layer_plan(run, config, objective)
     graphdef, state = build_train_state(
         run.family,
@@ -62,9 +65,7 @@ def setup_state(run: Run, config, objective: Objective, total_steps: int, *, tok
     if args.model.model_name_or_path and not abstract:
         state = hf_export.load_hf_into_state(args.model.model_name_or_path, graphdef, state, run.checkpoint_config)
     schedule = learning_rate_schedule(optim, steps)
-    training = Training(
-        optim, schedule, args.control.gradient_accumulation_steps, args.control.seed, args.reporting.monitor_every
-    )
+    training = Training(optim, schedule, run.stages[0].accumulation, args.control.seed, args.reporting.monitor_every)
     stepper = make_stepper(
         graphdef,
         state,
@@ -117,27 +118,32 @@ def choose_layer_plan(run: Run, config, objective: Objective) -> LayerPlan:
 
 def log_model(run: Run, model: Model, total_steps: int) -> None:
     """The run's shape in one line."""
+    stage = run.stages[-1]
     log.info(
         "model %s (config %s): %.2fM parameters | mesh %s | global batch %d (%d per device x %d batch devices "
-        "x %d accumulation) | %d steps",
+        "x %d accumulation)%s | %d steps",
         run.family.name,
         run.config_source,
         model.parameters / 1e6,
         dict(run.mesh.shape),
-        run.global_batch,
-        run.per_device_batch,
+        stage.global_batch,
+        stage.per_device,
         batch_axis_size(run.mesh),
-        run.args.control.gradient_accumulation_steps,
+        stage.accumulation,
+        f" at the end of --batch_size_ramp {run.ramp.spec()}" if run.ramp.ramps else "",
         total_steps,
     )
 
 
 def compile_step(model: Model, objective: Objective, run: Run, reporter: Reporter) -> dict[str, Any]:
     """The train step compiled and refused before anything is written when it cannot fit (the output dir is left
-    as it was)."""
+    as it was): a batch-size ramp's largest stage (`largest_stage`); the others compile as they start."""
+    stage = largest_stage(run.stages)
     with reporter.goodput.span("compile"):
-        stats = model.stepper.compile_train(model.state, pipeline.batch_spec(objective, run.global_batch))
-    check_memory(stats, run.per_device_batch)
+        stats = model.stepper.compile_train(
+            model.state, pipeline.batch_spec(objective, stage.global_batch), stage.accumulation
+        )
+    check_memory(stats, stage.per_device)
     reporter.compile_stats(stats)
     return stats
 

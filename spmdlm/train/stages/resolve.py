@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from spmdlm import hf_export, storage
 from spmdlm.data import datasets, mixture
+from spmdlm.data.batch_ramp import BatchRamp, BatchStage, largest_stage, plan_stages
 from spmdlm.data.tokenization import TOKENIZER_LAYOUTS, load_tokenizer, tokenizer_layout
 from spmdlm.engine.state import DTYPES
 from spmdlm.errors import ArgumentError, RunError, TasksError
@@ -47,8 +48,9 @@ class Run:
     out: Path
     family: Family
     config: Any  # the model config as resolved (the tokenizer stage's Vocabulary.config adds its special token ids)
-    global_batch: int
-    per_device_batch: int  # examples per batch device in one micro-step (batch_sizes)
+    global_batch: int  # examples per step (a batch-size ramp's final batch)
+    per_device_batch: int  # examples per batch device in one micro-step (a ramp's largest: batch_sizes)
+    stages: tuple[BatchStage, ...]  # the global batch of each step and how the mesh takes it (one without a ramp)
     run_start: float
     config_source: str  # the preset, file or directory the model config came from
     attention: str  # the implementation --attention resolved to (models/attention.py)
@@ -57,12 +59,17 @@ class Run:
     tokenizer: Any = None  # --model_name_or_path's own or the one given with it (check_pretrained), else None
     checkpoint_config: Any = None  # --model_name_or_path's own, where --tokenizer_name extends its vocabulary
 
+    @property
+    def ramp(self) -> BatchRamp:
+        """The global batch of each step (one fixed size without --batch_size_ramp)."""
+        return BatchRamp(tuple(s.first_step for s in self.stages), tuple(s.global_batch for s in self.stages))
+
 
 # -- resolve: the run's config, mesh and lengths (everything that can be refused, before any file is written) ---
 def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> Run:
     """`mesh_devices`: the devices to build the mesh of (default: this process's JAX devices)."""
     mesh = make_mesh(args.devices.mesh, mesh_devices, dcn_spec=args.devices.dcn_mesh)
-    global_batch, per_device_batch = batch_sizes(args.control, mesh)
+    stages = batch_sizes(args.control, mesh)
     out = storage.path(args.control.output_dir, "--output_dir")  # a local dir or a bucket (gs://)
     if out.exists() and not out.is_dir():
         raise RunError(f"--output_dir {out} is a file; give a directory")
@@ -85,8 +92,9 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> Run:
         out,
         family,
         config,
-        global_batch,
-        per_device_batch,
+        stages[-1].global_batch,
+        largest_stage(stages).per_device,
+        stages,
         run_start,
         config_name,
         attention,
@@ -239,9 +247,19 @@ def check_flags_apply(args: RunArgs, family: Family) -> None:
                 )
 
 
-def batch_sizes(control: ControlArgs, mesh) -> tuple[int, int]:
-    """-> (global batch, per-device batch): examples per optimizer step over all devices, and per batch device in one
-    micro-step."""
+def batch_sizes(control: ControlArgs, mesh) -> tuple[BatchStage, ...]:
+    """-> the run's batch stages (batch_ramp.BatchStage): examples per optimizer step over all devices, per batch
+    device in one micro-step, and the micro-steps; one stage, or one per --batch_size_ramp entry."""
+    if control.batch_size_ramp is not None:
+        ramp, max_per_device = BatchRamp.parse(control.batch_size_ramp), control.per_device_train_batch_size
+        hosts = len({device.process_index for device in mesh.devices.flat})  # (--compile_for: the slice's)
+        return plan_stages(ramp, batch_axis_size(mesh), hosts, max_per_device)
+    global_batch, per_device = fixed_batch_size(control, mesh)
+    return (BatchStage(0, global_batch, per_device, control.gradient_accumulation_steps),)
+
+
+def fixed_batch_size(control: ControlArgs, mesh) -> tuple[int, int]:
+    """-> (global batch, per-device batch) of a run without a ramp."""
     per_step = batch_axis_size(mesh) * control.gradient_accumulation_steps
     if control.global_batch_size is None:
         return control.per_device_train_batch_size * per_step, control.per_device_train_batch_size

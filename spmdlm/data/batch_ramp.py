@@ -1,0 +1,181 @@
+"""The global batch of each step: one fixed size, or a ramp (--batch_size_ramp 0:64,2000:256,8000:512: the batch in
+sequences from each step on), and how a mesh reaches each size (its stages: per-device batch x accumulation).
+
+Everything that counts examples goes through `BatchRamp.examples_before`: the data pipeline (global batch s is the
+global examples [examples_before(s), examples_before(s + 1)), so each example is read once across the ramp), the
+step count of a run given in epochs, the tokens a run has seen, and the learning-rate schedule, which a ramp runs in
+final-batch steps (examples seen / the final batch: GPT-3's token-based warmup and decay; docs/training.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from spmdlm.errors import ArgumentError
+
+RAMP_FLAG = "--batch_size_ramp"
+RAMP_HELP = (
+    "grow the global batch during the run: STEP:SEQUENCES,... from step 0 on, e.g. 0:64,2000:256,8000:512; each "
+    "reached by the largest per-device batch up to --per_device_train_batch_size that divides it, and gradient "
+    "accumulation for the rest; the learning-rate schedule then counts final-batch steps (examples / the final "
+    "batch; docs/training.md, Batch-size ramp)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRamp:
+    """Global batch `sizes[i]` from step `steps[i]` on (steps[0] == 0, strictly increasing)."""
+
+    steps: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def fixed(cls, global_batch: int) -> BatchRamp:
+        return cls((0,), (global_batch,))
+
+    @classmethod
+    def parse(cls, text: str) -> BatchRamp:
+        """'STEP:SEQUENCES,...' with one-line errors naming the entry and the fix."""
+        steps, sizes = [], []
+        for entry in (part.strip() for part in text.split(",")):
+            step, colon, size = entry.partition(":")
+            try:
+                step, size = int(step), int(size)
+            except ValueError:
+                step = size = -1
+            if not colon or step < 0 or size < 1:
+                raise ArgumentError(
+                    f"{RAMP_FLAG} {text!r}: entry {entry!r} is not STEP:SEQUENCES (a step >= 0 and a global batch "
+                    "of at least 1 sequence); e.g. 0:64,2000:256,8000:512"
+                )
+            if steps and step <= steps[-1]:
+                raise ArgumentError(
+                    f"{RAMP_FLAG} {text!r}: entry {entry!r} does not come after step {steps[-1]}; list the "
+                    "steps in increasing order"
+                )
+            steps.append(step)
+            sizes.append(size)
+        if steps[0] != 0:
+            raise ArgumentError(f"{RAMP_FLAG} {text!r}: the first entry must be at step 0 (e.g. 0:{sizes[0]},...)")
+        return cls(tuple(steps), tuple(sizes))
+
+    def spec(self) -> str:
+        return ",".join(f"{step}:{size}" for step, size in zip(self.steps, self.sizes))
+
+    @property
+    def ramps(self) -> bool:
+        """Whether the batch changes during the run (else one fixed size)."""
+        return len(self.sizes) > 1
+
+    @property
+    def final(self) -> int:
+        return self.sizes[-1]
+
+    def _spans(self):
+        """(first step, batch, end step or None for the last) of each stage."""
+        return zip(self.steps, self.sizes, (*self.steps[1:], None))
+
+    def batch_at(self, step: int) -> int:
+        return self.sizes[self.stage_index(step)]
+
+    def stage_index(self, step: int) -> int:
+        return sum(first <= step for first in self.steps) - 1
+
+    def examples_before(self, step: int) -> int:
+        """Global examples the steps before `step` consumed: Σ_{t<step} batch_at(t)."""
+        total = 0
+        for first, size, end in self._spans():
+            if step <= first:
+                break
+            total += size * ((step if end is None else min(step, end)) - first)
+        return total
+
+    def steps_within(self, examples: int) -> int:
+        """The most steps whose examples all lie within the first `examples`."""
+        for first, size, end in self._spans():
+            used = self.examples_before(first)
+            if end is None or self.examples_before(end) > examples:
+                return first + max(examples - used, 0) // size
+        raise AssertionError("unreachable: the last stage has no end")
+
+    def final_batch_steps(self, count: jax.Array) -> jax.Array:
+        """examples_before(count) / the final batch as float32, traceable (the learning-rate schedule's clock)."""
+        count = jnp.asarray(count, jnp.float32)
+        total = jnp.zeros((), jnp.float32)
+        for first, size, end in self._spans():
+            span = jnp.maximum(count - first, 0.0)
+            total += (span if end is None else jnp.minimum(span, end - first)) * (size / self.final)
+        return total
+
+    def schedule_steps(self, total_steps: int) -> int:
+        """A run of `total_steps` steps in final-batch steps (rounded up): the schedule's length."""
+        return max(math.ceil(self.examples_before(total_steps) / self.final), 1)
+
+
+def check_ramp(text: str | None, global_batch_size: int | None, gradient_accumulation_steps: int) -> None:
+    """--batch_size_ramp (when given) is well formed and sets the batch alone: the flags that set it too are
+    refused in one line."""
+    if text is None:
+        return
+    BatchRamp.parse(text)
+    for flag, given in (
+        ("global_batch_size", global_batch_size is not None),
+        ("gradient_accumulation_steps", gradient_accumulation_steps != 1),
+    ):
+        if given:
+            raise ArgumentError(
+                f"{RAMP_FLAG} sets the global batch and the accumulation of each step: leave --{flag} out "
+                "(--per_device_train_batch_size is the most a device takes at once)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RampedSteps:
+    """A run's length for its learning-rate schedule when the batch ramps: `total` optimizer steps of `ramp`'s
+    batches (engine/optim.learning_rate_schedule runs the schedule in final-batch steps)."""
+
+    total: int
+    ramp: BatchRamp
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchStage:
+    """How the mesh takes one global batch: `per_device` examples per batch device in each of `accumulation`
+    micro-steps, from step `first_step` on."""
+
+    first_step: int
+    global_batch: int
+    per_device: int
+    accumulation: int
+
+
+def plan_stages(ramp: BatchRamp, batch_devices: int, processes: int, max_per_device: int) -> tuple[BatchStage, ...]:
+    """Each ramp entry's stage: the largest per-device batch up to `max_per_device` that divides the entry's batch
+    per device, and the accumulation that makes up the rest; an entry the batch devices or the processes do not
+    divide is refused in one line."""
+    stages = []
+    for step, size in zip(ramp.steps, ramp.sizes):
+        for count, what in ((batch_devices, "batch devices (data x fsdp of the mesh)"), (processes, "processes")):
+            if size % count:
+                raise ArgumentError(
+                    f"{RAMP_FLAG} entry {step}:{size}: {size} sequences do not divide among the {count} {what}; "
+                    f"use a multiple of {math.lcm(batch_devices, processes)} (e.g. {step}:"
+                    f"{-(-size // math.lcm(batch_devices, processes)) * math.lcm(batch_devices, processes)})"
+                )
+        each = size // batch_devices
+        per_device = max(d for d in range(1, min(each, max_per_device) + 1) if each % d == 0)
+        stages.append(BatchStage(step, size, per_device, each // per_device))
+    return tuple(stages)
+
+
+def stage_at(stages: tuple[BatchStage, ...], step: int) -> BatchStage:
+    return [stage for stage in stages if stage.first_step <= step][-1]
+
+
+def largest_stage(stages: tuple[BatchStage, ...]) -> BatchStage:
+    """The stage whose step needs the most memory: the largest micro-batch per device, then the most accumulation."""
+    return max(stages, key=lambda stage: (stage.per_device, stage.global_batch))
