@@ -338,7 +338,7 @@ class Stepper:
         else:
             optimizer.update(model, grads)
         if monitor:
-            metrics = monitors.with_monitors(metrics, grads, before, nnx.state(model, nnx.Param), self.grad_accum)
+            metrics = monitors.with_monitors(metrics, grads, before, nnx.state(model, nnx.Param), k)
         return nnx.state((model, optimizer)), metrics
 
     def eval_fn(self, state, batch: Batch):
