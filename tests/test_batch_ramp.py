@@ -23,6 +23,7 @@ def test_the_spec_is_parsed_and_bad_ones_are_refused_naming_the_entry():
         ("0:64,x:8", "entry 'x:8'"),
         ("0:0", "entry '0:0'"),
         ("0:8,-5:16", "entry '-5:16'"),
+        ("0:8,2147483648:16", "entry '2147483648:16'"),
         ("10:64,20:128", "the first entry must be at step 0"),
         ("0:64,20:128,20:256", "entry '20:256' does not come after step 20"),
         ("0:64,30:128,20:256", "entry '20:256' does not come after step 30"),

@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from spmdlm.bounds import MAX_STEPS
 from spmdlm.errors import ArgumentError
 
 RAMP_FLAG = "--batch_size_ramp"
@@ -47,10 +48,10 @@ class BatchRamp:
                 step, size = int(step), int(size)
             except ValueError:
                 step = size = -1
-            if not colon or step < 0 or size < 1:
+            if not colon or not 0 <= step <= MAX_STEPS or size < 1:
                 raise ArgumentError(
-                    f"{RAMP_FLAG} {text!r}: entry {entry!r} is not STEP:SEQUENCES (a step >= 0 and a global batch "
-                    "of at least 1 sequence); e.g. 0:64,2000:256,8000:512"
+                    f"{RAMP_FLAG} {text!r}: entry {entry!r} is not STEP:SEQUENCES (a step from 0 to {MAX_STEPS} and "
+                    "a global batch of at least 1 sequence); e.g. 0:64,2000:256,8000:512"
                 )
             if steps and step <= steps[-1]:
                 raise ArgumentError(
