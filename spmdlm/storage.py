@@ -365,12 +365,14 @@ def space_note(p, needed: int | None = None, *, more: bool = False) -> str:
     return ", ".join(parts) or "the bucket refused the write"
 
 
+def full_disk_clause(p, needed: int | None = None) -> str:
+    """What a full-disk line says before its fix: the path and the bytes (`space_note`)."""
+    return f"cannot write {p}: no space left on device ({space_note(p, needed)})"
+
+
 def disk_full(p, needed: int | None = None) -> StorageError:
     """The one line of a write that found the disk full: the path, the bytes (`space_note`) and the fix."""
-    return StorageError(
-        f"cannot write {p}: no space left on device ({space_note(p, needed)}); free some space and run the same "
-        "command again"
-    )
+    return StorageError(f"{full_disk_clause(p, needed)}; free some space and run the same command again")
 
 
 def os_error_line(e: OSError) -> str:

@@ -407,8 +407,7 @@ def _full_disk_clause(error: Exception) -> str:
     its cache, where it stages."""
     if isinstance(error, UserError):
         return str(error).partition("; ")[0]
-    where = getattr(error, "filename", None) or _xet_cache()
-    return f"cannot write {where}: no space left on device ({storage.space_note(where)})"
+    return storage.full_disk_clause(getattr(error, "filename", None) or _xet_cache())
 
 
 def hub_for(run: Run) -> Hub | None:
