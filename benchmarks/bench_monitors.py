@@ -4,7 +4,7 @@
         [--every 10] [--rounds 6]
 
 One GPT-2 train state and batch; three ways of running `--every` steps, interleaved round by round (the host may be
-shared, so each round of each way meets the same load):
+shared, so each round of each way meets the same load), each round starting at the next way:
 - plain: the train step alone (--monitor_every 0);
 - variant: what the run does, the monitor variant compiled beside the plain step (Stepper.compiled_monitor) at every
   `--every`th step, its monitors fetched there, the plain program at the others;
@@ -120,10 +120,11 @@ def main(argv=None) -> None:
         for run in ways.values():  # warm-up: every program run once (the cond one compiles here)
             state, _ = timed_round(run, state, 0, args.every, fetch=True)
         times: dict[str, list] = {name: [] for name in ways}
-        step = args.every
-        for _ in range(args.rounds):
-            for name, run in ways.items():
-                state, got = timed_round(run, state, step, args.every, fetch=name != "plain")
+        names, step = list(ways), args.every
+        for round_ in range(args.rounds):
+            # each round starts at another way: none always follows the same one (a heavier program's aftermath)
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                state, got = timed_round(ways[name], state, step, args.every, fetch=name != "plain")
                 times[name] += got
                 step += args.every
     medians = {"uptime": os.popen("uptime").read().strip(), "every": args.every, "rounds": args.rounds}
