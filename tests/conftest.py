@@ -23,6 +23,7 @@ from spmdlm.mesh import simulated_devices_flags  # noqa: E402  (imports jax: aft
 
 os.environ["XLA_FLAGS"] = simulated_devices_flags(f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_FLAGS}", 8)
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
@@ -105,6 +106,24 @@ def final_params(output_dir: Path) -> dict:
 
 class Killed(Exception):
     """Stands in for a job killed right after it wrote a checkpoint."""
+
+
+# What XLA's SPMD partitioner logs when it cannot go from one sharding to the next but by gathering a whole tensor.
+INVOLUNTARY_REMAT = "Involuntary full rematerialization"
+
+
+@contextlib.contextmanager
+def uncached_compiles() -> Iterator[None]:
+    """Within: programs compile, none comes from the session's persistent cache. XLA partitions (and warns) only
+    when it compiles: a cached program would pass unseen."""
+    import jax
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def run_killed_after_first_checkpoint(monkeypatch, launch_fn) -> None:

@@ -1,9 +1,10 @@
 """One suite over every registered model family (fixtures in family_fixtures.py): transformers parity both ways,
 lossless round trips, golden shardings, every preset's shapes, equal losses on two meshes (pure data parallel,
-fsdp x tensor), exact resume (BART), and a short bf16 + remat run through the launcher (--dry_run:
-test_train.py)."""
+fsdp x tensor), exact resume through the launcher (with bf16, remat and sample prompts on fsdp x tensor; and with
+packed rows). A --dry_run of each: test_train.py."""
 
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -11,14 +12,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
+from conftest import (
+    INVOLUNTARY_REMAT,
+    final_params,
+    read_metrics,
+    run_killed_after_first_checkpoint,
+    uncached_compiles,
+)
 from family_fixtures import FIXTURES, STDLIB_JSON
 from flax import nnx
 from safetensors.numpy import load_file
 
 from spmdlm import checkpoint, hf_export
 from spmdlm.engine.state import Compute, build_train_state
-from spmdlm.families import families, get_family, load_config, preset_names
+from spmdlm.families import families, load_config, preset_names
 from spmdlm.launch import main
 from spmdlm.mesh import make_mesh
 from spmdlm.models.attention import resolve_attention, set_attention
@@ -252,43 +259,52 @@ def train_losses(out: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(out) if "loss" in m]
 
 
-def train_on_mesh(family: str, mesh_spec: str, config_path: Path, steps: int = 4) -> list[float]:
-    """Losses of `steps` train steps of the real Stepper on a fixed global batch of 16 examples of the family's
-    objective (tokenizer trained on a small text), on the given mesh."""
+def train_on_mesh(family: str, mesh_spec: str, config_path: Path, output_dir: Path, steps: int = 4) -> list[float]:
+    """Losses of `steps` train steps on a fixed global batch of 16 examples of the family's objective (tokenizer
+    trained on a small text), on the given mesh: the run's own state and train step, as the launcher builds them."""
     from conftest import FIXTURES as DATA
 
     from spmdlm.cli.launch import parse_args
     from spmdlm.data.pipeline import batch_spec, to_global
     from spmdlm.data.tokenization import train_tokenizer
-    from spmdlm.engine.state import build_train_state
-    from spmdlm.engine.step import Stepper
+    from spmdlm.train.stages.program import setup_state
+    from spmdlm.train.stages.resolve import resolve
 
-    args, _ = parse_args(["--train_file", "x", *FIXTURES[family].run_flags])
-    config = load_config(str(config_path))
-    tok = train_tokenizer(get_family(family), (DATA / "overfit.txt").read_text().splitlines(), config.vocab_size)
-    objective = families()[family].build_objective(args.objective, config, tok)
+    axes = dict((name, int(size)) for name, size in (axis.split("=") for axis in mesh_spec.split(",")))
+    per_device = 16 // (axes.get("data", 1) * axes.get("fsdp", 1))  # the batch is split over data x fsdp
+    args, _ = parse_args(
+        ["--model_type", family, "--config_name", str(config_path), *FIXTURES[family].run_flags, "--warmup_steps", "1"]
+        + ["--mesh", mesh_spec, "--per_device_train_batch_size", str(per_device), "--output_dir", str(output_dir)]
+    )
+    run = resolve(args, time.perf_counter())
+    tok = train_tokenizer(run.family, (DATA / "overfit.txt").read_text().splitlines(), run.config.vocab_size)
+    objective = run.family.build_objective(args.objective, run.config, tok)
     rng = np.random.default_rng(0)
     records = rng.integers(5, tok.get_vocab_size() - 100, (16, objective.record_length)).astype(np.int32)
     examples = [objective(r, np.random.default_rng(i)) for i, r in enumerate(records)]
     batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
-    mesh = make_mesh(mesh_spec)
-    optim = args.optimization.replace(warmup_steps=1)
-
-    graphdef, state = build_train_state(get_family(family), config, mesh, optim=optim, total_steps=steps)
-    stepper = Stepper(graphdef, state, mesh, get_family(family).forward)
-    stepper.compile_train(state, batch_spec(objective, 16))
+    model = setup_state(run, run.config, objective, steps, abstract=False)
+    state = model.state
+    model.stepper.compile_train(state, batch_spec(objective, run.global_batch))
     losses = []
     for step in range(steps):
-        state, metrics = stepper.train_step(state, to_global(batch, mesh), step)
+        state, metrics = model.stepper.train_step(state, to_global(batch, run.mesh), step)
         losses.append(float(metrics["loss_sum"] / metrics["tokens"]))
     return losses
 
 
 @pytest.mark.parametrize("family", FIXTURES)
-def test_same_losses_on_a_sharded_mesh(family, tiny_configs):
+def test_same_losses_on_a_sharded_mesh(family, tiny_configs, tmp_path, capfd):
     # Pure data parallelism against fsdp x tensor (SHARDED = data=2,fsdp=2,tensor=2); a third mesh (data=2,fsdp=4)
     # added little coverage for a third of this test's time (suite budget).
-    losses = {mesh: np.array(train_on_mesh(family, mesh, tiny_configs[family])) for mesh in ("data=8", SHARDED)}
+    losses = {"data=8": np.array(train_on_mesh(family, "data=8", tiny_configs[family], tmp_path / "out"))}
+    # The sharded mesh's programs compile here, not from the session's cache, so that XLA's partitioner runs and
+    # would warn (test_shardings.py: no involuntary rematerialization; its other meshes are compiled there).
+    capfd.readouterr()
+    with uncached_compiles():
+        losses[SHARDED] = np.array(train_on_mesh(family, SHARDED, tiny_configs[family], tmp_path / "out"))
+    warnings = [line[:600] for line in capfd.readouterr().err.splitlines() if INVOLUNTARY_REMAT in line]
+    assert warnings == []
     reference = losses["data=8"]
     assert np.isfinite(reference).all() and reference[-1] < reference[0]
     for mesh, values in losses.items():
@@ -324,17 +340,19 @@ PACKED_BY_OBJECTIVE = ("gpt2", "roberta", "t5", "bart")
 RESUMES = [(family, False) for family in FIXTURES] + [(family, True) for family in PACKED_BY_OBJECTIVE]
 
 
+# The joined runs are also the short bf16 + remat run each family gets through the launcher on the fsdp x tensor mesh,
+# with the quick start's sample prompts logged at each save (one run serves both: suite budget); the packed runs keep
+# float32 on data=2,fsdp=4.
+BF16_REMAT = ("--dtype", "bfloat16", "--gradient_checkpointing", "--sample_every", "3")
+
+
 @pytest.mark.parametrize("family,packed", RESUMES, ids=[f"{f}-{'packed' if p else 'joined'}" for f, p in RESUMES])
 def test_resume_continues_exactly(family, packed, tmp_path, tiny_configs, cache_dir, monkeypatch):
+    prompts = families()[family].quickstart["sample_prompts"]  # what the quick start shows while training
     args = (
-        "--mesh",
-        "data=2,fsdp=4",
-        "--max_steps",
-        "6",
-        "--save_steps",
-        "3",
-        "--do_train",
-        *(flags_of(PACKED[family]) if packed else ()),
+        *("--max_steps", "6", "--save_steps", "3", "--do_train"),
+        *(("--mesh", "data=2,fsdp=4", *flags_of(PACKED[family])) if packed else ()),
+        *(() if packed else ("--mesh", SHARDED, *BF16_REMAT, "--sample_prompts", prompts)),
     )
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
     assert launch(family, whole, tiny_configs[family], cache_dir, *args) == 0
@@ -343,44 +361,24 @@ def test_resume_continues_exactly(family, packed, tmp_path, tiny_configs, cache_
     )
     assert checkpoint.make_manager(interrupted, read_only=True).all_steps() == [3]
     assert launch(family, interrupted, tiny_configs[family], cache_dir, *args) == 0  # the same command resumes
-    assert train_losses(interrupted) == train_losses(whole)  # bitwise on CPU
+    losses = train_losses(interrupted)
+    assert len(losses) == 6 and np.isfinite(losses).all()
+    assert losses == train_losses(whole)  # bitwise on CPU
     restored = [final_params(out) for out in (whole, interrupted)]
     assert restored[0].keys() == restored[1].keys()
     for name in restored[0]:
         np.testing.assert_array_equal(restored[0][name], restored[1][name], err_msg=name)
     objective = json.loads((interrupted / "run_config.json").read_text())["objective"]
     assert all(objective[name] == value for name, value in PACKED[family].items()) == packed  # recorded
+    if not packed:
+        assert_bf16_remat_run(family, whole, interrupted, prompts)
 
 
-@pytest.mark.parametrize("family", FIXTURES)
-def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
-    out = tmp_path / "bf16"
-    prompts = families()[family].quickstart["sample_prompts"]  # what the quick start shows while training
-    assert (
-        launch(
-            family,
-            out,
-            tiny_configs[family],
-            cache_dir,
-            "--mesh",
-            SHARDED,
-            "--max_steps",
-            "2",
-            "--do_train",
-            "--dtype",
-            "bfloat16",
-            "--gradient_checkpointing",
-            "--sample_prompts",
-            prompts,
-            "--sample_every",
-            "1",
-        )
-        == 0
-    )
-    losses = train_losses(out)
-    assert len(losses) == 2 and np.isfinite(losses).all()
-    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logged] == [1, 2]
+def assert_bf16_remat_run(family: str, whole: Path, resumed: Path, prompts: str) -> None:
+    """What a bf16 + --gradient_checkpointing run with --sample_prompts leaves: samples of every prompt at steps 3 and
+    6 (the resumed run's last the same as the whole run's), its compile's figures, and the layer plan it chose."""
+    logged = [json.loads(line) for line in (whole / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [3, 6]
     for record in logged:
         assert [s["prompt"] for s in record["samples"]] == prompts.split("|")
         for sample in record["samples"]:
@@ -388,10 +386,12 @@ def test_bfloat16_with_remat(family, tmp_path, tiny_configs, cache_dir):
                 assert sample["fill_mask"] and all(len(c) == 3 for c in sample["fill_mask"])
             else:
                 assert isinstance(sample["greedy"], str) and isinstance(sample["sampled"], str)
-    compiled = [m for m in read_metrics(out) if m.get("event") == "compile"]
+    last = json.loads((resumed / "samples.jsonl").read_text().splitlines()[-1])
+    assert last == logged[-1]  # the same weights at step 6: the same samples (sampled with the step as its seed)
+    compiled = [m for m in read_metrics(whole) if m.get("event") == "compile"]
     assert compiled and compiled[0]["temp_bytes"] > 0
     # --gradient_checkpointing is an explicit remat; --scan_unroll auto unrolls the small encoder-decoders on CPU
-    plan = json.loads((out / "run_config.json").read_text())["layer_plan"]
+    plan = json.loads((whole / "run_config.json").read_text())["layer_plan"]
     assert (plan["remat"], plan["scan_unroll"]) == ("full", 0 if family in ("t5", "bart") else 1)
     assert list(plan["auto"]) == ["scan_unroll"]
 
