@@ -80,6 +80,15 @@ def test_examples_and_steps_follow_the_batch_of_each_step():
     assert [fixed.examples_before(s) for s in (0, 5)] == [0, 40] and fixed.steps_within(41) == 5
 
 
+def test_entries_a_run_never_reaches_are_named():
+    ramp = BatchRamp.parse("0:4,3:8,5:16")
+    assert ramp.unreached(6) is None  # step 5, the last entry, is the run's last step
+    line = ramp.unreached(5)
+    assert line.startswith("--batch_size_ramp 0:4,3:8,5:16: the run ends at step 5, so the entries from step 5 on")
+    assert "(its last global batch is 8)" in line and "--max_steps" in line
+    assert "from step 3 on" in ramp.unreached(2) and "(its last global batch is 4)" in ramp.unreached(2)
+
+
 def test_a_ramps_length_in_epochs_counts_examples():
     ramp = BatchRamp.parse("0:4,5:8")
     schedule = pipeline.make_schedule(100, ramp, 2.0, -1)  # 200 examples: 5 x 4, then 22 x 8 (180 of them)

@@ -112,6 +112,17 @@ class BatchRamp:
             total += (span if end is None else jnp.minimum(span, end - first)) * (size / self.final)
         return total
 
+    def unreached(self, total_steps: int) -> str | None:
+        """A line saying which entries a run of `total_steps` steps never reaches (None: it reaches them all)."""
+        late = [step for step in self.steps if step >= total_steps]
+        if not late:
+            return None
+        return (
+            f"{RAMP_FLAG} {self.spec()}: the run ends at step {total_steps}, so the entries from step {late[0]} on "
+            f"are never reached (its last global batch is {self.batch_at(total_steps - 1)}); raise --max_steps or "
+            "drop them"
+        )
+
     def schedule_steps(self, total_steps: int) -> int:
         """A run of `total_steps` steps in final-batch steps (rounded up): the schedule's length."""
         return max(math.ceil(self.examples_before(total_steps) / self.final), 1)

@@ -248,6 +248,9 @@ def start_stage(prepared: Prepared, stepper: Stepper, state, steps: tuple[int, i
     run, (step, first) = prepared.run, steps
     if not run.ramp.ramps or (step not in run.ramp.steps and step != first):
         return
+    unreached = run.ramp.unreached(prepared.total_steps)
+    if step == first and unreached:
+        log.warning("%s", unreached)
     stage = stage_at(run.stages, step)
     with reporter.goodput.span("compile"):
         spec = pipeline.batch_spec(prepared.data.objective, stage.global_batch)
