@@ -70,7 +70,7 @@ def our_parameter_grads(model, batch: dict, weights: np.ndarray) -> tuple[np.nda
         logits = nnx.merge(graphdef, params)(**{k: jnp.asarray(v) for k, v in batch.items()})
         return jnp.sum(logits * weights), logits
 
-    (_, logits), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    (_, logits), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)  # one program
     nnx.update(model, grads)  # the gradients in the parameters' places, to walk them with the export table
     by_name = dict(hf_export.hf_tensors(model))
     nnx.update(model, params)

@@ -74,7 +74,7 @@ def recomputed(graphdef, state, batch):
         log_probs = jax.nn.log_softmax(logits)
         return -jnp.mean(jnp.take_along_axis(log_probs, jnp.asarray(labels)[..., None], -1)), logits
 
-    grads, logits = jax.grad(loss_of, has_aux=True)(params)
+    grads, logits = jax.jit(jax.grad(loss_of, has_aux=True))(params)  # one program, not op by op
     return by_path(grads), np.asarray(logits, np.float64), by_path(params)
 
 
