@@ -270,11 +270,9 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, output_dir: Pa
     from spmdlm.train.stages.program import setup_state
     from spmdlm.train.stages.resolve import resolve
 
-    axes = dict((name, int(size)) for name, size in (axis.split("=") for axis in mesh_spec.split(",")))
-    per_device = 16 // (axes.get("data", 1) * axes.get("fsdp", 1))  # the batch is split over data x fsdp
     args, _ = parse_args(
         ["--model_type", family, "--config_name", str(config_path), *FIXTURES[family].run_flags, "--warmup_steps", "1"]
-        + ["--mesh", mesh_spec, "--per_device_train_batch_size", str(per_device), "--output_dir", str(output_dir)]
+        + ["--mesh", mesh_spec, "--global_batch_size", "16", "--output_dir", str(output_dir)]
     )
     run = resolve(args, time.perf_counter())
     tok = train_tokenizer(run.family, (DATA / "overfit.txt").read_text().splitlines(), run.config.vocab_size)
@@ -285,6 +283,7 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, output_dir: Pa
     batch = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
     model = setup_state(run, run.config, objective, steps, abstract=False)
     state = model.state
+    assert run.global_batch == 16 and run.stages[0].accumulation == 1
     model.stepper.compile_train(state, batch_spec(objective, run.global_batch))
     losses = []
     for step in range(steps):

@@ -248,8 +248,7 @@ def start_stage(prepared: Prepared, stepper: Stepper, state, steps: tuple[int, i
     run, (step, first) = prepared.run, steps
     if not run.ramp.ramps or (step not in run.ramp.steps and step != first):
         return
-    unreached = run.ramp.unreached(prepared.total_steps)
-    if step == first and unreached:
+    if step == first and (unreached := run.ramp.unreached(prepared.total_steps)):
         log.warning("%s", unreached)
     stage = stage_at(run.stages, step)
     with reporter.goodput.span("compile"):
