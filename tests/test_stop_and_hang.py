@@ -1,7 +1,8 @@
-"""Reliability, round 5 (issue 54): evaluation never stalls on a simulated mesh, and a stop signal or a hang that
-finds a step stuck in a collective (simulated: spmdlm/engine/faults.py) still ends the process in bounded time."""
+"""A stop signal or a hang that finds a step stuck in a collective (simulated: spmdlm/engine/faults.py) still ends
+the process in bounded time, in the launcher and in the evaluator; evaluation never stalls on a simulated mesh (one
+program per batch); and what a stopped run leaves (no checkpoint yet, the lock of a process that is gone) never
+blocks the same command run again."""
 
-import importlib
 import json
 import os
 import signal
@@ -9,26 +10,23 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+import test_refusals_evaluator
 from conftest import REPO
-from test_evaluate import evaluation_flags, transformers_checkpoint, words
+from test_refusals_evaluator import evaluator_argv
 from test_reliability import flags, launch
-from tokenizers import Tokenizer
 
 from spmdlm import checkpoint, storage
-from spmdlm.cli import evaluate
-from spmdlm.data import datasets
-from spmdlm.data.compression import text_lines
-from spmdlm.data.readers import expand_files
 from spmdlm.engine import faults
 from spmdlm.engine.step import Stepper
-from spmdlm.errors import DataError
 from spmdlm.mesh import make_mesh
 from spmdlm.train.safety import guard, watchdog
+
+gpt2_export = test_refusals_evaluator.gpt2_export  # its module-scoped fixture, shared
+
 
 BLOCKS = "this step blocks now"
 
@@ -76,19 +74,6 @@ def test_a_sigterm_that_finds_a_train_step_stuck_leaves_within_60_s_keeping_the_
     assert checkpoint.make_manager(out, read_only=True).all_steps() == [2]
 
 
-@pytest.fixture(scope="module")
-def gpt2_export(tmp_path_factory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("export")
-    held_out = folder / "held_out.txt"
-    held_out.write_text("\n".join(" ".join(words(40)) for _ in range(30)))
-    return transformers_checkpoint("gpt2", folder / "model"), held_out
-
-
-def evaluator_argv(gpt2_export, cache_dir, *extra: str) -> list[str]:
-    model, held_out = gpt2_export
-    return ["--model_name_or_path", str(model), *evaluation_flags("gpt2", cache_dir, held_out), *extra]
-
-
 def test_the_evaluator_has_the_hang_watchdog(tmp_path, cache_dir, gpt2_export):
     results = tmp_path / "results.json"
     argv = evaluator_argv(gpt2_export, cache_dir, "--hang_timeout_minutes", "0.05", "--output_file", str(results))
@@ -132,26 +117,6 @@ def test_the_eval_step_adds_its_sums_to_the_totals_in_one_program():
     assert stepper._eval._cache_size() == 1
 
 
-# -- the poor cases: one line each, exit 2 where it is an error, nothing written -------------------------------------
-def test_compile_for_names_a_wrong_slice_before_asking_for_libtpu(capsys, tmp_path):
-    out = tmp_path / "run"
-    code, _, err = launch(capsys, "--compile_for", "v9:3x3", "--output_dir", str(out))
-    assert code == 2 and len(err.strip().splitlines()) == 1
-    assert err.startswith("error: --compile_for v9:3x3: the TPU generation 'v9' is not one of v2, v3, v4, v5e, v5p")
-    assert "v5e:16x16" in err and "libtpu" not in err and not out.exists()
-    code, _, err = launch(capsys, "--compile_for", "v5e:16by16", "--output_dir", str(out))
-    assert code == 2 and "the topology '16by16' is not chips per dimension" in err and not out.exists()
-
-
-def test_a_profile_window_past_the_last_step_is_refused(capsys, tmp_path, cache_dir, tiny_gpt2_config):
-    out = tmp_path / "run"
-    argv = flags(out, cache_dir, tiny_gpt2_config, "--max_steps", "2", "--profile_steps", "100-200")
-    code, _, err = launch(capsys, *argv)
-    assert code == 2 and len(err.strip().splitlines()) == 1
-    assert err.startswith("error: --profile_steps 100-200 starts after the run's last step (--max_steps 2)")
-    assert not out.exists()
-
-
 def test_a_run_stopped_before_its_first_checkpoint_is_started_over_by_the_same_command(
     capsys, tmp_path, cache_dir, tiny_gpt2_config
 ):
@@ -177,26 +142,6 @@ def test_a_run_stopped_before_its_first_checkpoint_is_started_over_by_the_same_c
     assert code == 2 and "holds outputs of an earlier run but no checkpoint to resume" in err
 
 
-def test_the_evaluator_checks_the_output_folder_before_evaluating(capsys, tmp_path, cache_dir, gpt2_export):
-    missing = tmp_path / "no-such-folder" / "results.json"
-    code = evaluate.main(evaluator_argv(gpt2_export, cache_dir, "--output_file", str(missing)))
-    err = capsys.readouterr().err
-    assert code == 2 and err.strip().splitlines() == [
-        f"error: --output_file {missing}: the folder {missing.parent} does not exist; create it or give another path"
-    ]
-    assert "reading" not in err and not missing.parent.exists()
-
-
-def test_a_folder_holding_an_export_is_pointed_to_it(capsys, tmp_path, cache_dir, gpt2_export):
-    model, held_out = gpt2_export
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "hf").symlink_to(model)
-    code = evaluate.main(["--model_name_or_path", str(run), *evaluation_flags("gpt2", cache_dir, held_out)])
-    err = capsys.readouterr().err
-    assert code == 2 and err.strip().splitlines()[-1].endswith(f"give one of those; its export {run / 'hf'} is one")
-
-
 def test_the_lock_of_a_process_that_is_gone_but_not_yet_collected_never_blocks_a_run(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])  # ends at once; not collected until wait()
     deadline = time.monotonic() + 60
@@ -209,43 +154,3 @@ def test_the_lock_of_a_process_that_is_gone_but_not_yet_collected_never_blocks_a
         assert json.loads((tmp_path / guard.LOCK_NAME).read_text())["pid"] == os.getpid()
     child.wait()
     assert storage.pid_alive(os.getpid())
-
-
-@pytest.mark.parametrize("module", ["gzip", "bz2", "lzma"])
-def test_compressed_text_without_its_suffix_is_read_by_its_magic_bytes(tmp_path, module):
-    text = "a first line\nand a second one\n" * 50
-    path = tmp_path / "corpus.txt"
-    path.write_bytes(importlib.import_module(module).compress(text.encode()))
-    assert "".join(text_lines(path)).split() == text.split()
-    plain = tmp_path / "plain.txt"
-    plain.write_text("BZh9 is how a bzip2 stream starts\n")  # text that merely starts alike stays text
-    assert "".join(text_lines(plain)).split() == ["BZh9", "is", "how", "a", "bzip2", "stream", "starts"]
-
-
-def test_a_symlink_loop_is_named_as_one(tmp_path):
-    (tmp_path / "a.txt").symlink_to(tmp_path / "b.txt")
-    (tmp_path / "b.txt").symlink_to(tmp_path / "a.txt")
-    with pytest.raises(DataError, match=r"a\.txt: is a symlink loop \(it leads back to itself\); point it at a file"):
-        expand_files(str(tmp_path / "a.txt"))
-
-
-def test_a_missing_or_half_written_dataset_dir_is_named_so_not_as_a_missing_tokenizer(tmp_path):
-    with pytest.raises(DataError, match=r"gone: no such directory; prepare one with python -m spmdlm.prepare"):
-        datasets.tokenizer_dir(tmp_path / "gone")
-    half = tmp_path / ".data.tmp-1234"
-    (half / datasets.TOKENIZER_DIR).mkdir(parents=True)  # the tokenizer is written, the card (last) is not
-    with pytest.raises(DataError, match=r"no dataset.json in it: an incomplete dataset \(a preparation that did not"):
-        datasets.tokenizer_dir(half)
-
-
-def test_a_tokenizer_larger_than_the_model_is_refused_without_the_training_flag(
-    capsys, tmp_path, cache_dir, gpt2_export
-):
-    tok = Tokenizer.from_file(str(gpt2_export[0] / "tokenizer.json"))
-    tok.add_tokens([f"added{i}" for i in range(600)])
-    assert tok.get_vocab_size() > 512  # the tiny GPT-2's vocab_size
-    tok.save(str(tmp_path / "big.json"))
-    code = evaluate.main(evaluator_argv(gpt2_export, cache_dir, "--tokenizer_name", str(tmp_path / "big.json")))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith(f"error: the tokenizer has {tok.get_vocab_size()} tokens but the model has")
-    assert "--vocab_size" not in err[-1]
