@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -18,6 +19,10 @@ import numpy as np
 from jax._src import hardware_utils
 
 GiB = 2**30
+PROC_MEMINFO = Path("/proc/meminfo")  # MemAvailable: the RAM the kernel can give without swapping
+PROC_SELF_STATM = Path("/proc/self/statm")  # this process's resident pages
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")  # its control groups, where a container's memory limit is set
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 CUDA_INSTALL_HINT = "pip install -e '.[cuda]' (JAX with its CUDA plugin)"
 
 
@@ -124,14 +129,78 @@ def peak_flops_per_device(dtype: Any = "bfloat16") -> float | None:
     return known.peak_flops if known else None
 
 
+def _read_int(file: Path) -> int | None:
+    """An integer file of /proc or /sys (None: absent, unreadable, or `max`: no limit)."""
+    try:
+        return int(file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cgroup_memory_limit() -> tuple[int | None, str]:
+    """(bytes, file) of the least memory limit of this process's control groups and their parents (a container's
+    limit): cgroup v2 `memory.max`, v1 `memory.limit_in_bytes`; (None, '') where none is set."""
+    try:
+        lines = PROC_SELF_CGROUP.read_text().splitlines()
+    except OSError:
+        lines = []
+    where = [(CGROUP_ROOT, "memory.max"), (CGROUP_ROOT / "memory", "memory.limit_in_bytes")]
+    for hierarchy, controllers, group in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        if hierarchy == "0" and not controllers:
+            where.append((CGROUP_ROOT / group.strip("/"), "memory.max"))
+        elif "memory" in controllers.split(","):
+            where.append((CGROUP_ROOT / "memory" / group.strip("/"), "memory.limit_in_bytes"))
+    limits = set()
+    for folder, name in where:  # the group and its parents: a parent's limit holds for its children too
+        for level in (folder, *folder.parents):
+            if level == CGROUP_ROOT.parent:
+                break
+            if (value := _read_int(level / name)) is not None:
+                limits.add((value, str(level / name)))
+    return min(limits) if limits else (None, "")
+
+
+def host_memory() -> tuple[int | None, str]:
+    """(bytes, what in words) of the RAM this process may still use: the host's available RAM (MemAvailable, plus
+    what this process holds already) or its container's memory limit (cgroup_memory_limit), whichever is less; the
+    CPU memory gate's measure. (None, '') where neither is known."""
+    available = _meminfo_available()
+    if available is not None:
+        available += _resident_bytes() or 0  # the state built so far is this process's already
+    limit, file = cgroup_memory_limit()
+    if limit is not None and (available is None or limit < available):
+        return limit, f"the container's memory limit ({file})"
+    return available, "the host's available RAM" if available is not None else ""
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in PROC_MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _resident_bytes() -> int | None:
+    try:
+        return int(PROC_SELF_STATM.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def device_memory_bytes() -> tuple[int | None, str]:
-    """(bytes, 'device') of an accelerator, or (physical RAM, 'host') for CPU devices, which share it."""
+    """(bytes, 'device') of an accelerator, or (RAM, 'host') for CPU devices, which share it: the physical RAM, or
+    the container's memory limit where that is less (the memory gate measures what is available: host_memory)."""
     device = jax.local_devices()[0]
     if device.platform == "cpu":
         try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError):
-            return None, "host"
+            physical = None
+        limit = cgroup_memory_limit()[0]
+        return min(filter(None, (physical, limit)), default=None), "host"
     stats = device.memory_stats() or {}
     known = chip(device.device_kind)
     return stats.get("bytes_limit") or (known.hbm_bytes if known else None), "device"

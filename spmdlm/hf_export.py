@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import glob
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -124,11 +125,12 @@ EXPORT_FILES = frozenset(
 
 
 def export_complete(out) -> bool:
-    """Whether `out` holds a whole export: its marker, and every file the marker lists at its recorded size."""
+    """Whether `out` holds a whole export: its marker, and every file the marker lists at its recorded size (a name
+    outside `out`: not one of its files, so not whole)."""
     marker = out / MARKER
     try:
         files = json.loads(marker.read_text())["files"]
-        return all(storage.size(out / name) == size for name, size in files.items())
+        return all(storage.inside(name) and storage.size(out / name) == size for name, size in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
@@ -440,13 +442,29 @@ def without_torch(family: Family, folder) -> str | None:
     return f'python -m spmdlm.generate --model_name_or_path {folder} --prompt "{prompt}"{fill}'
 
 
-def what_it_needs(family: Family, folder) -> str:
-    """One line for the log of every export: transformers' side needs PyTorch, spmdlm.generate does not."""
+def what_it_needs(family: Family, folder) -> str | None:
+    """One line for the log of an export where PyTorch is not installed: transformers' side needs it,
+    spmdlm.generate does not. None where it is installed: nothing to ask for."""
+    if importlib.util.find_spec("torch") is not None:
+        return None
     spmdlm_way = without_torch(family, folder)
     return (
         f"transformers' pipelines and {family.hf_auto_class} on {folder} need PyTorch (CPU-only: "
         f"{TORCH_CPU_INSTALL})" + (f"; without it: {spmdlm_way}" if spmdlm_way else "")
     )
+
+
+def card_path(folder) -> str:
+    """An export's path as a model card names it, never an absolute local path (a card is published): relative to the
+    working directory when it lies below it (runs/gpt2-tiny-stdlib/hf), else its folder's name and its own; a
+    bucket's URL as it is."""
+    if storage.is_remote(folder):
+        return str(folder)
+    path = Path(folder).absolute()
+    try:
+        return path.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return f"{path.parent.name}/{path.name}"
 
 
 def card_usage_lines(family: Family, model_id: str, folder) -> list[str]:
@@ -478,7 +496,7 @@ def write_export_card(out, config: HFConfig, checkpoint: str, what: str) -> None
     family, out = get_family(config.model_type), storage.path(out)
     task = TASKS[family.generation]
     data = ModelCardData(library_name="transformers", pipeline_tag=task, tags=[family.name, "spmdlm", task])
-    where = str(out) if storage.is_remote(out) else str(Path(out).absolute())
+    where = card_path(out)
     body = "\n".join(
         [
             f"# {Path(where).name}",

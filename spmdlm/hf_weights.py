@@ -54,10 +54,18 @@ class CheckpointTensors:
         index = self.path / layout
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"a {type(weight_map).__name__}, not a mapping")
         except (ValueError, KeyError, TypeError) as e:
             raise ExportError(
                 f"{index} is not a checkpoint index (no weight_map: {e}); re-save the checkpoint with save_pretrained"
             ) from None
+        outside = sorted({repr(f) for f in weight_map.values() if not storage.inside(f)})
+        if outside:
+            raise ExportError(
+                f"{index} lists a shard outside its checkpoint folder ({', '.join(outside[:3])}): a file a checkpoint "
+                "names must be inside that folder; put the shards beside the index and name them by file name"
+            )
         absent = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
         if absent:
             raise ExportError(f"{index} lists shards that are not there: {', '.join(absent[:3])}; download them too")

@@ -240,5 +240,7 @@ def export_checkpoint(
     hf_export.save_hf(model, config, out, tokenizer=tokenizer, release=True)
     if jax.process_index() == 0:
         hf_export.write_export_card(out, config, str(checkpoint), what)
-        print(hf_export.what_it_needs(get_family(config.model_type), out))
+        needs = hf_export.what_it_needs(get_family(config.model_type), out)  # None: PyTorch is installed
+        if needs:
+            print(needs)
     return out

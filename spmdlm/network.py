@@ -10,7 +10,9 @@ upload also gets a second per MiB it sends (docs/tracking.md).
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -62,3 +64,29 @@ def bounded(call: Callable[[], Any], seconds: float | None = None) -> Any:
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result")
+
+
+PROXY_ENVS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def reachable(url: str, seconds: float = 3.0) -> bool:
+    """Whether a TCP connection to `url`'s host and port opens within `seconds`, name lookup included (with a proxy
+    in the environment: taken as yes, the connection would go through it)."""
+    if any(os.environ.get(name) for name in PROXY_ENVS):
+        return True
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        return False
+    if not host:
+        return False
+
+    def connect() -> None:
+        socket.create_connection((host, port), timeout=seconds).close()
+
+    try:
+        bounded(connect, seconds)
+    except (OSError, ValueError, TimedOut):
+        return False
+    return True

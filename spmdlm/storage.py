@@ -29,7 +29,7 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from spmdlm.crashpoints import crash_point
 from spmdlm.errors import StorageError
@@ -47,6 +47,17 @@ def is_url(p) -> bool:
 
 def is_remote(p) -> bool:
     return str(p).startswith(SCHEME)
+
+
+def inside(name: object) -> bool:
+    """Whether `name`, a file name read from a checkpoint or a dataset (an index's shard, an export marker's file, a
+    dataset card's shard), stays inside that folder: a relative path without `..` (nor a drive, a URL or a backslash),
+    judged by its words alone, so a folder of links (the Hub cache's snapshots, whose files link to its blobs) reads as
+    before. A file path read from a checkpoint stays inside that checkpoint (docs/troubleshooting.md)."""
+    if not isinstance(name, str) or not name or any(c in name for c in ("\\", "\0", "://")):
+        return False
+    pure = PurePosixPath(name)
+    return not pure.is_absolute() and ".." not in pure.parts and not PureWindowsPath(name).drive
 
 
 def path(p, what: str = "path"):

@@ -30,11 +30,13 @@ import jax
 from flax import nnx
 
 from spmdlm import storage
+from spmdlm.cli import Parser, remember
 from spmdlm.cli.launch import family_choices, setup_devices, setup_logging
 from spmdlm.cli.launch import parse_args as parse_run_args
 from spmdlm.engine.evaluation import byte_lengths, evaluate, held_out_of, loss_of, make_stepper
 from spmdlm.errors import ArgumentError, DataError, UserError
-from spmdlm.families.base import Family
+from spmdlm.families import families
+from spmdlm.families.base import Family, Generation
 from spmdlm.generation.harness import harness_lm, run_tasks, task_manager
 from spmdlm.load import LoadedModel, load_model
 from spmdlm.mesh import batch_axis_size, make_mesh
@@ -75,6 +77,8 @@ FLAGS = frozenset(
         "hang_timeout_minutes",
     }
 )
+GENERATING = (Generation.DECODER_ONLY, Generation.ENCODER_DECODER)  # the families --tasks runs on
+RUN_FLAGS = ("--do_train", "false", "--do_eval", "true")  # what the launcher's parser gets after the given flags
 NOTE = (
     "bits_per_byte divides the summed loss by the UTF-8 bytes of the text the scored tokens stand for: it is "
     "comparable between models with different tokenizers on the same text and preprocessing; loss, perplexity "
@@ -82,8 +86,8 @@ NOTE = (
 )
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def parser() -> Parser:
+    p = Parser(
         prog="python -m spmdlm.evaluate",
         allow_abbrev=False,
         description="Evaluate a run's checkpoint, an export or a transformers directory on held-out text. Besides "
@@ -95,8 +99,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tasks",
         default=None,
-        help="LM-harness tasks (lm-eval task names, or the `task:` of local YAMLs "
-        "in --tasks_dir), comma-separated; GPT-2, T5, BART (pip install 'spmdlm[eval]')",
+        help="LM-harness tasks (lm-eval task names, or the `task:` of local YAMLs in --tasks_dir), comma-separated; "
+        + ", ".join(name for name, f in families().items() if f.generation in GENERATING)
+        + " (pip install 'spmdlm[eval]')",
     )
     p.add_argument("--tasks_dir", default=None, help="a directory of local task YAMLs for --tasks")
     p.add_argument("--tasks_limit", type=int, default=None, help="at most N examples of each task")
@@ -105,9 +110,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, RunArgs]:
-    own, rest = parser().parse_known_args(argv)
+    own_parser = parser()
+    remember(own_parser, run_flags=list(RUN_FLAGS))  # python -m's quick answer (spmdlm/cli/__init__.py)
+    own, rest = own_parser.parse_known_args(argv)
     choices = family_choices()
-    args, given = parse_run_args([*rest, "--do_train", "false", "--do_eval", "true"], choices)
+    args, given = parse_run_args([*rest, *RUN_FLAGS], choices)
     unused = sorted(given - FLAGS - {"do_train", "do_eval"} - {flag.name for flag in choices.objective_flags})
     if unused:
         raise ArgumentError(

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from spmdlm.cli import Parser, remember
 from spmdlm.errors import ArgumentError, UserError
 from spmdlm.load import Weights, export_checkpoint
 
@@ -20,12 +20,31 @@ def parse_steps(text: str) -> tuple[int, ...]:
         ) from None
     if text and len(steps) < 2:
         raise ArgumentError(f"--average_steps {text!r}: give two steps or more (one checkpoint: --step)")
+    repeated = sorted({step for step in steps if steps.count(step) > 1})
+    if repeated:
+        raise ArgumentError(
+            f"--average_steps {text!r} names step {repeated[0]} more than once (a mean of "
+            f"{len(set(steps))} checkpoint{'s' if len(set(steps)) > 1 else ''}, not {len(steps)}); give each step once"
+            + (" (one checkpoint: --step)" if len(set(steps)) < 2 else "")
+        )
     return steps
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m spmdlm.export", description="Export an spmdlm checkpoint to transformers format."
+def parse_last(value: int | None) -> int:
+    """--average_last N: given, at least 1 (0 would export the plain newest checkpoint under an average's name)."""
+    if value is not None and value < 1:
+        raise ArgumentError(
+            f"--average_last {value}: give a number of checkpoints to average, 1 or more (e.g. 3), or leave it out "
+            "for the newest checkpoint alone"
+        )
+    return value or 0
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="python -m spmdlm.export",
+        allow_abbrev=False,
+        description="Export an spmdlm checkpoint to transformers format.",
     )
     parser.add_argument("--checkpoint", required=True, help="the training run's --output_dir")
     parser.add_argument("--out", required=True, help="directory to write config.json, model.safetensors, tokenizer")
@@ -39,11 +58,17 @@ def main(argv: list[str] | None = None) -> int:
         help="raw: the trained parameters (schedule-free: its average), ema: their moving average (--ema_decay)",
     )
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--average_last", type=int, default=0, help="export the mean of the newest N checkpoints")
+    group.add_argument("--average_last", type=int, default=None, help="export the mean of the newest N checkpoints")
     group.add_argument("--average_steps", default="", help="export the mean of these checkpoints, e.g. 10,20,30")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        weights = Weights(args.weights, args.average_last, parse_steps(args.average_steps))
+        parser = build_parser()
+        remember(parser)  # python -m's quick answer (spmdlm/cli/__init__.py)
+        args = parser.parse_args(argv)
+        weights = Weights(args.weights, parse_last(args.average_last), parse_steps(args.average_steps))
         out = export_checkpoint(args.checkpoint, args.out, args.step, args.mesh, args.overwrite, weights)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

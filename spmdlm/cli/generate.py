@@ -1,5 +1,6 @@
-"""`python -m spmdlm.generate`: continue prompts (GPT-2, T5, BART) or fill masks (RoBERTa) from a training run's
-checkpoint or a transformers export. Prints only the continuations, or JSON lines with --json. Errors are one line
+"""`python -m spmdlm.generate`: continue prompts (the causal and encoder-decoder families) or fill masks (the masked
+LMs, each with its tokenizer's mask token: RoBERTa's <mask>, ModernBERT's [MASK]) from a training run's checkpoint or
+a transformers export. Prints only the continuations, or JSON lines with --json. Errors are one line
 on stderr and exit 2.
 
     python -m spmdlm.generate --checkpoint OUTPUT_DIR [--step N] --prompt "Once upon a time" [--max_new_tokens 64]
@@ -9,7 +10,6 @@ on stderr and exit 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,8 +18,12 @@ import jax.numpy as jnp
 
 from spmdlm import checkpoint as ckpt
 from spmdlm import load, storage
+from spmdlm.cli import Parser, remember
 from spmdlm.data.tokenization import TOKENIZER_LAYOUTS, TokenizerError, load_tokenizer, tokenizer_layout
-from spmdlm.generation.decoding import GenerateError, continuation_text, fill_mask, generate_ids
+from spmdlm.errors import ArgumentError
+from spmdlm.families import families
+from spmdlm.families.base import Generation
+from spmdlm.generation.decoding import GenerateError, continuation_text, fill_mask, generate_ids, mask_token
 from spmdlm.hf_export import ExportError, load_hf
 from spmdlm.mesh import MeshError, make_mesh, requested_device_count, simulate_cpu_devices
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
@@ -27,8 +31,13 @@ from spmdlm.models.attention import resolve_attention, set_attention
 from spmdlm.models.hf_config import ConfigError
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def parser() -> Parser:
+    masks = ", ".join(
+        f"{name}: {family.tokenizer.specials.get('mask')}"
+        for name, family in families().items()
+        if family.generation is Generation.FILL_MASK
+    )
+    p = Parser(
         prog="python -m spmdlm.generate",
         allow_abbrev=False,
         description="Generate text from an spmdlm checkpoint or a transformers export.",
@@ -64,7 +73,11 @@ def parser() -> argparse.ArgumentParser:
         help="print each prompt before its continuation (encoder-decoders: on its own line)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
-    p.add_argument("--fill_mask", action="store_true", help="RoBERTa: the top tokens of each <mask> of the prompt")
+    p.add_argument(
+        "--fill_mask",
+        action="store_true",
+        help=f"masked LMs: the top tokens of each mask token of the prompt, the tokenizer's own ({masks})",
+    )
     return p
 
 
@@ -173,13 +186,15 @@ def run(args) -> tuple[list[dict], object]:
     ], config
 
 
-def show(args, records: list[dict], joiner: str) -> None:
+def show(args, records: list[dict], joiner: str, mask: str | None = None) -> None:
+    """The records on stdout: JSON lines, each mask's candidates (labelled with `mask`, the tokenizer's mask token),
+    or the continuations."""
     if args.json:
         for record in records:
             print(json.dumps(record, ensure_ascii=False))
     elif args.fill_mask:
         for record in records:
-            print(f"<mask> {record['mask'] + 1}:")
+            print(f"{mask} {record['mask'] + 1}:")
             for c in record["candidates"]:
                 print(f"  {c['probability']:.4f}  {c['token']!r}")
     else:
@@ -190,7 +205,13 @@ def show(args, records: list[dict], joiner: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        given = parser()
+        remember(given)  # python -m's quick answer (spmdlm/cli/__init__.py)
+        args = given.parse_args(argv)
+    except ArgumentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     wanted = requested_device_count(args.mesh)
     if wanted and wanted > 1:  # on CPU, JAX has one device unless asked before it starts (as the launcher does)
         simulate_cpu_devices(wanted)
@@ -207,5 +228,5 @@ def main(argv: list[str] | None = None) -> int:
     ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    show(args, records, joiner="\n" if config.is_encoder_decoder else "")
+    show(args, records, joiner="\n" if config.is_encoder_decoder else "", mask=mask_token(config))
     return 0

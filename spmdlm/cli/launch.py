@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -24,17 +23,16 @@ import threading
 import time
 import typing
 from collections.abc import Mapping
-from pathlib import Path
 
 import jax  # (importing starts no backend: the device flags below are read when one starts)
-import yaml
 from jax._src import distributed
 from jax.errors import JaxRuntimeError
 
 from spmdlm import devices, host, storage
+from spmdlm.cli import Parser, args_file_of, bounds_of, read_args_file, remember, to_bool
 from spmdlm.data.mixture import name_of, sources_of
-from spmdlm.errors import ArgumentError, ConfigError, DivergenceError, Preempted, UserError, yaml_problem
-from spmdlm.families import all_presets, families, objective_flags, preset_names
+from spmdlm.errors import ArgumentError, ConfigError, DivergenceError, Preempted, UserError
+from spmdlm.families import all_presets, families, objective_flags, objective_words, preset_names
 from spmdlm.mesh import plan_mesh, requested_device_count, simulate_cpu_devices, skip_absent_tpu
 from spmdlm.network import env_seconds
 from spmdlm.optimizers import declared_flags
@@ -42,6 +40,7 @@ from spmdlm.optimizers.entries import Flag
 from spmdlm.run_args import FLAG_SECTION, SECTIONS, RunArgs
 from spmdlm.run_args.choices import (
     DEFAULT_MODEL_TYPE,
+    FLAG_BOUNDS,
     OPTIMIZER_FLAGS,
     QUICKSTART_COMMON,
     SECRET_FLAGS,
@@ -302,26 +301,9 @@ def _main(argv: list[str] | None) -> int:
 
 
 # -- the command line -------------------------------------------------------------------------------------------------
-_BOOL_TRUE, _BOOL_FALSE = {"true", "1", "yes", "y", "on"}, {"false", "0", "no", "n", "off"}
-
-
-def _to_bool(text: str) -> bool:
-    if text.lower() in _BOOL_TRUE:
-        return True
-    if text.lower() in _BOOL_FALSE:
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def _base_type(tp):
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if args else tp
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # One line that names the problem instead of the full usage block.
-        raise ArgumentError(f"{message} (python -m spmdlm.launch --help lists the flags)")
 
 
 def family_choices() -> FamilyChoices:
@@ -333,6 +315,7 @@ def family_choices() -> FamilyChoices:
         {name: f.quickstart for name, f in known.items()},
         tuple(preset_names()),
         {name: f.default_preset for name, f in known.items()},
+        {name: objective_words(f) for name, f in known.items()},
     )
 
 
@@ -342,9 +325,10 @@ def _description(choices: FamilyChoices) -> str:
     return "\n\n".join(
         [
             fill(
-                "Pretrain RoBERTa (masked LM), GPT-2 (causal LM), T5 v1.1 (span corruption) or BART (denoising) on a "
-                "device mesh. Flags follow the Hugging Face Flax scripts; a .json/.yaml file of flags may come first "
-                "(flags after it win)."
+                "Pretrain a language model on a device mesh; --model_type chooses its family: "
+                + ", ".join(f"{name} ({what})" for name, what in choices.objectives.items())
+                + ". Flags follow the Hugging Face Flax scripts; a .json/.yaml file of flags may come first (flags "
+                "after it win)."
             ),
             fill(
                 "With no --train_file the run trains on the embedded corpus (this Python's standard library) with the "
@@ -360,7 +344,7 @@ def _description(choices: FamilyChoices) -> str:
 
 def build_parser(choices: FamilyChoices) -> argparse.ArgumentParser:
     """The flags by section, one --help group each; the families' objective flags before run control."""
-    parser = _Parser(
+    parser = Parser(
         allow_abbrev=False,  # a mistyped flag is an error, never silently another flag
         prog="python -m spmdlm.launch",
         usage="%(prog)s [ARGS_FILE.json|.yaml] [--flag VALUE ...]",
@@ -411,10 +395,12 @@ def parse_args(argv: list[str] | None = None, choices: FamilyChoices | None = No
     choices = choices or family_choices()
     argv = list(sys.argv[1:] if argv is None else argv)
     objective_flags = {flag.name: flag for flag in choices.objective_flags}
-    if argv and not argv[0].startswith("-") and Path(argv[0]).suffix in (".json", ".yaml", ".yml"):
-        known = set(FLAG_SECTION) | set(objective_flags) | {flag.name for flag in entry_flags(choices)}
-        argv = _read_args_file(Path(argv[0]), known) + argv[1:]
-    given = vars(build_parser(choices).parse_args(argv))
+    known = set(FLAG_SECTION) | set(objective_flags) | {flag.name for flag in entry_flags(choices)}
+    parser = build_parser(choices)
+    remember(parser, file_keys=sorted(known), bounds=bounds_of(flag_bounds(choices)))  # python -m's quick answer
+    if args_file_of(argv):
+        argv = read_args_file(args_file_of(argv), known) + argv[1:]
+    given = vars(parser.parse_args(argv))
     objective = {name: given.get(name, flag.default) for name, flag in objective_flags.items()}
     optimizers_own = {flag.name: given.get(flag.name, flag.default) for flag in entry_flags(choices)}
     flags = {k: v for k, v in given.items() if k in FLAG_SECTION}
@@ -431,46 +417,26 @@ def parse_args(argv: list[str] | None = None, choices: FamilyChoices | None = No
     return args, set(given)
 
 
+def flag_bounds(choices: FamilyChoices) -> dict:
+    """Every flag whose numbers the run checks, by name, with its bounds (None: any finite number): each section's
+    fields (run_args.choices FLAG_BOUNDS), the objectives' and the optimizers' flags (their Flag.bounds)."""
+    fields = {name: FLAG_BOUNDS.get(name) for name in FLAG_SECTION}
+    return {**fields, **{flag.name: flag.bounds for flag in (*choices.objective_flags, *entry_flags(choices))}}
+
+
 def _add_flag(group, name: str, tp: type, default, help_text: str) -> None:
     if "default" not in help_text and "compatibility" not in help_text and default is not None:
         help_text += f" (default: {default})"
     if tp is bool:
         # Both `--flag` and `--flag true/false` like HfArgumentParser; `--no_flag` turns it off.
         group.add_argument(
-            f"--{name}", type=_to_bool, nargs="?", const=True, default=argparse.SUPPRESS, help=help_text, metavar="BOOL"
+            f"--{name}", type=to_bool, nargs="?", const=True, default=argparse.SUPPRESS, help=help_text, metavar="BOOL"
         )
         group.add_argument(
             f"--no_{name}", dest=name, action="store_false", default=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
     else:
         group.add_argument(f"--{name}", type=tp, default=argparse.SUPPRESS, help=help_text, metavar=tp.__name__.upper())
-
-
-def _read_args_file(path: Path, known: set[str]) -> list[str]:
-    """A .json/.yaml mapping of flag names to values, as command-line flags (so values get the flags' types)."""
-    if not path.is_file():
-        raise ArgumentError(f"argument file {path} does not exist")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:
-        raise ArgumentError(
-            f"argument file {path} is not UTF-8 text ({e.reason} at byte {e.start}); give a "
-            ".json or .yaml file of flags"
-        ) from None
-    try:
-        values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as e:
-        raise ArgumentError(
-            f"argument file {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-        ) from None
-    except yaml.YAMLError as e:
-        raise ArgumentError(f"argument file {path} is not valid YAML: {yaml_problem(e)}") from None
-    if not isinstance(values, dict):
-        raise ArgumentError(f"argument file {path} must hold a mapping of flag names to values")
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ArgumentError(f"argument file {path}: unknown keys {', '.join(unknown)}")
-    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items() if v is not None]
 
 
 def masked(argv: list[str]) -> list[str]:

@@ -28,6 +28,7 @@ import re
 import sys
 
 from spmdlm import storage
+from spmdlm.cli import Parser, bounds_of, remember
 from spmdlm.data.datasets import DEFAULT_SHARD_BYTES, ForModel, prepare_dataset
 from spmdlm.data.readers import add_corpus_arguments, corpus_of
 from spmdlm.data.records import Cut
@@ -72,8 +73,8 @@ def resolve_objective(for_model: str, tokenizer, flags: dict, config_name: str |
 # -- command line ------------------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    parser = Parser(
         allow_abbrev=False,
         prog="python -m spmdlm.prepare",
         description="Tokenize a corpus once into sharded fixed-length records (a dataset directory) for "
@@ -142,12 +143,14 @@ def _add_writing_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr
     )
     try:
+        parser = build_parser()
+        # python -m's quick answer (spmdlm/cli/__init__.py), with the objective flags' bounds
+        remember(parser, bounds=bounds_of({flag.name: flag.bounds for flag in objective_flags()}))
+        args = parser.parse_args(argv)
         if args.workers is not None and args.workers < 1:
             raise ArgumentError(f"--workers {args.workers}: give 1 or more")
         if not 0 <= args.validation_percentage < 100:

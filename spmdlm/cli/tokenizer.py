@@ -3,7 +3,7 @@
     python -m spmdlm.tokenizer --for_model t5 --vocab_size 32100 --out TOKENIZER_DIR corpus/
     python -m spmdlm.tokenizer --kind bpe --vocab_size 50265 --for_model roberta --out DIR a.txt b.jsonl.gz
 
-Byte-level BPE (GPT-2, RoBERTa, BART) or SentencePiece-style Unigram with T5's 100 sentinels, with the family's
+Byte-level BPE (every family but T5) or SentencePiece-style Unigram with T5's 100 sentinels, with the family's
 special tokens, exactly as the launcher trains one (`spmdlm.data.tokenization.train_tokenizer`). The directory holds
 tokenizer.json, tokenizer_config.json and special_tokens_map.json: `transformers.AutoTokenizer.from_pretrained(DIR)`
 gives the same ids, and `python -m spmdlm.launch --tokenizer_name DIR` / `python -m spmdlm.prepare --tokenizer DIR`
@@ -13,7 +13,6 @@ or --dataset_name.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import socket
@@ -21,6 +20,7 @@ import sys
 from pathlib import Path
 
 from spmdlm import storage
+from spmdlm.cli import Parser, remember
 from spmdlm.data.readers import ReadStats, add_corpus_arguments, corpus_of
 from spmdlm.data.records import progress_bar
 from spmdlm.data.tokenization import save_tokenizer, train_tokenizer
@@ -46,10 +46,10 @@ def model_of_kind(kind: str) -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     kinds = kind_of()
     by_kind = {kind: ", ".join(sorted(n for n, k in kinds.items() if k == kind)) for kind in KINDS}
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         allow_abbrev=False,
         prog="python -m spmdlm.tokenizer",
         description="Train a tokenizer (HF tokenizers) on a corpus for a model family; the output directory loads "
@@ -119,8 +119,10 @@ def _write(tok, out: Path, family, model_max_length: int, overwrite: bool) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        parser = build_parser()
+        remember(parser)  # python -m's quick answer (spmdlm/cli/__init__.py)
+        args = parser.parse_args(argv)
         model = resolve_family(args.kind, args.for_model)
         out = storage.path(args.out, "--out") if storage.is_url(args.out) else Path(args.out).expanduser()
         if (out / "tokenizer.json").exists() and not args.overwrite:

@@ -115,6 +115,9 @@ def open_split(folder, card: dict, split: str, verify: bool) -> PreparedSplit | 
     entry = card["splits"].get(split)
     if not entry:
         return None
+    outside = [shard["file"] for shard in entry["shards"] if not storage.inside(shard["file"])]
+    if outside:
+        raise DamagedDataset(f"its card names shard {outside[0]!r}, outside the dataset folder")
     paths = [folder / shard["file"] for shard in entry["shards"]]
     for path, shard in zip(paths, entry["shards"]):
         if not path.is_file():

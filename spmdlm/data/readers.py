@@ -179,6 +179,8 @@ def expand_files(patterns: str | Iterable[str], flag: str = "--train_file") -> l
         if not found:
             missing.append(pattern)
         files.extend(found)
+    if len(missing) == 1 and glob.has_magic(missing[0]):  # a pattern, not a path: it named no file
+        raise DataError(f"{flag}: the glob {missing[0]} matches no file; check its folder and pattern")
     if len(missing) == 1:
         raise DataError(f"{flag} {missing[0]}: no such file; check the path (globs like 'data/*.txt' are allowed)")
     if missing:

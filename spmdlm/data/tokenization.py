@@ -271,7 +271,7 @@ def _through_transformers(files: dict, class_name: str | None, source) -> Tokeni
                     try:
                         sentencepiece.SentencePieceProcessor(model_file=str(Path(folder) / name))
                     except Exception as e:  # RuntimeError/OSError with a multi-line message
-                        raise TokenizerError(f"cannot read SentencePiece model {file}: {_first_line(e)}") from None
+                        raise TokenizerError(f"cannot read SentencePiece model {file}: {_one_line(e)}") from None
             cls = (
                 transformers.AutoTokenizer
                 if class_name is None
@@ -281,14 +281,37 @@ def _through_transformers(files: dict, class_name: str | None, source) -> Tokeni
     except TokenizerError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers' conversion errors come in many types
-        raise TokenizerError(f"cannot convert the tokenizer of {source}: {_first_line(e)}") from None
+        raise TokenizerError(
+            f"cannot convert the tokenizer of {source}: {_one_line(e)}{_unknown_class_note(files)}"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
     return Tokenizer.from_str(converted.backend_tokenizer.to_str())
 
 
-def _first_line(error: Exception) -> str:
-    return str(error).strip().partition("\n")[0]
+def _one_line(error: Exception, limit: int = 600) -> str:
+    """An error's whole message on one line (transformers' list the choices over several lines), at most `limit`
+    characters."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _unknown_class_note(files: dict) -> str:
+    """Where tokenizer_config.json names a tokenizer_class transformers does not have (it then tries a generic class,
+    which reads only tokenizer.json): that class, and the fix."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    config = files.get("tokenizer_config.json")
+    try:
+        name = json.loads(config.read_text()).get("tokenizer_class") if config is not None else None
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not isinstance(name, str) or any(tokenizer_class_from_name(n) for n in (name, name.removesuffix("Fast"))):
+        return ""
+    return (
+        f" (its tokenizer_config.json names tokenizer_class {name!r}, which this transformers does not have: set it "
+        "to the model's class, e.g. GPT2Tokenizer, or remove it)"
+    )
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max_length: int) -> None:

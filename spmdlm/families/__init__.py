@@ -19,6 +19,7 @@ import functools
 import importlib
 import importlib.metadata
 import pkgutil
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -76,6 +77,27 @@ def families() -> dict[str, Family]:
                 )
         known[name] = dataclasses.replace(family, presets=presets)
     return known
+
+
+def family_names() -> list[str]:
+    """The families' names (model types) in the registry's order, without loading any family: this package's
+    folders, then the entry points' names (each the name of its family; tests/test_command_line.py checks that the
+    list equals `families()`)."""
+    own = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base")
+    plugins = sorted(entry.name for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return own + plugins
+
+
+def objective_words(family: Family) -> str:
+    """What a family is trained for, in words: its objective's class name split (CausalLM: causal LM)."""
+    words = re.findall(r"[A-Z]+(?![a-z])|[A-Z][a-z0-9]*|[a-z0-9]+", family.objective_class.__name__)
+    return " ".join(word if len(word) > 1 and word.isupper() else word.lower() for word in words)
+
+
+def summary() -> str:
+    """Every family with what it is trained for, as --help and the model card list them: `bart (denoising), gpt2
+    (causal LM), ...`."""
+    return ", ".join(f"{name} ({objective_words(family)})" for name, family in families().items())
 
 
 def preset_files(module: str, model_type: str) -> dict[str, dict]:

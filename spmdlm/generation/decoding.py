@@ -257,19 +257,25 @@ def _probabilities(graphdef, params, input_ids):
     return jax.nn.softmax(nnx.merge(graphdef, params)(input_ids).astype(jnp.float32), axis=-1)
 
 
+def mask_token(config) -> str | None:
+    """The mask token of the model's tokenizer (its family's: RoBERTa's `<mask>`, ModernBERT's `[MASK]`), the one
+    `fill_mask` fills and its output is labelled with; None for a family without one."""
+    return get_family(config.model_type).tokenizer.specials.get("mask")
+
+
 def fill_mask(model, config, tokenizer, text: str, top_k: int = 5) -> list[list[tuple[str, int, float]]]:
-    """For each `<mask>` of `text`, its `top_k` most likely tokens as (text, id, probability), most likely first
-    (transformers' fill-mask pipeline: the softmax over the vocabulary at the masked position)."""
+    """For each mask token of `text` (`mask_token`), its `top_k` most likely tokens as (text, id, probability), most
+    likely first (transformers' fill-mask pipeline: the softmax over the vocabulary at the masked position)."""
     family = get_family(config.model_type)
-    mask_token = family.tokenizer.specials.get("mask")
+    mask = mask_token(config)
     if family.generation is not Generation.FILL_MASK:
         raise GenerateError(f"fill-mask needs a masked language model; a {config.model_type} model generates text")
     if top_k < 1:
         raise GenerateError(f"--top_k {top_k}: fill-mask needs at least 1 candidate")
     (ids,) = encode_prompts(config, tokenizer, [text])
-    where = [i for i, token in enumerate(ids) if token == tokenizer.token_to_id(mask_token)]
+    where = [i for i, token in enumerate(ids) if token == tokenizer.token_to_id(mask)]
     if not where:
-        raise GenerateError(f"the text has no {mask_token} to fill")
+        raise GenerateError(f"the text has no {mask} to fill")
     graphdef, params = nnx.split(model)
     with _on_params_mesh(params):
         probs = np.asarray(_probabilities(graphdef, params, np.asarray([ids], np.int32))[0, where])

@@ -11,13 +11,15 @@ are asked for.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from spmdlm import storage
+from spmdlm import network, storage
 from spmdlm.errors import TasksError
 from spmdlm.families.base import Family, Generation
 from spmdlm.generation.decoding import generate_tokens
@@ -26,6 +28,8 @@ from spmdlm.generation.scoring import Scorer, check_likelihood
 INSTALL_HINT = "pip install 'spmdlm[eval]'"
 MAX_GEN_TOKS = 256  # generate_until's default number of new tokens, as lm-eval's hf backend
 TASK_METRICS = "eval_tasks"  # the prefix of task metrics in metrics.jsonl, the trackers and eval_results.json
+OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # huggingface_hub's and datasets' switches
+HUB_PROBE_S = 3.0  # how long the Hub may take to accept a connection before task data is read from the cache only
 
 
 def require_lm_eval(flag: str = "LM-harness tasks") -> None:
@@ -232,7 +236,63 @@ def task_manager(tasks: str | Sequence[str], task_dirs: Sequence[str | Path] = (
             f"unknown task{'s' * (len(unknown) > 1)} {', '.join(unknown)}: not a task{where} among "
             "lm-eval's; check the name (a local YAML's `task:` field) and the task directory"
         )
+    if (why := hub_unreachable()) is not None:  # the data must be on this host: checked now, before any work
+        load_offline(manager, names, why)
     return manager
+
+
+def hub_unreachable() -> str | None:
+    """Why lm-eval's task data can come only from this host (its files, the datasets cache), in words; None where
+    the Hub may be asked: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set, or the Hub (HF_ENDPOINT) not accepting a
+    connection within HUB_PROBE_S seconds."""
+    given = [name for name in OFFLINE_ENVS if os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")]
+    if given:
+        return f"{given[0]} is set"
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    return None if network.reachable(endpoint, HUB_PROBE_S) else f"the Hub ({endpoint}) is unreachable from here"
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """datasets and huggingface_hub offline for a while: data not in the cache fails at once, instead of after
+    ~25 s of retries with two warnings each. They read HF_HUB_OFFLINE when imported, so their flags are set, then
+    restored."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    flags = [
+        (m, name) for m in (datasets.config, huggingface_hub.constants) for name in OFFLINE_ENVS if hasattr(m, name)
+    ]
+    saved = [getattr(m, name) for m, name in flags]
+    for m, name in flags:
+        setattr(m, name, True)
+    try:
+        yield
+    finally:
+        for (m, name), value in zip(flags, saved):
+            setattr(m, name, value)
+
+
+def load_tasks(manager, names: list[str]) -> dict:
+    """`manager.load(names)` (lm-eval reads each task's data then); offline where the Hub cannot be asked
+    (hub_unreachable)."""
+    why = hub_unreachable()
+    return manager.load(names) if why is None else load_offline(manager, names, why)
+
+
+def load_offline(manager, names: list[str], why: str) -> dict:
+    """`manager.load(names)` from this host's files and cache only (`why`: the Hub cannot be asked): data that is
+    not here is one line at once."""
+    try:
+        with hub_offline():
+            return manager.load(names)
+    except Exception as e:  # noqa: BLE001 - datasets' ConnectionError, FileNotFoundError, lm-eval's own
+        first = " ".join(str(e).split())[:300] or type(e).__name__
+        raise TasksError(
+            f"the data of task{'s' * (len(names) > 1)} {', '.join(names)} is not on this host ({first}) and {why}; "
+            "give tasks over local files (--eval_tasks_dir, dataset_path: json: docs/harness.md), or run them "
+            "once where the Hub is reachable (the datasets cache keeps their data)"
+        ) from None
 
 
 def run_tasks(
@@ -252,7 +312,7 @@ def run_tasks(
     from lm_eval.evaluator import evaluate
 
     manager = manager or task_manager(tasks, task_dirs)
-    loaded = manager.load(task_names(tasks))
+    loaded = load_tasks(manager, task_names(tasks))
     for task in loaded["tasks"].values():
         default = task.get_config("num_fewshot")
         if num_fewshot is not None and default != 0:

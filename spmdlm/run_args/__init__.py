@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from spmdlm.errors import ArgumentError
 from spmdlm.run_args.choices import SECRET_FLAGS
 from spmdlm.run_args.sections import (
@@ -41,6 +43,34 @@ SECTIONS = {
 }
 # flag name -> the section that holds it
 FLAG_SECTION = {field.name: name for name, cls in SECTIONS.items() for field in dataclasses.fields(cls)}
+
+
+def check_average(optimization: OptimizationArgs) -> None:
+    """--ema_decay as the average keeps it, in float32: strictly between 0 and 1 there (0.9999999999 is 1.0 in float32,
+    an average that never moves); --ema_start only with it."""
+    decay = optimization.ema_decay
+    kept = None if decay is None else float(np.float32(decay))
+    if kept is not None and not 0.0 < kept < 1.0:
+        effect = "would never move" if kept >= 1.0 else "would only copy the parameters"
+        raise ArgumentError(
+            f"--ema_decay {decay!r} is {kept:g} in float32, where the average is kept: the average {effect}; give a "
+            "decay that float32 keeps between 0 and 1, e.g. 0.999 or 0.9999 (at most 0.99999994)"
+        )
+    if decay is None and optimization.ema_start:
+        raise ArgumentError(
+            f"--ema_start {optimization.ema_start} applies to --ema_decay, which is not given (no average is kept); "
+            "give --ema_decay too, e.g. 0.999, or leave --ema_start out"
+        )
+
+
+def check_monitors(reporting: ReportingArgs, max_steps: int) -> None:
+    """--monitor_every within --max_steps (when given): monitors that never run are refused, not silently skipped (a
+    length from epochs is known once the data is: a warning there, corpora.warn_unreached)."""
+    if 0 < max_steps < reporting.monitor_every:
+        raise ArgumentError(
+            f"--monitor_every {reporting.monitor_every} is beyond the run's last step (--max_steps {max_steps}): no "
+            f"monitor would be logged; give --monitor_every {max_steps} or less, or leave it out"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +122,8 @@ class RunArgs:
         self.data.check_sources()
         self.optimization.check_steps(self.control.max_steps)
         self.operations.check_steps(self.control.max_steps)
+        check_average(self.optimization)
+        check_monitors(self.reporting, self.control.max_steps)
         if self.control.evaluating and not self.control.training and not self.data.holds_out:
             raise ArgumentError(
                 "nothing to evaluate: --do_eval without training needs held-out documents; give "

@@ -124,6 +124,7 @@ class FamilyChoices:
     quickstarts: Mapping[str, Mapping[str, Any]]  # model type -> the embedded quick start's own flags
     presets: tuple[str, ...]  # --config_name presets
     default_presets: Mapping[str, str] = dataclasses.field(default_factory=dict)  # model type -> its default preset
+    objectives: Mapping[str, str] = dataclasses.field(default_factory=dict)  # model type -> its objective in words
 
 
 # The embedded quick start: sized to finish on a 2-core CPU in a few minutes. Used for every flag the user did not

@@ -34,7 +34,16 @@ from spmdlm.data import datasets, readers
 from spmdlm.engine.optim import evaluation_needs_optimizer
 from spmdlm.engine.step import model_for_evaluation
 from spmdlm.errors import ArgumentError, UserError
-from spmdlm.hf_export import TASKS, card_usage_lines, export_complete, export_state, save_hf, what_it_needs
+from spmdlm.families import families
+from spmdlm.hf_export import (
+    TASKS,
+    card_path,
+    card_usage_lines,
+    export_complete,
+    export_state,
+    save_hf,
+    what_it_needs,
+)
 from spmdlm.mesh import batch_axis_size
 from spmdlm.train.prepared import Prepared
 from spmdlm.train.reporting.metrics_log import write_json
@@ -71,7 +80,6 @@ def model_card(folder, prepared: Prepared, results: dict[str, Any], *, step: int
 
     family = prepared.run.family
     model_id = repo_id_of(prepared)
-    where = _where(folder)  # the snippet loads the local export unless it is on the Hub
     data = card_data(prepared, results, model_id)
     body = "\n".join(
         [
@@ -97,9 +105,9 @@ def model_card(folder, prepared: Prepared, results: dict[str, Any], *, step: int
             "",
             "## How to use",
             "",
-            *card_usage_lines(family, model_id if prepared.hub is not None else where, where),
+            *card_usage_lines(family, usage_id(prepared, folder), card_path(folder)),
             "",
-            f"Trained with spmdlm {__version__} (JAX and Flax NNX pretraining of RoBERTa, GPT-2, T5 and BART).",
+            trained_with(),
             "",
         ]
     )
@@ -137,9 +145,18 @@ def card_data(prepared: Prepared, results: dict[str, Any], model_id: str):
     )
 
 
-def _where(folder) -> str:
-    """The export's path as its card names it: absolute (a bucket's URL as it is)."""
-    return str(storage.absolute(folder))
+def trained_with() -> str:
+    """The card's last line: spmdlm's version and what it pretrains (every registered family)."""
+    names = list(families())
+    listed = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else "".join(names)
+    return f"Trained with spmdlm {__version__} (JAX and Flax NNX pretraining of {listed})."
+
+
+def usage_id(prepared: Prepared, folder) -> str:
+    """What the usage snippet of the card of the export in `folder` loads: the model's Hub id with --push_to_hub or
+    --hub_model_id, else the export by a relative path (hf_export.card_path: never an absolute local one)."""
+    on_hub = prepared.hub is not None or prepared.run.args.output.hub_model_id
+    return repo_id_of(prepared) if on_hub else card_path(folder)
 
 
 def repo_id_of(prepared: Prepared) -> str:
@@ -456,7 +473,8 @@ def export_and_publish(prepared: Prepared, graphdef, state, trained: bool, repor
     if run.args.output.export_hf and prepared.training and (trained or not export_done(run.out)):
         evaluated = nnx.state(model_for_evaluation(graphdef, state, run.args.optimization))
         export_state(graphdef, evaluated, vocabulary.config, run.out / "hf", tokenizer=vocabulary.tokenizer)
-        log.info("exported to %s: %s", run.out / "hf", what_it_needs(run.family, run.out / "hf"))
+        needs = what_it_needs(run.family, run.out / "hf")  # None: PyTorch is installed
+        log.info("exported to %s%s", run.out / "hf", f": {needs}" if needs else "")
     publish_export(prepared, results)
 
 

@@ -83,7 +83,7 @@ def prepare(run: Run, output_dir: OutputDir, documents, hub=None) -> Prepared:
     """The tokenizer and data stages, and the step schedule over the data."""
     vocabulary = setup_tokenizer(run, output_dir.previous, training_texts(documents, run.sources))
     data = prepare_data(reading(run, vocabulary), documents, run.sources)
-    schedule = training_schedule(data, run.args.control, run.ramp)
+    schedule = training_schedule(data, run.args.control, run.ramp, run.args.reporting.monitor_every)
     return Prepared(run, output_dir, vocabulary, data, schedule, hub)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from spmdlm.errors import ConfigError
 from spmdlm.families.base import FLAT, LINEAR, SAME, Layout, Table, TensorRule
-from spmdlm.families.modernbert.model import FULL, SLIDING, ModernBertConfig, every_n_layers
+from spmdlm.families.modernbert.model import ModernBertConfig, every_n_layers
 
 # transformers' fused Linear (out, in) of [in, 2|3, out] here: Wqkv's q, k, v and Wi's input and gate halves
 FUSED_LINEAR: Layout = (
@@ -90,15 +90,27 @@ TABLE = ModernBertTable(
 )
 
 
+def rope_types(values: dict) -> Iterator[tuple[str, str]]:
+    """(where, type) of every RoPE type a config names: `rope_parameters` or `rope_scaling`, flat or by layer type,
+    under the key `rope_type` or the older `type` (a mapping without either is the default RoPE)."""
+    kind = lambda part: str(part.get("rope_type", part.get("type", "default")))
+    for key in ("rope_parameters", "rope_scaling"):
+        given = values.get(key) or {}
+        if not isinstance(given, dict):
+            yield key, repr(given)
+            continue
+        yield key, kind(given)
+        yield from ((f"{key}.{layer}", kind(part)) for layer, part in given.items() if isinstance(part, dict))
+
+
 def check_hf_config(values: dict) -> None:
     """Refuses, in one line each, the transformers options we do not reproduce."""
-    rope = values.get("rope_parameters") or {}
-    for layer_type in (FULL, SLIDING):
-        kind = (rope.get(layer_type) or {}).get("rope_type", "default")
+    for where, kind in rope_types(values):
         if kind != "default":
-            raise ConfigError(f"ModernBERT rope_type {kind!r} ({layer_type}) is not supported; only 'default' is")
-    if (values.get("rope_scaling") or {}).get("rope_type", "default") != "default":
-        raise ConfigError("ModernBERT rope_scaling is not supported; only the default RoPE is")
+            raise ConfigError(
+                f"ModernBERT {where}: rope_type {kind!r} is not supported (ModernBERT supports only the default RoPE "
+                f"here, which would train in its place); set its rope_type to 'default' or remove it"
+            )
     if values.get("layer_types"):
         try:
             every_n_layers(values["layer_types"])

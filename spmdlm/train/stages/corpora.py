@@ -309,8 +309,18 @@ def finish_data(reading: Reading, train, validation, source_validation=None, car
     return Data(reading.objective, train, validation, source_validation or {}, cards or {})
 
 
-def training_schedule(data: Data, control: ControlArgs, global_batch: int | BatchRamp) -> pipeline.Schedule | None:
-    """The run's steps and epochs over its training split (None: the run only evaluates)."""
+def training_schedule(
+    data: Data, control: ControlArgs, global_batch: int | BatchRamp, monitor_every: int = 0
+) -> pipeline.Schedule | None:
+    """The run's steps and epochs over its training split (None: the run only evaluates). A --monitor_every beyond a
+    length from epochs is one warning (beyond --max_steps it is refused with the flags: run_args.check_monitors)."""
     if data.train is None:
         return None
-    return pipeline.make_schedule(data.train.num_records, global_batch, control.num_train_epochs, control.max_steps)
+    schedule = pipeline.make_schedule(data.train.num_records, global_batch, control.num_train_epochs, control.max_steps)
+    if schedule.total_steps < monitor_every and is_main():
+        log.warning(
+            f"--monitor_every {monitor_every} is beyond the run's last step ({schedule.total_steps}, from "
+            f"--num_train_epochs {control.num_train_epochs:g}): no monitor will be logged; give --monitor_every "
+            f"{schedule.total_steps} or less"
+        )
+    return schedule

@@ -153,14 +153,16 @@ def check_memory(stats: dict[str, Any], per_device_batch: int) -> None:
     says nothing about what to change."""
     need = stats.get("total_bytes", 0)
     capacity, what = devices.device_memory_bytes()
+    if what == "host":  # CPU devices share the RAM this process may still use, not the host's total
+        capacity, what = devices.host_memory()
     local = jax.local_device_count()
-    if not capacity or need * (local if what == "host" else 1) <= capacity:
+    if not capacity or need * (1 if what == "device" else local) <= capacity:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"
     shared = (
-        f"the host's {gib(capacity)} of RAM shared by {local} CPU devices"
-        if what == "host"
-        else f"the device's {gib(capacity)}"
+        f"the device's {gib(capacity)}"
+        if what == "device"
+        else f"{gib(capacity)} of {what} shared by {local} CPU devices"
     )
     raise RunError(
         f"the train step needs {gib(need)} per device (arguments {gib(stats.get('argument_bytes', 0))}, temporaries "
