@@ -35,6 +35,14 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "data"
 
 
+def pytest_collection_modifyitems(items):
+    """The files that hold slow tests first, each file's tests together and in order (a stable sort, the same in
+    every xdist worker; module fixtures are made once): the last tests to run are then short ones, and neither
+    worker waits long on the other at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenized-data cache for the whole session, so runs of the same corpus tokenize once."""

@@ -18,6 +18,18 @@ import transformers
 
 STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 
+# The families whose model code a generic path (the engine's sharding, the chunked loss, evaluation, generation
+# with the cache) can meet in a way no other family's does. Llama is left out there: Qwen3 is the Llama network
+# with options on (QK-norm, sliding-window layers; spmdlm/families/qwen3), so Qwen3's tiny config runs every line
+# of Llama's model and more. Llama keeps its own parity, learning, resume, export and golden-sharding tests.
+ENGINE_FAMILIES = ("gpt2", "roberta", "t5", "bart", "modernbert", "qwen3")
+# The attention implementations (xla einsums, dot_product, splash) are one shared call given q, k, v and a mask;
+# what differs by family is the mask and the bias. These four make every mask a family builds: causal with padding,
+# GQA and sliding windows (Qwen3), bidirectional with local windows and padding (ModernBERT), cross-attention with
+# a causal decoder and a padded bidirectional encoder (BART: GPT-2's and RoBERTa's masks), and T5's
+# relative-position bias (its self-attention keeps the einsums under splash).
+ATTENTION_FAMILIES = ("qwen3", "modernbert", "bart", "t5")
+
 
 @dataclasses.dataclass(frozen=True)
 class FamilyFixture:

@@ -288,6 +288,7 @@ def hf_loss(model, batches: list[dict]) -> float:
     return total / count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(RUNS))
 def test_a_continued_run_starts_from_the_checkpoint(family, tmp_path, corpus, monkeypatch, caplog):
     tokenizer, weights = RUNS[family]

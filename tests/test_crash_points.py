@@ -2,8 +2,9 @@
 listed in docs/troubleshooting.md), then the same command run again, finishes with what an uninterrupted run has:
 the same final checkpoint, export and eval loss, bit for bit, every logged step, and its upload on the Hub.
 
-Each killed run is a subprocess (the kill must not take pytest with it); the re-runs and the one uninterrupted
-reference run per module are in-process. The run is test_reliability's 0.14M-parameter GPT-2, 4 steps with
+Each killed run is a process of its own (the kill must not take pytest with it), forked from one that has the
+launcher's imports done (tests/preloaded.py); the re-runs and the one uninterrupted reference run per module are
+in-process. The run is test_reliability's 0.14M-parameter GPT-2, 4 steps with
 checkpoints at 2 and 4, evaluated, exported and pushed to a loopback Hub emulator.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, REPO, final_params, read_metrics
 from hub_emulator import USER, HubEmulator
+from preloaded import PreloadedLauncher
 from test_reliability import flags, launch
 
 from spmdlm import crashpoints, hf_export
@@ -63,12 +65,18 @@ def reference(tmp_path_factory, tiny_gpt2_config, hub):
     return out, trail
 
 
-def killed_at(point: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """The launcher run in a subprocess with the hook armed at `point`."""
-    env = {**os.environ, crashpoints.CRASH_ENV: point, "HF_HUB_OFFLINE": "0"}
-    return subprocess.run(
-        [sys.executable, "-m", "spmdlm.launch", *argv], capture_output=True, text=True, env=env, cwd=REPO, timeout=600
-    )
+@pytest.fixture(scope="module")
+def launcher(hub, tmp_path_factory):
+    """A process of its own for each killed run (the kill must not take pytest with it), forked from one that has
+    the launcher's imports done (tests/preloaded.py), with the Hub emulator's environment."""
+    server = PreloadedLauncher(tmp_path_factory.mktemp("preloaded"), {**os.environ, "HF_HUB_OFFLINE": "0"})
+    yield server
+    server.close()
+
+
+def killed_at(launcher, point: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """The launcher run in a process of its own with the hook armed at `point`."""
+    return launcher.run(argv, {**os.environ, crashpoints.CRASH_ENV: point, "HF_HUB_OFFLINE": "0"}, REPO)
 
 
 def logged(out) -> list[tuple]:
@@ -79,9 +87,10 @@ def logged(out) -> list[tuple]:
     return list(dict.fromkeys((r["step"], "loss" in r, r.get("eval_loss")) for r in records))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", RUN_POINTS)
 def test_a_run_killed_at_each_point_finishes_as_if_uninterrupted(
-    point, capsys, tmp_path, tmp_path_factory, cache_dir, tiny_gpt2_config, reference, hub
+    point, capsys, tmp_path, tmp_path_factory, cache_dir, tiny_gpt2_config, reference, hub, launcher
 ):
     ref, trail = reference
     # the last time the run passes the point: after the first checkpoint wherever the point comes again later
@@ -90,7 +99,7 @@ def test_a_run_killed_at_each_point_finishes_as_if_uninterrupted(
     cache = tmp_path / "cache" if point.startswith("token_cache") else cache_dir
     out = tmp_path_factory.mktemp(point.replace(".", "-")) / "run"
     argv = run_flags(out, cache, tiny_gpt2_config)
-    killed = killed_at(spec, argv)
+    killed = killed_at(launcher, spec, argv)
     assert killed.returncode == -9, (spec, killed.returncode, killed.stderr[-3000:])
 
     code, _, err = launch(capsys, *argv)

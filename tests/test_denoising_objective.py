@@ -83,6 +83,7 @@ def trimmed_span_histogram(budget, lam, top):
     return counts[: top + 1] / counts.sum()
 
 
+@pytest.mark.slow
 def test_mask_budget_spans_and_histogram():
     objective = make(128, permute_sentence_ratio=0.0)
     n = objective.record_length  # 126 maskable tokens: budget ceil(0.3 * 126) = 38
@@ -341,6 +342,7 @@ def batch_row(batch, row):
     return {name: rows[row] for name, rows in batch.items()}
 
 
+@pytest.mark.slow
 def test_sentence_orders_are_uniform_within_each_document():
     objective = make(12, mask_ratio=0.0)
     # Three sentences, a separator, two sentences: 3! x 2! = 12 orders, the separator in place.

@@ -61,6 +61,7 @@ def average_of(graphdef, state):
     return ema_params(nnx.merge(graphdef, state)[1].opt_state)
 
 
+@pytest.mark.slow
 def test_average_equals_numpy_ema_of_the_parameter_trajectory():
     optim = OptimizationArgs(learning_rate=1e-2, optim="adamw", ema_decay=DECAY, ema_start=1)
     stepper, state, batch = stepper_and_state(optim)
@@ -80,6 +81,7 @@ def test_average_equals_numpy_ema_of_the_parameter_trajectory():
     assert any(not np.allclose(trajectory[-1][k], averages[-1][k], atol=1e-4) for k in expected)  # it lags
 
 
+@pytest.mark.slow
 def test_average_is_sharded_like_the_parameters():
     optim = OptimizationArgs(optim="adamw", ema_decay=0.99)
     mesh = make_mesh("data=2,fsdp=2", jax.devices()[:4])
@@ -97,6 +99,7 @@ def flat_leaves(tree) -> dict:
     return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(nnx.as_pure(tree))}
 
 
+@pytest.mark.slow
 def test_resumed_average_equals_the_uninterrupted_one_bitwise(tmp_path):
     optim = OptimizationArgs(learning_rate=1e-2, optim="adamw", ema_decay=DECAY)
     stepper, state, batch = stepper_and_state(optim)
@@ -151,6 +154,7 @@ def ema_run(tmp_path_factory, tiny_gpt2_config, cache_dir) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_average_is_evaluated_beside_the_parameters_and_the_card_says_which_is_exported(ema_run):
     evals = [m for m in read_metrics(ema_run) if "eval_loss" in m]
     assert [m["step"] for m in evals] == [3, 6]
@@ -167,6 +171,7 @@ def our_logits(model, ids: np.ndarray) -> np.ndarray:
     return np.asarray(GPT2.forward(model, {"input_ids": jnp.asarray(ids)}))
 
 
+@pytest.mark.slow
 def test_the_average_exports_and_its_logits_in_transformers_are_ours(ema_run, tmp_path):
     mesh = make_mesh("data=-1")
     assert export_main(["--checkpoint", str(ema_run), "--out", str(tmp_path / "ema"), "--weights", "ema"]) == 0
@@ -189,6 +194,7 @@ def model_params(model) -> dict:
     return flat(nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow
 def test_three_checkpoints_average_to_their_numpy_mean_and_the_card_names_them(ema_run, tmp_path):
     mesh = make_mesh("data=-1")
     each = [model_params(load.load_run(ema_run, step, mesh)[0]) for step in (2, 4, 6)]
@@ -213,6 +219,7 @@ def test_averaging_refuses_steps_the_run_did_not_save(ema_run, tmp_path, capsys)
     assert "--average_last 9: the run has 3 checkpoints" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_its_average_bitwise_and_keeps_its_decay(
     ema_run, tmp_path, monkeypatch, tiny_gpt2_config, cache_dir, capsys
 ):

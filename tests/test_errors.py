@@ -117,6 +117,7 @@ def test_non_empty_output_dir_is_not_clobbered(capsys, out, tiny_gpt2_config):
     assert "--overwrite_output_dir" in message
 
 
+@pytest.mark.slow
 def test_resuming_with_other_settings_is_refused(capsys, tmp_path, tiny_gpt2_config, cache_dir):
     out = tmp_path / "run"
     common = [
@@ -169,6 +170,7 @@ def test_resuming_with_other_settings_is_refused(capsys, tmp_path, tiny_gpt2_con
     assert (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_launcher_simulates_cpu_devices_and_says_so(tmp_path):
     """From a plain environment (no XLA_FLAGS, no JAX_PLATFORMS), libtpu installed or not: the mesh's CPU devices are
     simulated, and nothing tries (and fails) to start a TPU."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from family_fixtures import FIXTURES
+from family_fixtures import ENGINE_FAMILIES, FIXTURES
 
 from spmdlm.cli import evaluate
 from spmdlm.data.objectives import IGNORE_INDEX
@@ -165,7 +165,8 @@ def evaluation_flags(family: str, cache_dir: Path, held_out: Path) -> tuple[str,
     )
 
 
-@pytest.mark.parametrize("family", list(FIXTURES))
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)  # Llama: Qwen3 runs its code (family_fixtures.py)
 def test_bits_per_byte_of_a_run_and_of_the_evaluator_are_transformers_loss_over_the_bytes(
     family, tmp_path, cache_dir, eval_batches, capsys
 ):
@@ -202,6 +203,7 @@ def test_bits_per_byte_of_a_run_and_of_the_evaluator_are_transformers_loss_over_
     assert "comparable" in found["note"]
 
 
+@pytest.mark.slow
 def test_the_evaluator_gives_a_runs_numbers_from_its_checkpoint_and_its_export(
     tmp_path, tiny_gpt2_config, cache_dir, eval_batches, capsys
 ):

@@ -59,6 +59,7 @@ def trained(tmp_path_factory, tiny_gpt2_config, cache_dir):
     return out
 
 
+@pytest.mark.slow
 def test_trained_export_gives_the_same_eval_loss_in_transformers(trained):
     hf_dir = trained / "hf"
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
@@ -103,6 +104,7 @@ def export_ids(run_dir: Path, text: str) -> list[int]:
     return load_tokenizer(run_dir).encode(text, add_special_tokens=False).ids
 
 
+@pytest.mark.slow
 def test_export_cli_and_sharded_checkpoint_match(trained, tmp_path, tiny_gpt2_config, cache_dir, capsys):
     sharded = tmp_path / "sharded"
     train(sharded, "data=2,fsdp=2,tensor=2", tiny_gpt2_config, cache_dir, "--export_hf", "false")
@@ -114,8 +116,9 @@ def test_export_cli_and_sharded_checkpoint_match(trained, tmp_path, tiny_gpt2_co
     )
     # the card, the usage snippet on the local path, and what the transformers side needs (also in the output)
     card = (tmp_path / "b" / "README.md").read_text()
-    assert "checkpoint at step 6" in card and f'model_id = "{tmp_path / "b"}"' in card
-    assert hf_export.TORCH_CPU_INSTALL in card and hf_export.TORCH_CPU_INSTALL in capsys.readouterr().out
+    assert "checkpoint at step 6" in card and f'model_id = "{tmp_path.name}/b"' in card
+    assert hf_export.TORCH_CPU_INSTALL in card  # what the card's reader needs; the hint is printed only without PyTorch
+    assert hf_export.TORCH_CPU_INSTALL not in capsys.readouterr().out
     assert hf_export.export_complete(tmp_path / "b")
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys()
@@ -135,6 +138,7 @@ def test_export_cli_and_sharded_checkpoint_match(trained, tmp_path, tiny_gpt2_co
     assert (tmp_path / "a" / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 def test_continued_pretraining_from_a_transformers_checkpoint(trained, tmp_path, cache_dir):
     out = tmp_path / "continued"
     code = main(
@@ -205,6 +209,7 @@ def test_export_errors_write_nothing(tmp_path, trained, capsys):
     assert not (tmp_path / "y").exists()
 
 
+@pytest.mark.slow
 def test_export_of_a_schedule_free_run_is_the_model_it_evaluated_and_exported(
     tmp_path, tiny_gpt2_config, cache_dir, monkeypatch
 ):

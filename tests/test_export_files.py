@@ -113,6 +113,7 @@ def test_export_files_have_the_mode_of_a_new_file(t5_model, t5_tokenizer, tmp_pa
     assert "model.safetensors" in modes and set(modes.values()) == {oct(expected)}, modes
 
 
+@pytest.mark.slow
 def test_export_does_not_import_transformers(tmp_path):
     # Importing transformers where torch is absent prints "PyTorch was not found" to the user.
     script = f"""

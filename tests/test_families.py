@@ -19,7 +19,7 @@ from conftest import (
     run_killed_after_first_checkpoint,
     uncached_compiles,
 )
-from family_fixtures import FIXTURES, STDLIB_JSON
+from family_fixtures import ATTENTION_FAMILIES, ENGINE_FAMILIES, FIXTURES, STDLIB_JSON
 from flax import nnx
 from safetensors.numpy import load_file
 
@@ -72,6 +72,7 @@ def assert_close_where_read(ours, theirs, batch, family):
     np.testing.assert_allclose(ours[valid], theirs[valid], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,name", CASES)
 def test_logits_match_transformers_both_ways(family, name, tmp_path):
     source = random_hf_model(family, name, tmp_path)
@@ -94,6 +95,7 @@ def test_logits_match_transformers_both_ways(family, name, tmp_path):
     assert_close_where_read(torch_logits(family, out, batch), reference, batch, family)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIXTURES)
 def test_logits_match_on_a_sharded_mesh(family, tmp_path):
     name = next(iter(FIXTURES[family].configs))
@@ -109,17 +111,15 @@ def test_logits_match_on_a_sharded_mesh(family, tmp_path):
 
 # Positions for the 128 tokens the splash kernel's blocks need (its Pallas interpret mode runs it on the CPU).
 LONG_POSITIONS = {
-    "gpt2": {"n_positions": 128},
-    "roberta": {"max_position_embeddings": 130},
     "bart": {"max_position_embeddings": 128},
     "t5": {},
     "modernbert": {"max_position_embeddings": 128},
-    "llama": {"max_position_embeddings": 128},
     "qwen3": {"max_position_embeddings": 128},
 }
 
 
-@pytest.mark.parametrize("family", FIXTURES)
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)  # the four that make every mask (family_fixtures.py)
 def test_attention_implementations_compute_the_same(family):
     """The model option `attention`: jax.nn.dot_product_attention's XLA path and the Pallas splash kernel (its
     interpret mode) give the einsums' logits and gradients: padding on both sides, causal masks, cross-attention.
@@ -156,6 +156,7 @@ def test_attention_implementations_compute_the_same(family):
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIXTURES)
 def test_unrolled_layers_compute_the_same(family):
     """--scan_unroll 0 unrolls the layer scan over the same stacked parameters: same logits."""
@@ -194,6 +195,7 @@ def tiny_preset(family: str) -> str:
     return next(name for name in presets_of(family) if name.endswith("tiny"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIXTURES)
 def test_partition_specs_match_golden(family):
     """Regenerate after a deliberate change: python tests/test_families.py"""
@@ -292,7 +294,8 @@ def train_on_mesh(family: str, mesh_spec: str, config_path: Path, output_dir: Pa
     return losses
 
 
-@pytest.mark.parametrize("family", FIXTURES)
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_same_losses_on_a_sharded_mesh(family, tiny_configs, tmp_path, capfd):
     # Pure data parallelism against fsdp x tensor (SHARDED = data=2,fsdp=2,tensor=2); a third mesh (data=2,fsdp=4)
     # added little coverage for a third of this test's time (suite budget).
@@ -332,26 +335,32 @@ def flags_of(values: dict) -> tuple[str, ...]:
     )
 
 
-# Packed rows come from the objective's pipeline, so one family per objective resumes packed (the model's side of
-# packing, segment ids in attention and positions, has its tests per family in test_packing_models.py): ModernBERT
-# packs as RoBERTa does, Llama and Qwen3 isolate documents as GPT-2 does.
-PACKED_BY_OBJECTIVE = ("gpt2", "roberta", "t5", "bart")
-RESUMES = [(family, False) for family in FIXTURES] + [(family, True) for family in PACKED_BY_OBJECTIVE]
-
-
-# The joined runs are also the short bf16 + remat run each family gets through the launcher on the fsdp x tensor mesh,
-# with the quick start's sample prompts logged at each save (one run serves both: suite budget); the packed runs keep
-# float32 on data=2,fsdp=4.
+# Each family resumes once with the bf16 + remat + sample-prompts run it gets through the launcher on the fsdp x tensor
+# mesh (one run serves both: suite budget), joined or packed; every objective resumes both ways across its families:
+# MLM joined (RoBERTa) and packed lines (ModernBERT), CLM joined (GPT-2, Llama) and isolated documents (Qwen3), and
+# T5's and BART's objectives, which have one family each, a second time packed, in float32 on data=2,fsdp=4. (The
+# model's side of packing, segment ids in attention and positions, has its tests per family in
+# test_packing_models.py.)
+RESUMES = [
+    *[(family, family in ("modernbert", "qwen3"), True) for family in FIXTURES],
+    ("t5", True, False),
+    ("bart", True, False),
+]
 BF16_REMAT = ("--dtype", "bfloat16", "--gradient_checkpointing", "--sample_every", "3")
 
 
-@pytest.mark.parametrize("family,packed", RESUMES, ids=[f"{f}-{'packed' if p else 'joined'}" for f, p in RESUMES])
-def test_resume_continues_exactly(family, packed, tmp_path, tiny_configs, cache_dir, monkeypatch):
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family,packed,bf16",
+    RESUMES,
+    ids=[f"{f}-{'packed' if p else 'joined'}{'-bf16' if b else ''}" for f, p, b in RESUMES],
+)
+def test_resume_continues_exactly(family, packed, bf16, tmp_path, tiny_configs, cache_dir, monkeypatch):
     prompts = families()[family].quickstart["sample_prompts"]  # what the quick start shows while training
     args = (
         *("--max_steps", "6", "--save_steps", "3", "--do_train"),
-        *(("--mesh", "data=2,fsdp=4", *flags_of(PACKED[family])) if packed else ()),
-        *(() if packed else ("--mesh", SHARDED, *BF16_REMAT, "--sample_prompts", prompts)),
+        *(flags_of(PACKED[family]) if packed else ()),
+        *(("--mesh", SHARDED, *BF16_REMAT, "--sample_prompts", prompts) if bf16 else ("--mesh", "data=2,fsdp=4")),
     )
     whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
     assert launch(family, whole, tiny_configs[family], cache_dir, *args) == 0
@@ -369,7 +378,7 @@ def test_resume_continues_exactly(family, packed, tmp_path, tiny_configs, cache_
         np.testing.assert_array_equal(restored[0][name], restored[1][name], err_msg=name)
     objective = json.loads((interrupted / "run_config.json").read_text())["objective"]
     assert all(objective[name] == value for name, value in PACKED[family].items()) == packed  # recorded
-    if not packed:
+    if bf16:
         assert_bf16_remat_run(family, whole, interrupted, prompts)
 
 
@@ -406,6 +415,7 @@ def all_equations(jaxpr):
                     yield from all_equations(inner)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIXTURES)
 def test_bfloat16_runs_the_matmuls_in_bf16_and_keeps_the_rest_float32(family):
     """--dtype bfloat16: float32 parameters and optimizer state; every matmul (attention included) on bf16

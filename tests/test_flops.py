@@ -106,6 +106,7 @@ def test_t5_formula_by_hand():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", families())
 def test_analytic_flops_match_the_compiled_step(family):
     """On a data-parallel mesh of all devices (8 simulated in tests): XLA's per-device count × devices."""

@@ -57,6 +57,7 @@ def half_written(out) -> list[str]:
     return [str(p) for p in out.rglob("*") if ".tmp" in p.name and "orbax-checkpoint-tmp" not in p.name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", RUN_POINTS)
 def test_a_full_disk_at_each_write_is_one_line_and_the_rerun_finishes(
     point, capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config, reference
@@ -87,6 +88,7 @@ def test_a_full_disk_at_each_write_is_one_line_and_the_rerun_finishes(
     assert export_done(out) and (out / "hf" / "README.md").is_file() and (out / "loss_curve.png").is_file()
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_preparing_leaves_no_dataset(tmp_path, reference):
     ref, _ = reference  # its tokenizer
     argv = ["--tokenizer", str(ref), "--for_model", "gpt2", "--block_size", "16", "--workers", "1",

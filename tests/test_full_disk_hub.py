@@ -33,6 +33,7 @@ def hub(monkeypatch):
         yield emulator
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FULL_AT)
 def test_a_full_disk_while_uploading_is_one_warning_and_the_same_command_uploads(
     case, hub, monkeypatch, capsys, tmp_path, cache_dir, tiny_gpt2_config

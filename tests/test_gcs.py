@@ -6,6 +6,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
 from family_fixtures import FIXTURES
 
@@ -58,6 +59,7 @@ def gpt2_flags(out: str, config: Path, cache_dir, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_a_run_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path, tiny_gpt2_config, cache_dir, monkeypatch):
     whole, moved = str(tmp_path / "whole"), f"{gcs_bucket}/run"
     assert main(gpt2_flags(whole, tiny_gpt2_config, cache_dir, "--export_hf", "false")) == 0
@@ -100,6 +102,7 @@ def test_a_run_in_a_bucket_resumes_exactly_and_exports(gcs_bucket, tmp_path, tin
     np.testing.assert_array_equal(np.asarray(ours.wte.embedding[...]), resumed["['wte']['embedding']"])
 
 
+@pytest.mark.slow
 def test_t5_reads_its_corpus_and_keeps_its_token_cache_in_a_bucket(gcs_bucket, tmp_path, monkeypatch):
     corpus = storage.path(f"{gcs_bucket}/corpus.txt")
     corpus.write_text("".join(Path(p).read_text() for p in sorted(Path(STDLIB_JSON).parent.glob("*.py"))))

@@ -193,6 +193,7 @@ def hf_greedy(path, config, prompts: list[str]) -> list[list[int]]:
     return [through_eos(row, config.eos_token_id) for row in new]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "t5", "bart", "llama", "qwen3"])
 def test_greedy_equals_transformers_batched_and_alone(family, exports):
     """Ten prompts of different lengths in one padded batch, against transformers' padded batch and against each
@@ -216,6 +217,7 @@ def test_greedy_equals_transformers_batched_and_alone(family, exports):
         assert all(row[-1] == config.eos_token_id for row in ours)
 
 
+@pytest.mark.slow
 def test_ids_the_tokenizer_never_assigned_are_never_chosen(exports):
     """The model's vocabulary (320) is larger than the tokenizer's (300); a model whose unassigned rows dominate
     would otherwise continue with ids that decode to nothing."""
@@ -248,6 +250,7 @@ def test_gpt2_text_and_samples(exports):
     assert sample(1, top_p=0.9, top_k=20) == sample(1, top_p=0.9, top_k=20) != sample(1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "t5", "bart", "llama", "qwen3"])
 def test_cache_equals_full_recompute(family, exports):
     """Logits of a prefill plus one-token steps through the cache vs the training forward pass on whole sequences.
@@ -325,6 +328,7 @@ def sharded(exports):
     return get
 
 
+@pytest.mark.slow
 def test_sharded_generation_equals_unsharded(exports, sharded):
     """On a data x fsdp x tensor mesh (batch over data and fsdp, heads over tensor, as training): the same greedy
     tokens."""
@@ -503,6 +507,7 @@ def test_cli_errors_without_a_model(capsys, exports, tmp_path):
     assert code == 2 and "fill-mask" in err
 
 
+@pytest.mark.slow
 def test_cli_on_a_training_run(capsys, tmp_path, cache_dir):
     """Two steps of a tiny run: its checkpoints (the newest, or --step) and its export give the same text. The model
     has the GPT-2 export's shapes and four prompts are asked, so generation reuses the code compiled above."""

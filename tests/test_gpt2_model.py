@@ -19,6 +19,7 @@ def model():
     return GPT2LMHeadModel(CONFIG, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_changing_a_future_token_never_changes_past_logits(model):
     ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (1, 16))
     base = np.asarray(model(jnp.asarray(ids)))
@@ -52,6 +53,7 @@ def test_clm_targets_are_the_next_tokens():
         CausalLM(block_size=8)(record[:-1], None)
 
 
+@pytest.mark.slow
 def test_loss_is_token_weighted_and_ignores_ignored_labels():
     logits = jax.random.normal(jax.random.key(0), (2, 3, 5))
     labels = jnp.array([[1, 2, IGNORE_INDEX], [0, IGNORE_INDEX, IGNORE_INDEX]])
@@ -64,6 +66,7 @@ def test_loss_is_token_weighted_and_ignores_ignored_labels():
     assert float(cross_entropy_sums(logits[:, :1], jnp.zeros((2, 1), jnp.int32))["tokens"]) == 2.0
 
 
+@pytest.mark.slow
 def test_remat_with_dropout_gives_the_same_gradients():
     config = GPT2Config(
         vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=3, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1

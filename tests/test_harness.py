@@ -101,6 +101,7 @@ def hf_backend(path, config_json: dict) -> HFLM:
 # GPT-2 sharded over data and tensor axes with all three tasks; T5 on one device (its compiles are the slow ones)
 # without generation, whose encoder-decoder path the hf backend lets run on past max_gen_toks (docs/harness.md);
 # Qwen3 (grouped key/value heads over the tensor axis, a sliding window) with all three
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family_name, devices, mesh_spec, tasks",
     [("gpt2", 8, "data=4,tensor=2", TASKS), ("t5", 1, "data=1", TASKS[:2]), ("qwen3", 8, "data=4,tensor=2", TASKS)],
@@ -173,6 +174,7 @@ def test_families_without_likelihood_say_so():
         harness_lm(get_family("roberta"), None, None, None)
 
 
+@pytest.mark.slow
 def test_eval_tasks_in_the_training_loop(tmp_path, tiny_gpt2_config, cache_dir):
     """test_train's bigger run of test_gradient_accumulation_matches_a_bigger_batch (the suite compiles its steps
     once), with two tasks every 2 steps and at the end (step 3)."""

@@ -139,6 +139,7 @@ def t5_gradients(remat: str) -> tuple[np.ndarray, ...]:
     return tuple(np.asarray(g) for g in jax.tree.leaves(jax.jit(jax.grad(loss))(params)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", sorted(set(REMAT_POLICIES) - {"none"}))
 def test_every_named_policy_gives_the_gradients_of_no_remat(policy):
     """What a policy saves changes memory and recomputation, never the gradients."""

@@ -89,6 +89,7 @@ def torch_logits(hf, ids, mask=None) -> np.ndarray:
         return hf(torch.tensor(ids), **kwargs).logits.numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["xla", "dot_product"])
 def test_logits_match_with_padding(models, implementation):
     _, hf, ours = models
@@ -122,6 +123,7 @@ def test_logits_of_packed_documents_match_each_alone(models):
         at += len(doc)
 
 
+@pytest.mark.slow
 def test_gradients_match(models):
     _, hf, ours = models
     rng = np.random.default_rng(2)

@@ -24,6 +24,7 @@ NEW_TOKENS = 12
 WINDOW = 6  # qwen3's sliding layers: shorter than every prompt plus its new tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_tiny_run_learns_and_its_export_generates_as_transformers(family, tmp_path, cache_dir):
     values = {**FIXTURES[family].tiny_config, "max_position_embeddings": 64}

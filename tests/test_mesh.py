@@ -83,6 +83,7 @@ print(int(f(jax.device_put(jnp.zeros(2, jnp.int32), NamedSharding(mesh, P("data"
 """
 
 
+@pytest.mark.slow
 def test_a_late_simulated_device_does_not_abort_the_run():
     """XLA:CPU aborts (SIGABRT) a collective that one device reaches its terminate timeout (40 s by default) after
     another; the simulated devices' flags raise it. 1 s (after the 'stuck' warning's timeout, also 1 s here) shows the

@@ -77,6 +77,7 @@ def our_parameter_grads(model, batch: dict, weights: np.ndarray) -> tuple[np.nda
     return np.asarray(logits), by_name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_logits_and_gradients_match_transformers_with_padding(name, tmp_path):
     torch_model = random_hf_model(name)
@@ -109,6 +110,7 @@ def packed_row(docs: list[np.ndarray], length: int, pad_id: int) -> dict[str, np
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["xla", "dot_product"])
 @pytest.mark.parametrize("name", CONFIGS)
 def test_packed_documents_match_transformers_one_document_at_a_time(name, implementation, tmp_path):
@@ -131,6 +133,7 @@ def test_packed_documents_match_transformers_one_document_at_a_time(name, implem
         at += len(doc)
 
 
+@pytest.mark.slow
 def test_per_layer_and_unrolled_stacks_compute_and_export_the_same():
     """--scan_unroll per_layer (each layer its own arrays) and 0 (unrolled scan) over the periods and the tail."""
     config = load_config("modernbert-tiny")
@@ -231,6 +234,7 @@ def released_style_tokenizer(folder: Path, vocab_pieces: int) -> dict[str, int]:
     return ids
 
 
+@pytest.mark.slow
 def test_a_transformers_checkpoint_continues_and_at_learning_rate_0_exports_its_own_logits(tmp_path, cache_dir):
     folder = tmp_path / "checkpoint"
     ids = released_style_tokenizer(folder, 400)
@@ -274,6 +278,7 @@ def test_a_transformers_checkpoint_continues_and_at_learning_rate_0_exports_its_
 
 
 # -- it learns, and its export fills a mask in transformers as ours does ----------------------------------------------
+@pytest.mark.slow
 def test_a_short_run_learns_and_its_export_fills_masks_as_ours(tmp_path, tiny_configs, cache_dir):
     out = tmp_path / "run"
     text = str(DATA / "overfit.txt")

@@ -88,6 +88,7 @@ def monitored_step():
     return jax.device_get(plain), jax.device_get(metrics), grads, logits, before, after
 
 
+@pytest.mark.slow
 def test_monitors_equal_a_numpy_recomputation(monitored_step):
     plain, metrics, grads, logits, before, after = monitored_step
     assert not any(k.startswith("monitor/") for k in plain) and "logits_max" not in plain
@@ -113,6 +114,7 @@ def test_monitors_equal_a_numpy_recomputation(monitored_step):
     assert metrics["monitor/update_ratio/mlp"] > 0
 
 
+@pytest.mark.slow
 def test_monitors_are_the_same_under_accumulation_and_a_chunked_loss(monitored_step):
     metrics = monitored_step[1]
     stepper, state, batch = stepper_and_state(monitor_every=1, grad_accum=2, loss=Loss(loss_chunk=8))
@@ -216,6 +218,7 @@ def recomputed_probes(family, graphdef, state, batch, monkeypatch) -> dict[str, 
     return {key: np.array([values[i] for i in sorted(values)]) for key, values in want.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,unroll,implementation",
     [("roberta", 1, "dot_product"), ("qwen3", PER_LAYER, "xla"), ("t5", 1, "xla")],
@@ -325,6 +328,7 @@ def test_bad_monitor_flags_are_refused(flag, value):
         ReportingArgs(**{flag: value})
 
 
+@pytest.mark.slow
 def test_a_run_logs_the_monitors_on_monitor_steps_only(tmp_path, tiny_gpt2_config, cache_dir):
     out = tmp_path / "run"
     args = [*("--train_file", STDLIB_JSON, "--config_name", str(tiny_gpt2_config), "--output_dir", str(out))]

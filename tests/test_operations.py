@@ -194,6 +194,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_hung_run_exits_with_its_stacks_and_the_rerun_resumes_counting_its_restart_loss(
     tmp_path, capsys, cache_dir, tiny_gpt2_config
 ):

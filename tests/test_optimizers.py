@@ -112,6 +112,7 @@ def runs(tmp_path_factory):
     return lambda name: run(name, tmp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
 def test_each_optimizer_learns_and_resumes_bitwise(name, runs):
     _, _, (losses, whole), (resumed_losses, resumed) = runs(name)
@@ -123,6 +124,7 @@ def test_each_optimizer_learns_and_resumes_bitwise(name, runs):
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
 
 
+@pytest.mark.slow
 def test_muon_states_are_sharded_like_their_parameters():
     """Under fsdp each of Muon's and its AdamW's moments is sharded as its parameter, not replicated on every device
     (optax's partition leaves placeholders that must not sit in nnx Variables: optim._plain_masked_nodes)."""
@@ -139,6 +141,7 @@ def test_muon_states_are_sharded_like_their_parameters():
     assert matched == set(params)
 
 
+@pytest.mark.slow
 def test_schedule_free_evaluates_the_average_as_optax_does(runs):
     cfg, graphdef, (_, state), _ = runs("schedule_free_adamw")
     model, optimizer = nnx.merge(graphdef, state)
@@ -179,6 +182,7 @@ def test_schedule_free_evaluates_the_average_as_optax_does(runs):
     assert evaluation_params(adamw, optimizer.opt_state, params) is params
 
 
+@pytest.mark.slow
 def test_our_schedule_free_adamw_is_optax_s_with_a_decay_mask():
     """Decayed parameters follow optax.contrib.schedule_free_adamw(weight_decay=wd), masked ones its wd=0."""
     model = Toy(nnx.Rngs(0))

@@ -116,6 +116,7 @@ def document_losses(logits: np.ndarray, labels: np.ndarray) -> float:
     return float(-jnp.take_along_axis(log_probs, jnp.asarray(labels)[:, None], axis=-1).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_a_packed_row_gives_each_document_its_own_logits_and_nothing_leaks(name, implementation):
@@ -151,6 +152,7 @@ def test_a_packed_row_gives_each_document_its_own_logits_and_nothing_leaks(name,
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_positions_the_objectives_give_equal_the_ones_the_model_counts(name):
     """Packed batches may leave `positions` out: the model counts them from the segment ids as the objectives'

@@ -8,6 +8,7 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from spmdlm import checkpoint
@@ -35,6 +36,7 @@ def assert_same(got: dict, want: dict, atol: float = 0.0):
         np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=key)
 
 
+@pytest.mark.slow
 def test_per_layer_stack_gives_the_scanned_logits_and_gradients():
     """An encoder-decoder (BART: cross-attention, the decoder's map over layers) in both layouts, same seed: the
     per-layer parameters are the stacked ones' slices, and logits and gradients agree."""
@@ -81,6 +83,7 @@ def test_auto_picks_per_layer_only_with_nothing_recomputed():
     assert [(p.remat, p.scan_unroll) for p in hf_program] == [("none", PER_LAYER), ("dots", 1)]
 
 
+@pytest.mark.slow
 def test_checkpoints_restore_across_layouts_and_export_restacks(tmp_path):
     """A train state saved per-layer restores into a scanned one and back (model and optimizer), array for array;
     restack (the end-of-training export) returns the stacked model."""

@@ -67,6 +67,7 @@ def launch(out: Path, site: Path, cache_dir: Path, *flags: str) -> subprocess.Co
     )
 
 
+@pytest.mark.slow
 def test_out_of_tree_family_trains_resumes_exports(tmp_path, plugin_site, cache_dir, monkeypatch):
     whole = tmp_path / "whole"
     done = launch(whole, plugin_site, cache_dir)

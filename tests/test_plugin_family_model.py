@@ -113,6 +113,7 @@ def assert_close_where_compared(ours, theirs, batch, name):
     np.testing.assert_allclose(ours[read], theirs[read], atol=1e-5, rtol=0, err_msg=name)
 
 
+@pytest.mark.slow
 def test_transformers_weights_give_the_same_logits():
     hf = perturbed_hf_model(CONFIG)
     with jax.set_mesh(make_mesh(MESH)):
@@ -124,6 +125,7 @@ def test_transformers_weights_give_the_same_logits():
             assert_close_where_compared(our_logits(ours, batch), hf_logits(hf, {**batch, **hf_extra}), batch, name)
 
 
+@pytest.mark.slow
 def test_our_weights_load_into_transformers(tmp_path):
     from safetensors.torch import save_file
 

@@ -91,6 +91,7 @@ def test_two_optimizers_of_one_name_are_refused(installed):
         optimizers.optimizers()
 
 
+@pytest.mark.slow
 def test_one_step_moves_each_parameter_by_minus_lr_times_its_gradient(installed):
     installed()
     lr = 0.5
@@ -122,6 +123,7 @@ def test_one_step_moves_each_parameter_by_minus_lr_times_its_gradient(installed)
     assert max(float(np.abs(g).max()) for g in flat(grads).values()) * lr > 1e-3  # the step did move them
 
 
+@pytest.mark.slow
 def test_the_launcher_trains_with_it(tmp_path, cache_dir, tiny_gpt2_config):
     site = site_with(tmp_path / "site", ENTRY)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(PLUGINS), os.environ.get("PYTHONPATH", "")])}

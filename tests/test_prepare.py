@@ -403,6 +403,7 @@ def test_workers_read_documents_in_order_with_bounded_chunks(tokenizers, monkeyp
     assert os.cpu_count() >= 1 and default_workers() >= 1
 
 
+@pytest.mark.slow
 @needs_datasets
 def test_the_launcher_trains_from_a_dataset_dir_a_dataset_name_and_a_cache_folder(
     corpus, tokenizers, tmp_path, tiny_gpt2_config, cache_dir, monkeypatch

@@ -59,6 +59,7 @@ def logits(model, family: str) -> np.ndarray:
         return model(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", list(RELEASED))
 def test_a_released_model_type_continues_evaluates_and_exports_as_itself(model_type, tmp_path, cache_dir):
     family, model_class, _, auto = RELEASED[model_type]
@@ -81,6 +82,7 @@ def test_a_released_model_type_continues_evaluates_and_exports_as_itself(model_t
         assert np.isfinite(json.loads(results.read_text())["loss"])
 
 
+@pytest.mark.slow
 def test_an_mt5_saved_by_transformers_5_reads_with_its_own_head_and_one_tied_to_shared_is_refused(tmp_path, capsys):
     folder = tmp_path / "as-saved"
     model = released_checkpoint("mt5", folder, head="as saved")

@@ -82,6 +82,7 @@ def copy_run(base_run, tmp_path):
 
 
 # -- divergence ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_divergence_stops_with_exit_3_and_saves_nothing_non_finite(capsys, tmp_path, cache_dir, tiny_gpt2_config):
     out = tmp_path / "run"
     code, _, err = launch(
@@ -245,6 +246,7 @@ def test_a_refused_run_leaves_no_directory_it_made(tmp_path):
 
 
 # -- save failures, preemption -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_the_failed_save(capsys, tmp_path, cache_dir, tiny_gpt2_config):
     disk = tmp_path / "disk"
     disk.mkdir()
@@ -266,6 +268,7 @@ def test_a_full_disk_stops_the_run_at_the_failed_save(capsys, tmp_path, cache_di
         subprocess.run(["umount", "--lazy", str(disk)], check=True)  # orbax's writer threads may still hold files
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_current_step_and_the_resume_is_exact(
     capsys, monkeypatch, base_run, tmp_path, cache_dir, tiny_gpt2_config
 ):
@@ -314,6 +317,7 @@ def test_ctrl_c_outside_training_is_one_line(capsys, monkeypatch, tmp_path):
 
 
 # -- memory and mesh checks ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(
     capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
 ):
@@ -325,6 +329,7 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_is_written(
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_tensor_axis_that_shards_nothing_is_an_error(capsys, tmp_path, cache_dir):
     config = tmp_path / "odd.json"  # no dimension divisible by 8: heads x head size 36, MLP 100, vocab 510
     config.write_text(

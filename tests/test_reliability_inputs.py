@@ -46,6 +46,7 @@ def refused(capsys, *argv) -> str:
 
 
 # -- 1: a metrics.jsonl / samples.jsonl torn by a crash ---------------------------------------------------------------
+@pytest.mark.slow
 def test_resume_drops_a_torn_last_line_of_metrics_and_samples(
     capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
 ):

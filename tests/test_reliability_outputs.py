@@ -81,6 +81,7 @@ def one_line(err: str) -> str:
 
 
 # -- 1. an export killed half-way is done again ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_an_export_killed_while_writing_the_tokenizer_is_redone_by_the_rerun(
     capsys, tmp_path, cache_dir, tiny_gpt2_config
 ):
@@ -293,6 +294,7 @@ def test_checkpoints_set_aside_as_damaged_are_never_deleted(capsys, trained, tmp
 
 
 # -- fingerprints of what a run depends on ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_resume_on_changed_data_or_tokenizer_is_refused(capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config):
     from conftest import run_killed_after_first_checkpoint
 
@@ -330,6 +332,7 @@ def test_max_steps_below_the_checkpoint_is_refused(capsys, trained, tmp_path, ca
 
 
 # -- workers of a killed preparation ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_workers_of_a_killed_preparation_leave_with_it(tmp_path, gpt2_tokenizer):
     import os
     import signal

@@ -76,6 +76,7 @@ def unigram_entropy(tokenizer_dir: Path, files: list[Path]) -> float:
     return -sum(c / total * math.log(c / total) for c in counts.values())
 
 
+@pytest.mark.slow
 def test_roberta_learns_and_its_export_fills_masks(tmp_path, tiny_config, cache_dir):
     """Trained and evaluated on one small text: the masked-LM loss must fall far below the text's unigram entropy
     (impossible without using the context), and transformers' fill-mask pipeline must answer from the export."""
@@ -128,6 +129,7 @@ def test_roberta_learns_and_its_export_fills_masks(tmp_path, tiny_config, cache_
     assert "lamp" in [a["token_str"].strip() for a in answers]
 
 
+@pytest.mark.slow
 def test_line_by_line_with_padding(tmp_path, tiny_config, cache_dir):
     out = tmp_path / "lines"
     assert (

@@ -36,6 +36,7 @@ def test_each_stop_signal_saves_at_the_current_step(signum, capsys, monkeypatch,
     assert checkpoint.make_manager(out, read_only=True).all_steps() == [1]
 
 
+@pytest.mark.slow
 def test_a_stop_during_evaluation_abandons_it_and_saves(capsys, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config):
     out = tmp_path / "run"
     original, batches = Stepper.eval_step, []

@@ -98,6 +98,7 @@ def corrupt_train_batches(monkeypatch):
     return corrupting
 
 
+@pytest.mark.slow
 def test_a_corrupted_batch_is_skipped_and_the_run_goes_on(
     tmp_path, tiny_gpt2_config, cache_dir, capsys, corrupt_train_batches
 ):
@@ -124,6 +125,7 @@ def test_a_corrupted_batch_is_skipped_and_the_run_goes_on(
     assert checkpoint.make_manager(tmp_path / "spiky", read_only=True).all_steps()[-1] == 16
 
 
+@pytest.mark.slow
 def test_consecutive_spikes_stop_the_run_as_a_divergence(
     tmp_path, tiny_gpt2_config, cache_dir, capsys, corrupt_train_batches
 ):
@@ -147,6 +149,7 @@ def test_consecutive_spikes_stop_the_run_as_a_divergence(
     assert checkpoint.make_manager(tmp_path / "diverging", read_only=True).all_steps() == [12]
 
 
+@pytest.mark.slow
 def test_checkpoints_every_few_seconds_and_every_nth_kept(tmp_path, tiny_gpt2_config, cache_dir):
     out = tmp_path / "cadence"
     assert (

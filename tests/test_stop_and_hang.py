@@ -53,6 +53,7 @@ def wait_until_stuck(proc: subprocess.Popen) -> list[str]:
     pytest.fail(f"the step never blocked: {''.join(lines)[-2000:]}")
 
 
+@pytest.mark.slow
 def test_a_sigterm_that_finds_a_train_step_stuck_leaves_within_60_s_keeping_the_last_checkpoint(
     tmp_path, cache_dir, tiny_gpt2_config
 ):
@@ -74,6 +75,7 @@ def test_a_sigterm_that_finds_a_train_step_stuck_leaves_within_60_s_keeping_the_
     assert checkpoint.make_manager(out, read_only=True).all_steps() == [2]
 
 
+@pytest.mark.slow
 def test_the_evaluator_has_the_hang_watchdog(tmp_path, cache_dir, gpt2_export):
     results = tmp_path / "results.json"
     argv = evaluator_argv(gpt2_export, cache_dir, "--hang_timeout_minutes", "0.05", "--output_file", str(results))
@@ -86,6 +88,7 @@ def test_the_evaluator_has_the_hang_watchdog(tmp_path, cache_dir, gpt2_export):
     assert not results.exists()
 
 
+@pytest.mark.slow
 def test_a_sigterm_that_finds_the_evaluator_stuck_ends_it_within_60_s(cache_dir, gpt2_export):
     proc = start("spmdlm.evaluate", evaluator_argv(gpt2_export, cache_dir), **{faults.STUCK_STEP_ENV: "eval:1"})
     wait_until_stuck(proc)
@@ -117,6 +120,7 @@ def test_the_eval_step_adds_its_sums_to_the_totals_in_one_program():
     assert stepper._eval._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_first_checkpoint_is_started_over_by_the_same_command(
     capsys, tmp_path, cache_dir, tiny_gpt2_config
 ):

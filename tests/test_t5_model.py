@@ -187,6 +187,7 @@ def test_generate_runs_on_exported_model(exported, hf_dirs):
     np.testing.assert_array_equal(logits.argmax(-1), generated[:, 1:])
 
 
+@pytest.mark.slow
 def test_fresh_tiny_model_exports_to_transformers(tmp_path):
     config = load_config("t5-v1_1-tiny")
     assert isinstance(config, T5Config) and config.num_decoder_layers == 2
@@ -206,6 +207,7 @@ def test_fresh_tiny_model_exports_to_transformers(tmp_path):
     assert generated.shape == (4, 4)
 
 
+@pytest.mark.slow
 def test_decoder_is_causal(hf_dirs):
     model, _ = load_hf(hf_dirs["odd-heads"][1])
     ids, dec, mask, _ = _batch(103, seed=5, batch=1, enc_len=20, dec_len=12)
@@ -219,6 +221,7 @@ def test_decoder_is_causal(hf_dirs):
         assert np.abs(logits[r, r] - logits[0, r]).max() > 1e-3  # the change is visible where it should be
 
 
+@pytest.mark.slow
 def test_train_step_with_dropout_and_remat():
     config = load_config("t5-v1_1-tiny", num_layers=1, num_decoder_layers=1)  # one block each: compile time
     ids, dec, mask, dec_mask = (jnp.asarray(a) for a in _batch(config.vocab_size, seed=6, enc_len=32, dec_len=16))

@@ -4,6 +4,7 @@ import json
 import sysconfig
 from pathlib import Path
 
+import pytest
 from conftest import read_metrics
 
 from spmdlm.launch import main
@@ -50,6 +51,7 @@ def launch(out: Path, cache_dir: Path, *extra: str) -> int:
     )
 
 
+@pytest.mark.slow
 def test_t5_learns_and_exports(tmp_path, cache_dir):
     out = tmp_path / "t5"
     assert launch(out, cache_dir, "--max_steps", "60", "--eval_steps", "5", "--save_steps", "1000") == 0

@@ -89,6 +89,7 @@ def test_kind_picks_the_family_and_must_agree_with_it(corpus, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_missing_inputs_are_one_line_from_the_command_line(tmp_path):
     result = subprocess.run(
         [

@@ -165,6 +165,7 @@ def launch_argv(out: Path, config: Path, cache_dir: Path, *extra: str) -> list[s
     ]
 
 
+@pytest.mark.slow
 def test_wandb_and_mlflow_follow_metrics_jsonl_across_a_resume(
     offline, monkeypatch, tmp_path, cache_dir, tiny_gpt2_config
 ):
@@ -397,6 +398,7 @@ def test_mlflow_file_store_in_a_bucket_is_refused(monkeypatch):
     trackers.check_targets(("tensorboard", "mlflow"), "gs://bucket/run")
 
 
+@pytest.mark.slow
 def test_no_secret_reaches_a_file_or_a_tracker(tmp_path, tiny_gpt2_config, cache_dir):
     """A Hub token given by flag, and the tokens of the environment, are in no file under the output dir or $HOME
     after a run reporting to every tracker (W&B offline, which records the command line; MLflow's file store)."""

@@ -54,6 +54,7 @@ def train_losses(output_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(output_dir) if "loss" in m]
 
 
+@pytest.mark.slow
 def test_tiny_model_overfits_a_small_text(tmp_path, cache_dir):
     config = tmp_path / "gpt2-overfit.json"
     config.write_text(
@@ -114,6 +115,7 @@ def test_tiny_model_overfits_a_small_text(tmp_path, cache_dir):
     assert losses[-1] < 0.1
 
 
+@pytest.mark.slow
 def test_run_outputs(tmp_path, tiny_gpt2_config, cache_dir):
     out = tmp_path / "outputs"
     assert (
@@ -164,6 +166,7 @@ def test_run_outputs(tmp_path, tiny_gpt2_config, cache_dir):
     )
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_a_bigger_batch(tmp_path, tiny_gpt2_config, cache_dir):
     big = tmp_path / "big"
     accumulated = tmp_path / "accumulated"
@@ -198,6 +201,7 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path, tiny_gpt2_config
     np.testing.assert_allclose(train_losses(accumulated), train_losses(big), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_batch_size_ramp_resumed_mid_ramp_is_bitwise_the_uninterrupted_run(
     tmp_path, tiny_gpt2_config, cache_dir, monkeypatch, capsys
 ):
@@ -236,6 +240,7 @@ def test_a_batch_size_ramp_resumed_mid_ramp_is_bitwise_the_uninterrupted_run(
     assert "other settings (batch_size_ramp)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_onto_another_mesh_and_evaluate_only(tmp_path, tiny_gpt2_config, cache_dir, monkeypatch):
     args = ("--max_steps", "6", "--save_steps", "3", "--global_batch_size", "16", "--export_hf", "false")
     whole, moved = tmp_path / "whole", tmp_path / "moved"
@@ -260,6 +265,7 @@ def test_resume_onto_another_mesh_and_evaluate_only(tmp_path, tiny_gpt2_config, 
     assert json.loads((whole / "eval_results.json").read_text())["eval_loss"] == pytest.approx(final, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_dry_run_compiles_and_stops_leaving_the_disk_unchanged(tmp_path, tiny_gpt2_config, cache_dir, capsys):
     out = tmp_path / "dry"
     snapshot = lambda: sorted((p, p.stat().st_mtime_ns) for d in (tmp_path, cache_dir) for p in d.rglob("*"))

@@ -91,6 +91,7 @@ def restore_leaving_orphans(restore):
     return restoring
 
 
+@pytest.mark.slow
 def test_the_evaluator_falls_back_past_damaged_checkpoints_in_one_line_each(
     tmp_path, cache_dir, tiny_gpt2_config, monkeypatch, capsys
 ):
