@@ -26,6 +26,7 @@ os.environ["XLA_FLAGS"] = simulated_devices_flags(f"{os.environ.get('XLA_FLAGS',
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
+import sysconfig  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -33,6 +34,22 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "data"
+# A small corpus on every machine: the standard library's json package, as a glob of its .py files.
+STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
+
+
+def run_argv(out, config, cache_dir, *extra: str, train_file=STDLIB_JSON, **flags) -> list[str]:
+    """The launcher's command line for a test run into `out`: --train_file (None: none), --config_name (None: none),
+    --output_dir and --cache_dir, then each keyword as `--name value` (True: the bare flag, False: `--name false`,
+    None: left out), then `extra` (last, so a flag there wins over the same flag before it)."""
+    head = {"train_file": train_file, "config_name": config, "output_dir": out, "cache_dir": cache_dir}
+    argv = []
+    for name, value in {**head, **flags}.items():
+        if value is True:
+            argv.append(f"--{name}")
+        elif value is not None:
+            argv += [f"--{name}", "false" if value is False else str(value)]
+    return [*argv, *extra]
 
 
 def pytest_collection_modifyitems(items):

@@ -7,16 +7,13 @@ of a short run on a small corpus. Batches use the keyword names that both transf
 from __future__ import annotations
 
 import dataclasses
-import sysconfig
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import transformers
-
-STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
+from conftest import STDLIB_JSON  # noqa: F401  (defined in conftest.py; still importable from here)
 
 # The families whose model code a generic path (the engine's sharding, the chunked loss, evaluation, generation
 # with the cache) can meet in a way no other family's does. Llama is left out there: Qwen3 is the Llama network

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import run_argv
 from safetensors.numpy import save_file
 from test_reliability_inputs import FIXTURES, refused
 
@@ -68,17 +69,8 @@ def test_the_launcher_refuses_such_a_checkpoint_before_writing(capsys, tmp_path,
     ckpt = index(tmp_path / "ckpt", "../other/model.safetensors")
     (ckpt / "config.json").write_text(tiny_gpt2_config.read_text())
     out = tmp_path / "run"
-    line = refused(
-        capsys,
-        "--model_name_or_path",
-        str(ckpt),
-        "--train_file",
-        str(FIXTURES / "overfit.txt"),
-        "--output_dir",
-        str(out),
-        "--cache_dir",
-        str(cache_dir),
-    )
+    argv = run_argv(out, None, cache_dir, train_file=FIXTURES / "overfit.txt", model_name_or_path=ckpt)
+    line = refused(capsys, *argv)
     assert "lists a shard outside its checkpoint folder ('../other/model.safetensors')" in line, line
     assert not out.exists()
 

@@ -13,8 +13,7 @@ import optax
 import pytest
 import torch
 import transformers
-from conftest import read_metrics, run_killed_after_first_checkpoint
-from family_fixtures import STDLIB_JSON
+from conftest import STDLIB_JSON, read_metrics, run_killed_after_first_checkpoint
 from flax import nnx
 from safetensors.numpy import load_file
 

@@ -8,13 +8,13 @@ transformers made (random init, a tokenizer built here) it equals transformers' 
 
 import json
 import math
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import STDLIB_JSON
 from family_fixtures import ENGINE_FAMILIES, FIXTURES
 
 from spmdlm.cli import evaluate
@@ -30,7 +30,6 @@ from spmdlm.engine.step import Stepper
 from spmdlm.families import get_family
 from spmdlm.launch import main as launch
 
-STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 TEXT = "Déjà vu: 東京 and naïve cafés — 3.14 ≠ π 🙂 plain ASCII too."
 HF_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
 

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import FIXTURES
-from family_fixtures import STDLIB_JSON
+from conftest import FIXTURES, STDLIB_JSON, run_argv
 from safetensors.numpy import load_file
 
 from spmdlm import hf_export, load
@@ -18,38 +17,9 @@ from spmdlm.launch import main
 
 
 def train(out: Path, mesh: str, config: Path, cache_dir: Path, *extra) -> None:
-    assert (
-        main(
-            [
-                "--train_file",
-                STDLIB_JSON,
-                "--config_name",
-                str(config),
-                "--output_dir",
-                str(out),
-                "--cache_dir",
-                str(cache_dir),
-                "--block_size",
-                "32",
-                "--global_batch_size",
-                "16",
-                "--mesh",
-                mesh,
-                "--max_steps",
-                "6",
-                "--logging_steps",
-                "3",
-                "--learning_rate",
-                "3e-3",
-                "--max_eval_samples",
-                "32",
-                "--per_device_eval_batch_size",
-                "2",
-                *extra,
-            ]
-        )
-        == 0
-    )
+    flags = dict(block_size=32, global_batch_size=16, mesh=mesh, max_steps=6, logging_steps=3, learning_rate="3e-3")
+    flags |= dict(max_eval_samples=32, per_device_eval_batch_size=2)
+    assert main(run_argv(out, config, cache_dir, *extra, **flags)) == 0
 
 
 @pytest.fixture(scope="module")

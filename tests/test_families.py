@@ -16,10 +16,11 @@ from conftest import (
     INVOLUNTARY_REMAT,
     final_params,
     read_metrics,
+    run_argv,
     run_killed_after_first_checkpoint,
     uncached_compiles,
 )
-from family_fixtures import ATTENTION_FAMILIES, ENGINE_FAMILIES, FIXTURES, STDLIB_JSON
+from family_fixtures import ATTENTION_FAMILIES, ENGINE_FAMILIES, FIXTURES
 from flax import nnx
 from safetensors.numpy import load_file
 
@@ -223,38 +224,9 @@ def test_every_preset_builds_abstractly(family, preset):
 
 # -- short runs through the launcher -------------------------------------------------------------------------------
 def launch(family: str, out: Path, config: Path, cache_dir: Path, *extra: str) -> int:
-    return main(
-        [
-            "--model_type",
-            family,
-            "--train_file",
-            STDLIB_JSON,
-            "--config_name",
-            str(config),
-            "--output_dir",
-            str(out),
-            "--cache_dir",
-            str(cache_dir),
-            "--per_device_train_batch_size",
-            "2",
-            "--per_device_eval_batch_size",
-            "2",
-            "--warmup_steps",
-            "2",
-            "--logging_steps",
-            "1",
-            "--save_steps",
-            "100",
-            "--max_eval_samples",
-            "16",
-            "--export_hf",
-            "false",
-            "--seed",
-            "7",
-            *FIXTURES[family].run_flags,
-            *extra,
-        ]
-    )
+    flags = dict(model_type=family, per_device_train_batch_size=2, per_device_eval_batch_size=2, warmup_steps=2)
+    flags |= dict(logging_steps=1, save_steps=100, max_eval_samples=16, export_hf=False, seed=7)
+    return main(run_argv(out, config, cache_dir, *FIXTURES[family].run_flags, *extra, **flags))
 
 
 def train_losses(out: Path) -> list[float]:

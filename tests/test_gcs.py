@@ -2,18 +2,15 @@
 
 import json
 import sys
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
+from conftest import STDLIB_JSON, final_params, read_metrics, run_argv, run_killed_after_first_checkpoint
 from family_fixtures import FIXTURES
 
 from spmdlm import storage
 from spmdlm.launch import main
-
-STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 
 
 def bucket_metrics(out: str) -> list[dict]:
@@ -22,41 +19,9 @@ def bucket_metrics(out: str) -> list[dict]:
 
 def gpt2_flags(out: str, config: Path, cache_dir, *extra: str) -> list[str]:
     # test_train.py's resume flags: the same compiled programs
-    return [
-        "--train_file",
-        STDLIB_JSON,
-        "--config_name",
-        str(config),
-        "--output_dir",
-        out,
-        "--cache_dir",
-        str(cache_dir),
-        "--block_size",
-        "32",
-        "--per_device_train_batch_size",
-        "2",
-        "--per_device_eval_batch_size",
-        "2",
-        "--learning_rate",
-        "3e-3",
-        "--warmup_steps",
-        "2",
-        "--logging_steps",
-        "1",
-        "--max_eval_samples",
-        "32",
-        "--seed",
-        "7",
-        "--mesh",
-        "data=8",
-        "--max_steps",
-        "6",
-        "--save_steps",
-        "3",
-        "--global_batch_size",
-        "16",
-        *extra,
-    ]
+    flags = dict(block_size=32, per_device_train_batch_size=2, per_device_eval_batch_size=2, learning_rate="3e-3")
+    flags |= dict(warmup_steps=2, logging_steps=1, max_eval_samples=32, seed=7, mesh="data=8", max_steps=6)
+    return run_argv(out, config, cache_dir, *extra, **flags, save_steps=3, global_batch_size=16)
 
 
 @pytest.mark.slow
@@ -174,52 +139,16 @@ def test_a_tokenizer_and_a_prepared_dataset_in_a_bucket(gcs_bucket, tmp_path, mo
         storage.upload(file, f"{inputs}{file.name}")
     tok, data = f"{gcs_bucket}/tok", f"{gcs_bucket}/gpt2-32"
     assert tokenizer_main(["--for_model", "gpt2", "--vocab_size", "400", "--out", tok, inputs]) == 0
-    assert (
-        prepare_main(
-            [
-                "--tokenizer",
-                tok,
-                "--for_model",
-                "gpt2",
-                "--block_size",
-                "32",
-                "--out",
-                data,
-                "--workers",
-                "1",
-                "--shard_size",
-                "8K",
-                inputs,
-            ]
-        )
-        == 0
-    )
+    prepare = ["--tokenizer", tok, "--for_model", "gpt2", "--block_size", "32", "--out", data]
+    prepare += ["--workers", "1", "--shard_size", "8K", inputs]
+    assert prepare_main(prepare) == 0
     card = json.loads(storage.path(f"{data}/dataset.json").read_text())
     assert len(card["splits"]["train"]["shards"]) > 1 and card["inputs"]["files"][0]["path"].startswith(inputs)
     tokenizer = load_tokenizer(f"{data}/tokenizer")
     train, validation, _ = datasets.open_dataset(data, tokenizer=tokenizer, record_length=33, mode="stream")
     assert all(str(p).startswith(str(tmp_path / "local")) for p in train.paths)  # this host's verified copy
     assert len(records.record_source(train)) == card["splits"]["train"]["examples"]
-    assert (
-        prepare_main(
-            [
-                "--tokenizer",
-                tok,
-                "--for_model",
-                "gpt2",
-                "--block_size",
-                "32",
-                "--out",
-                data,
-                "--workers",
-                "1",
-                "--shard_size",
-                "8K",
-                inputs,
-            ]
-        )
-        == 0
-    )  # up to date: nothing to do
+    assert prepare_main(prepare) == 0  # up to date: nothing to do
 
 
 def test_a_token_cache_in_a_bucket_is_reused_by_another_host_and_opens_as_a_dataset(gcs_bucket, tmp_path, monkeypatch):

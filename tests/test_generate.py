@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from conftest import FIXTURES as DATA
+from conftest import run_argv
 from flax import nnx
 
 from spmdlm import hf_export
@@ -515,34 +516,9 @@ def test_cli_on_a_training_run(capsys, tmp_path, cache_dir):
 
     config, out = tmp_path / "gpt2.json", tmp_path / "run"
     config.write_text(json.dumps({"model_type": "gpt2", **CONFIGS["gpt2"]}))
-    assert (
-        launch(
-            [
-                "--train_file",
-                str(DATA / "overfit.txt"),
-                "--config_name",
-                str(config),
-                "--block_size",
-                "16",
-                "--per_device_train_batch_size",
-                "1",
-                "--mesh",
-                MESH,
-                "--max_steps",
-                "2",
-                "--save_steps",
-                "1",
-                "--learning_rate",
-                "1e-3",
-                "--do_train",
-                "--output_dir",
-                str(out),
-                "--cache_dir",
-                str(cache_dir),
-            ]
-        )
-        == 0
-    )
+    flags = dict(block_size=16, per_device_train_batch_size=1, mesh=MESH, max_steps=2, save_steps=1)
+    flags |= dict(learning_rate="1e-3", do_train=True)
+    assert launch(run_argv(out, config, cache_dir, train_file=DATA / "overfit.txt", **flags)) == 0
     capsys.readouterr()
     args = [arg for p in PROMPTS[:4] for arg in ("--prompt", p)] + ["--max_new_tokens", "5"]
     code, newest, _ = cli(capsys, "--checkpoint", str(out), *args)

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import final_params, read_metrics, run_killed_after_first_checkpoint
+from conftest import final_params, read_metrics, run_argv, run_killed_after_first_checkpoint
 
 from spmdlm.data import mixture, pipeline
 from spmdlm.data.mixture import MixedSplit, MixtureOrder, Source
@@ -166,35 +166,9 @@ def corpus(tmp_path_factory):
 
 def mixture_flags(corpus, out, cache_dir, config, weights=(0.5, 0.3, 0.2), *extra) -> list[str]:
     train_file = ",".join(f"{corpus / name}.txt:{w}" for name, w in zip(("news", "wiki", "code"), weights))
-    return [
-        "--train_file",
-        train_file,
-        "--config_name",
-        str(config),
-        "--block_size",
-        "16",
-        "--per_device_train_batch_size",
-        "1",
-        "--mesh",
-        "data=4,fsdp=2",
-        "--max_steps",
-        "4",
-        "--save_steps",
-        "2",
-        "--logging_steps",
-        "2",
-        "--learning_rate",
-        "1e-3",
-        "--validation_split_percentage",
-        "20",
-        "--export_hf",
-        "false",
-        "--output_dir",
-        str(out),
-        "--cache_dir",
-        str(cache_dir),
-        *extra,
-    ]
+    flags = dict(block_size=16, per_device_train_batch_size=1, mesh="data=4,fsdp=2", max_steps=4, save_steps=2)
+    flags |= dict(logging_steps=2, learning_rate="1e-3", validation_split_percentage=20, export_hf=False)
+    return run_argv(out, config, cache_dir, *extra, train_file=train_file, **flags)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import read_metrics
-from family_fixtures import STDLIB_JSON
+from conftest import STDLIB_JSON, read_metrics
 from flax import nnx
 
 from spmdlm.engine import monitors

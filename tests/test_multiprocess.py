@@ -6,16 +6,12 @@ import json
 import os
 import socket
 import subprocess
-import sysconfig
-from pathlib import Path
 
 import pytest
-from conftest import COMPILE_FLAGS, REPO, read_metrics
+from conftest import COMPILE_FLAGS, REPO, STDLIB_JSON, read_metrics
 
 from spmdlm import storage
 from spmdlm.launch import main
-
-STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
 
 
 def free_port() -> int:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
-from family_fixtures import FIXTURES, STDLIB_JSON
+from conftest import STDLIB_JSON, run_argv
+from family_fixtures import FIXTURES
 from flax import nnx
 from hub_emulator import USER, HubEmulator
 from huggingface_hub import ModelCard
@@ -50,30 +51,9 @@ def hub(monkeypatch):
 
 
 def flags(family: str, out: Path, config: Path, cache_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--model_type",
-        family,
-        "--train_file",
-        STDLIB_JSON,
-        "--config_name",
-        str(config),
-        "--output_dir",
-        str(out),
-        "--cache_dir",
-        str(cache_dir),
-        "--per_device_train_batch_size",
-        "2",
-        "--per_device_eval_batch_size",
-        "2",
-        "--max_eval_samples",
-        "16",
-        "--logging_steps",
-        "2",
-        "--max_steps",
-        "4",
-        *FIXTURES[family].run_flags,
-        *extra,
-    ]
+    sizes = dict(per_device_train_batch_size=2, per_device_eval_batch_size=2, max_eval_samples=16)
+    steps = dict(logging_steps=2, max_steps=4)
+    return run_argv(out, config, cache_dir, *FIXTURES[family].run_flags, *extra, model_type=family, **sizes, **steps)
 
 
 def run_context(argv: list[str]) -> Prepared:

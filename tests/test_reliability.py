@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, final_params, read_metrics
+from conftest import FIXTURES, final_params, read_metrics, run_argv
 
 import spmdlm.cli.launch
 from spmdlm import checkpoint, devices
@@ -29,31 +29,9 @@ from spmdlm.train.stages.program import setup_state
 
 
 def flags(out, cache_dir, config, *extra) -> list[str]:
-    return [
-        "--train_file",
-        str(FIXTURES / "overfit.txt"),
-        "--config_name",
-        str(config),
-        "--block_size",
-        "16",
-        "--per_device_train_batch_size",
-        "1",
-        "--mesh",
-        "data=4,fsdp=2",
-        "--max_steps",
-        "4",
-        "--save_steps",
-        "2",
-        "--logging_steps",
-        "2",
-        "--learning_rate",
-        "1e-3",
-        "--output_dir",
-        str(out),
-        "--cache_dir",
-        str(cache_dir),
-        *extra,
-    ]
+    sizes = dict(block_size=16, per_device_train_batch_size=1, mesh="data=4,fsdp=2")
+    steps = dict(max_steps=4, save_steps=2, logging_steps=2, learning_rate="1e-3")
+    return run_argv(out, config, cache_dir, *extra, train_file=FIXTURES / "overfit.txt", **sizes, **steps)
 
 
 def launch(capsys, *argv) -> tuple[int, str, str]:

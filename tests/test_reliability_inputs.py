@@ -8,31 +8,14 @@ import logging
 import os
 
 import pytest
-from conftest import FIXTURES, read_metrics, run_killed_after_first_checkpoint
+from conftest import FIXTURES, read_metrics, run_argv, run_killed_after_first_checkpoint
 
 from spmdlm.launch import main
 
 
 def small_run(out, cache_dir, config, *extra) -> list[str]:
-    return [
-        "--config_name",
-        str(config),
-        "--block_size",
-        "32",
-        "--per_device_train_batch_size",
-        "2",
-        "--mesh",
-        "data=8",
-        "--max_steps",
-        "4",
-        "--train_file",
-        str(FIXTURES / "overfit.txt"),
-        "--output_dir",
-        str(out),
-        "--cache_dir",
-        str(cache_dir),
-        *extra,
-    ]
+    flags = dict(block_size=32, per_device_train_batch_size=2, mesh="data=8", max_steps=4)
+    return run_argv(out, config, cache_dir, *extra, train_file=FIXTURES / "overfit.txt", **flags)
 
 
 def refused(capsys, *argv) -> str:

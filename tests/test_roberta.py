@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, read_metrics
+from conftest import FIXTURES, read_metrics, run_argv
 
 from spmdlm.data.tokenization import load_tokenizer, save_tokenizer, train_tokenizer
 from spmdlm.families import get_family
@@ -36,33 +36,9 @@ def tiny_config(tmp_path) -> Path:
 
 
 def launch(out: Path, config: Path, cache_dir: Path, *extra: str) -> int:
-    return main(
-        [
-            "--model_type",
-            "roberta",
-            "--config_name",
-            str(config),
-            "--output_dir",
-            str(out),
-            "--cache_dir",
-            str(cache_dir),
-            "--max_seq_length",
-            "32",
-            "--mesh",
-            "data=2,fsdp=2,tensor=2",
-            "--per_device_train_batch_size",
-            "4",
-            "--per_device_eval_batch_size",
-            "4",
-            "--warmup_steps",
-            "10",
-            "--save_steps",
-            "1000",
-            "--seed",
-            "1",
-            *extra,
-        ]
-    )
+    flags = dict(model_type="roberta", max_seq_length=32, mesh="data=2,fsdp=2,tensor=2", per_device_train_batch_size=4)
+    flags |= dict(per_device_eval_batch_size=4, warmup_steps=10, save_steps=1000, seed=1)
+    return main(run_argv(out, config, cache_dir, *extra, train_file=None, **flags))
 
 
 def unigram_entropy(tokenizer_dir: Path, files: list[Path]) -> float:

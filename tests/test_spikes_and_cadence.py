@@ -1,6 +1,5 @@
 """Loss spikes (--skip_step_on_spike) and checkpoint cadence (--save_every_minutes, --keep_every_n_steps)."""
 
-import sysconfig
 from pathlib import Path
 
 import jax
@@ -8,47 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import read_metrics
+from conftest import read_metrics, run_argv
 
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
 from spmdlm.engine.optim import SPIKE_HISTORY, SpikeState, skip_spikes
 from spmdlm.launch import main
 
-STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
-
 
 def run(out: Path, config: Path, cache_dir: Path, *extra: str) -> int:
-    return main(
-        [
-            "--train_file",
-            STDLIB_JSON,
-            "--config_name",
-            str(config),
-            "--output_dir",
-            str(out),
-            "--cache_dir",
-            str(cache_dir),
-            "--block_size",
-            "32",
-            "--per_device_train_batch_size",
-            "2",
-            "--mesh",
-            "data=8",
-            "--learning_rate",
-            "3e-3",
-            "--warmup_steps",
-            "2",
-            "--logging_steps",
-            "1",
-            "--do_train",
-            "--export_hf",
-            "false",
-            "--seed",
-            "7",
-            *extra,
-        ]
-    )
+    flags = dict(block_size=32, per_device_train_batch_size=2, mesh="data=8", learning_rate="3e-3", warmup_steps=2)
+    flags |= dict(logging_steps=1, do_train=True, export_hf=False, seed=7)
+    return main(run_argv(out, config, cache_dir, *extra, **flags))
 
 
 # -- the transform ---------------------------------------------------------------------------------------------------

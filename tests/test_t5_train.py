@@ -1,54 +1,19 @@
 """T5 v1.1 span-corruption pretraining end to end: it learns and exports (exact resume: test_families.py)."""
 
 import json
-import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics
+from conftest import read_metrics, run_argv
 
 from spmdlm.launch import main
 
-STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
-
 
 def launch(out: Path, cache_dir: Path, *extra: str) -> int:
-    return main(
-        [
-            "--model_type",
-            "t5",
-            "--config_name",
-            "t5-v1_1-tiny",
-            "--adafactor",
-            "--mesh",
-            "data=4,fsdp=2",
-            "--train_file",
-            STDLIB_JSON,
-            "--output_dir",
-            str(out),
-            "--cache_dir",
-            str(cache_dir),
-            "--max_seq_length",
-            "64",
-            "--per_device_train_batch_size",
-            "2",
-            "--per_device_eval_batch_size",
-            "4",
-            "--learning_rate",
-            "1e-2",
-            "--warmup_steps",
-            "5",
-            "--weight_decay",
-            "0.001",
-            "--logging_steps",
-            "5",
-            "--max_eval_samples",
-            "64",
-            "--seed",
-            "3",
-            *extra,
-        ]
-    )
+    flags = dict(model_type="t5", adafactor=True, mesh="data=4,fsdp=2", max_seq_length=64, learning_rate="1e-2")
+    flags |= dict(per_device_train_batch_size=2, per_device_eval_batch_size=4, warmup_steps=5, weight_decay="0.001")
+    flags |= dict(logging_steps=5, max_eval_samples=64, seed=3)
+    return main(run_argv(out, "t5-v1_1-tiny", cache_dir, *extra, **flags))
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import COMPILE_FLAGS, FIXTURES, REPO, read_metrics, run_killed_after_first_checkpoint
+from conftest import COMPILE_FLAGS, FIXTURES, REPO, read_metrics, run_argv, run_killed_after_first_checkpoint
 
 from spmdlm.cli.launch import masked
 from spmdlm.errors import ArgumentError, RunError
@@ -134,35 +134,9 @@ def by_step(records: list[dict]) -> dict[int, dict]:
 
 
 def launch_argv(out: Path, config: Path, cache_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--config_name",
-        str(config),
-        "--train_file",
-        str(FIXTURES / "overfit.txt"),
-        "--output_dir",
-        str(out),
-        "--cache_dir",
-        str(cache_dir),
-        "--block_size",
-        "32",
-        "--per_device_train_batch_size",
-        "2",
-        "--mesh",
-        "data=8",
-        "--max_steps",
-        "6",
-        "--save_steps",
-        "3",
-        "--logging_steps",
-        "1",
-        "--eval_steps",
-        "2",
-        "--max_eval_samples",
-        "16",
-        "--export_hf",
-        "false",
-        *extra,
-    ]
+    flags = dict(block_size=32, per_device_train_batch_size=2, mesh="data=8", max_steps=6, save_steps=3)
+    flags |= dict(logging_steps=1, eval_steps=2, max_eval_samples=16, export_hf=False)
+    return run_argv(out, config, cache_dir, *extra, train_file=FIXTURES / "overfit.txt", **flags)
 
 
 @pytest.mark.slow

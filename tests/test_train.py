@@ -2,52 +2,19 @@
 
 import json
 import math
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, final_params, read_metrics, run_killed_after_first_checkpoint
+from conftest import FIXTURES, final_params, read_metrics, run_argv, run_killed_after_first_checkpoint
 
 from spmdlm.launch import main
 
-STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
-
 
 def launch(tmp_dir: Path, config: Path, cache_dir: Path, *extra: str) -> int:
-    return main(
-        [
-            "--train_file",
-            STDLIB_JSON,
-            "--config_name",
-            str(config),
-            "--output_dir",
-            str(tmp_dir),
-            "--cache_dir",
-            str(cache_dir),
-            "--block_size",
-            "32",
-            "--per_device_train_batch_size",
-            "2",
-            "--per_device_eval_batch_size",
-            "2",
-            "--learning_rate",
-            "3e-3",
-            "--warmup_steps",
-            "2",
-            "--logging_steps",
-            "1",
-            "--save_steps",
-            "100",
-            "--max_eval_samples",
-            "32",
-            "--export_hf",
-            "false",
-            "--seed",
-            "7",
-            *extra,
-        ]
-    )
+    flags = dict(block_size=32, per_device_train_batch_size=2, per_device_eval_batch_size=2, learning_rate="3e-3")
+    flags |= dict(warmup_steps=2, logging_steps=1, save_steps=100, max_eval_samples=32, export_hf=False, seed=7)
+    return main(run_argv(tmp_dir, config, cache_dir, *extra, **flags))
 
 
 def train_losses(output_dir: Path) -> list[float]:
