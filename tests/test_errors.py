@@ -98,8 +98,16 @@ def test_unknown_config(capsys, out):
 
 
 def test_an_unreachable_hub_dataset_is_one_line(capsys, out, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # datasets and huggingface_hub read the switches when imported: an earlier test of this worker may have imported
+    # them with the Hub on (then this test waited ~23 s of retries before its line)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     assert "--dataset_name oscar: Couldn't reach 'oscar'" in run_failing(capsys, out, "--dataset_name", "oscar")
 
 

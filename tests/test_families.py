@@ -133,7 +133,7 @@ def test_attention_implementations_compute_the_same(family):
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     valid = np.asarray(batch[FIXTURES[family].output_mask]).astype(bool)
 
-    def logits_and_grads(attention):
+    def value_and_grad(attention):
         graph, params = nnx.split(families()[family].make_model(config, rngs=nnx.Rngs(0), attention=attention))
 
         def loss(p):
@@ -142,12 +142,15 @@ def test_attention_implementations_compute_the_same(family):
 
         if attention == "splash":  # the kernel is really in the program, not the einsums' fallback
             assert "pallas_call" in str(jax.make_jaxpr(loss)(params))
-        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-        return logits, grads
+        return jax.value_and_grad(loss, has_aux=True), params
 
-    xla_logits, xla_grads = logits_and_grads("xla")
-    for implementation in ("dot_product", "splash"):
-        fused_logits, fused_grads = logits_and_grads(implementation)
+    # The three in one program: one compilation (the parameters are the same; only the attention call differs)
+    steps = {implementation: value_and_grad(implementation) for implementation in ("xla", "dot_product", "splash")}
+    results = jax.jit(lambda params: {name: steps[name][0](p) for name, p in params.items()})(
+        {name: step[1] for name, step in steps.items()}
+    )
+    (_, xla_logits), xla_grads = results.pop("xla")
+    for implementation, ((_, fused_logits), fused_grads) in results.items():
         np.testing.assert_allclose(
             np.asarray(fused_logits)[valid], np.asarray(xla_logits)[valid], atol=1e-5, rtol=0, err_msg=implementation
         )
