@@ -36,7 +36,7 @@ from safetensors.numpy import save_file
 
 from spmdlm import storage
 from spmdlm.crashpoints import crash_point
-from spmdlm.data.tokenization import save_tokenizer
+from spmdlm.data.tokenization import save_tokenizer, special_tokens_of
 from spmdlm.errors import ConfigError, ExportError
 from spmdlm.families import get_family, load_pretrained_config
 from spmdlm.families.base import Family, Generation
@@ -57,9 +57,39 @@ def hf_config_dict(config: HFConfig) -> dict:
     return {**config.to_hf_dict(), "dtype": "float32", **version}
 
 
+GENERATION_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id")
+
+
 def generation_config_dict(config: HFConfig) -> dict:
-    keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id")
-    return {"_from_model_config": True, **{k: getattr(config, k) for k in keys if getattr(config, k, None) is not None}}
+    values = {k: getattr(config, k, None) for k in GENERATION_IDS}
+    return {"_from_model_config": True, **{k: v for k, v in values.items() if v is not None}}
+
+
+def token_id_files(config: HFConfig, tokenizer=None) -> tuple[dict, dict]:
+    """(config.json, generation_config.json) of an export. Over a checkpoint (special_tokens.from_checkpoint) their
+    token ids are the checkpoint's as it gave them, an EOS list as a list, a key it lacked left out, and its
+    generation_config.json whole; a role the run's tokenizer changed (--tokenizer_name, which said so) takes the
+    new id. Otherwise the ids of `config` (the tokenizer's, spmdlm.train.stages.vocabulary)."""
+    ours = hf_config_dict(config)
+    tokens = special_tokens_of(tokenizer) if tokenizer is not None else None
+    source = tokens.checkpoint if tokens is not None else None
+    if source is None:
+        return ours, generation_config_dict(config)
+    kept = lambda k: not k.endswith("_token_id") or k in source.config
+    written = {k: source.config.get(k, v) for k, v in ours.items() if kept(k)}
+    written.update({k: v for k, v in source.config.items() if k not in written})
+    framed = get_family(config.model_type).tokenizer.frames_with_bos  # ModernBERT's cls/sep ids are its bos/eos
+    also = {"bos": "cls_token_id", "eos": "sep_token_id"} if framed else {}
+    for role, new in source.changed.items():
+        for key in (f"{role}_token_id", also.get(role)):
+            if key and (key in ours or key in source.config):
+                written[key] = new
+    if source.generation is None:
+        ids = {k: written.get(k) for k in GENERATION_IDS}
+        return written, {"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}}
+    generation = dict(source.generation)
+    generation.update({f"{role}_token_id": new for role, new in source.changed.items()})
+    return written, generation
 
 
 # -- parameters ----------------------------------------------------------------------------------------------------
@@ -137,16 +167,17 @@ def export_complete(out) -> bool:
 
 def _write_files(folder: Path, tensors: dict, config: HFConfig, tokenizer) -> None:
     """Every file of the export into `folder`, the marker (file names and sizes) last."""
-    (folder / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2, allow_nan=False))
+    config_values, generation = token_id_files(config, tokenizer)
+    (folder / "config.json").write_text(json.dumps(config_values, indent=2, allow_nan=False))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     # safetensors writes through a 0600 temporary file: give it the mode a new file gets, as config.json has
     # (copied rather than computed from os.umask, which can only be read by setting it, racing other threads).
     shutil.copymode(folder / "config.json", folder / "model.safetensors")
-    (folder / "generation_config.json").write_text(
-        json.dumps(generation_config_dict(config), indent=2, allow_nan=False)
-    )
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2, allow_nan=False))
     if tokenizer is not None:
-        save_tokenizer(tokenizer, folder, get_family(config.model_type), model_max_length=config.max_length)
+        family = get_family(config.model_type)
+        decoder = family.generation is Generation.DECODER_ONLY
+        save_tokenizer(tokenizer, folder, family, model_max_length=config.max_length, pad_with_eos=decoder)
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     crash_point("export.before_marker", folder / MARKER)
     (folder / MARKER).write_text(json.dumps({"format": "spmdlm-export", "files": files}, indent=2) + "\n")

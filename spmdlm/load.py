@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from spmdlm import checkpoint as ckpt
 from spmdlm import hf_export, storage
 from spmdlm.checkpoint import checkpoint_dir
-from spmdlm.data.tokenization import load_tokenizer, tokenizer_layout
+from spmdlm.data.tokenization import from_checkpoint, load_tokenizer, tokenizer_layout
 from spmdlm.engine.optim import evaluation_needs_optimizer, optimization_of_run
 from spmdlm.engine.state import build_train_state
 from spmdlm.engine.step import model_for_evaluation, with_average
@@ -216,6 +216,16 @@ def _evaluation_model(manager, step: int | None, family, config, mesh, optim, em
         return nnx.merge(graphdef, state), step
 
 
+def _started_from(run_dir):
+    """The transformers checkpoint a run continued (its --model_name_or_path), where it is still there; else None."""
+    try:
+        path = json.loads((storage.path(run_dir) / RUN_CONFIG).read_text()).get("model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    folder = storage.path(path) if isinstance(path, str) and path else None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     out: str | Path,
@@ -236,7 +246,12 @@ def export_checkpoint(
     if out.exists() and any(out.iterdir()) and not overwrite and not unfinished:
         raise ExportError(f"--out {out} exists and is not empty; choose another directory or pass --overwrite")
     model, config, tokenizer_dir, _, what = load_weights(checkpoint, step, make_mesh(mesh_spec), weights)
-    tokenizer = load_tokenizer(tokenizer_dir, get_family(config.model_type)) if tokenizer_dir else None
+    family = get_family(config.model_type)
+    tokenizer = load_tokenizer(tokenizer_dir, family) if tokenizer_dir else None
+    started_from = _started_from(checkpoint)
+    if tokenizer is not None and started_from is not None:  # its special tokens' ids as the run's own export has them
+        own = load_tokenizer(started_from, family) if tokenizer_layout(started_from) else None
+        tokenizer = from_checkpoint(tokenizer, started_from, family, own=own)
     hf_export.save_hf(model, config, out, tokenizer=tokenizer, release=True)
     if jax.process_index() == 0:
         hf_export.write_export_card(out, config, str(checkpoint), what)

@@ -3,11 +3,13 @@
 GPT-2, RoBERTa and BART use byte-level BPE; T5 uses a SentencePiece-style Unigram model with T5's 100 sentinels.
 `save_tokenizer` writes a directory that `transformers.AutoTokenizer.from_pretrained` loads to exactly the ids that
 the `tokenizers.Tokenizer` gives during data preparation.
+
+Which tokens are BOS, EOS, UNK, PAD and MASK is what the tokenizer's own files say, kept with the tokenizer that
+`load_tokenizer` returns; a family's table is the default (spmdlm/data/special_tokens.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -20,29 +22,18 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from spmdlm import storage
 from spmdlm.crashpoints import crash_point
 from spmdlm.data.records import in_pieces
+from spmdlm.data.special_tokens import ROLES as ROLES
+from spmdlm.data.special_tokens import TokenizerSpec as TokenizerSpec
+from spmdlm.data.special_tokens import all_special_ids as all_special_ids
+from spmdlm.data.special_tokens import declared_files, with_declared
+from spmdlm.data.special_tokens import from_checkpoint as from_checkpoint
+from spmdlm.data.special_tokens import special_token_ids as special_token_ids
+from spmdlm.data.special_tokens import special_tokens_of as special_tokens_of
+from spmdlm.data.special_tokens import token_roles as token_roles
+from spmdlm.data.special_tokens import tokenizer_spec as tokenizer_spec
 from spmdlm.errors import TokenizerError
 
 _GENERIC_HF_CLASS = "PreTrainedTokenizerFast"
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerSpec:
-    """The tokenizer a model family trains and the special tokens it relies on."""
-
-    kind: str  # "bpe" (byte-level BPE) or "unigram" (SentencePiece-style, T5)
-    specials: dict[str, str | None]  # role (bos/eos/unk/pad/mask) -> token, None where the model has none
-    trained_order: tuple[str, ...]  # specials in id order when we train a tokenizer (ids 0, 1, 2, ...)
-    hf_class: str | None = None  # tokenizer_config.json class when transformers rebuilds it identically
-    num_sentinels: int = 0  # T5's <extra_id_k>
-    frames_with_bos: bool = False  # RoBERTa/BART: every text is <s> ... </s>
-    # What the tokenizer returns (tokenizer_config.json): the model's inputs. transformers 4.x's generic tokenizer
-    # class adds token_type_ids otherwise, which T5 and the others do not take.
-    model_input_names: tuple[str, ...] = ("input_ids", "attention_mask")
-
-
-def tokenizer_spec(family_or_spec) -> TokenizerSpec:
-    """A TokenizerSpec, given itself or a model family (anything with a `tokenizer` spec)."""
-    return family_or_spec if isinstance(family_or_spec, TokenizerSpec) else family_or_spec.tokenizer
 
 
 def _counted(texts: Iterable[str], seen: list[int]) -> Iterator[str]:
@@ -205,7 +196,7 @@ def load_tokenizer(path: str | os.PathLike, family=None) -> Tokenizer:
     if path.is_dir():
         layout = tokenizer_layout(path) or ("tokenizer.json",)
         if layout != ("tokenizer.json",):
-            return converted_tokenizer(path, layout, family)
+            return with_declared(converted_tokenizer(path, layout, family), path)
         file = path / "tokenizer.json"
     if file.is_file() and file.suffix == ".model":
         return spiece_tokenizer(file)
@@ -216,9 +207,10 @@ def load_tokenizer(path: str | os.PathLike, family=None) -> Tokenizer:
             "tokenizer"
         )
     try:
-        return Tokenizer.from_str(file.read_text()) if storage.is_remote(file) else Tokenizer.from_file(str(file))
+        tok = Tokenizer.from_str(file.read_text()) if storage.is_remote(file) else Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception on malformed JSON
         raise TokenizerError(f"cannot read tokenizer {file}: {e}") from e
+    return with_declared(tok, path) if path.is_dir() else tok
 
 
 def _layout_class(folder, layout: tuple[str, ...], family) -> str | None:
@@ -314,14 +306,26 @@ def _unknown_class_note(files: dict) -> str:
     )
 
 
-def save_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, family, model_max_length: int) -> None:
+def save_tokenizer(
+    tok: Tokenizer, out_dir: str | os.PathLike, family, model_max_length: int, *, pad_with_eos: bool = False
+) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for transformers' AutoTokenizer.
 
-    AutoTokenizer then gives GPT2/Roberta/BartTokenizerFast for byte-level BPE tokenizers, and the generic
-    PreTrainedTokenizerFast (TokenizersBackend in transformers 5) for t5 and lowercased BPE (see `_hf_class`), with
-    the same ids as `tok` in every case.
+    A tokenizer loaded with files that name its special tokens (special_tokens_of) gets them back as they were: the
+    same special tokens, class and settings (`pad_with_eos`: special_tokens.declared_files). Otherwise AutoTokenizer
+    gives GPT2/Roberta/BartTokenizerFast for byte-level BPE tokenizers, and the generic PreTrainedTokenizerFast
+    (TokenizersBackend in transformers 5) for t5 and lowercased BPE (see `_hf_class`), with the same ids as `tok` in
+    every case.
     """
     spec = tokenizer_spec(family)
+    files = declared_files(tok, spec, pad_with_eos=pad_with_eos)
+    if files is not None:
+        with storage.writing_dir(out_dir) as folder:
+            for name, obj in files.items():
+                (folder / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+            crash_point("tokenizer.during_write", folder / "tokenizer.json")
+            tok.save(str(folder / "tokenizer.json"))
+        return
     special_token_ids(tok, spec)  # fail before writing anything
     special_map = {f"{role}_token": token for role, token in spec.specials.items() if token is not None}
     config = {
@@ -370,26 +374,6 @@ def _hf_class(tok: Tokenizer, spec: TokenizerSpec) -> str:
         and pre.get("add_prefix_space") is False
     )
     return spec.hf_class if rebuilt_identically else _GENERIC_HF_CLASS
-
-
-def special_token_ids(tok: Tokenizer, family) -> dict[str, int | None]:
-    """Ids of bos/eos/unk/pad/mask for a family (None where that model has no such token)."""
-    spec = tokenizer_spec(family)
-    ids = {role: None if token is None else tok.token_to_id(token) for role, token in spec.specials.items()}
-    missing = [f"{role} token {token!r}" for role, token in spec.specials.items() if token and ids[role] is None]
-    if missing:
-        raise TokenizerError(
-            f"the tokenizer has no {', '.join(missing)}, which this model needs: pass --tokenizer_name with a "
-            "tokenizer that has them, or let spmdlm train one"
-        )
-    return ids
-
-
-def all_special_ids(tok: Tokenizer, family) -> tuple[int, ...]:
-    """Every special id: the family's roles and any other token the tokenizer marks special (never masked)."""
-    roles = {i for i in special_token_ids(tok, family).values() if i is not None}
-    added = {i for i, token in tok.get_added_tokens_decoder().items() if token.special}
-    return tuple(sorted(roles | added))
 
 
 _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")

@@ -72,10 +72,16 @@ class Table:
                 yield TensorRule(hf.format(**{field: index}), ours, layout, index)
 
 
-# RoBERTa and BART: byte-level BPE whose texts are framed <s> ... </s>, the same specials at the same ids (0-4).
+# RoBERTa and BART: byte-level BPE whose texts are framed <s> ... </s>, the same specials at the same ids (0-4). These
+# are the defaults of a tokenizer spmdlm trains; a checkpoint's tokenizer says its own (spmdlm.data.special_tokens).
 _FRAMED_SPECIALS = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
+MASKED_LM_NEEDS = ("bos", "eos", "pad", "mask")  # framing, padding and masking; no unk (byte-level BPE needs none)
 FRAMED_BPE_TOKENIZER = TokenizerSpec(
-    kind="bpe", specials=_FRAMED_SPECIALS, trained_order=tuple(_FRAMED_SPECIALS.values()), frames_with_bos=True
+    kind="bpe",
+    specials=_FRAMED_SPECIALS,
+    trained_order=tuple(_FRAMED_SPECIALS.values()),
+    frames_with_bos=True,
+    required=MASKED_LM_NEEDS,
 )
 
 

@@ -57,6 +57,7 @@ FAMILY = Family(
         specials={"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>", "pad": None, "mask": None},
         trained_order=("<|endoftext|>",),
         hf_class="GPT2TokenizerFast",
+        required=("eos",),  # the document separator; a checkpoint's tokenizer names its own (special_tokens)
     ),
     default_preset="gpt2",
     quickstart=dict(

@@ -13,11 +13,15 @@ from spmdlm.families.llama.hf import TABLE, check_hf_config
 from spmdlm.families.llama.model import LlamaConfig, LlamaForCausalLM
 from spmdlm.flops import attention_matmuls, dense
 
-# SmolLM's tokenizer.json: byte-level BPE whose first ids are these specials; <|endoftext|> is BOS, EOS and UNK.
+# SmolLM's tokenizer.json: byte-level BPE whose first ids are these specials; <|endoftext|> is BOS, EOS and UNK. That
+# is the tokenizer spmdlm trains; a checkpoint's says its own (Llama 3's <|begin_of_text|>/<|end_of_text|>, Llama 2's
+# <s>/</s>/<unk>, an instruct Qwen3's EOS <|im_end|> and no BOS: spmdlm.data.special_tokens). The objective needs
+# only an EOS, which separates documents.
 BYTE_BPE_TOKENIZER = TokenizerSpec(
     kind="bpe",
     specials={"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>", "pad": None, "mask": None},
     trained_order=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    required=("eos",),
 )
 
 

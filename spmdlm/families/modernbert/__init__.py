@@ -8,7 +8,7 @@ from __future__ import annotations
 from spmdlm.data.objectives import MAX_SEQ_LENGTH
 from spmdlm.data.objectives.mlm import MaskedLM
 from spmdlm.data.tokenization import TokenizerSpec
-from spmdlm.families.base import Family, Generation, check_framed_length, forward_single_stack
+from spmdlm.families.base import MASKED_LM_NEEDS, Family, Generation, check_framed_length, forward_single_stack
 from spmdlm.families.modernbert.hf import TABLE, check_hf_config
 from spmdlm.families.modernbert.model import ModernBertConfig, ModernBertForMaskedLM
 from spmdlm.families.roberta import check_layout, masked_lm
@@ -18,12 +18,14 @@ MLM_PROBABILITY = 0.3  # ModernBERT's pretraining masked 30% of the tokens (--ml
 DEFAULT_LENGTH = 1024  # the length of its main pretraining phase, where the config's positions allow
 
 # The released tokenizer (a BPE over bytes, OLMo's vocabulary) keeps these five after its 50280 pieces, in this
-# order; a tokenizer we train puts them first (ids 0-4), so the tiny preset's special ids are 1-3.
+# order; a tokenizer we train puts them first (ids 0-4), so the tiny preset's special ids are 1-3. A checkpoint's
+# tokenizer says its own (its cls/sep frame the texts, e.g. <s> ... </s>: spmdlm.data.special_tokens).
 TOKENIZER = TokenizerSpec(
     kind="bpe",
     specials={"bos": "[CLS]", "eos": "[SEP]", "unk": "[UNK]", "pad": "[PAD]", "mask": "[MASK]"},
     trained_order=("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"),
     frames_with_bos=True,
+    required=MASKED_LM_NEEDS,
 )
 
 
