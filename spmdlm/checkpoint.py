@@ -301,12 +301,32 @@ def restore_newest_good(
     manager: ocp.CheckpointManager, state, data_iterator=None, *, move_aside: bool = True, **kwargs
 ):
     """Restore the newest checkpoint that reads and verifies; each newer one that does not is reported in one line
-    and (with `move_aside`) moved to OUTPUT_DIR/damaged_checkpoints. Returns (state, step)."""
-    failures = []
-    for step in sorted(all_complete_steps(manager, move_aside=move_aside), reverse=True):
+    and (with `move_aside`) moved to OUTPUT_DIR/damaged_checkpoints. Returns (state, step).
+
+    A reader (no `move_aside`: export, evaluate, generate) of a run that is saving meanwhile takes the newest
+    committed checkpoint; one that the run deletes while it is read (--save_total_limit) is no damage: the newest
+    committed one is listed again and read instead."""
+    failures, tried = [], set()
+    steps = all_complete_steps(manager, move_aside=move_aside)
+    for _ in range(MAX_VANISHED + len(steps)):
+        untried = sorted(set(steps) - tried, reverse=True)
+        if not untried:
+            break
+        step = untried[0]
+        tried.add(step)
         try:
             return restore(manager, step, state, data_iterator, **kwargs)
         except CheckpointError as e:
+            if not move_aside and vanished(manager, step):
+                log.warning(
+                    "the checkpoint at step %d was deleted while it was read (the run saving in %s keeps "
+                    "--save_total_limit checkpoints); reading the newest committed one instead",
+                    step,
+                    storage.path(str(manager.directory)).parent,
+                )
+                manager.reload()
+                steps = list(manager.all_steps())
+                continue
             failures.append(e)
             where = set_aside(manager, step) if move_aside else None
             log.warning(
@@ -327,6 +347,29 @@ def restore_newest_good(
     )
 
 
+MAX_VANISHED = 20  # checkpoints deleted under a reader, one after the other, before it gives up
+VANISH_WAIT_SECONDS = 2.0  # a deletion in progress (its files first, the folder last) ends within this
+
+
+def vanished(manager: ocp.CheckpointManager, step: int) -> bool:
+    """Whether the step folder a restore failed on was deleted meanwhile by the run saving in that output dir (its
+    --save_total_limit; another process holds its lock): gone now, or going within VANISH_WAIT_SECONDS."""
+    if not run_is_saving(manager):
+        return False
+    folder = storage.path(str(manager.directory)) / str(step)
+    deadline = time.monotonic() + VANISH_WAIT_SECONDS
+    while folder.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def run_is_saving(manager: ocp.CheckpointManager) -> bool:
+    """Another process, a training run, holds the output dir's lock: it may be writing or deleting checkpoints."""
+    return storage.held_by_another(storage.path(str(manager.directory)).parent / storage.RUN_LOCK_NAME)
+
+
 CAUSE_CHARS = 70  # of a cause repeated in a closing error line (tensorstore's name whole files and byte ranges)
 
 
@@ -334,27 +377,58 @@ def shortened(text: str, chars: int) -> str:
     return text if len(text) <= chars else text[: chars - 1] + "…"
 
 
+TMP_MARK = ".orbax-checkpoint-tmp"  # a local step being written: <step>.orbax-checkpoint-tmp..., renamed on commit
+
+
 def all_complete_steps(manager: ocp.CheckpointManager, *, move_aside: bool) -> list[int]:
-    """Steps orbax lists; a numbered step folder it does not list (emptied, its metadata lost) is set aside."""
+    """Steps orbax lists (committed); a numbered step folder it does not list (emptied, its metadata lost) is set
+    aside. A reader (no `move_aside`) of a run that is saving (it holds the lock) says in one line that a newer one
+    is being written: a step folder committed since the listing is listed again, and one orbax does not list, being
+    written (a temporary folder; in a bucket, one without its commit mark) or deleted (--save_total_limit), is
+    not damage."""
     steps = list(manager.all_steps())
     root = storage.path(str(manager.directory))
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if folder.name.isdigit() and int(folder.name) not in steps:
-            where = set_aside(manager, int(folder.name)) if move_aside else None
-            log.warning(
-                "the checkpoint at step %s is incomplete or damaged%s",
-                folder.name,
-                f"; moved it to {where}" if where else "; skipping it",
-            )
+    folders = sorted(root.iterdir()) if root.is_dir() else []
+    if any(f.name.isdigit() and int(f.name) not in steps for f in folders):
+        manager.reload()  # committed since the manager listed them (a rename, or its commit mark, came meanwhile)
+        steps = list(manager.all_steps())
+    saving = not move_aside and run_is_saving(manager)
+    writing = [int(f.name.split(".")[0]) for f in folders if TMP_MARK in f.name and f.name.split(".")[0].isdigit()]
+    for folder in folders:
+        if not folder.name.isdigit() or int(folder.name) in steps:
+            continue
+        if saving:  # the run writes it now (a bucket: no commit mark yet), or deletes it (--save_total_limit)
+            if int(folder.name) > max(steps, default=-1):
+                writing.append(int(folder.name))
+            else:
+                log.info("the checkpoint at step %s is being deleted by the run saving; skipping it", folder.name)
+            continue
+        where = set_aside(manager, int(folder.name)) if move_aside else None
+        log.warning(
+            "the checkpoint at step %s is incomplete or damaged%s",
+            folder.name,
+            f"; moved it to {where}" if where else "; skipping it",
+        )
+    writing = [step for step in writing if step > max(steps, default=-1)]
+    if writing and saving:
+        newest = max(steps, default=None)
+        log.warning(
+            "a newer checkpoint (step %d) is being written by the run saving in %s; %s",
+            max(writing),
+            root.parent,
+            f"reading the newest committed one (step {newest})" if newest is not None else "none is committed yet",
+        )
     if not steps:
         raise CheckpointError(f"no checkpoints in {manager.directory}; train first or point at another output dir")
     return steps
 
 
-def set_aside(manager: ocp.CheckpointManager, step: int) -> Path | None:
-    """Move a damaged step folder out of the manager's sight (process 0 moves; every process waits for it)."""
+def set_aside(manager: ocp.CheckpointManager, step: int, why: str = "") -> Path | None:
+    """Move a damaged step folder out of the manager's sight, to OUTPUT_DIR/damaged_checkpoints/<step>-<time>[-why]
+    (a diverged one: why="diverged"; process 0 moves; every process waits for it)."""
     source = storage.path(str(manager.directory)) / str(step)
-    target = source.parent.parent / DAMAGED_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = f"{step}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-{why}" if why else "")
+    target = source.parent.parent / DAMAGED_DIR / name
     if jax.process_index() == 0 and source.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         storage.move(source, target)

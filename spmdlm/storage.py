@@ -23,6 +23,7 @@ import functools
 import glob as globlib
 import hashlib
 import importlib
+import json
 import logging
 import os
 import shutil
@@ -490,6 +491,26 @@ def _put_files(tmp: Path, out, last: str, clear: bool) -> None:
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(file, target)
+
+
+RUN_LOCK_NAME = "run.lock"  # OUTPUT_DIR's, held by the run writing there (spmdlm/train/safety/guard.py)
+
+
+def lock_holder(p) -> tuple[str | None, int | None, str]:
+    """(host, pid, start time) written in a lock file; (None, None, "?") when it cannot be read."""
+    try:
+        holder = json.loads(path(p).read_text())
+        return holder["host"], int(holder["pid"]), holder.get("started", "?")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None, "?"
+
+
+def held_by_another(p) -> bool:
+    """Whether the lock file `p` is another process's that may be alive (another host's: it may be)."""
+    if not path(p).exists():
+        return False
+    host, pid, _ = lock_holder(p)
+    return not (host == socket.gethostname() and (pid == os.getpid() or not pid_alive(pid)))
 
 
 def pid_alive(pid: int) -> bool:

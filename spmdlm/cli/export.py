@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import sys
 
+import jax
+
 from spmdlm.cli import Parser, remember
 from spmdlm.errors import ArgumentError, UserError
 from spmdlm.load import Weights, export_checkpoint
+from spmdlm.train.safety.guard import ExportLock
 
 
 def parse_steps(text: str) -> tuple[int, ...]:
@@ -69,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         remember(parser)  # python -m's quick answer (spmdlm/cli/__init__.py)
         args = parser.parse_args(argv)
         weights = Weights(args.weights, parse_last(args.average_last), parse_steps(args.average_steps))
-        out = export_checkpoint(args.checkpoint, args.out, args.step, args.mesh, args.overwrite, weights)
+        # one export at a time into --out (OUT.export.lock beside it): a second refuses, naming the first
+        with ExportLock(args.out, enabled=jax.process_index() == 0):
+            out = export_checkpoint(args.checkpoint, args.out, args.step, args.mesh, args.overwrite, weights)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

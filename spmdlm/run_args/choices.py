@@ -84,6 +84,7 @@ FLAG_BOUNDS: Mapping[str, Bounds] = {
     "profile_every": _AT_LEAST_1,
     "slow_step_factor": Bounds(0, hint="0 = off, else a factor above 1, e.g. 3"),
     "hang_timeout_minutes": Bounds(0, hint="0 = off; fractions allowed, e.g. 0.5 for 30 seconds"),
+    "max_loss": Bounds(0, hint="0 = off: only NaN or infinity stop the run"),
 }
 
 

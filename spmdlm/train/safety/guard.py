@@ -26,7 +26,7 @@ from spmdlm.errors import ArgumentError, LockError
 
 log = logging.getLogger("spmdlm")
 
-LOCK_NAME = "run.lock"
+LOCK_NAME = storage.RUN_LOCK_NAME
 
 
 class RunLock:
@@ -41,22 +41,21 @@ class RunLock:
     def __init__(self, out: Path, enabled: bool = True):
         self.out, self.enabled = storage.path(out), enabled
         self.path = self.out / LOCK_NAME
+        self.folder = self.out  # the folder made for the lock file
         self._created_dirs: list = []  # those this lock made, deepest first (the output dir, then e.g. runs/)
 
     def __enter__(self) -> RunLock:
         if not self.enabled:
             return self
         try:
-            self._created_dirs = [] if storage.is_remote(self.out) else _missing_dirs(Path(self.out))
-            self.out.mkdir(parents=True, exist_ok=True)
+            self._created_dirs = [] if storage.is_remote(self.folder) else _missing_dirs(Path(self.folder))
+            self.folder.mkdir(parents=True, exist_ok=True)
             self._create()
         except FileExistsError:
             self._take_over_stale()
         except OSError as e:
             self._remove_created_dir()
-            raise LockError(
-                f"cannot write in --output_dir {self.out} ({e.strerror or e}); choose a writable directory"
-            ) from None
+            raise LockError(f"cannot write in {self._where} ({e.strerror or e}); choose a writable directory") from None
         return self
 
     def __exit__(self, *exc) -> None:
@@ -72,12 +71,18 @@ class RunLock:
             ),
         )
 
+    @property
+    def _where(self) -> str:
+        return f"--output_dir {self.out}"
+
+    def _in_use(self, who: str, gone: str) -> str:
+        return (
+            f"--output_dir {self.out} is in use by another run ({who}); wait for it to finish or "
+            f"choose another --output_dir{gone}"
+        )
+
     def _take_over_stale(self) -> None:
-        try:
-            holder = json.loads(self.path.read_text())
-            host, pid, started = holder["host"], int(holder["pid"]), holder.get("started", "?")
-        except (OSError, ValueError, KeyError, TypeError):
-            host, pid, started = None, None, "?"
+        host, pid, started = storage.lock_holder(self.path)
         if host == socket.gethostname() and (pid == os.getpid() or not storage.pid_alive(pid)):
             log.warning("taking over the lock of a run that is gone (pid %s, started %s) in %s", pid, started, self.out)
             self.path.unlink(missing_ok=True)
@@ -85,10 +90,7 @@ class RunLock:
             return
         who = f"pid {pid} on host {host}, started {started}" if host else "a run whose lock file is unreadable"
         gone = "" if host == socket.gethostname() else f"; if that run is gone, delete {self.path}"
-        raise LockError(
-            f"--output_dir {self.out} is in use by another run ({who}); wait for it to finish or "
-            f"choose another --output_dir{gone}"
-        )
+        raise LockError(self._in_use(who, gone))
 
     def _remove_created_dir(self) -> None:
         """A refused run leaves the disk as it was: the dirs it made, while empty (a bucket has no empty dirs)."""
@@ -96,6 +98,30 @@ class RunLock:
             if not folder.is_dir() or any(folder.iterdir()):
                 return
             folder.rmdir()
+
+
+class ExportLock(RunLock):
+    """python -m spmdlm.export's lock on its --out: OUT.export.lock beside the folder (inside it, the lock would
+    make --out look taken), so that a second export into the same folder refuses in one line instead of both
+    reporting success and one replacing the other's files. Same rules as RunLock (a dead holder's is taken over)."""
+
+    SUFFIX = ".export.lock"
+
+    def __init__(self, out, enabled: bool = True):
+        super().__init__(out, enabled)
+        target = storage.absolute(self.out)  # "." has a name only as an absolute path
+        self.path = target.parent / f"{target.name}{self.SUFFIX}"
+        self.folder = target.parent
+
+    @property
+    def _where(self) -> str:
+        return f"the folder of --out {self.out}"
+
+    def _in_use(self, who: str, gone: str) -> str:
+        return (
+            f"--out {self.out} is being written by another export ({who}); wait for it to finish or choose "
+            f"another --out{gone}"
+        )
 
 
 def _missing_dirs(path: Path) -> list[Path]:
