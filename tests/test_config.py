@@ -243,7 +243,8 @@ def test_a_run_config_written_before_the_sections_reads_back_whole():
     saved = json.loads((Path(__file__).parent / "golden" / "run_config_before_sections.json").read_text())
     now = RunArgs.of_run(saved).to_json()
     newer = set(now) - set(saved)  # flags added since that file: the operations section, the EMA's, the monitors',
-    added = {"ema_decay", "ema_start", "monitor_every", "monitor_warn_factor", "batch_size_ramp"}  # the batch ramp
+    added = {"ema_decay", "ema_start", "monitor_every", "monitor_warn_factor", "batch_size_ramp"}  # the batch ramp,
+    added |= {"lr_scheduler_on_extension"}  # and what a longer run does to the schedule
     assert newer == {field.name for field in dataclasses.fields(OperationsArgs)} | added
     assert {k: now[k] for k in newer} == {k: v for k, v in RunArgs().to_json().items() if k in newer}
     assert {k: v for k, v in now.items() if k not in newer} == {k: saved[k] for k in now if k not in newer}

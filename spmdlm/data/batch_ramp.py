@@ -146,42 +146,88 @@ def check_ramp(text: str | None, global_batch_size: int | None, gradient_accumul
 
 
 @dataclasses.dataclass(frozen=True)
+class Extension:
+    """A resume that found the run's length changed (--max_steps, --num_train_epochs): at checkpoint step `at_step`
+    the run had `steps_before` optimizer steps; `restart` (--lr_scheduler_on_extension restart) starts the schedule
+    over the new length, else it continues (engine/optim.continued). run_config.json records those that continue."""
+
+    at_step: int
+    steps_before: int
+    restart: bool = False
+
+    def to_json(self) -> dict:
+        return {"at_step": self.at_step, "steps_before": self.steps_before}
+
+
+@dataclasses.dataclass(frozen=True)
 class RampedSteps:
-    """A run's length for its learning-rate schedule when the batch ramps: `total` optimizer steps of `ramp`'s
-    batches (engine/optim.learning_rate_schedule runs the schedule in final-batch steps)."""
+    """A run's length for its learning-rate schedule when the batch ramps or a resume changed it: `total` optimizer
+    steps of `ramp`'s batches (engine/optim.learning_rate_schedule runs the schedule in final-batch steps), after
+    the `extensions` of its length, oldest first."""
 
     total: int
     ramp: BatchRamp
+    extensions: tuple[Extension, ...] = ()
+
+    def lengths(self) -> list[int]:
+        """The run's length before each extension, then now: the length each schedule of the run was built for."""
+        return [extension.steps_before for extension in self.extensions] + [self.total]
+
+    def recorded(self) -> list[dict]:
+        """The extensions that shape the schedule, as run_config.json records them: those that changed the length,
+        after the last restart (whose schedule starts over)."""
+        kept: list[dict] = []
+        for extension, length in zip(self.extensions, self.lengths()[1:]):
+            if extension.steps_before != length:
+                kept = [] if extension.restart else [*kept, extension.to_json()]
+        return kept
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchStage:
     """How the mesh takes one global batch: `per_device` examples per batch device in each of `accumulation`
-    micro-steps, from step `first_step` on."""
+    micro-steps, from step `first_step` on. A `passed` stage ended before the step a resumed run starts at: it is
+    never run again, so this mesh need not divide it (its per-device batch is then 0)."""
 
     first_step: int
     global_batch: int
     per_device: int
     accumulation: int
+    passed: bool = False
 
 
-def plan_stages(ramp: BatchRamp, batch_devices: int, processes: int, max_per_device: int) -> tuple[BatchStage, ...]:
+def plan_stages(
+    ramp: BatchRamp, batch_devices: int, processes: int, max_per_device: int, resume_step: int = 0
+) -> tuple[BatchStage, ...]:
     """Each ramp entry's stage: the largest per-device batch up to `max_per_device` that divides the entry's batch
     per device, and the accumulation that makes up the rest; an entry the batch devices or the processes do not
-    divide is refused in one line."""
+    divide is refused in one line. A run resumed at `resume_step` needs only the stages from there on: those that
+    ended before it are `passed`, whatever this mesh makes of them."""
     stages = []
-    for step, size in zip(ramp.steps, ramp.sizes):
+    for step, size, end in ramp._spans():
+        if end is not None and end <= resume_step:
+            stages.append(BatchStage(step, size, 0, 1, passed=True))
+            continue
         for count, what in ((batch_devices, "batch devices (data x fsdp of the mesh)"), (processes, "processes")):
             if size % count:
-                raise ArgumentError(
-                    f"{RAMP_FLAG} entry {step}:{size}: {size} sequences do not divide among the {count} {what}; "
-                    f"use a multiple of {math.lcm(batch_devices, processes)} (e.g. {step}:"
-                    f"{-(-size // math.lcm(batch_devices, processes)) * math.lcm(batch_devices, processes)})"
-                )
+                multiple = math.lcm(batch_devices, processes)
+                raise ArgumentError(indivisible(step, size, count, what, multiple, resume_step))
         each = size // batch_devices
         per_device = max(d for d in range(1, min(each, max_per_device) + 1) if each % d == 0)
         stages.append(BatchStage(step, size, per_device, each // per_device))
     return tuple(stages)
+
+
+def indivisible(step: int, size: int, count: int, what: str, multiple: int, resume_step: int) -> str:
+    """The refusal of an entry the batch devices or processes do not divide, with the fix: another entry for a new
+    run; for a resumed one, whose ramp may not change, a mesh that divides it."""
+    said = f"{RAMP_FLAG} entry {step}:{size}: {size} sequences do not divide among the {count} {what}"
+    if resume_step:
+        return (
+            f"{said}; the run resumes at step {resume_step}, before this entry's stage ends, and its ramp cannot "
+            f"change now: resume it where the batch devices (data x fsdp) and the processes divide {size}"
+        )
+    return f"{said}; use a multiple of {multiple} (e.g. {step}:{-(-size // multiple) * multiple})"
 
 
 def stage_at(stages: tuple[BatchStage, ...], step: int) -> BatchStage:
@@ -189,5 +235,6 @@ def stage_at(stages: tuple[BatchStage, ...], step: int) -> BatchStage:
 
 
 def largest_stage(stages: tuple[BatchStage, ...]) -> BatchStage:
-    """The stage whose step needs the most memory: the largest micro-batch per device, then the most accumulation."""
-    return max(stages, key=lambda stage: (stage.per_device, stage.global_batch))
+    """The stage whose step needs the most memory: the largest micro-batch per device, then the most accumulation
+    (of the stages still to run)."""
+    return max((s for s in stages if not s.passed), key=lambda stage: (stage.per_device, stage.global_batch))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from spmdlm.data.batch_ramp import RampedSteps
+from spmdlm.data.batch_ramp import BatchRamp, RampedSteps
 from spmdlm.optimizers import lr_schedules, optimizers
 from spmdlm.optimizers.entries import OptimizerInputs, ScheduleInputs, states_of
 from spmdlm.optimizers.muon import MUON_CONSISTENT_RMS, muon_dimension_numbers  # noqa: F401 (the tests' names)
@@ -31,11 +31,17 @@ def optimization_of_run(run_config: dict) -> OptimizationArgs:
 def learning_rate_schedule(cfg: OptimizationArgs, total_steps: int | RampedSteps) -> optax.Schedule:
     """Linear warmup from 0 to the peak over --warmup_steps, then the schedule --lr_scheduler_type names (its `after`,
     spmdlm/optimizers/schedules/) from the end of the warmup on. A run whose batch ramps (`RampedSteps`) runs it in
-    final-batch steps: step s is at examples_before(s) / the final batch, the warmup and the decay counted so too."""
+    final-batch steps: step s is at examples_before(s) / the final batch, the warmup and the decay counted so too.
+    A run whose length a resume changed continues from the rate it had reached (`continued`), unless restarted."""
     if isinstance(total_steps, RampedSteps):
-        ramp = total_steps.ramp
-        in_final_batches = learning_rate_schedule(cfg, ramp.schedule_steps(total_steps.total))
-        return lambda count: in_final_batches(ramp.final_batch_steps(count))
+        lengths = total_steps.lengths()
+        schedule = of_length(cfg, lengths[0], total_steps.ramp)
+        for extension, length in zip(total_steps.extensions, lengths[1:]):
+            if extension.steps_before == length:  # resumed without a change of length
+                continue
+            new = of_length(cfg, length, total_steps.ramp)
+            schedule = new if extension.restart else continued(schedule, new, extension.at_step, cfg)
+        return schedule
     warmup = min(cfg.warmup_steps, total_steps)
     schedule = lr_schedules()[cfg.lr_scheduler_type]
     after = schedule.after(
@@ -44,6 +50,34 @@ def learning_rate_schedule(cfg: OptimizationArgs, total_steps: int | RampedSteps
     if warmup == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, warmup), after], [warmup])
+
+
+def of_length(cfg: OptimizationArgs, total_steps: int, ramp: BatchRamp) -> optax.Schedule:
+    """The schedule of a run of `total_steps` optimizer steps of `ramp`'s batches (in final-batch steps if it ramps)."""
+    if not ramp.ramps:
+        return learning_rate_schedule(cfg, total_steps)
+    in_final_batches = learning_rate_schedule(cfg, ramp.schedule_steps(total_steps))
+    return lambda count: in_final_batches(ramp.final_batch_steps(count))
+
+
+def continued(before: optax.Schedule, after: optax.Schedule, at_step: int, cfg: OptimizationArgs) -> optax.Schedule:
+    """A run resumed at step `at_step` with another length (--lr_scheduler_on_extension continue, the default): the
+    steps before it keep the rates they had (`before`); from it on, the schedule of the new length (`after`), scaled
+    about the floor so that it starts from the rate the run had reached and still ends at the floor:
+
+        rate(s) = floor + (after(s) - floor) x (before(at_step - 1) - floor) / (after(at_step - 1) - floor)
+
+    So the rate never jumps: a finished linear or cosine run decays from its last rate to the floor over the added
+    steps; WSD in its stable phase keeps the peak and decays at the new end (as `after` alone), and once decaying
+    stays at the rate reached until the new decay; constant and inverse_sqrt, which the length does not change, are
+    `after` itself."""
+    floor = cfg.learning_rate * cfg.min_lr_ratio
+    with jax.ensure_compile_time_eval():  # concrete numbers, also when built inside a traced function
+        reached, then = float(before(at_step - 1)) - floor, float(after(at_step - 1)) - floor
+    scale = reached / then if then > 0 else 1.0
+    if scale == 1.0:
+        return after
+    return lambda count: jnp.where(count < at_step, before(count), floor + (after(count) - floor) * scale)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:

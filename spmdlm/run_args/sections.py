@@ -13,7 +13,7 @@ from spmdlm.data.mixture import sources_of
 from spmdlm.data.readers import TEXT_DOCUMENTS, TEXT_DOCUMENTS_HELP, TEXT_FORMAT_HELP, TEXT_FORMATS
 from spmdlm.errors import ArgumentError
 from spmdlm.models.attention import CHOICES as ATTENTION_CHOICES
-from spmdlm.optimizers import declared_flags, lr_schedules, optimizers, owners
+from spmdlm.optimizers import declared_flags, lr_schedules, optimizers
 from spmdlm.optimizers.entries import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, Flag
 from spmdlm.optimizers.schedules.wsd import DECAY_RATIO, DECAY_STEPS
 from spmdlm.run_args.choices import (
@@ -25,6 +25,8 @@ from spmdlm.run_args.choices import (
     check_objective_flags,
     parse_scan_unroll,
 )
+from spmdlm.run_args.profile_window import parse_profile_steps
+from spmdlm.run_args.schedule_rules import EXTENSION_HELP, check_schedule
 
 
 def _field(default, help: str, **kw):
@@ -339,6 +341,7 @@ class OptimizationArgs(_Section):
     min_lr_ratio: float = _field(
         0.0, "the floor of a decaying schedule (linear, cosine, inverse_sqrt, wsd), a fraction of --learning_rate"
     )
+    lr_scheduler_on_extension: str = _field("continue", EXTENSION_HELP)
     decay_steps: int | None = _declared(DECAY_STEPS)
     decay_ratio: float | None = _declared(DECAY_RATIO)
     skip_step_on_spike: float = _field(
@@ -396,7 +399,7 @@ class OptimizationArgs(_Section):
         flags = declared_flags()
         check_objective_flags({flag.name: self.flag_value(flag) for flag in flags}, flags)
         known[self.optimizer].check(self.flags_of(known[self.optimizer]))  # a flag of another one: ignored
-        self.check_schedule()
+        check_schedule(self)
         parse_scan_unroll(self.scan_unroll)
         if self.remat not in REMAT_CHOICES:
             raise ArgumentError(f"--remat must be one of {', '.join(REMAT_CHOICES)}, got {self.remat!r}")
@@ -405,27 +408,6 @@ class OptimizationArgs(_Section):
                 f"--ema_decay with --optim {self.optimizer}: it evaluates an average of its own already; leave "
                 "--ema_decay out or choose another --optim"
             )
-
-    def check_schedule(self) -> None:
-        """--lr_scheduler_type, and the flags only some schedules take."""
-        known, kind = lr_schedules(), self.lr_scheduler_type
-        if kind not in known:
-            raise ArgumentError(f"--lr_scheduler_type {kind!r} is not supported; use one of {', '.join(known)}")
-        schedule = known[kind]
-        if self.min_lr_ratio and not schedule.decays:
-            decaying = ", ".join(name for name, other in known.items() if other.decays)
-            raise ArgumentError(
-                f"--min_lr_ratio applies to the decaying schedules ({decaying}), not --lr_scheduler_type {kind}; "
-                "leave it out"
-            )
-        for flag in dict.fromkeys(flag for other in known.values() for flag in other.flags):
-            if flag not in schedule.flags and self.flag_value(flag) != flag.default:  # given to another schedule
-                takers = owners(flag.name, known.values())
-                raise ArgumentError(
-                    f"--{flag.name} applies to --lr_scheduler_type {' or '.join(takers)} only; leave it out or give "
-                    f"--lr_scheduler_type {takers[0]}"
-                )
-        schedule.check(self.flags_of(schedule))
 
     def check_steps(self, max_steps: int) -> None:
         """The schedule's rules against the run's length (wsd: the warmup and the final decay fit in --max_steps)."""
@@ -505,23 +487,17 @@ class OperationsArgs(_Section):
         "thread's stack to the log and OUTPUT_DIR/hang-<host>.txt and exit (code 5) so the scheduler restarts "
         "the run from its last checkpoint; 0 = off (default: 30 with several processes, off with one)",
     )
+    max_loss: float | None = _field(
+        None,
+        "stop as a divergence (exit 3) when 3 logged losses in a row pass this; 0 = only NaN or infinity stop the "
+        "run (default: 3 x the median of the recent logged losses, at least 10 above ln(vocabulary) and the first "
+        "step's loss; docs/troubleshooting.md)",
+    )
 
     @property
     def profile_window(self) -> tuple[int, int] | None:
         """--profile_steps 'A-B' (or 'A'): the first and last step traced, 1 <= A <= B; None: no profile."""
-        if self.profile_steps is None:
-            return None
-        first, dash, last = self.profile_steps.strip().partition("-")
-        try:
-            window = (int(first), int(last if dash else first))
-        except ValueError:
-            window = (0, 0)
-        if not 1 <= window[0] <= window[1] <= bounds.MAX_STEPS:
-            raise ArgumentError(
-                f"--profile_steps must be A-B with 1 <= A <= B (steps count from 1), or one step A; got "
-                f"{self.profile_steps!r}; e.g. 5-7: leave the first steps out, they include warm-up"
-            )
-        return window
+        return parse_profile_steps(self.profile_steps)
 
     def check(self) -> None:
         window = self.profile_window

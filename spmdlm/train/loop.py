@@ -19,12 +19,12 @@ from jax.experimental import multihost_utils
 
 from spmdlm import checkpoint
 from spmdlm.data import pipeline
-from spmdlm.data.batch_ramp import stage_at
+from spmdlm.data.batch_ramp import RAMP_FLAG, stage_at
 from spmdlm.data.mixture import MixedSplit
 from spmdlm.engine import monitors
 from spmdlm.engine.evaluation import evaluate
 from spmdlm.engine.step import Stepper, model_for_evaluation
-from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted
+from spmdlm.errors import DivergenceError, NonFiniteStateError, Preempted, RunError
 from spmdlm.families.base import Generation
 from spmdlm.generation import fill_mask, generate
 from spmdlm.generation.harness import TASK_METRICS, flat_metrics, harness_lm, run_tasks
@@ -35,7 +35,7 @@ from spmdlm.train.prepared import Prepared
 from spmdlm.train.reporting import profiling
 from spmdlm.train.reporting.report import Reporter
 from spmdlm.train.reporting.trackers import is_eval_key
-from spmdlm.train.safety import watchdog
+from spmdlm.train.safety import divergence, watchdog
 from spmdlm.train.safety.guard import StopOnSignal
 from spmdlm.train.stages.program import Model, check_memory, compile_step
 
@@ -178,6 +178,15 @@ def task_metrics(prepared: Prepared, graphdef, state, stop: StopOnSignal | None 
     return flat_metrics(results)
 
 
+def watchers(prepared: Prepared, me: int) -> tuple[profiling.Profiler, watchdog.Watchdog]:
+    """The loop's profiler (--profile_steps) and hang watchdog (--hang_timeout_minutes), for process `me`."""
+    ops, out = prepared.run.args.operations, prepared.run.out
+    return (
+        profiling.Profiler(ops.profile_window, ops.profile_every, ops.profile_all_hosts, out, me),
+        watchdog.Watchdog(ops.hang_timeout(jax.process_count()), out, watchdog.host_label(me)),
+    )
+
+
 def train_loop(
     prepared: Prepared,
     stepper: Stepper,
@@ -194,11 +203,10 @@ def train_loop(
     step = last_saved = start_step
     train_loss = float("nan")
     clock = SaveClock(args.control.save_every_minutes)
+    bound = divergence.LossBound.for_run(args, prepared.vocabulary.config.vocab_size, total_steps)
     skipped = 0  # steps skipped as loss spikes so far (--skip_step_on_spike), as last logged
     me, took = jax.process_index(), reporter.goodput.span
-    ops = args.operations
-    profiler = profiling.Profiler(ops.profile_window, ops.profile_every, ops.profile_all_hosts, prepared.run.out, me)
-    watch = watchdog.Watchdog(ops.hang_timeout(jax.process_count()), prepared.run.out, watchdog.host_label(me))
+    profiler, watch = watchers(prepared, me)
     with StopOnSignal() as stop, reporter, watch, profiler:
         while step < total_steps:
             start_stage(prepared, stepper, state, (step, start_step), reporter)
@@ -215,6 +223,7 @@ def train_loop(
             if step % args.reporting.logging_steps == 0 or step == total_steps:
                 fetched = jax.device_get(pending)
                 check_finite(fetched, step, last_saved, args)  # no extra sync: these metrics are fetched anyway
+                bound.check(fetched, step, manager, args)  # a finite loss past the run's own bound: divergence too
                 skipped = say_skipped(fetched, step, skipped)
                 train_loss = reporter.log_train(step, fetched)
                 pending = []
@@ -251,6 +260,12 @@ def start_stage(prepared: Prepared, stepper: Stepper, state, steps: tuple[int, i
     if step == first and (unreached := run.ramp.unreached(prepared.total_steps)):
         log.warning("%s", unreached)
     stage = stage_at(run.stages, step)
+    if stage.passed:  # the newest checkpoints were damaged, and the one restored lies in a stage planned as passed
+        raise RunError(
+            f"the checkpoint restored is at step {step}, in the {RAMP_FLAG} stage of {stage.global_batch} sequences, "
+            f"which this run was not planned to take again (the newer checkpoints were set aside as damaged); run "
+            "the same command again on the mesh it had, whose batch devices divide it"
+        )
     with reporter.goodput.span("compile"):
         spec = pipeline.batch_spec(prepared.data.objective, stage.global_batch)
         stats = stepper.compile_train(state, spec, stage.accumulation)

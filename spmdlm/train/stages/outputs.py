@@ -13,9 +13,11 @@ from typing import Any
 
 from spmdlm import checkpoint, storage
 from spmdlm.data import pipeline
+from spmdlm.data.batch_ramp import RampedSteps
 from spmdlm.data.datasets import tokenizer_hash
 from spmdlm.data.mixture import describe_change
 from spmdlm.data.tokenization import save_tokenizer
+from spmdlm.engine.optim import learning_rate_schedule
 from spmdlm.engine.plan import LayerPlan
 from spmdlm.errors import RunError
 from spmdlm.generation.harness import TASK_METRICS
@@ -23,7 +25,7 @@ from spmdlm.hf_export import export_complete
 from spmdlm.optimizers import declared_flags
 from spmdlm.train.reporting.metrics_log import HIGHEST_STEP_FILE, read_records, write_json
 from spmdlm.train.safety.guard import LOCK_NAME
-from spmdlm.train.stages.corpora import Data
+from spmdlm.train.stages.corpora import Data, training_schedule
 from spmdlm.train.stages.resolve import Run, is_main
 from spmdlm.train.stages.vocabulary import Vocabulary
 
@@ -31,8 +33,9 @@ log = logging.getLogger("spmdlm")
 
 # Run arguments that must match for a run to resume in the same output dir, besides the model config, the global
 # batch, the family's own (its objective's flags) and the optimizers' own that say so (`Flag.resume`). Others may
-# change: logging cadence, the mesh (the state is restored into the new shardings), or the step budget (which also
-# stretches the learning-rate schedule).
+# change: logging cadence, the mesh and the accumulation (the state is restored into the new shardings; the global
+# batch is what must stay), or the step budget (the learning rate continues from where it is:
+# --lr_scheduler_on_extension, engine/optim.continued).
 # The model type is compared through the model config. The learning rate, its schedule and warmup may change: the
 # change is logged.
 # A mixture's train_file / data_mixture are compared as the mixture itself (its sources and weights), which
@@ -53,7 +56,6 @@ COMMON_RESUME_KEYS = (
     "weight_decay",
     "adafactor",
     "optim",
-    "gradient_accumulation_steps",
     "batch_size_ramp",  # which examples each step reads, and where the schedule is (older runs: none)
 )
 LOGGED_CHANGES = (
@@ -66,6 +68,8 @@ LOGGED_CHANGES = (
     "warmup_steps",
     "max_steps",
     "num_train_epochs",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
     "logging_steps",
     "eval_steps",
     "save_steps",
@@ -78,6 +82,10 @@ LOGGED_CHANGES = (
     "monitor_every",
     "monitor_warn_factor",
 )
+# Inputs named by a path: a resume compares what they hold (run_config.json's fingerprints of the training and held-out
+# records and of the tokenizer; the model config), not how the path is spelled, so the same corpus by a relative or
+# an absolute path, or a byte-identical copy elsewhere, resumes. A run that recorded no fingerprints compares paths.
+COMPARED_BY_CONTENT = ("model_name_or_path", "tokenizer_name", "train_file", "dataset_dir", "validation_file")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # What a run may find in its output dir besides its own outputs: the recipes' config and tokenizer, and the lock.
 RUN_INPUTS = {
@@ -128,26 +136,32 @@ def outputs_of_ours(out: Path) -> list[Path]:
     return [out / name for name in names] + sorted(out.glob(LEFT_BY_A_HANG))
 
 
-def read_run_config(out: Path) -> dict:
+# What a refusal says when the output dir holds checkpoints: the ways that keep them (never --overwrite_output_dir,
+# which deletes them; tests/test_resume_rules.py checks every refusal).
+KEEPING = "or use another --output_dir (its checkpoints stay where they are)"
+RUN_CONFIG_COPY = "every checkpoint keeps a copy of it, in checkpoints/STEP/config/metadata"
+
+
+def read_run_config(out: Path, overwriting: bool = False) -> dict:
+    """The run_config.json in `out` ({} if none; a damaged one refused, unless `overwriting`: it goes anyway)."""
     path = out / "run_config.json"
     if not path.exists():
         return {}
     try:
         saved = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunError(
-            f"{path} is not valid JSON ({e}); restore it, or start afresh with --overwrite_output_dir"
-        ) from None
-    if not isinstance(saved, dict):
-        raise RunError(f"{path} is not a run config; restore it, or start afresh with --overwrite_output_dir")
-    return saved
+        saved = f"is not valid JSON ({e})"
+    if isinstance(saved, dict) or overwriting:
+        return saved if isinstance(saved, dict) else {}
+    what = saved if isinstance(saved, str) else "is not a run config"
+    raise RunError(f"{path} {what}; restore it ({RUN_CONFIG_COPY}), {KEEPING}")
 
 
 # -- the output dir: check (refuse or resume), then prepare (remove only our own outputs) -----------------------------
 def check_output_dir(run: Run) -> OutputDir:
     """What the output dir holds (OutputDir's verdict, with the run_config.json found there). Refuses anything else
     unasked; deletes nothing."""
-    out, previous = run.out, read_run_config(run.out)
+    out, previous = run.out, read_run_config(run.out, overwriting=run.args.control.overwrite_output_dir)
     if not out.exists() or not any(out.iterdir()):
         return OutputDir("fresh", previous)
     if run.args.control.overwrite_output_dir:
@@ -185,7 +199,8 @@ def stopped_before_its_first_checkpoint(run: Run, saved: dict | None) -> bool:
     found -= {p.name for p in run.out.glob(LEFT_BY_A_HANG)} | RUN_INPUTS
     if not found <= LEFT_BEFORE_THE_FIRST_CHECKPOINT:
         return False
-    return not changed_settings(run, saved, run.args.to_json()) and saved.get("global_batch") == run.global_batch
+    same = not changed_settings(run, saved, run.args.to_json(), by_content=False)
+    return same and saved.get("global_batch") == run.global_batch
 
 
 def checkpoints_found(out: Path, saved: dict | None) -> int:
@@ -195,7 +210,7 @@ def checkpoints_found(out: Path, saved: dict | None) -> int:
     if found and saved is None:
         raise RunError(
             f"--output_dir {out} holds checkpoints but no run_config.json, so they cannot be checked "
-            "against this run; restore the file, choose another --output_dir, or --overwrite_output_dir"
+            f"against this run; restore the file ({RUN_CONFIG_COPY}), {KEEPING}"
         )
     return max(checkpoint.make_manager(out, read_only=True).all_steps(), default=0) if found else 0
 
@@ -211,8 +226,9 @@ def check_resume(run: Run, saved: dict) -> None:
     changed = changed_settings(run, saved, current)
     if changed:
         raise RunError(
-            f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); "
-            "use the same flags to resume, another --output_dir, or --overwrite_output_dir"
+            f"--output_dir {out} holds a run with other settings ({', '.join(changed)}); use the same flags to "
+            f"resume it, {KEEPING}; to start from its weights there: python -m spmdlm.export --checkpoint {out} "
+            "--out DIR, then --model_name_or_path DIR"
         )
     check_mixture(run, saved)
     if saved.get("global_batch") != run.global_batch:
@@ -228,11 +244,16 @@ def check_resume(run: Run, saved: dict) -> None:
         log.info("resuming with changed settings: %s", ", ".join(logged))
 
 
-def changed_settings(run: Run, saved: dict, current: dict) -> list[str]:
-    """The settings a resume must keep that differ from the saved run's."""
+def changed_settings(run: Run, saved: dict, current: dict, by_content: bool = True) -> list[str]:
+    """The settings a resume must keep that differ from the saved run's; `by_content`: the inputs named by a path
+    are left to their fingerprints (check_fingerprints, once the data is read) where the saved run recorded them."""
     keys = COMMON_RESUME_KEYS + run.family.resume_keys + tuple(f.name for f in declared_flags() if f.resume)
     if run.sources or saved.get("mixture"):
         keys = tuple(k for k in keys if k not in MIXTURE_KEYS)
+    recorded = data_fingerprints(saved)
+    if by_content and recorded:  # (the held-out data's fingerprint is newer than the others')
+        kept = () if "validation_data" in recorded else ("validation_file",)
+        keys = tuple(k for k in keys if k not in COMPARED_BY_CONTENT or k in kept)
     changed = [k for k in keys if saved.get(k) != current.get(k)]
     # Spike skipping keeps its window in the optimizer state: on/off and the window's size must match; Z may change
     spikes = lambda d: (
@@ -250,6 +271,13 @@ def changed_settings(run: Run, saved: dict, current: dict) -> list[str]:
     if shape_of(saved.get("model_config")) != shape_of(run.config.to_hf_dict()):
         changed.append("model config")
     return changed
+
+
+def data_fingerprints(saved: dict) -> dict:
+    """The fingerprints of the data and tokenizer a run_config.json recorded ({} for none: an early version's, or a
+    checkpoint's copy, whose `fingerprints` are its arrays')."""
+    recorded = saved.get("fingerprints") or {}
+    return recorded if isinstance(recorded, dict) and "train_data" in recorded else {}
 
 
 def refuse_what_is_not_ours(out) -> None:
@@ -296,6 +324,10 @@ def check_mixture(run: Run, saved: dict) -> None:
     """A resume with other sources or weights is refused in one line unless --allow_mixture_change, which continues
     from the same step: the batches from then on are those the new weights give at those global indices."""
     before, now = saved.get("mixture"), mixture_record(run)
+    if data_fingerprints(saved) and before and now:  # the sources' files: compared by content (check_fingerprints)
+        named = lambda mixture: [(source["name"], source["weight"]) for source in mixture]
+        if named(before) == named(now):
+            return
     if before == now:
         return
     change = describe_change(before, now)
@@ -370,7 +402,8 @@ def write_run_files(run: Run, vocabulary: Vocabulary, data: Data, layer_plan: La
         "checkpoint_format": checkpoint.FORMAT,
         "data_format": pipeline.DATA_FORMAT,
         "mixture": mixture_record(run),
-        "fingerprints": fingerprints(data.train, vocabulary.tokenizer),
+        "fingerprints": fingerprints(data, vocabulary.tokenizer),
+        **schedule_record(run, data),
     }
     if is_main():
         if not (run.out / "tokenizer.json").exists():
@@ -379,21 +412,84 @@ def write_run_files(run: Run, vocabulary: Vocabulary, data: Data, layer_plan: La
     return run_config
 
 
-def fingerprints(train, tokenizer) -> dict[str, Any]:
-    """What a resumed run must find unchanged: the training records (`train`'s: the token cache's or the dataset's
-    key, which hashes the documents, the tokenizer, the lengths and the mode; a mixture's by source) and the
-    tokenizer itself."""
-    return {"train_data": train.fingerprint if train else None, "tokenizer": tokenizer_hash(tokenizer)}
+def schedule_record(run: Run, data: Data) -> dict[str, Any]:
+    """The run's length in steps and the changes of it that shape its learning-rate schedule (those continued since
+    the last restart): what the next resume that changes the length continues from (resolve.extensions_of)."""
+    if data.train is None:
+        return {}
+    total = training_schedule(data, run.args.control, run.ramp).total_steps
+    length = run.schedule_length(total)
+    return {
+        "total_steps": total,
+        "lr_schedule_extensions": length.recorded() if isinstance(length, RampedSteps) else [],
+    }
+
+
+def fingerprints(data: Data, tokenizer) -> dict[str, Any]:
+    """What a resumed run must find unchanged, whatever paths name it: the training and the held-out records (the
+    token cache's or the dataset's key, which hashes the documents, the tokenizer, the lengths and the mode; a
+    mixture's by source) and the tokenizer itself."""
+    splits = data.validation_splits
+    held_out = {name: split.fingerprint for name, split in splits.items()}
+    return {
+        "train_data": data.train.fingerprint if data.train else None,
+        "validation_data": held_out.get(None) if list(held_out) == [None] else (held_out or None),
+        "tokenizer": tokenizer_hash(tokenizer),
+    }
 
 
 def check_resumable(run: Run, output_dir: OutputDir, vocabulary: Vocabulary, data: Data, total_steps: int) -> None:
-    """The data and tokenizer a resumed run finds are those it started with, and its step is within this run's."""
-    check_fingerprints(run, output_dir, fingerprints(data.train, vocabulary.tokenizer))
+    """The data and tokenizer a resumed run finds are those it started with, and its step is within this run's; a
+    change of the run's length says in one line what the learning rate does."""
+    check_fingerprints(run, output_dir, fingerprints(data, vocabulary.tokenizer))
     if data.train is not None and output_dir.latest_step > total_steps:  # it would report and export a later model
         raise RunError(
             f"--output_dir {run.out} holds a checkpoint at step {output_dir.latest_step}, past this run's "
             f"{total_steps} steps; give --max_steps {output_dir.latest_step} or more to continue it, or use "
             "another --output_dir"
+        )
+    if output_dir.resuming and data.train is not None:
+        say_extension(run, output_dir.previous, total_steps)
+
+
+def say_extension(run: Run, saved: dict, total_steps: int) -> None:
+    """One line when this resume changed the run's length: the rate of the last step taken, of the next one, and
+    what the other --lr_scheduler_on_extension would give."""
+    found = [e for e in run.extensions if e.at_step == run.resume_step]
+    if not found:  # an earlier version's run_config.json, of a length from epochs: not recorded
+        control = run.args.control
+        if "total_steps" not in saved and (saved.get("max_steps"), saved.get("num_train_epochs")) != (
+            control.max_steps,
+            control.num_train_epochs,
+        ):
+            log.warning(
+                "the run's length changed, and its run_config.json (of an earlier version) does not say how long "
+                "it was: the learning-rate schedule starts over for the %d steps",
+                total_steps,
+            )
+        return
+    extension, step = found[-1], run.resume_step
+    if extension.steps_before == total_steps:
+        return
+    cfg, kind = run.args.optimization, run.args.optimization.lr_scheduler_type
+    before = learning_rate_schedule(cfg, run.schedule_length(extension.steps_before))
+    now = learning_rate_schedule(cfg, run.schedule_length(total_steps))
+    other = dataclasses.replace(extension, restart=not extension.restart)
+    alternative = dataclasses.replace(run, extensions=(*run.extensions[:-1], other))
+    otherwise = learning_rate_schedule(cfg, alternative.schedule_length(total_steps))
+    rates = [float(schedule(s)) for schedule, s in ((before, step - 1), (now, step), (otherwise, step))]
+    change = f"the run's length changed from {extension.steps_before} to {total_steps} steps"
+    if extension.restart:
+        log.info(
+            "%s: the %s schedule restarts over the %d steps, the learning rate going from %.3g (step %d) to %.3g "
+            "at step %d (--lr_scheduler_on_extension continue would go on from the rate reached: %.3g)",
+            *(change, kind, total_steps, rates[0], step, rates[1], step + 1, rates[2]),
+        )
+    else:
+        log.info(
+            "%s: the learning rate goes on from %.3g (step %d) to %.3g at step %d, along the %s schedule of %d "
+            "steps scaled to start there (--lr_scheduler_on_extension restart would restart it: %.3g at step %d)",
+            *(change, rates[0], step, rates[1], step + 1, kind, total_steps, rates[2], step + 1),
         )
 
 
@@ -403,18 +499,15 @@ def check_fingerprints(run: Run, output_dir: OutputDir, now: dict[str, Any]) -> 
     saved = output_dir.previous.get("fingerprints") or {}
     if not output_dir.resuming or not saved:
         return
-    names = {"train_data": "the training data", "tokenizer": "the tokenizer"}
-    changed = [
-        names[k]
-        for k, v in now.items()
-        if v and saved.get(k) and type(saved[k]) is type(v) and not isinstance(v, dict) and saved[k] != v
-    ]
-    # a mixture's sources: those both runs have (a source added or left out is a mixture change, checked before)
-    before, after = saved.get("train_data"), now["train_data"]
-    if isinstance(before, dict) and isinstance(after, dict):
-        changed += [
-            f"the training data of source {name}" for name in after if name in before and before[name] != after[name]
-        ]
+    names = {"train_data": "the training data", "validation_data": "the held-out data", "tokenizer": "the tokenizer"}
+    changed = []
+    for key, after in now.items():
+        before = saved.get(key)
+        if isinstance(before, dict) and isinstance(after, dict):
+            # a mixture's sources: those both runs have (one added or left out is a mixture change, checked before)
+            changed += [f"{names[key]} of source {n}" for n in after if n in before and before[n] != after[n]]
+        elif after and before and type(before) is type(after) and before != after:
+            changed.append(names[key])
     if not changed:
         return
     what = " and ".join(changed)
@@ -460,7 +553,7 @@ def finished_before(run: Run, output_dir: OutputDir, data: Data, total_steps: in
         return False
     log.info(
         "the run in %s is complete (step %d of %d) and its evaluation and export are there: nothing to do "
-        "(--overwrite_output_dir starts afresh)",
+        "(a larger --max_steps trains it further, the learning rate going on from where it is)",
         run.out,
         output_dir.latest_step,
         total_steps,

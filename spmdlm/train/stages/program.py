@@ -15,7 +15,7 @@ from flax import nnx
 
 from spmdlm import devices, hf_export
 from spmdlm.data import pipeline
-from spmdlm.data.batch_ramp import RampedSteps, largest_stage
+from spmdlm.data.batch_ramp import largest_stage
 from spmdlm.data.objectives import Objective
 from spmdlm.engine.evaluation import byte_lengths, loss_of, make_stepper
 from spmdlm.engine.optim import learning_rate_schedule
@@ -47,9 +47,8 @@ def setup_state(run: Run, config, objective: Objective, total_steps: int, *, tok
     would be a second copy) and all that compiling for another machine needs. A fresh state from
     --model_name_or_path gets that checkpoint's weights. `tokenizer`: for bits per byte (None: --compile_for)."""
     args = run.args
-    optim, steps = args.optimization, max(total_steps, 1)
-    if run.ramp.ramps:  # the schedule counts final-batch steps (docs/training.md, Batch-size ramp)
-        steps = RampedSteps(steps, run.ramp)
+    # the schedule counts final-batch steps with a ramp, and continues a resumed run whose length changed
+    optim, steps = args.optimization, run.schedule_length(max(total_steps, 1))
     layer_plan = choose_layer_plan(run, config, objective)
     graphdef, state = build_train_state(
         run.family,

@@ -8,6 +8,7 @@ abstract state (model.py beside this file) only.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from spmdlm import hf_export, storage
+from spmdlm import checkpoint, hf_export, storage
 from spmdlm.data import datasets, mixture
-from spmdlm.data.batch_ramp import BatchRamp, BatchStage, largest_stage, plan_stages
-from spmdlm.data.tokenization import TOKENIZER_LAYOUTS, load_tokenizer, tokenizer_layout
+from spmdlm.data.batch_ramp import BatchRamp, BatchStage, Extension, RampedSteps, largest_stage, plan_stages
+from spmdlm.data.tokenization import TOKENIZER_LAYOUTS, from_checkpoint, load_tokenizer, tokenizer_layout
 from spmdlm.engine.state import DTYPES
 from spmdlm.errors import ArgumentError, RunError, TasksError
 from spmdlm.families import families, get_family, load_config, load_pretrained_config
@@ -58,21 +59,31 @@ class Run:
     tasks: Any = None  # --eval_tasks: lm_eval's TaskManager that holds them (resolve_tasks), or None
     tokenizer: Any = None  # --model_name_or_path's own or the one given with it (check_pretrained), else None
     checkpoint_config: Any = None  # --model_name_or_path's own, where --tokenizer_name extends its vocabulary
+    resume_step: int = 0  # the newest checkpoint's step, of a run found to resume (`found_to_resume`); else 0
+    extensions: tuple[Extension, ...] = ()  # the changes of the run's length its resumes found, oldest first
 
     @property
     def ramp(self) -> BatchRamp:
         """The global batch of each step (one fixed size without --batch_size_ramp)."""
         return BatchRamp(tuple(s.first_step for s in self.stages), tuple(s.global_batch for s in self.stages))
 
+    def schedule_length(self, total_steps: int) -> int | RampedSteps:
+        """The run's length as its learning-rate schedule takes it (engine/optim.learning_rate_schedule): in final-batch
+        steps when the batch ramps, after the lengths it had before a resume changed it."""
+        if self.ramp.ramps or self.extensions:
+            return RampedSteps(total_steps, self.ramp, self.extensions)
+        return total_steps
+
 
 # -- resolve: the run's config, mesh and lengths (everything that can be refused, before any file is written) ---
 def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> Run:
     """`mesh_devices`: the devices to build the mesh of (default: this process's JAX devices)."""
     mesh = make_mesh(args.devices.mesh, mesh_devices, dcn_spec=args.devices.dcn_mesh)
-    stages = batch_sizes(args.control, mesh)
     out = storage.path(args.control.output_dir, "--output_dir")  # a local dir or a bucket (gs://)
     if out.exists() and not out.is_dir():
         raise RunError(f"--output_dir {out} is a file; give a directory")
+    saved, resume_step = found_to_resume(args, out)
+    stages = batch_sizes(args.control, mesh, resume_step)
     config, config_name = resolve_config(args, out)
     family = get_family(config.model_type)
     check_flags_apply(args, family)
@@ -102,7 +113,39 @@ def resolve(args: RunArgs, run_start: float, mesh_devices=None) -> Run:
         tasks,
         tokenizer,
         checkpoint_config,
+        resume_step,
+        extensions_of(args, saved, resume_step),
     )
+
+
+# -- a run to resume: where it stands, for the batch stages still to run and the learning-rate schedule ---------------
+def found_to_resume(args: RunArgs, out: Path) -> tuple[dict, int]:
+    """-> (the run_config.json, the newest checkpoint's step) of the run a training run in `out` resumes; ({}, 0) when
+    it resumes none (no checkpoint, --overwrite_output_dir; a run_config.json the output dir stage refuses)."""
+    if not args.control.training or args.control.overwrite_output_dir or not (out / "checkpoints").is_dir():
+        return {}, 0
+    try:
+        saved = json.loads((out / "run_config.json").read_text())
+    except (OSError, ValueError):
+        return {}, 0
+    if not isinstance(saved, dict):
+        return {}, 0
+    return saved, max(checkpoint.make_manager(out, read_only=True).all_steps(), default=0)
+
+
+def extensions_of(args: RunArgs, saved: dict, resume_step: int) -> tuple[Extension, ...]:
+    """The changes of length the resumed run had (run_config.json's `lr_schedule_extensions`), and this resume as one
+    more from the length it had (its `total_steps`; an earlier version's run_config.json: its --max_steps, if given),
+    continued or restarted as --lr_scheduler_on_extension says. One that changes nothing is left out later
+    (engine/optim.learning_rate_schedule, outputs.write_run_files)."""
+    if not resume_step:
+        return ()
+    kept = tuple(Extension(e["at_step"], e["steps_before"]) for e in saved.get("lr_schedule_extensions") or ())
+    length = saved.get("total_steps") or (saved.get("max_steps") if (saved.get("max_steps") or 0) > 0 else None)
+    if not isinstance(length, int) or length < resume_step:
+        return kept
+    restart = args.optimization.lr_scheduler_on_extension == "restart"
+    return (*kept, Extension(resume_step, length, restart))
 
 
 def resolve_config(args: RunArgs, out: Path):
@@ -134,7 +177,7 @@ def check_pretrained(args: RunArgs, family: Family, config):
     path = storage.path(args.model.model_name_or_path, "--model_name_or_path")
     hf_export.check_vocab_size(path, config)  # an edited config.json, not the tokenizer, is then the one to blame
     own = load_tokenizer(path, family) if tokenizer_layout(path) else None
-    checkpoint_config = None
+    checkpoint_config, given = None, None
     if args.model.tokenizer_name:
         tokenizer = load_tokenizer(args.model.tokenizer_name, family)
         if own is not None:
@@ -153,6 +196,7 @@ def check_pretrained(args: RunArgs, family: Family, config):
             f"--model_name_or_path {path} has no tokenizer ({layouts}); pass the tokenizer it was "
             "trained with as --tokenizer_name"
         )
+    tokenizer = from_checkpoint(tokenizer, path, family, own=own, given=given)  # its token ids, for the export
     check_tokenizer_fits(tokenizer, config)
     hf_export.check_checkpoint(path, checkpoint_config or config)
     return tokenizer, config, checkpoint_config
@@ -247,13 +291,14 @@ def check_flags_apply(args: RunArgs, family: Family) -> None:
                 )
 
 
-def batch_sizes(control: ControlArgs, mesh) -> tuple[BatchStage, ...]:
+def batch_sizes(control: ControlArgs, mesh, resume_step: int = 0) -> tuple[BatchStage, ...]:
     """-> the run's batch stages (batch_ramp.BatchStage): examples per optimizer step over all devices, per batch
-    device in one micro-step, and the micro-steps; one stage, or one per --batch_size_ramp entry."""
+    device in one micro-step, and the micro-steps; one stage, or one per --batch_size_ramp entry (those a run resumed
+    at `resume_step` has passed need not divide among this mesh's devices)."""
     if control.batch_size_ramp is not None:
         ramp, max_per_device = BatchRamp.parse(control.batch_size_ramp), control.per_device_train_batch_size
         hosts = len({device.process_index for device in mesh.devices.flat})  # (--compile_for: the slice's)
-        return plan_stages(ramp, batch_axis_size(mesh), hosts, max_per_device)
+        return plan_stages(ramp, batch_axis_size(mesh), hosts, max_per_device, resume_step)
     global_batch, per_device = fixed_batch_size(control, mesh)
     return (BatchStage(0, global_batch, per_device, control.gradient_accumulation_steps),)
 
