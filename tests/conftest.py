@@ -60,6 +60,24 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path not in slow_files)
 
 
+@pytest.fixture(autouse=True)
+def _no_log_handler_on_a_closed_stream() -> Iterator[None]:
+    """An in-process launcher run points the root logger at the stdout of its test (capsys's, closed after it): a
+    later test whose code logs before its own run sets logging up would get logging's "--- Logging error ---" on
+    stderr. Such handlers are dropped before and after every test, whatever the order."""
+
+    def drop() -> None:
+        import logging
+
+        for handler in list(logging.root.handlers):
+            if getattr(getattr(handler, "stream", None), "closed", False):
+                logging.root.removeHandler(handler)
+
+    drop()
+    yield
+    drop()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenized-data cache for the whole session, so runs of the same corpus tokenize once."""
